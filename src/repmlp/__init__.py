@@ -1,0 +1,23 @@
+"""repmlp: RepMLP (Ding et al.), re-parameterizing convolutions into fully-connected layers."""
+
+from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock
+from .convert import fuse_conv_bn, reparameterize_model
+from .layers import ConvBN, GroupwiseLinear
+from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RepMLPBlock",
+    "GlobalPerceptron",
+    "PartitionPerceptron",
+    "LocalPerceptron",
+    "ConvBN",
+    "GroupwiseLinear",
+    "fuse_bn",
+    "conv_to_fc",
+    "conv_to_fc_identity",
+    "absorb_bn_into_fc",
+    "reparameterize_model",
+    "fuse_conv_bn",
+]

@@ -1,0 +1,301 @@
+"""The RepMLP block (paper Sec. 3.2 and 3.4): Global, Partition and Local Perceptron.
+
+Training-time block::
+
+    x (N,C,H,W) --pad--> partitions (N*Hp*Wp, C, h, w) + GlobalPerceptron(x) (broadcast)
+        -> PartitionPerceptron: FC3 (groupwise) + BN1d(O*h*w)
+        +  LocalPerceptron: sum of conv(K)+BN branches, groupwise, same padding
+        -> un-partition -> crop -> (N, O, H, W)
+
+After :meth:`RepMLPBlock.reparameterize` the block computes the same function with three FC layers:
+FC1 (Global Perceptron's BN absorbed), FC2 and FC3 (BN1d and every conv branch merged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .layers import ConvBN, GroupwiseLinear
+from .ops import from_group_rows, partition, to_group_rows, unpartition
+from .reparam import absorb_bn_into_fc, conv_to_fc, fuse_bn, pair
+
+__all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock"]
+
+
+def _positive_pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
+    a, b = pair(value, name)
+    if a < 1 or b < 1:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return a, b
+
+
+class GlobalPerceptron(nn.Module):
+    """Adds inter-partition correlations onto every partition (paper Sec. 3.2).
+
+    Average-pools each ``(h, w)`` partition to one pixel, then BN -> FC1 -> ReLU -> FC2 on the
+    flattened ``(C, Hp, Wp)`` vector. FC1 maps ``C*Hp*Wp`` to ``C*Hp*Wp // reduction``.
+
+    Shapes: ``(N, C, Hp*h, Wp*w)`` -> ``(N, C, Hp, Wp)`` (one value per channel and partition).
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        parts: tuple[int, int],
+        partition: tuple[int, int],
+        reduction: int = 1,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        self.channels, self.parts, self.partition = channels, parts, partition
+        width = channels * parts[0] * parts[1]
+        if reduction < 1 or width // reduction < 1:
+            raise ValueError(f"global_reduction={reduction} leaves FC1 no outputs (input width {width})")
+        self.bn: nn.BatchNorm2d | None = None if deploy else nn.BatchNorm2d(channels)
+        self.fc1 = nn.Linear(width, width // reduction)
+        self.fc2 = nn.Linear(width // reduction, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        v = F.avg_pool2d(x, self.partition)
+        if self.bn is not None:
+            v = self.bn(v)
+        v = self.fc2(F.relu(self.fc1(v.flatten(1))))
+        return v.reshape(x.shape[0], self.channels, self.parts[0], self.parts[1])
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Absorb the BN into FC1 (paper Appendix C)."""
+        if self.bn is None:
+            return
+        weight, bias = absorb_bn_into_fc(self.fc1.weight, self.fc1.bias, self.bn)
+        self.fc1.weight.copy_(weight)
+        self.fc1.bias.copy_(bias)
+        self.bn = None
+
+
+class PartitionPerceptron(nn.Module):
+    """FC3 (groupwise FC over a whole partition) followed, during training, by ``BatchNorm1d(O*h*w)``.
+
+    Shapes: per-group rows ``(g, B, C/g*h*w)`` -> ``(g, B, O/g*h*w)``.
+    """
+
+    def __init__(
+        self, in_channels: int, out_channels: int, partition: tuple[int, int], groups: int, deploy: bool
+    ) -> None:
+        super().__init__()
+        h, w = partition
+        self.fc3 = GroupwiseLinear(in_channels * h * w, out_channels * h * w, groups, bias=deploy)
+        self.bn: nn.BatchNorm1d | None = None if deploy else nn.BatchNorm1d(out_channels * h * w)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        y = self.fc3(rows)
+        if self.bn is None:
+            return y
+        g, b, q = y.shape
+        y = self.bn(y.transpose(0, 1).reshape(b, g * q))
+        return y.reshape(b, g, q).transpose(0, 1)
+
+
+class LocalPerceptron(nn.Module):
+    """Parallel groupwise conv+BN branches on the partition map, summed (training time only).
+
+    Shapes: ``(B, C, h, w)`` -> ``(B, O, h, w)``.
+    """
+
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_sizes: Sequence[tuple[int, int]], groups: int
+    ) -> None:
+        super().__init__()
+        self.kernel_sizes = tuple(kernel_sizes)
+        self.branches = nn.ModuleList(
+            ConvBN(in_channels, out_channels, k, groups=groups) for k in self.kernel_sizes
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        # channels_last conv kernels are markedly faster on CPU for these small maps.
+        x = x.contiguous(memory_format=torch.channels_last)
+        out = self.branches[0](x)
+        for branch in self.branches[1:]:
+            out = out + branch(x)
+        return out
+
+
+class RepMLPBlock(nn.Module):
+    """RepMLP: Global, Partition and Local Perceptron, re-parameterizable into three FC layers.
+
+    Args:
+        in_channels: ``C``.
+        out_channels: ``O``.
+        resolution: ``(H, W)`` of the input the block will see (int or pair).
+        partition: ``(h, w)`` of each partition. ``H, W`` that are not multiples are zero-padded at
+            the bottom/right and the output cropped back.
+        groups: ``g`` of FC3 and every Local Perceptron conv.
+        kernel_sizes: Local Perceptron branches, each an odd int or an ``(kh, kw)`` pair no larger
+            than the partition; empty for none.
+        global_reduction: FC1 output width = ``C*Hp*Wp // global_reduction``.
+        global_perceptron: ``False`` drops the Global Perceptron (it is also absent when the padded
+            input is a single partition).
+        deploy: build the inference form (FC1, FC2, FC3 with bias; no BN, no conv).
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, O, H, W)``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        resolution: int | Sequence[int],
+        partition: int | Sequence[int],
+        *,
+        groups: int = 1,
+        kernel_sizes: Sequence[int | Sequence[int]] = (1, 3, 5, 7),
+        global_reduction: int = 1,
+        global_perceptron: bool = True,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+            )
+        self.resolution = _positive_pair(resolution, "resolution")
+        self.partition = _positive_pair(partition, "partition")
+        h, w = self.partition
+        kernels = []
+        for k in kernel_sizes:
+            kh, kw = _positive_pair(k, "kernel_sizes")
+            if kh % 2 == 0 or kw % 2 == 0:
+                raise ValueError(f"kernel_sizes must be odd (same padding), got {kh}x{kw}")
+            if kh > h or kw > w:
+                raise ValueError(f"kernel_sizes entry {kh}x{kw} is larger than the partition {h}x{w}")
+            kernels.append((kh, kw))
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_sizes = tuple(kernels)
+        H, W = self.resolution
+        self.parts = (-(-H // h), -(-W // w))  # ceil: padded resolution / partition
+        self.padding = (self.parts[0] * h - H, self.parts[1] * w - W)
+
+        has_global = global_perceptron and self.parts != (1, 1)
+        self.global_perceptron = (
+            GlobalPerceptron(in_channels, self.parts, self.partition, global_reduction, deploy)
+            if has_global
+            else None
+        )
+        self.partition_perceptron = PartitionPerceptron(
+            in_channels, out_channels, self.partition, groups, deploy
+        )
+        self.local_perceptron = (
+            LocalPerceptron(in_channels, out_channels, self.kernel_sizes, groups)
+            if self.kernel_sizes and not deploy
+            else None
+        )
+        self._deploy = deploy
+
+    @property
+    def deploy(self) -> bool:
+        return self._deploy
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_channels={self.in_channels}, out_channels={self.out_channels}, "
+            f"resolution={self.resolution}, partition={self.partition}, groups={self.groups}, "
+            f"kernel_sizes={self.kernel_sizes}, deploy={self._deploy}"
+        )
+
+    def _check_input(self, x: Tensor) -> None:
+        expected = (self.in_channels, *self.resolution)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            raise ValueError(
+                f"RepMLPBlock expected input of shape (N, {expected[0]}, {expected[1]}, {expected[2]}), "
+                f"got {tuple(x.shape)}"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
+            self._check_input(x)
+        n = x.shape[0]
+        h, w = self.partition
+        hp, wp = self.parts
+        if self.padding != (0, 0):
+            x = F.pad(x, (0, self.padding[1], 0, self.padding[0]))
+        g = self.groups
+        cg = self.in_channels // g
+
+        if self.local_perceptron is None:
+            # Inference path (or a block without Local Perceptron): one permute into per-group rows.
+            rows = to_group_rows(x, h, w, g)
+            if self.global_perceptron is not None:
+                v = self.global_perceptron(x)  # (N, C, Hp, Wp)
+                v = v.reshape(n, g, cg, hp, wp).permute(1, 0, 3, 4, 2).reshape(g, n * hp * wp, cg, 1)
+                rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
+            out = from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w)
+        else:
+            parts = partition(x, h, w)  # (N*Hp*Wp, C, h, w)
+            if self.global_perceptron is not None:
+                v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(n * hp * wp, self.in_channels, 1, 1)
+                parts = parts + v
+            b = parts.shape[0]
+            rows = parts.reshape(b, g, cg * h * w).transpose(0, 1)
+            fc = self.partition_perceptron(rows).transpose(0, 1).reshape(b, self.out_channels, h, w)
+            out = unpartition(fc + self.local_perceptron(parts), n, hp, wp)
+        if self.padding != (0, 0):
+            out = out[:, :, : self.resolution[0], : self.resolution[1]]
+        return out
+
+    @torch.no_grad()
+    def merged_fc3(self) -> tuple[Tensor, Tensor]:
+        """The inference FC3 kernel ``(O*h*w, C*h*w/g)`` and bias ``(O*h*w,)`` of this block.
+
+        FC3 with its BN1d fused, plus every Local Perceptron branch (conv-BN fused, converted to an
+        FC). Uses running statistics: call in eval mode for the result to be equivalent.
+        """
+        pp = self.partition_perceptron
+        if pp.bn is None:
+            weight = pp.fc3.weight.detach().clone()
+            bias = pp.fc3.bias.detach().clone() if pp.fc3.bias is not None else None
+        else:
+            weight, bias = fuse_bn(pp.fc3.weight, pp.bn, pp.fc3.bias)
+        if bias is None:
+            bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        if self.local_perceptron is not None:
+            for branch in self.local_perceptron.branches:
+                k, kb = (
+                    fuse_bn(branch.conv.weight, branch.bn)
+                    if branch.bn is not None
+                    else (
+                        branch.conv.weight,
+                        branch.conv.bias,
+                    )
+                )
+                fw, fb = conv_to_fc(k, kb, self.partition, self.groups)
+                weight = weight + fw
+                if fb is not None:
+                    bias = bias + fb
+        return weight, bias
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Convert in place into the inference form: FC1, FC2, FC3 only (paper Sec. 3.4).
+
+        Equivalent only in eval mode (BatchNorm running statistics are what gets merged).
+        """
+        if self._deploy:
+            return
+        weight, bias = self.merged_fc3()
+        fc3 = GroupwiseLinear(weight.shape[1] * self.groups, weight.shape[0], self.groups, bias=True)
+        fc3 = fc3.to(device=weight.device, dtype=weight.dtype)
+        fc3.weight.copy_(weight)
+        fc3.bias.copy_(bias)
+        self.partition_perceptron.fc3 = fc3
+        self.partition_perceptron.bn = None
+        self.local_perceptron = None
+        if self.global_perceptron is not None:
+            self.global_perceptron.reparameterize()
+        self._deploy = True

@@ -1,0 +1,52 @@
+"""The ``repmlp`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _selfcheck(args: argparse.Namespace) -> int:
+    from . import RepMLPBlock, reparameterize_model
+
+    torch.manual_seed(0)
+    block = RepMLPBlock(16, 16, 32, 8, groups=2).eval()
+    for m in block.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(32, 16, 32, 32)
+    deployed = reparameterize_model(block)
+    with torch.inference_mode():
+        ref, out = block(x), deployed(x)
+        err = ((ref - out).abs().max() / ref.abs().max()).item()
+        times = []
+        for m in (block, deployed):
+            m(x)
+            t = time.perf_counter()
+            for _ in range(10):
+                m(x)
+            times.append(time.perf_counter() - t)
+    print(f"max relative error after conversion: {err:.2e}")
+    print(f"deployed block speed-up at batch 32 (CPU): {times[0] / times[1]:.2f}x")
+    return 0 if err < 1e-5 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="repmlp", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("selfcheck", help="build a RepMLP block, convert it, print the error and speed-up")
+    p.set_defaults(func=_selfcheck)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Whole-model conversion into the inference form."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch.fx as fx
+from torch import nn
+
+from .reparam import fuse_bn
+
+__all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
+
+log = logging.getLogger(__name__)
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FUSABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+class ConversionReport(list):
+    """Names of the BatchNorm modules :func:`reparameterize_model` could not fold (a ``list``)."""
+
+
+class _Tracer(fx.Tracer):
+    """Treats every module with its own ``reparameterize`` as a leaf (already converted)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return hasattr(m, "reparameterize") or super().is_leaf_module(m, qualname)
+
+
+def _fused_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
+    weight, bias = fuse_bn(layer.weight, bn, layer.bias)
+    new = copy.deepcopy(layer)
+    if new.bias is None:
+        new.bias = nn.Parameter(bias.detach().clone())
+    else:
+        new.bias.data = bias.detach().clone()
+    new.weight.data = weight.detach().clone()
+    return new
+
+
+def _bn_matches(layer: nn.Module, bn: nn.Module) -> bool:
+    out = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    if out != bn.num_features:
+        return False
+    # A Linear followed by BatchNorm1d folds only when the BN normalises the Linear's features.
+    return not isinstance(layer, nn.Linear) or isinstance(bn, nn.BatchNorm1d)
+
+
+def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
+    """Fold ``layer, BN`` pairs that sit next to each other in ``nn.Sequential`` containers."""
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, nn.Sequential):
+            keys = list(child._modules.keys())
+            for a, b in zip(keys, keys[1:], strict=False):
+                layer, bn = child._modules[a], child._modules[b]
+                if isinstance(layer, _FUSABLE) and isinstance(bn, _BN) and _bn_matches(layer, bn):
+                    child._modules[a] = _fused_layer(layer, bn)
+                    child._modules[b] = nn.Identity()
+                    fused.add(f"{path}.{b}")
+        _fuse_sequential(child, path + ".", fused)
+
+
+def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
+    """Fold BN that follows a conv/linear anywhere in the traced graph, also across containers."""
+    graph = _Tracer().trace(model)
+    modules = dict(model.named_modules())
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(modules.get(node.target), _BN):
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or src.op != "call_module":
+            continue
+        layer = modules.get(src.target)
+        bn = modules[node.target]
+        if not isinstance(layer, _FUSABLE) or not _bn_matches(layer, bn) or len(src.users) != 1:
+            continue
+        parent_name, _, attr = src.target.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, _fused_layer(layer, bn))
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        fused.add(node.target)
+        changed = True
+    if not changed:
+        return model
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
+    """Fold every BatchNorm that directly follows a conv or linear layer into it (eval mode).
+
+    First inside ``nn.Sequential`` containers (keeps the model's class and attributes), then, for
+    models whose ``forward`` calls ``self.conv`` then ``self.bn`` (torchvision's ResNet, say), by
+    tracing with ``torch.fx``. Returns the fused model and the BatchNorms left unfused.
+    """
+    fused: set[str] = set()
+    _fuse_sequential(model, "", fused)
+    remaining = [n for n, m in model.named_modules() if isinstance(m, _BN)]
+    if remaining:
+        try:
+            model = _fuse_fx(model, fused)
+        except Exception as exc:  # noqa: BLE001 - untraceable forward: report, keep what was fused
+            log.warning(
+                "torch.fx could not trace %s (%s); BatchNorms outside Sequentials stay",
+                type(model).__name__,
+                exc,
+            )
+    left = ConversionReport(n for n, m in model.named_modules() if isinstance(m, _BN))
+    return model, left
+
+
+def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bool = True) -> nn.Module:
+    """Return the inference form of ``model``.
+
+    Calls ``reparameterize()`` on every module that has one (RepMLP blocks, :class:`ConvBN`, timm's
+    re-parameterizable blocks), then, with ``fuse_bn``, folds every remaining BatchNorm that follows
+    a conv or linear layer into it, also in models this package did not build. The model must be in
+    eval mode (BatchNorm running statistics are merged). BatchNorms that could not be folded are
+    logged and listed in ``model.unfused_batchnorms``.
+    """
+    if model.training:
+        raise RuntimeError(
+            "reparameterize_model needs the model in eval mode (call model.eval()): BatchNorm running "
+            "statistics are merged, so a training-mode model would not stay equivalent"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    # Children before parents: a parent's reparameterize may rely on converted children.
+    for module in reversed(list(model.modules())):
+        fn = getattr(module, "reparameterize", None)
+        if callable(fn):
+            fn()
+    left = ConversionReport()
+    if fuse_bn:
+        model, left = fuse_conv_bn(model)
+        if left:
+            log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), ", ".join(left))
+    model.eval()
+    try:
+        model.unfused_batchnorms = left
+    except Exception:  # noqa: BLE001 - e.g. a scripted module
+        pass
+    return model

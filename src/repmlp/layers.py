@@ -1,0 +1,101 @@
+"""Small re-parameterizable layers shared by the block and the models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .ops import groupwise_fc
+from .reparam import fuse_bn, pair
+
+__all__ = ["ConvBN", "GroupwiseLinear"]
+
+
+class ConvBN(nn.Module):
+    """Conv followed by BatchNorm; :meth:`reparameterize` folds the BN into a conv with bias.
+
+    ``deploy=True`` builds the fused form (a single conv with bias) directly, so a converted state
+    dict loads into it. Submodule names: ``conv`` and, before conversion, ``bn``.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')`` as ``nn.Conv2d``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | None = None,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        *,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        kh, kw = pair(kernel_size, "kernel_size")
+        dh, dw = pair(dilation, "dilation")
+        if padding is None:
+            padding = (dh * (kh - 1) // 2, dw * (kw - 1) // 2)
+        self.conv = nn.Conv2d(
+            in_channels, out_channels, (kh, kw), stride, padding, (dh, dw), groups, bias=deploy
+        )
+        self.bn: nn.BatchNorm2d | None = None if deploy else nn.BatchNorm2d(out_channels)
+
+    @property
+    def deploy(self) -> bool:
+        return self.bn is None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.conv(x)
+        return x if self.bn is None else self.bn(x)
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold ``bn`` into ``conv`` in place (the module must be in eval mode to be equivalent)."""
+        if self.bn is None:
+            return
+        weight, bias = fuse_bn(self.conv.weight, self.bn, self.conv.bias)
+        c = self.conv
+        fused = nn.Conv2d(
+            c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, c.dilation, c.groups, bias=True
+        ).to(device=weight.device, dtype=weight.dtype)
+        fused.weight.copy_(weight)
+        fused.bias.copy_(bias)
+        self.conv = fused
+        self.bn = None
+
+
+class GroupwiseLinear(nn.Module):
+    """Groupwise FC (the paper's FC3) with a kernel in grouped-1x1-conv layout.
+
+    ``weight``: ``(out_features, in_features/g)``; ``bias``: ``(out_features,)`` or absent.
+    :meth:`forward` takes per-group rows ``(g, B, in_features/g)`` and returns ``(g, B, out/g)``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: int = 1, bias: bool = True) -> None:
+        super().__init__()
+        if in_features % groups or out_features % groups:
+            raise ValueError(f"groups={groups} must divide in_features={in_features} and out={out_features}")
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // groups))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Same initialisation as a grouped 1x1 conv of this shape (the paper's formulation).
+        bound = 1.0 / (self.in_features // self.groups) ** 0.5
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        return groupwise_fc(rows, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}, "
+            f"bias={self.bias is not None}"
+        )

@@ -1,0 +1,191 @@
+"""Pure, differentiable re-parameterization math (paper Sec. 3.3-3.4, Appendices B and C).
+
+Every function here takes tensors (and, for BatchNorm, the module whose running statistics are used)
+and returns new tensors; nothing is modified in place, so the functions may sit inside a loss.
+
+Layout convention for a *groupwise FC* (the paper's FC3): its kernel is a 2-D tensor of shape
+``(O*h*w, C*h*w/g)``, exactly the weight of a grouped 1x1 conv with ``C*h*w`` input channels,
+``O*h*w`` output channels and ``g`` groups, reshaped to 2-D. Rows are ordered ``(o, y, x)`` and
+columns ``(c_local, y', x')`` where ``c_local`` indexes the ``C/g`` input channels of the row's group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "fuse_bn",
+    "conv_to_fc",
+    "conv_to_fc_identity",
+    "absorb_bn_into_fc",
+    "pair",
+]
+
+_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def pair(value: int | Sequence[int], name: str = "value") -> tuple[int, int]:
+    """Return ``value`` as an ``(a, b)`` pair of ints, accepting an int or a length-2 sequence."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return int(value[0]), int(value[1])
+    raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    # Half-precision kernels are merged in float32: the sums over many branches lose bits otherwise.
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _bn_scale_shift(bn: nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The per-channel affine map ``y = x * scale + shift`` that an eval-mode BatchNorm applies."""
+    if not isinstance(bn, _BN):
+        raise TypeError(f"expected a BatchNorm module, got {type(bn).__name__}")
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError("cannot fuse a BatchNorm without running statistics (track_running_stats=False)")
+    mean = bn.running_mean.to(device=device, dtype=dtype)
+    var = bn.running_var.to(device=device, dtype=dtype)
+    std = torch.sqrt(var + bn.eps)
+    if bn.affine:
+        gamma = bn.weight.to(device=device, dtype=dtype)
+        beta = bn.bias.to(device=device, dtype=dtype)
+    else:
+        gamma = torch.ones_like(mean)
+        beta = torch.zeros_like(mean)
+    scale = gamma / std
+    return scale, beta - mean * scale
+
+
+def fuse_bn(weight: Tensor, bn: nn.Module, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Fold an eval-mode BatchNorm into the conv or FC kernel that precedes it (paper Eq. 16).
+
+    Args:
+        weight: kernel whose first dimension is the BN's channel count: ``(O, C/g, kh, kw)`` for a
+            conv, ``(O, P)`` for an FC (for FC3, ``O*h*w`` rows and a ``BatchNorm1d(O*h*w)``).
+        bn: ``BatchNorm1d``/``2d``; its running statistics are used whatever its mode.
+        bias: optional bias of the preceding layer, ``(O,)``.
+
+    Returns:
+        ``(weight', bias')`` with ``weight'`` of ``weight``'s shape and ``bias'`` of shape ``(O,)``.
+    """
+    dtype = _compute_dtype(weight)
+    scale, shift = _bn_scale_shift(bn, dtype, weight.device)
+    if scale.numel() != weight.shape[0]:
+        raise ValueError(
+            f"BatchNorm has {scale.numel()} channels but the kernel has {weight.shape[0]} output rows"
+        )
+    w = weight.to(dtype) * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    b = shift if bias is None else bias.to(dtype) * scale + shift
+    return w.to(weight.dtype).contiguous(), b.to(weight.dtype).contiguous()
+
+
+def _check_conv(kernel: Tensor, partition: tuple[int, int], groups: int) -> None:
+    if kernel.dim() != 4:
+        raise ValueError(f"kernel must be (O, C/g, kh, kw), got shape {tuple(kernel.shape)}")
+    out_ch, _, kh, kw = kernel.shape
+    h, w = partition
+    if h < 1 or w < 1:
+        raise ValueError(f"partition must be positive, got {partition}")
+    if groups < 1 or out_ch % groups:
+        raise ValueError(f"groups={groups} must divide the kernel's {out_ch} output channels")
+    if kh % 2 == 0 or kw % 2 == 0:
+        raise ValueError(f"kernel size must be odd for same padding, got {kh}x{kw}")
+    if kh > h or kw > w:
+        raise ValueError(f"kernel {kh}x{kw} is larger than the partition {h}x{w}")
+
+
+def conv_to_fc(
+    kernel: Tensor,
+    bias: Tensor | None,
+    partition: int | Sequence[int],
+    groups: int = 1,
+) -> tuple[Tensor, Tensor | None]:
+    """FC equivalent of a (groupwise) stride-1 same-padded conv on an ``(C, h, w)`` partition.
+
+    Built directly: ``W[(o,y,x),(c,y',x')] = kernel[o, c, y'-y+kh//2, x'-x+kw//2]`` (zero outside the
+    kernel), by stacking shifted windows of the zero-padded kernel. Memory is proportional to the output,
+    unlike the paper's identity-matrix construction (:func:`conv_to_fc_identity`), which gives the
+    identical kernel but allocates a ``(C*h*w/g)^2 * g`` identity and convolves it.
+
+    Args:
+        kernel: ``(O, C/g, kh, kw)``, odd ``kh <= h``, ``kw <= w``.
+        bias: ``(O,)`` or ``None``.
+        partition: ``(h, w)`` or an int.
+        groups: conv groups ``g``.
+
+    Returns:
+        ``fc_weight`` of shape ``(O*h*w, C*h*w/g)`` (grouped-1x1-conv layout, contiguous, the
+        kernel's dtype and device) and ``fc_bias`` of shape ``(O*h*w,)`` or ``None``.
+    """
+    h, w = pair(partition, "partition")
+    _check_conv(kernel, (h, w), groups)
+    out_ch, cg, kh, kw = kernel.shape
+    ph, pw = kh // 2, kw // 2
+    # Zero-pad the kernel to (2h-1, 2w-1): the (h, w) window ending opposite output point (y, x) is
+    # then exactly that output row of the FC kernel. Stacking the h*w windows writes the result once,
+    # so memory is one FC kernel (no identity matrix) and autograd flows through pad/stack.
+    big = F.pad(kernel.to(_compute_dtype(kernel)), (w - 1 - pw, w - 1 - pw, h - 1 - ph, h - 1 - ph))
+    rows = [
+        big[:, :, h - 1 - y : 2 * h - 1 - y, w - 1 - x : 2 * w - 1 - x] for y in range(h) for x in range(w)
+    ]
+    fc = torch.stack(rows, dim=1)  # (O, h*w, C/g, h, w)
+    fc_weight = fc.reshape(out_ch * h * w, cg * h * w).to(kernel.dtype).contiguous()
+    fc_bias = None if bias is None else bias.repeat_interleave(h * w).contiguous()
+    return fc_weight, fc_bias
+
+
+def conv_to_fc_identity(
+    kernel: Tensor,
+    bias: Tensor | None,
+    partition: int | Sequence[int],
+    groups: int = 1,
+) -> tuple[Tensor, Tensor | None]:
+    """The paper's construction (Alg. 1): convolve an identity matrix reshaped to feature maps.
+
+    Same contract and result as :func:`conv_to_fc`; kept as the reference the direct construction
+    is tested against, and for the benchmark. Allocates ``(C*h*w/g) x C x h x w`` for the identity.
+    """
+    h, w = pair(partition, "partition")
+    _check_conv(kernel, (h, w), groups)
+    out_ch, cg, kh, kw = kernel.shape
+    dtype = _compute_dtype(kernel)
+    n = cg * h * w
+    eye = torch.eye(n, dtype=dtype, device=kernel.device).repeat(1, groups).reshape(n, cg * groups, h, w)
+    fc = F.conv2d(eye, kernel.to(dtype), padding=(kh // 2, kw // 2), groups=groups)
+    fc_weight = fc.reshape(n, out_ch * h * w).t().to(kernel.dtype).contiguous()
+    fc_bias = None if bias is None else bias.repeat_interleave(h * w).contiguous()
+    return fc_weight, fc_bias
+
+
+def absorb_bn_into_fc(weight: Tensor, bias: Tensor | None, bn: nn.Module) -> tuple[Tensor, Tensor]:
+    """Absorb a BatchNorm that *precedes* an FC into the FC (paper Appendix C).
+
+    The FC's input is the BN's output flattened channel-major, so each of the BN's ``C`` channels
+    covers ``P / C`` consecutive inputs (in the Global Perceptron: the ``Hp*Wp`` partition means).
+
+    Args:
+        weight: FC kernel ``(Q, P)``, ``P`` a multiple of the BN's channel count.
+        bias: FC bias ``(Q,)`` or ``None``.
+        bn: the BatchNorm applied before the FC.
+
+    Returns:
+        ``(weight', bias')`` of shapes ``(Q, P)`` and ``(Q,)``.
+    """
+    dtype = _compute_dtype(weight)
+    scale, shift = _bn_scale_shift(bn, dtype, weight.device)
+    if weight.shape[1] % scale.numel():
+        raise ValueError(
+            f"FC input width {weight.shape[1]} is not a multiple of the BatchNorm's {scale.numel()} channels"
+        )
+    rep = weight.shape[1] // scale.numel()
+    w = weight.to(dtype)
+    new_bias = w @ shift.repeat_interleave(rep)
+    if bias is not None:
+        new_bias = new_bias + bias.to(dtype)
+    new_weight = w * scale.repeat_interleave(rep).unsqueeze(0)
+    return new_weight.to(weight.dtype).contiguous(), new_bias.to(weight.dtype).contiguous()
