@@ -3,6 +3,8 @@
 from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock
 from .convert import fuse_conv_bn, reparameterize_model
 from .layers import ConvBN, GroupwiseLinear
+from .models import create_model, list_models, register_model
+from .profile import profile
 from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
 
 __version__ = "0.1.0"
@@ -20,4 +22,8 @@ __all__ = [
     "absorb_bn_into_fc",
     "reparameterize_model",
     "fuse_conv_bn",
+    "create_model",
+    "list_models",
+    "register_model",
+    "profile",
 ]

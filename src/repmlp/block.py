@@ -254,31 +254,32 @@ class RepMLPBlock(nn.Module):
         """The inference FC3 kernel ``(O*h*w, C*h*w/g)`` and bias ``(O*h*w,)`` of this block.
 
         FC3 with its BN1d fused, plus every Local Perceptron branch (conv-BN fused, converted to an
-        FC). Uses running statistics: call in eval mode for the result to be equivalent.
+        FC). Uses running statistics: call in eval mode for the result to be equivalent. Half-precision
+        blocks are merged in float32 and the sum is rounded once, to FC3's dtype.
         """
         pp = self.partition_perceptron
+        dtype = pp.fc3.weight.dtype
+        work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+        def up(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.detach().to(work, copy=True)
+
         if pp.bn is None:
-            weight = pp.fc3.weight.detach().clone()
-            bias = pp.fc3.bias.detach().clone() if pp.fc3.bias is not None else None
+            weight, bias = up(pp.fc3.weight), up(pp.fc3.bias)
         else:
-            weight, bias = fuse_bn(pp.fc3.weight, pp.bn, pp.fc3.bias)
+            weight, bias = fuse_bn(up(pp.fc3.weight), pp.bn, up(pp.fc3.bias))
         if bias is None:
-            bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+            bias = torch.zeros(weight.shape[0], dtype=work, device=weight.device)
         if self.local_perceptron is not None:
             for branch in self.local_perceptron.branches:
-                k, kb = (
-                    fuse_bn(branch.conv.weight, branch.bn)
-                    if branch.bn is not None
-                    else (
-                        branch.conv.weight,
-                        branch.conv.bias,
-                    )
-                )
-                fw, fb = conv_to_fc(k, kb, self.partition, self.groups)
+                kernel, kbias = up(branch.conv.weight), up(branch.conv.bias)
+                if branch.bn is not None:
+                    kernel, kbias = fuse_bn(kernel, branch.bn, kbias)
+                fw, fb = conv_to_fc(kernel, kbias, self.partition, self.groups)
                 weight = weight + fw
                 if fb is not None:
                     bias = bias + fb
-        return weight, bias
+        return weight.to(dtype).contiguous(), bias.to(dtype).contiguous()
 
     @torch.no_grad()
     def reparameterize(self) -> None:

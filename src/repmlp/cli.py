@@ -1,51 +1,129 @@
-"""The ``repmlp`` command line."""
+"""The ``repmlp`` command line: ``repmlp <command> [options]`` (``python -m repmlp`` is the same program).
+
+Each command lives in its own module under :mod:`repmlp.commands` exposing ``add_parser(subparsers)``
+(which calls ``set_defaults(func=run)``) and ``run(args) -> int``; this module only collects them. A
+:class:`repmlp.errors.UserError` raised anywhere becomes one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import logging
 import sys
-import time
+from typing import NoReturn
 
-import torch
+from .errors import UserError
+
+# Command modules under repmlp.commands, in --help order. Add a command by adding its module name here.
+COMMANDS: list[str] = [
+    "train",
+    "eval",
+    "convert",
+    "export",
+    "bench",
+    "viz",
+    "tables",
+    "selfcheck",
+]
+
+log = logging.getLogger("repmlp")
 
 
-def _selfcheck(args: argparse.Namespace) -> int:
-    from . import RepMLPBlock, reparameterize_model
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` with errors as one line (``repmlp: error: ...``) instead of usage + message."""
 
-    torch.manual_seed(0)
-    block = RepMLPBlock(16, 16, 32, 8, groups=2).eval()
-    for m in block.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2.0)
-    x = torch.randn(32, 16, 32, 32)
-    deployed = reparameterize_model(block)
-    with torch.inference_mode():
-        ref, out = block(x), deployed(x)
-        err = ((ref - out).abs().max() / ref.abs().max()).item()
-        times = []
-        for m in (block, deployed):
-            m(x)
-            t = time.perf_counter()
-            for _ in range(10):
-                m(x)
-            times.append(time.perf_counter() - t)
-    print(f"max relative error after conversion: {err:.2e}")
-    print(f"deployed block speed-up at batch 32 (CPU): {times[0] / times[1]:.2f}x")
-    return 0 if err < 1e-5 else 1
+    def __init__(self, *args, **kwargs) -> None:
+        # No prefix matching: "--data" (a face-task option) must not be taken for "--data-dir".
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"repmlp: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="repmlp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("selfcheck", help="build a RepMLP block, convert it, print the error and speed-up")
-    p.set_defaults(func=_selfcheck)
+    """The full parser: global options plus one sub-parser per module in :data:`COMMANDS`."""
+    from . import __version__
+
+    parser = ArgumentParser(
+        prog="repmlp",
+        description="RepMLP: train, evaluate, convert, export, benchmark and visualise RepMLP models.",
+    )
+    parser.add_argument("--version", action="version", version=f"repmlp {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="<command>", parser_class=ArgumentParser
+    )
+    for name in COMMANDS:
+        importlib.import_module(f".commands.{name}", __package__).add_parser(sub)
     return parser
 
 
+def _setup_logging(verbose: bool, quiet: bool) -> tuple[list[logging.Handler], int, bool]:
+    """Route repmlp's log records to stderr; returns the previous set-up for :func:`_restore_logging`."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger("repmlp")
+    previous = (list(root.handlers), root.level, root.propagate)
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    return previous
+
+
+def _restore_logging(previous: tuple[list[logging.Handler], int, bool]) -> None:
+    # main() may run inside another program (tests, notebooks): leave its logging as it was.
+    root = logging.getLogger("repmlp")
+    root.handlers[:], root.level, root.propagate = previous
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (a DataLoader worker wraps errors in a traceback text)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(exc).__name__
+    last = lines[-1]
+    for prefix in ("repmlp.errors.UserError: ", "repmlp.checkpoint.CheckpointError: ", "UserError: "):
+        if last.startswith(prefix):
+            return last[len(prefix) :]
+    return last
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; returns the process exit status (0 success, 2 user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # Only commands that hand options on to another parser (train/eval --task face|seg) take extras.
+        if extra and not getattr(args, "accepts_extra", lambda a: False)(args):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    args.argv, args.extra = argv, extra
+    previous_logging = _setup_logging(args.verbose, args.quiet)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        log.debug("user error", exc_info=True)
+        print(f"repmlp: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("repmlp: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # Disk full, permission denied, ...: the user's environment, not a bug in repmlp.
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"repmlp: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    finally:
+        _restore_logging(previous_logging)
 
 
 if __name__ == "__main__":

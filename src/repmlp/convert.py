@@ -116,6 +116,21 @@ def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
     return model, left
 
 
+def _reparameterize_tree(module: nn.Module) -> None:
+    """Call ``reparameterize()`` parents first, then on the children the parent still has.
+
+    Parents first (as timm's ``reparameterize_model`` does): a parent such as :class:`RepMLPBlock`
+    merges its children's unfused kernels and BN statistics itself, in float32 or better, and
+    rounds once; children converted first would each round their fused kernel to a half-precision
+    model's dtype before the merge.
+    """
+    fn = getattr(module, "reparameterize", None)
+    if callable(fn):
+        fn()
+    for child in list(module.children()):
+        _reparameterize_tree(child)
+
+
 def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bool = True) -> nn.Module:
     """Return the inference form of ``model``.
 
@@ -132,11 +147,7 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         )
     if not inplace:
         model = copy.deepcopy(model)
-    # Children before parents: a parent's reparameterize may rely on converted children.
-    for module in reversed(list(model.modules())):
-        fn = getattr(module, "reparameterize", None)
-        if callable(fn):
-            fn()
+    _reparameterize_tree(model)
     left = ConversionReport()
     if fuse_bn:
         model, left = fuse_conv_bn(model)

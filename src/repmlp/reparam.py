@@ -11,6 +11,7 @@ columns ``(c_local, y', x')`` where ``c_local`` indexes the ``C/g`` input channe
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -139,6 +140,13 @@ def conv_to_fc(
     return fc_weight, fc_bias
 
 
+def _no_tf32() -> contextlib.AbstractContextManager:
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(
+        enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
+    )
+
+
 def conv_to_fc_identity(
     kernel: Tensor,
     bias: Tensor | None,
@@ -156,7 +164,10 @@ def conv_to_fc_identity(
     dtype = _compute_dtype(kernel)
     n = cg * h * w
     eye = torch.eye(n, dtype=dtype, device=kernel.device).repeat(1, groups).reshape(n, cg * groups, h, w)
-    fc = F.conv2d(eye, kernel.to(dtype), padding=(kh // 2, kw // 2), groups=groups)
+    # cuDNN may run float32 convolutions in TF32 (10-bit mantissa), which would round the kernel's
+    # entries; this construction is the exact reference, so TF32 is switched off for its conv.
+    with _no_tf32():
+        fc = F.conv2d(eye, kernel.to(dtype), padding=(kh // 2, kw // 2), groups=groups)
     fc_weight = fc.reshape(n, out_ch * h * w).t().to(kernel.dtype).contiguous()
     fc_bias = None if bias is None else bias.repeat_interleave(h * w).contiguous()
     return fc_weight, fc_bias

@@ -1,0 +1,200 @@
+"""RepMLPBlock speed against the paper's formulation of the same block, measured side by side.
+
+(a) deployed block (inference form, ``torch.no_grad``) vs the paper's deployed block (FC3 as a grouped
+    1x1 conv), batch 32 - goal >= 5x throughput;
+(b) one training step (forward + backward + SGD step) of the training-time block vs the paper's
+    training-time formulation (FC3 as grouped 1x1 conv + BN1d, each Local Perceptron branch a grouped
+    conv + BN in NCHW) - goal >= 3x;
+(c) batch 1: our deployed block vs our training-time block (eval mode, ``no_grad``) - goal >= 1x.
+
+The paper blocks (``paper_block.py``) are built with copies of our block's weights and checked to give
+the same outputs before anything is timed. Times are medians of interleaved rounds (``common.py``).
+
+    python3 benchmarks/bench_block.py [--device cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+from common import device_arg, hardware, set_tf32, table, time_interleaved
+from paper_block import paper_block_from
+from repmlp import RepMLPBlock, reparameterize_model
+
+log = logging.getLogger("bench_block")
+
+# (C, H=W, h=w, g): the issue's two configurations.
+GOAL_CONFIGS = [(16, 32, 8, 2), (64, 28, 7, 8)]
+# Batch-1 configurations: the above, a ResNet-stage-like one, one without Global Perceptron,
+# one with a non-divisible resolution (padding) and non-square kernels.
+BATCH1_CONFIGS = [
+    dict(c=16, res=32, p=8, g=2),
+    dict(c=64, res=28, p=7, g=8),
+    dict(c=32, res=14, p=7, g=4),
+    dict(c=32, res=7, p=7, g=1),
+    dict(c=24, res=30, p=8, g=3, kernel_sizes=(1, (3, 5), 7)),
+]
+
+
+@torch.no_grad()
+def randomize_bn(model: nn.Module, seed: int = 0) -> None:
+    """Random running statistics and affine parameters, so BN folding is actually exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            shape = m.running_mean.shape
+            m.running_mean.copy_(torch.randn(shape, generator=gen) * 0.1)
+            m.running_var.copy_(torch.rand(shape, generator=gen) + 0.5)
+            m.weight.copy_(torch.rand(shape, generator=gen) + 0.5)
+            m.bias.copy_(torch.randn(shape, generator=gen) * 0.1)
+
+
+def make_block(device: torch.device, c: int, res: int, p: int, g: int, **kw) -> RepMLPBlock:
+    torch.manual_seed(0)
+    block = RepMLPBlock(c, c, res, p, groups=g, **kw)
+    randomize_bn(block)
+    return block.to(device)
+
+
+TOLERANCE = {"rel": 1e-4}  # max relative error allowed in the equality checks (raised for --tf32)
+
+
+def check_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    if err > TOLERANCE["rel"]:
+        raise AssertionError(f"{what}: outputs differ (max rel. error {err:.2e})")
+
+
+def bench_deployed(device: torch.device, batch: int, rounds: int, round_s: float) -> list[list[str]]:
+    rows = []
+    for c, res, p, g in GOAL_CONFIGS:
+        ours = reparameterize_model(make_block(device, c, res, p, g).eval())
+        paper = paper_block_from(ours).eval()
+        x = torch.randn(batch, c, res, res, device=device)
+        with torch.no_grad():
+            check_close(ours(x), paper(x), "deployed vs paper deployed")
+            t = time_interleaved(
+                {"paper": lambda m=paper: m(x), "ours": lambda m=ours: m(x)},  # noqa: B023 - called right here
+                device,
+                rounds=rounds,
+                min_round_s=round_s,
+            )
+        ratio = t["paper"] / t["ours"]
+        rows.append(
+            [
+                f"C=O={c}, {res}x{res}, h=w={p}, g={g}",
+                f"{batch / t['paper']:.0f}",
+                f"{batch / t['ours']:.0f}",
+                f"**{ratio:.2f}x**",
+                "met" if ratio >= 5 else "MISSED",
+            ]
+        )
+    return rows
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, grad: torch.Tensor):
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).backward(grad)
+        opt.step()
+
+    return step
+
+
+def bench_training(device: torch.device, batch: int, rounds: int, round_s: float) -> list[list[str]]:
+    rows = []
+    for c, res, p, g in GOAL_CONFIGS:
+        ours = make_block(device, c, res, p, g).train()
+        paper = paper_block_from(ours).train()
+        x = torch.randn(batch, c, res, res, device=device)
+        grad = torch.randn(batch, c, res, res, device=device)
+        # Same function in training mode too (BN on batch statistics); on copies, so that the
+        # running statistics of the timed modules are not disturbed.
+        a, b = copy.deepcopy(ours), copy.deepcopy(paper)
+        check_close(a(x), b(x), "training-time vs paper training-time")
+        opt_ours = torch.optim.SGD(ours.parameters(), lr=1e-3, momentum=0.9)
+        opt_paper = torch.optim.SGD(paper.parameters(), lr=1e-3, momentum=0.9)
+        t = time_interleaved(
+            {
+                "paper": _train_step(paper, opt_paper, x, grad),
+                "ours": _train_step(ours, opt_ours, x, grad),
+            },
+            device,
+            rounds=rounds,
+            min_round_s=round_s,
+        )
+        ratio = t["paper"] / t["ours"]
+        rows.append(
+            [
+                f"C=O={c}, {res}x{res}, h=w={p}, g={g}",
+                f"{t['paper'] * 1e3:.1f}",
+                f"{t['ours'] * 1e3:.1f}",
+                f"**{ratio:.2f}x**",
+                "met" if ratio >= 3 else "MISSED",
+            ]
+        )
+    return rows
+
+
+def bench_batch1(device: torch.device, rounds: int, round_s: float) -> list[list[str]]:
+    rows = []
+    for cfg in BATCH1_CONFIGS:
+        cfg = dict(cfg)
+        c, res = cfg["c"], cfg["res"]
+        train_form = make_block(device, **cfg).eval()
+        deployed = reparameterize_model(train_form)
+        x = torch.randn(1, c, res, res, device=device)
+        with torch.no_grad():
+            check_close(deployed(x), train_form(x), "deployed vs training-time")
+            t = time_interleaved(
+                {"train-form": lambda: train_form(x), "deployed": lambda: deployed(x)},  # noqa: B023 - used here
+                device,
+                rounds=rounds,
+                min_round_s=round_s,
+            )
+        ratio = t["train-form"] / t["deployed"]
+        ks = ",".join("x".join(map(str, k)) for k in train_form.kernel_sizes)
+        rows.append(
+            [
+                f"C=O={c}, {res}x{res}, h=w={cfg['p']}, g={cfg['g']}, K=({ks})",
+                f"{t['train-form'] * 1e3:.3f}",
+                f"{t['deployed'] * 1e3:.3f}",
+                f"**{ratio:.2f}x**",
+                "met" if ratio >= 1 else "MISSED",
+            ]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = device_arg(__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    set_tf32(args.tf32)
+    if args.tf32:
+        TOLERANCE["rel"] = 1e-2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device)
+    rounds = 3 if args.quick else args.rounds
+    round_s = 0.05 if args.quick else 0.3
+    print(f"# bench_block on {args.device} (tf32={args.tf32})\n{hardware(device)}\n")
+
+    print(f"## (a) deployed block, batch {args.batch}, inference (goal >= 5x)")
+    header = ["config", "paper deployed img/s", "ours deployed img/s", "speed-up", "goal"]
+    print(table(header, bench_deployed(device, args.batch, rounds, round_s)) + "\n")
+
+    print(f"## (b) training step (fwd + bwd + SGD), batch {args.batch} (goal >= 3x)")
+    header = ["config", "paper train ms/step", "ours train ms/step", "speed-up", "goal"]
+    print(table(header, bench_training(device, args.batch, rounds, round_s)) + "\n")
+
+    print("## (c) batch 1, inference: deployed vs training-time block (goal >= 1x)")
+    header = ["config", "training-time ms", "deployed ms", "speed-up", "goal"]
+    print(table(header, bench_batch1(device, rounds, round_s)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's.
+
+The paper reports speed as examples per second at a fixed batch size in inference (Tables 1-6);
+:func:`benchmark` measures the same for each model twice: as built (the training-time structure run in
+eval mode) and after :func:`repmlp.reparameterize_model` (the deployed structure), with parameters and
+multiply-accumulates of each form from :func:`repmlp.profile`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["BenchRow", "benchmark", "time_forward", "render_markdown", "default_input_size"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchRow:
+    """One measured model form. ``throughput`` is examples/second (median over the repeats)."""
+
+    model: str
+    form: str  # "train" (training-time structure, eval mode) or "deploy"
+    input_size: tuple[int, ...]  # (C, H, W)
+    batch_size: int
+    device: str
+    params: int
+    macs: int
+    throughput: float
+    latency_ms: float  # median time of one batch
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)) -> tuple[int, ...]:
+    """``(C, H, W)`` the model expects: its timm ``pretrained_cfg`` input size, else ``fallback``.
+
+    repmlp's registry updates that config to the ``img_size``/``in_chans`` a model was built with.
+    """
+    for attr in ("pretrained_cfg", "default_cfg"):
+        cfg = getattr(model, attr, None)
+        if isinstance(cfg, Mapping) and cfg.get("input_size"):
+            return tuple(int(s) for s in cfg["input_size"])
+    return tuple(int(s) for s in fallback)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":  # pragma: no cover - Apple only
+        torch.mps.synchronize()
+
+
+def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` forward passes of ``model`` on ``x`` after ``warmup`` untimed ones.
+
+    Runs under ``torch.inference_mode`` and synchronises the device around each timed pass, so GPU
+    kernels are counted in full.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    times = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            model(x)
+        _sync(x.device)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(x)
+            _sync(x.device)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def benchmark(
+    models: Mapping[str, nn.Module],
+    input_size: Sequence[int],
+    batch_size: int,
+    *,
+    device: str | torch.device = "cpu",
+    warmup: int = 3,
+    repeats: int = 10,
+    forms: Sequence[str] = ("train", "deploy"),
+) -> list[BenchRow]:
+    """Measure every model in its training-time and deployed form.
+
+    Args:
+        models: name -> model (training-time form; one already deployed is measured as ``deploy`` only).
+            Models are copied, never modified.
+        input_size: ``(C, H, W)`` of one example.
+        batch_size: examples per forward pass.
+        device: where to run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        warmup: untimed passes before timing (cuDNN autotuning, allocator, caches).
+        repeats: timed passes; the row reports the median.
+        forms: which forms to measure.
+
+    Returns:
+        One :class:`BenchRow` per model and form, in input order.
+    """
+    from . import profile, reparameterize_model
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = torch.device(device)
+    input_size = tuple(int(s) for s in input_size)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *input_size, generator=gen).to(device)
+    rows: list[BenchRow] = []
+    for name, model in models.items():
+        base = copy.deepcopy(model).eval()
+        deployed_already = _is_deployed(base)
+        variants: list[tuple[str, nn.Module]] = []
+        if "train" in forms and not deployed_already:
+            variants.append(("train", base))
+        if "deploy" in forms:
+            variants.append(("deploy", base if deployed_already else reparameterize_model(base)))
+        for form, net in variants:
+            params, macs = profile(net, input_size)
+            net = net.to(device)
+            times = time_forward(net, x, warmup=warmup, repeats=repeats)
+            median = statistics.median(times)
+            rows.append(
+                BenchRow(
+                    model=name,
+                    form=form,
+                    input_size=input_size,
+                    batch_size=batch_size,
+                    device=str(device),
+                    params=int(params),
+                    macs=int(macs),
+                    throughput=batch_size / median if median > 0 else math.inf,
+                    latency_ms=median * 1e3,
+                )
+            )
+            log.info("%s (%s): %.1f examples/s", name, form, rows[-1].throughput)
+            net.to("cpu")
+    return rows
+
+
+def _is_deployed(model: nn.Module) -> bool:
+    """True when nothing in ``model`` would change on re-parameterization (no BN, no training-time branch)."""
+    for m in model.modules():
+        if getattr(m, "deploy", None) is False:
+            return False
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return False
+    return True
+
+
+def _millions(n: int) -> str:
+    # The paper's precision for its models (22.41M), more digits for the tiny ones (0.218M).
+    m = n / 1e6
+    return f"{m:.2f}" if m >= 1 else f"{m:.3f}"
+
+
+def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note: str | None = None) -> str:
+    """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s.
+
+    Each deployed row also shows its speed relative to the training-time row of the same model;
+    ``title`` goes above the table, ``note`` (say, the hardware) below it.
+    """
+    train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
+    lines = []
+    if title:
+        lines += [title, ""]
+    lines += [
+        "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | vs. train |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        rel = train_speed.get(r.model)
+        ratio = f"{r.throughput / rel:.2f}x" if r.form == "deploy" and rel else ""
+        size = "x".join(str(s) for s in r.input_size)
+        lines.append(
+            f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
+            f"| {r.throughput:.1f} | {ratio} |"
+        )
+    if note:
+        lines += ["", note]
+    return "\n".join(lines)

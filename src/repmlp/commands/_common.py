@@ -1,0 +1,158 @@
+"""Argument types and checkpoint helpers shared by the convert, export, bench and viz commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def int_at_least(minimum: int):
+    """An ``argparse`` type: an int >= ``minimum`` (out of range -> one-line usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
+    parser.add_argument(
+        "--device",
+        default=default,
+        help=f"cpu, cuda, cuda:N, or auto (cuda when available) (default: {default})",
+    )
+
+
+def resolve_device(text: str) -> torch.device:
+    """``--device`` -> ``torch.device``; a device this machine lacks is a :class:`UserError`."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "mps"):
+        raise UserError(f"--device {text}: only cpu and cuda are supported")
+    return device
+
+
+def describe_device(device: torch.device) -> str:
+    """Human-readable hardware of ``device`` for report lines (GPU name, or CPU model and threads)."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpu = "CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} threads"
+
+
+def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`repmlp.checkpoint.load_model` on the CPU (its errors are already one-line UserErrors)."""
+    from ..checkpoint import load_model
+
+    return load_model(path, device="cpu", form=form)
+
+
+def checkpoint_input_size(
+    model: nn.Module, info: dict[str, Any], img_size: int | None = None
+) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the model in a checkpoint: ``--img-size``, else what the run recorded, else defaults.
+
+    Looks at, in order: the run's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
+    the model's timm config, and finally ``(3, 224, 224)``.
+    """
+    from ..bench import default_input_size
+
+    extra = info.get("extra") or {}
+    kwargs = info.get("model_kwargs") or {}
+    recorded = extra.get("input_size")
+    if isinstance(recorded, Sequence) and len(recorded) == 3:
+        c, h, w = (int(s) for s in recorded)
+    else:
+        c, h, w = default_input_size(model)
+        c = int(kwargs.get("in_chans", c))
+        size = kwargs.get("img_size")
+        if isinstance(size, int):
+            h = w = size
+        elif isinstance(size, Sequence) and len(size) == 2:
+            h, w = (int(s) for s in size)
+    if img_size is not None:
+        h = w = img_size
+    return c, h, w
+
+
+def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
+    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(1, *input_size))
+    except (RuntimeError, ValueError) as exc:
+        size = "x".join(str(s) for s in input_size)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
+
+
+def build_model(
+    name: str, *, num_classes: int | None, in_chans: int | None, img_size: int | None
+) -> nn.Module:
+    """``repmlp.create_model`` with the given options; an unknown name or bad option is a UserError.
+
+    ``img_size`` is passed only to models that take it (timm's CNNs take any input size without it).
+    """
+    from .. import create_model
+
+    kwargs: dict[str, Any] = {}
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+    if in_chans is not None:
+        kwargs["in_chans"] = in_chans
+    attempts = [{**kwargs, "img_size": img_size}, kwargs] if img_size is not None else [kwargs]
+    last: Exception | None = None
+    for attempt in attempts:
+        try:
+            return create_model(name, **attempt).eval()
+        except TypeError as exc:  # the model does not take img_size: retry without it
+            last = exc
+        except Exception as exc:  # noqa: BLE001 - unknown name / bad kwargs surface as many types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot build model {name!r}: {first}") from None
+    raise UserError(f"cannot build model {name!r}: {last}")

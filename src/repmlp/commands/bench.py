@@ -1,0 +1,128 @@
+"""``repmlp bench``: examples/second of training-time and deployed forms, with params and FLOPs.
+
+Models come from the registry (``--model``, built with random weights: speed does not depend on them)
+or from checkpoints (``--checkpoint``). Each is timed as built (training-time structure, eval mode) and
+after re-parameterization, at one batch size and input size, after warm-up passes; the table reports
+the median pass. FLOPs are multiply-accumulates, as in the paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from torch import nn
+
+from ..errors import UserError
+from ._common import (
+    add_device_argument,
+    build_model,
+    check_forward,
+    checkpoint_input_size,
+    describe_device,
+    int_at_least,
+    load_checkpoint,
+    resolve_device,
+)
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="throughput, params and FLOPs of training-time vs deployed models, as a Markdown table",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--model", nargs="+", metavar="NAME", help="registered model name(s) (see repmlp tables)"
+    )
+    src.add_argument("--checkpoint", nargs="+", type=Path, metavar="PATH", help="model checkpoint(s)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="examples per forward pass")
+    p.add_argument(
+        "--img-size", type=int_at_least(1), default=None, help="input height = width (default: the model's)"
+    )
+    p.add_argument("--in-chans", type=int_at_least(1), default=None, help="input channels (--model only)")
+    p.add_argument("--num-classes", type=int_at_least(1), default=None, help="classes (--model only)")
+    add_device_argument(p)
+    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed passes first")
+    p.add_argument("--repeats", type=int_at_least(1), default=10, help="timed passes (median reported)")
+    p.add_argument(
+        "--forms", nargs="+", choices=("train", "deploy"), default=["train", "deploy"], help="forms to time"
+    )
+    p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
+    p.set_defaults(func=run)
+    return p
+
+
+def _models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], tuple[int, ...], dict[str, str]]:
+    """Name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form."""
+    from ..bench import default_input_size
+
+    models: dict[str, nn.Module] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    forms: dict[str, str] = {}
+    if args.model:
+        for name in dict.fromkeys(args.model):
+            model = build_model(
+                name, num_classes=args.num_classes, in_chans=args.in_chans, img_size=args.img_size
+            )
+            c, h, w = default_input_size(model)
+            if args.in_chans is not None:
+                c = args.in_chans
+            if args.img_size is not None:
+                h = w = args.img_size
+            models[name], sizes[name], forms[name] = model, (c, h, w), "train"
+    else:
+        for path in dict.fromkeys(args.checkpoint):
+            model, info = load_checkpoint(path)
+            label = f"{info['model']} ({path.name})" if len(args.checkpoint) > 1 else info["model"]
+            models[label] = model
+            sizes[label] = checkpoint_input_size(model, info, args.img_size)
+            forms[label] = info["form"]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
+        raise UserError(
+            f"the models take different input sizes ({listed}); pass --img-size or bench them apart"
+        )
+    input_size = next(iter(sizes.values()))
+    for name, model in models.items():
+        check_forward(model, input_size, name)
+    return models, input_size, forms
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import benchmark, render_markdown
+    from ..checkpoint import atomic_write_text
+
+    device = resolve_device(args.device)
+    models, input_size, forms = _models(args)
+    rows = []
+    for name, model in models.items():
+        # A deployed checkpoint has no training-time form left to time.
+        wanted = [f for f in args.forms if forms[name] == "train" or f == "deploy"]
+        if not wanted:
+            log.warning("%s is a deployed checkpoint: nothing to time for --forms train", name)
+            continue
+        rows += benchmark(
+            {name: model},
+            input_size,
+            args.batch_size,
+            device=device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            forms=wanted,
+        )
+    size = "x".join(str(s) for s in input_size)
+    note = (
+        f"Batch {args.batch_size}, input {size}, {describe_device(device)}; speed is the median of "
+        f"{args.repeats} timed passes after {args.warmup} warm-up passes (`repmlp bench`)."
+    )
+    table = render_markdown(rows, note=note)
+    print(table)
+    if args.output is not None:
+        atomic_write_text(args.output, table + "\n")
+    return 0

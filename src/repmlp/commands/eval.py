@@ -1,0 +1,100 @@
+"""``repmlp eval``: top-1 / top-5 accuracy of a training-time or deployed checkpoint on a data set.
+
+The checkpoint's metadata names the model and its form; the data set options are those of ``repmlp train``
+(by default the data set the checkpoint was trained on). ``--task face|seg`` evaluates with the face /
+segmentation protocols instead (their options: ``repmlp eval --task face --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from ..errors import UserError
+from ._common import int_at_least
+from .train import add_task_option, run_task
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..data import DATASETS
+
+    p = subparsers.add_parser(
+        "eval",
+        help="top-1/top-5 accuracy of a checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_task_option(p)
+    p.add_argument("--checkpoint", default=None, help="model.safetensors or deploy.safetensors of a run")
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=None,
+        help="(default: the one the checkpoint was trained on, else fashion-mnist)",
+    )
+    p.add_argument("--data-dir", default=None, help="as for repmlp train")
+    p.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
+    p.add_argument(
+        "--val-limit", type=int_at_least(1), default=None, metavar="N", help="first N examples only"
+    )
+    p.add_argument("--img-size", type=int_at_least(8), default=None, help="centre-crop size (imagefolder)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=512)
+    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.task != "cls":
+        return run_task(args, "eval", "eval")
+    if not args.checkpoint:
+        raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
+    from ..checkpoint import CheckpointError, load_model
+    from ..data import DataConfig, build_data
+    from ..train import evaluate, resolve_device
+
+    device = resolve_device(args.device)
+    model, info = load_model(args.checkpoint, device=device)
+    extra = info.get("extra") or {}
+    dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
+    kwargs = info["model_kwargs"]
+    data = build_data(
+        DataConfig(
+            dataset=dataset,
+            data_dir=args.data_dir,
+            download=args.download,
+            eval_batch_size=args.batch_size,
+            val_limit=args.val_limit,
+            img_size=args.img_size or kwargs.get("img_size"),
+            workers=args.workers,
+            need_train=False,
+        ),
+        device=device,
+    )
+    if kwargs.get("num_classes") not in (None, data.num_classes):
+        raise CheckpointError(
+            f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"
+        )
+    if kwargs.get("in_chans") not in (None, data.in_chans):
+        raise CheckpointError(
+            f"{args.checkpoint} takes {kwargs['in_chans']}-channel images but {dataset} has {data.in_chans}"
+        )
+    if kwargs.get("img_size") not in (None, data.img_size):
+        raise CheckpointError(
+            f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has {data.img_size}px"
+        )
+    res = evaluate(model, data.val, device)
+    res.update(model=info["model"], form=info["form"], dataset=dataset, checkpoint=str(args.checkpoint))
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(
+            f"{info['model']} ({info['form']} form) on {dataset}, {res['n']} examples: "
+            f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
+        )
+    return 0

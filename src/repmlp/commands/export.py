@@ -1,0 +1,83 @@
+"""``repmlp export``: a checkpoint's deployed model as ONNX (checked with onnxruntime) and/or TorchScript.
+
+A training-time checkpoint is converted first (the file is not changed); the exported graph is always
+the deployed one: FC1, FC2 and FC3 per RepMLP block, no BatchNorm, no Local Perceptron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..errors import UserError
+from ._common import check_forward, checkpoint_input_size, int_at_least, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export",
+        help="export a checkpoint's deployed model to ONNX / TorchScript, checked against PyTorch",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint", required=True, type=Path, help="model checkpoint (.safetensors), either form"
+    )
+    p.add_argument("--format", choices=("onnx", "torchscript", "both"), default="onnx", help="what to write")
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="output file (its suffix is replaced per format with --format both); "
+        "default: the checkpoint's path with .onnx / .pt",
+    )
+    p.add_argument("--img-size", type=int_at_least(1), default=None, help="input size (default: the run's)")
+    p.add_argument("--opset", type=int_at_least(7), default=None, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
+    p.set_defaults(func=run)
+    return p
+
+
+def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, Path]:
+    """Where each requested format goes."""
+    formats = ("onnx", "torchscript") if fmt == "both" else (fmt,)
+    base = output if output is not None else checkpoint
+    if output is not None and len(formats) == 1:
+        return {formats[0]: output}
+    return {f: base.with_suffix(_SUFFIX[f]) for f in formats}
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import reparameterize_model
+    from ..export import ExportError, export_onnx, export_torchscript
+
+    paths = output_paths(args.checkpoint, args.output, args.format)
+    for path in paths.values():
+        if path.resolve() == args.checkpoint.resolve():
+            raise UserError(f"--output {path} would overwrite the checkpoint")
+        if path.is_dir():
+            raise UserError(f"--output {path} is a folder")
+    model, info = load_checkpoint(args.checkpoint)
+    input_size = checkpoint_input_size(model, info, args.img_size)
+    if info["form"] == "train":
+        log.info("converting the training-time model of %s to its deployed form", info["model"])
+        model = reparameterize_model(model)
+    check_forward(model, input_size, info["model"])
+    size = "x".join(str(s) for s in input_size)
+    for fmt, path in paths.items():
+        try:
+            if fmt == "onnx":
+                diff = export_onnx(model, path, input_size, check=not args.no_check, opset_version=args.opset)
+                how = "not checked" if args.no_check else f"onnxruntime vs PyTorch max abs diff {diff:.2e}"
+            else:
+                diff = export_torchscript(model, path, input_size)
+                how = f"TorchScript vs PyTorch max abs diff {diff:.2e}"
+        except ExportError as exc:
+            raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
+        print(f"wrote {path} ({info['model']}, deployed, input Nx{size}; {how})")
+    return 0

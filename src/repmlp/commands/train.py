@@ -1,0 +1,273 @@
+"""``repmlp train``: train a classifier (default: RepMLP on Fashion-MNIST), evaluate, convert, export, report.
+
+With no options this is the project's main job: a pure-MLP RepMLP on the Fashion-MNIST installed by
+Debian's ``dataset-fashion-mnist``, about ten minutes on a 2-core CPU. ``--preset cifar|imagenet`` selects
+the paper's recipes; every preset value can be overridden. Under ``torchrun --nproc_per_node N`` the same
+command trains with DistributedDataParallel. ``--task face|seg`` runs the face-recognition or
+segmentation pipeline instead (their options: ``repmlp train --task face --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from ..errors import UserError
+from ._common import int_at_least, positive_float
+
+log = logging.getLogger(__name__)
+
+TASKS = ("cls", "face", "seg")
+
+
+def _nonneg_int(text: str) -> int:
+    return int_at_least(0)(text)
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _model_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE parsed as JSON when it is JSON (``kernel_sizes=[3]``), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def add_task_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="cls",
+        help="cls: image classification (this command's options); face / seg: the paper's face "
+        "recognition / semantic segmentation pipelines, with their own options (see --task X --help)",
+    )
+
+
+def task_argv(argv: list[str], command: str) -> list[str]:
+    """The options after ``command`` in ``argv`` without ``--task X`` (handed to a task's own parser)."""
+    rest = argv[argv.index(command) + 1 :] if command in argv else list(argv)
+    out, skip = [], False
+    for i, a in enumerate(rest):
+        if skip:
+            skip = False
+        elif a == "--task":
+            skip = i + 1 < len(rest)
+        elif not a.startswith("--task="):
+            out.append(a)
+    return out
+
+
+def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
+    """Parse the task's own options from the raw command line and call its ``train``/``evaluate``."""
+    import importlib
+
+    from ..cli import ArgumentParser
+
+    module = importlib.import_module(f"repmlp.tasks.{args.task}")
+    parser = ArgumentParser(
+        prog=f"repmlp {command} --task {args.task}",
+        description=(module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else None,
+    )
+    getattr(module, f"add_{phase}_arguments")(parser)
+    try:
+        task_args = parser.parse_args(task_argv(args.argv, command))
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    for k in ("verbose", "quiet"):
+        setattr(task_args, k, getattr(args, k, False))
+    task_args.task = args.task
+    return int(getattr(module, "train" if phase == "train" else "evaluate")(task_args) or 0)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..data import DATASETS
+    from ..recipes import PRESETS
+
+    p = subparsers.add_parser(
+        "train",
+        help="train a model (default: the 10-minute Fashion-MNIST job)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_task_option(p)
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=DATASETS, default="fashion-mnist", help="(default: fashion-mnist)")
+    g.add_argument(
+        "--data-dir",
+        default=None,
+        help="fashion-mnist: folder of the IDX files (default: Debian's, else the download cache); "
+        "cifar10: folder holding cifar-10-batches-py; imagefolder: folder with train/ and val/",
+    )
+    g.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
+    g.add_argument(
+        "--train-limit",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="train on the first N training examples only",
+    )
+    g.add_argument(
+        "--val-limit",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="evaluate on the first N validation examples only",
+    )
+    g.add_argument(
+        "--workers", type=_nonneg_int, default=2, help="image decoding processes (imagefolder; default: 2)"
+    )
+    g = p.add_argument_group("model and recipe (defaults come from --preset)")
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="fmnist (default for fashion-mnist), cifar (the paper's CIFAR-10 recipe, default for "
+        "cifar10), imagenet (the paper's ImageNet recipe, default for imagefolder)",
+    )
+    g.add_argument(
+        "--model", default=None, help="registered repmlp model, or a timm / torchvision model name"
+    )
+    g.add_argument(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra model option, VALUE as JSON (e.g. --model-arg kernel_sizes=[3]); repeatable",
+    )
+    g.add_argument("--epochs", type=int_at_least(1), default=None)
+    g.add_argument(
+        "--batch-size", type=int_at_least(1), default=None, help="global batch size (split over processes)"
+    )
+    g.add_argument("--eval-batch-size", type=int_at_least(1), default=512)
+    g.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
+    g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
+    g.add_argument(
+        "--min-lr", type=_nonneg_float, default=None, help="final learning rate of the cosine schedule"
+    )
+    g.add_argument("--momentum", type=_nonneg_float, default=None)
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--weight-decay", type=_nonneg_float, default=None)
+    g.add_argument("--schedule", choices=("cosine", "constant"), default=None)
+    g.add_argument("--warmup-epochs", type=_nonneg_float, default=None)
+    g.add_argument("--label-smoothing", type=_nonneg_float, default=None)
+    g.add_argument("--mixup", type=_nonneg_float, default=None, help="mixup Beta(a, a) parameter; 0 disables")
+    g.add_argument(
+        "--pad", type=_nonneg_int, default=None, help="random-crop padding in pixels (in-memory data)"
+    )
+    g.add_argument(
+        "--flip", action=argparse.BooleanOptionalAction, default=None, help="random left-right flips"
+    )
+    g.add_argument("--autoaugment", action=argparse.BooleanOptionalAction, default=None, help="(imagefolder)")
+    g.add_argument("--img-size", type=int_at_least(8), default=None, help="crop size (imagefolder)")
+    g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    g = p.add_argument_group("run")
+    g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")
+    g.add_argument(
+        "--resume", action="store_true", help="continue the run in --output from its last checkpoint"
+    )
+    g.add_argument(
+        "--ckpt-every",
+        type=_nonneg_int,
+        default=200,
+        metavar="STEPS",
+        help="also checkpoint every STEPS optimizer steps (0: only at epoch ends; default: 200)",
+    )
+    g.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mixed precision (default: on CUDA)",
+    )
+    g.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="channels-last memory format (default: on CUDA)",
+    )
+    g.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+    g.add_argument("--bench-batch-size", type=int_at_least(1), default=128)
+    g.add_argument("--no-export", action="store_true", help="skip the ONNX export")
+    g.add_argument("--no-bench", action="store_true", help="skip the speed benchmark")
+    g.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
+    return p
+
+
+def resolve_config(args: argparse.Namespace):
+    """Preset values for every option not given on the command line -> :class:`TrainConfig`."""
+    from ..recipes import DEFAULT_PRESET, PRESETS
+    from ..train import TrainConfig
+
+    preset = args.preset or DEFAULT_PRESET[args.dataset]
+    values = dict(PRESETS[preset])
+    for k in list(values):
+        given = getattr(args, k, None)
+        if given is not None:
+            values[k] = given
+    output = args.output or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    if args.resume and not args.output:
+        raise UserError("--resume needs --output DIR (the run folder to continue)")
+    return TrainConfig(
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        download=args.download,
+        preset=preset,
+        model_args=dict(args.model_arg),
+        eval_batch_size=args.eval_batch_size,
+        train_limit=args.train_limit,
+        val_limit=args.val_limit,
+        seed=args.seed,
+        device=args.device,
+        amp=args.amp,
+        workers=args.workers,
+        ckpt_every=args.ckpt_every,
+        output=output,
+        **values,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.task != "cls":
+        return run_task(args, "train", "train")
+    t0 = time.perf_counter()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from ..pipeline import finish_run
+    from ..train import cleanup_distributed, run_training
+
+    cfg = resolve_config(args)
+    try:
+        result = run_training(cfg, resume=args.resume, stop_after_steps=args.stop_after_steps)
+        if not result.dist_info.is_main:
+            return 0
+        ok = finish_run(
+            result,
+            command=["repmlp", *sys.argv[1:]] if args.argv is None else ["repmlp", *args.argv],
+            started=t0,
+            bench_batch_size=args.bench_batch_size,
+            export=not args.no_export,
+            bench=not args.no_bench,
+        )
+        return 0 if ok else 1
+    finally:
+        cleanup_distributed()

@@ -1,0 +1,91 @@
+"""``repmlp viz``: the paper's FC3 weight figure for a RepMLP block of a training-time checkpoint.
+
+FC3's kernel is viewed as W(O, h, w, C/g, h, w); the figure shows ln(|W| / min |W|) of
+W[out_channel, y, x, in_channel, :, :] for the training-time FC3 (left) and for FC3 merged with the
+Local Perceptron (right). The sampled point is the dashed square, the largest conv kernel's extent the
+blue square (paper Sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..errors import UserError
+from ._common import int_at_least, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "viz",
+        help="plot the paper's FC3 weight figure (before / after merging the Local Perceptron)",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, type=Path, help="training-time checkpoint (.safetensors)")
+    p.add_argument(
+        "--block", default=None, help="qualified name of the RepMLP block (default: the first with convs)"
+    )
+    p.add_argument("--list-blocks", action="store_true", help="print the model's RepMLP blocks and exit")
+    p.add_argument("--out-channel", type=int_at_least(0), default=0, help="output channel o")
+    p.add_argument(
+        "--in-channel", type=int_at_least(0), default=0, help="input channel inside o's group (0 .. C/g-1)"
+    )
+    p.add_argument(
+        "--point",
+        nargs=2,
+        type=int_at_least(0),
+        metavar=("Y", "X"),
+        default=None,
+        help="output point in the partition, zero-based (default: the centre (h//2, w//2))",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="PNG to write (default: fc3_weights.png next to the checkpoint)",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..viz import find_repmlp_blocks, plot_fc3
+
+    output = args.output or args.checkpoint.with_name("fc3_weights.png")
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder")
+    model, info = load_checkpoint(args.checkpoint)
+    blocks = find_repmlp_blocks(model)
+    if args.list_blocks:
+        for name, block in blocks:
+            print(f"{name or '<root>'}\t{block.extra_repr()}")
+        return 0
+    if not blocks:
+        raise UserError(f"{info['model']} has no RepMLP block to visualise")
+    if info["form"] != "train":
+        raise UserError(
+            f"{args.checkpoint} holds the deployed form of {info['model']}; the figure compares the "
+            "training-time FC3 with the merged one, so pass the training-time checkpoint (model.safetensors)"
+        )
+    try:
+        sample = plot_fc3(
+            model,
+            output,
+            block_name=args.block,
+            out_channel=args.out_channel,
+            point=args.point,
+            in_channel=args.in_channel,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    y, x = sample.point
+    print(
+        f"wrote {output} ({info['model']} block {sample.block_name or '<root>'}: "
+        f"W[{sample.out_channel}, {y}, {x}, {sample.in_channel}, :, :], "
+        f"max ln(|W|/min|W|) {sample.train.max():.2f} training-time, {sample.merged.max():.2f} merged)"
+    )
+    return 0

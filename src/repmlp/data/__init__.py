@@ -1,0 +1,165 @@
+"""Classification data: Fashion-MNIST (IDX), CIFAR-10 (torchvision's layout) and ImageNet-style folders.
+
+:func:`build_data` returns train and validation loaders with one contract (see :mod:`.loader`), plus
+what a model needs to know (classes, channels, resolution).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UserError
+from .cifar import load_cifar10
+from .fashion_mnist import CLASSES as FMNIST_CLASSES
+from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
+from .folder import ImageFolderData, scan_image_folder
+from .loader import FolderLoader, InMemoryLoader
+
+__all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION"]
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("fashion-mnist", "cifar10", "imagefolder")
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+NORMALIZATION = {
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+
+@dataclass
+class DataConfig:
+    """What :func:`build_data` needs; ``batch_size`` is per process."""
+
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    download: bool = False
+    batch_size: int = 128
+    eval_batch_size: int = 512
+    train_limit: int | None = None
+    val_limit: int | None = None
+    seed: int = 0
+    pad: int = 0  # random-crop padding (in-memory data sets)
+    flip: bool = False
+    autoaugment: bool = False  # image folders only
+    img_size: int | None = None  # image folders: train crop / eval centre crop
+    workers: int = 2
+    channels_last: bool = False
+    need_train: bool = True
+
+
+@dataclass
+class Data:
+    train: InMemoryLoader | FolderLoader | None
+    val: InMemoryLoader | FolderLoader
+    num_classes: int
+    in_chans: int
+    img_size: int
+    classes: list[str] = field(default_factory=list)
+
+
+def _limit(n: int | None, what: str, total: int) -> int:
+    if n is None:
+        return total
+    if n < 1:
+        raise UserError(f"{what} must be at least 1, got {n}")
+    return min(n, total)
+
+
+def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.device | str = "cpu") -> Data:
+    """Load ``cfg.dataset`` and wrap its splits in loaders for this rank."""
+    if cfg.dataset not in DATASETS:
+        raise UserError(f"unknown dataset {cfg.dataset!r} (choose from {', '.join(DATASETS)})")
+    if cfg.dataset == "imagefolder":
+        return _build_folder(cfg, rank, world, device)
+    if cfg.autoaugment:
+        raise UserError("--autoaugment is supported with --dataset imagefolder only")
+    if cfg.dataset == "fashion-mnist":
+        folder = find_fashion_mnist(cfg.data_dir, cfg.download)
+        log.info("Fashion-MNIST from %s", folder)
+        splits = {
+            s: load_fashion_mnist(folder, train=s) for s in ((True, False) if cfg.need_train else (False,))
+        }
+        classes = FMNIST_CLASSES
+    else:
+        if cfg.data_dir is None:
+            raise UserError("--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)")
+        splits = {
+            s: load_cifar10(cfg.data_dir, train=s) for s in ((True, False) if cfg.need_train else (False,))
+        }
+        classes = CIFAR10_CLASSES
+    mean, std = NORMALIZATION[cfg.dataset]
+    common = dict(
+        mean=mean,
+        std=std,
+        seed=cfg.seed,
+        rank=rank,
+        world=world,
+        device=device,
+        channels_last=cfg.channels_last,
+    )
+
+    def loader(train: bool, limit: int | None, what: str, batch: int) -> InMemoryLoader:
+        images, labels = splits[train]
+        n = _limit(limit, what, len(labels))
+        return InMemoryLoader(
+            torch.from_numpy(images[:n].copy()),
+            torch.from_numpy(labels[:n].copy()),
+            batch_size=batch,
+            train=train,
+            pad=cfg.pad if train else 0,
+            flip=cfg.flip and train,
+            **common,
+        )
+
+    train = loader(True, cfg.train_limit, "--train-limit", cfg.batch_size) if cfg.need_train else None
+    val = loader(False, cfg.val_limit, "--val-limit", cfg.eval_batch_size)
+    images = splits[False][0]
+    return Data(train, val, len(classes), images.shape[1], images.shape[2], list(classes))
+
+
+def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
+    from torchvision import transforms as T
+
+    if cfg.data_dir is None:
+        raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
+    size = cfg.img_size or 224
+    mean, std = NORMALIZATION["imagefolder"]
+    train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
+    val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
+    classes = classes or val_classes
+    aug = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    if cfg.autoaugment:
+        aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
+    to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
+    # Single centre crop at the usual 0.875 ratio (224 of 256).
+    eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), *to_tensor])
+    common = dict(
+        seed=cfg.seed,
+        rank=rank,
+        world=world,
+        workers=cfg.workers,
+        device=device,
+        channels_last=cfg.channels_last,
+    )
+    train = None
+    if cfg.need_train:
+        train_samples = train_samples[: _limit(cfg.train_limit, "--train-limit", len(train_samples))]
+        train = FolderLoader(
+            ImageFolderData(train_samples, T.Compose([*aug, *to_tensor]), cfg.seed, True),
+            batch_size=cfg.batch_size,
+            train=True,
+            **common,
+        )
+    val_samples = val_samples[: _limit(cfg.val_limit, "--val-limit", len(val_samples))]
+    val = FolderLoader(
+        ImageFolderData(val_samples, eval_tf, cfg.seed, False),
+        batch_size=cfg.eval_batch_size,
+        train=False,
+        **common,
+    )
+    return Data(train, val, len(classes), 3, size, classes)

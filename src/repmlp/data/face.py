@@ -1,0 +1,205 @@
+"""Aligned face crops on disk (paper Sec. 4.3: 96x96 inputs).
+
+Training data is an image folder with one sub-folder per identity, the way MS1M-style sets are
+commonly unpacked::
+
+    root/<identity>/<any name>.{jpg,png,...}
+
+Verification pairs are read from a text file, either LFW's ``pairs.txt`` (first line ``<folds> <n>``,
+then ``name i j`` for a same-identity pair and ``name1 i name2 j`` for a different one, image
+``name/name_<i:04d>.<ext>``) or one pair per line as ``<path1> <path2> <0|1>`` (1 = same identity;
+paths relative to the image root). Identification uses two identity folders, a probe set and a
+gallery that holds the probes' mates plus any distractors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from ..errors import UserError
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "FaceFolder",
+    "ImageList",
+    "face_transform",
+    "read_pairs",
+    "VerificationPairs",
+]
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
+FACE_SIZE = 96
+
+
+def _is_image(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS
+
+
+def face_transform(size: int = FACE_SIZE, *, train: bool) -> Callable[[Image.Image], Tensor]:
+    """PIL image -> ``(3, size, size)`` float tensor in ``[-1, 1]``; random horizontal flip in training.
+
+    Crops are already aligned, so the only geometric change is a resize when they are not ``size``
+    (MS1M's common 112x112 release, say) and the flip; ``[-1, 1]`` scaling is usual for face models.
+    """
+
+    def transform(img: Image.Image) -> Tensor:
+        img = img.convert("RGB")
+        if img.size != (size, size):
+            img = img.resize((size, size), Image.BILINEAR)
+        x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).reshape(size, size, 3)
+        x = x.permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+        if train and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return x
+
+    return transform
+
+
+class ImageList(Dataset):
+    """Images from a list of paths with integer labels; ``(image, label)`` items."""
+
+    def __init__(self, paths: list[Path], labels: list[int], transform: Callable[[Image.Image], Tensor]):
+        self.paths, self.labels, self.transform = paths, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        path = self.paths[index]
+        try:
+            with Image.open(path) as img:
+                x = self.transform(img)
+        except OSError as exc:
+            raise UserError(f"cannot read image {path}: {exc}") from exc
+        return x, self.labels[index]
+
+
+class FaceFolder(ImageList):
+    """Identity-per-folder face crops: ``root/<identity>/<image>``; labels follow sorted folder names.
+
+    ``classes`` lists the identities (folder names). Raises :class:`~repmlp.errors.UserError` with
+    the reason when ``root`` is not such a folder (missing, a file, no identity folders, or no images).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        transform: Callable[[Image.Image], Tensor] | None = None,
+        *,
+        train: bool = False,
+        size: int = FACE_SIZE,
+    ) -> None:
+        root = Path(root)
+        if not root.exists():
+            raise UserError(f"face image folder {root} does not exist")
+        if not root.is_dir():
+            raise UserError(f"{root} is not a folder (expected one sub-folder of images per identity)")
+        identities = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        loose = [p.name for p in root.iterdir() if _is_image(p)]
+        if not identities:
+            extra = f" (it holds {len(loose)} loose images)" if loose else ""
+            raise UserError(
+                f"{root} is not a face image folder: it has no identity sub-folders{extra}; "
+                "expected root/<identity>/<image>"
+            )
+        paths: list[Path] = []
+        labels: list[int] = []
+        classes: list[str] = []
+        empty: list[str] = []
+        for folder in identities:
+            images = sorted(p for p in folder.iterdir() if _is_image(p))
+            if not images:
+                empty.append(folder.name)
+                continue
+            labels.extend([len(classes)] * len(images))
+            paths.extend(images)
+            classes.append(folder.name)
+        if not paths:
+            raise UserError(
+                f"{root} is not a face image folder: none of its {len(identities)} sub-folders holds images "
+                f"with extension {', '.join(IMAGE_EXTENSIONS)}"
+            )
+        if empty:
+            log.warning(
+                "%s: %d identity folders without images skipped (e.g. %s)", root, len(empty), empty[0]
+            )
+        if loose:
+            log.warning("%s: %d images outside identity folders ignored", root, len(loose))
+        super().__init__(paths, labels, transform or face_transform(size, train=train))
+        self.root, self.classes = root, classes
+
+    @property
+    def identities(self) -> list[str]:
+        """Identity name of every image, in dataset order."""
+        return [self.classes[i] for i in self.labels]
+
+
+@dataclass
+class VerificationPairs:
+    """Pairs of images to verify: ``first[i]``, ``second[i]`` and whether they share an identity."""
+
+    first: list[Path]
+    second: list[Path]
+    same: list[bool]
+    folds: int | None  # as declared by an LFW header, else None
+
+
+def _lfw_image(root: Path, name: str, number: str) -> Path:
+    stem = root / name / f"{name}_{int(number):04d}"
+    for ext in IMAGE_EXTENSIONS:
+        if stem.with_suffix(ext).is_file():
+            return stem.with_suffix(ext)
+    raise UserError(f"pairs file names {name} {number}, but no image {stem}.<jpg|png|...> exists")
+
+
+def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
+    """Read verification pairs (LFW ``pairs.txt`` or ``path1 path2 same`` lines); see the module doc."""
+    pairs_file, root = Path(pairs_file), Path(root)
+    if not pairs_file.is_file():
+        raise UserError(f"pairs file {pairs_file} does not exist")
+    lines = [
+        ln.split() for ln in pairs_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
+    if not lines:
+        raise UserError(f"pairs file {pairs_file} is empty")
+    folds = None
+    if len(lines[0]) == 2 and all(t.isdigit() for t in lines[0]):
+        folds = int(lines[0][0])
+        lines = lines[1:]
+        lfw = True
+    else:
+        lfw = False
+    first, second, same = [], [], []
+    for number, tokens in enumerate(lines, start=2 if lfw else 1):
+        if lfw and len(tokens) == 3:
+            first.append(_lfw_image(root, tokens[0], tokens[1]))
+            second.append(_lfw_image(root, tokens[0], tokens[2]))
+            same.append(True)
+        elif lfw and len(tokens) == 4:
+            first.append(_lfw_image(root, tokens[0], tokens[1]))
+            second.append(_lfw_image(root, tokens[2], tokens[3]))
+            same.append(False)
+        elif not lfw and len(tokens) == 3 and tokens[2] in ("0", "1"):
+            a, b = root / tokens[0], root / tokens[1]
+            for p in (a, b):
+                if not p.is_file():
+                    raise UserError(f"{pairs_file}:{number}: image {p} does not exist")
+            first.append(a)
+            second.append(b)
+            same.append(tokens[2] == "1")
+        else:
+            raise UserError(
+                f"{pairs_file}:{number}: cannot parse {' '.join(tokens)!r} (expected LFW pairs.txt lines or "
+                "'<path1> <path2> <0|1>')"
+            )
+    return VerificationPairs(first, second, same, folds)

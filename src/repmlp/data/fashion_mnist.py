@@ -1,0 +1,111 @@
+"""Fashion-MNIST from IDX files: Debian's ``dataset-fashion-mnist``, a given folder, or torchvision's download."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UserError
+from .idx import read_idx
+
+__all__ = ["load_fashion_mnist", "find_fashion_mnist", "DEBIAN_DIR", "CLASSES"]
+
+log = logging.getLogger(__name__)
+
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+_FILES = {
+    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+HOW_TO_GET = (
+    "install Debian's package (sudo apt-get install dataset-fashion-mnist, or bash scripts/setup.sh), "
+    "pass --data-dir DIR with the four IDX files, or add --download to fetch them with torchvision"
+)
+
+
+def default_cache_dir() -> Path:
+    """Where ``--download`` puts the data when no ``--data-dir`` is given."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "repmlp" / "data"
+
+
+def _find_file(folder: Path, stem: str) -> Path | None:
+    for name in (stem + ".gz", stem, stem.replace("-idx", ".idx")):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _complete(folder: Path) -> bool:
+    return all(_find_file(folder, stem) for pair in _FILES.values() for stem in pair)
+
+
+def find_fashion_mnist(data_dir: str | os.PathLike | None, download: bool = False) -> Path:
+    """The folder holding the four Fashion-MNIST IDX files.
+
+    Searched: ``data_dir`` and its ``FashionMNIST/raw`` (torchvision's layout); without ``data_dir``,
+    Debian's folder then the download cache. With ``download``, torchvision fetches missing files.
+    """
+    if data_dir is not None:
+        roots = [Path(data_dir)]
+        if not roots[0].exists() and not download:
+            raise UserError(f"data folder not found: {roots[0]} ({HOW_TO_GET})")
+    else:
+        roots = [DEBIAN_DIR, default_cache_dir()]
+    for root in roots:
+        for folder in (root, root / "FashionMNIST" / "raw"):
+            if folder.is_dir() and _complete(folder):
+                return folder
+    if download:
+        return _download(roots[-1])
+    if data_dir is None:
+        # No explicit folder and no Debian package: torchvision's downloader is the documented fallback.
+        log.info("Fashion-MNIST not installed in %s; trying torchvision's downloader", DEBIAN_DIR)
+        return _download(roots[-1])
+    raise UserError(f"no Fashion-MNIST IDX files in {roots[0]} ({HOW_TO_GET})")
+
+
+def _download(root: Path) -> Path:
+    try:
+        from torchvision.datasets import FashionMNIST
+
+        for train in (True, False):
+            FashionMNIST(str(root), train=train, download=True)
+    except Exception as exc:  # noqa: BLE001 - network, disk: all end the same way for the user
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"Fashion-MNIST is not installed and the download into {root} failed ({msg}); {HOW_TO_GET}"
+        ) from None
+    folder = root / "FashionMNIST" / "raw"
+    if not _complete(folder):
+        raise UserError(f"torchvision's download left no IDX files in {folder}; {HOW_TO_GET}")
+    return folder
+
+
+def load_fashion_mnist(folder: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split."""
+    img_stem, lbl_stem = _FILES[train]
+    images = read_idx(_find_file(folder, img_stem))
+    labels = read_idx(_find_file(folder, lbl_stem))
+    if images.ndim != 3 or images.dtype != np.uint8 or labels.ndim != 1 or len(images) != len(labels):
+        raise UserError(
+            f"Fashion-MNIST files in {folder} do not match (images {images.shape}, labels {labels.shape})"
+        )
+    if labels.size and labels.max() >= len(CLASSES):
+        raise UserError(f"Fashion-MNIST labels in {folder} are outside 0..9")
+    return images[:, None], labels.astype(np.int64)

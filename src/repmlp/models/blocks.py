@@ -1,0 +1,507 @@
+"""Building blocks of the paper's models and a configurable ResNet-50-style network.
+
+Every conv-BN pair is a :class:`repmlp.ConvBN` (and every RepMLP a :class:`repmlp.RepMLPBlock`), so a
+model built with ``deploy=True`` has exactly the structure of ``reparameterize_model(model)`` and
+loads its state dict with ``strict=True``.
+
+Stages are named as in the paper: ``c2, c3, c4, c5`` (ints 2..5 or strings ``"c2"``..``"c5"``); per-stage
+options are sequences ordered c2..c5 (or one value for all stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..block import RepMLPBlock
+from ..layers import ConvBN
+
+__all__ = [
+    "ConvBNReLU",
+    "Bottleneck",
+    "RepMLPBottleneck",
+    "RepMLPLightBlock",
+    "NonLocalBlock",
+    "GlobalContextBlock",
+    "ResNet",
+    "parse_stages",
+    "per_stage",
+    "conv_out_size",
+]
+
+T = TypeVar("T")
+
+STAGE_NAMES = ("c2", "c3", "c4", "c5")
+
+
+class ConvBNReLU(ConvBN):
+    """:class:`ConvBN` followed by ReLU; also the paper's "FC" (a 1x1 conv-BN-ReLU) of the pure MLP.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(super().forward(x))
+
+
+def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> int:
+    """Output length of a conv/pool along one axis (floor mode), as ``nn.Conv2d`` computes it."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def per_stage(value: T | Sequence[T], n: int, name: str) -> tuple[T, ...]:
+    """``value`` repeated for ``n`` stages, or a length-``n`` sequence as a tuple."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} needs one value per stage ({n}), got {value!r}")
+        return tuple(value)
+    return (value,) * n  # type: ignore[return-value]
+
+
+def parse_stages(stages: Sequence[int | str] | int | str | None) -> tuple[int, ...]:
+    """Normalise stage names (``"c3"``, ``3``, ``"c3+c4"``) into sorted 0-based indices (c2 -> 0)."""
+    if stages is None:
+        return ()
+    if isinstance(stages, str):
+        stages = [s for s in stages.replace(",", "+").split("+") if s]
+    elif isinstance(stages, int):
+        stages = [stages]
+    out = set()
+    for s in stages:
+        label = s if isinstance(s, str) else f"c{s}"
+        if label not in STAGE_NAMES:
+            raise ValueError(f"unknown stage {s!r}: stages are named c2, c3, c4, c5 (or 2..5)")
+        out.add(STAGE_NAMES.index(label))
+    return tuple(sorted(out))
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck (v1.5: stride on the 3x3) built from :class:`ConvBN`.
+
+    ``conv1`` 1x1 ``C_in -> mid``, ``conv2`` 3x3 (stride, dilation), ``conv3`` 1x1 ``mid -> C_out``,
+    optional ``context`` module on the residual branch before the addition (a GC block), projection
+    ``downsample`` when the shape changes; ReLU after conv1, conv2 and the addition.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H/stride, W/stride)``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        *,
+        mid_channels: int | None = None,
+        stride: int = 1,
+        dilation: int = 1,
+        context: nn.Module | None = None,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        mid = mid_channels or out_channels // 4
+        self.conv1 = ConvBN(in_channels, mid, 1, deploy=deploy)
+        self.conv2 = ConvBN(mid, mid, 3, stride, dilation=dilation, deploy=deploy)
+        self.conv3 = ConvBN(mid, out_channels, 1, deploy=deploy)
+        self.context = context
+        needs_proj = stride != 1 or in_channels != out_channels
+        self.downsample = ConvBN(in_channels, out_channels, 1, stride, deploy=deploy) if needs_proj else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.conv3(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        if self.context is not None:
+            out = self.context(out)
+        return F.relu(out + identity)
+
+
+class RepMLPBottleneck(nn.Module):
+    """RepMLP Bottleneck (paper Sec. 3.5): a ResNet bottleneck whose 3x3 conv becomes a RepMLP.
+
+    ``conv1`` 1x1 ``C_in -> mid`` (``mid = C_out/4``), ``conv2`` 3x3 ``mid -> mid/r``, ``repmlp``
+    ``mid/r -> mid/r`` at ``resolution``, ``conv3`` 3x3 ``mid/r -> mid``, ``conv4`` 1x1 ``mid -> C_out``;
+    ReLU after every conv-BN but the last and after the RepMLP; residual addition then ReLU. Stride 1
+    only (the paper keeps the stride-2 bottlenecks); a 1x1 projection shortcut when ``C_in != C_out``.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H, W)`` with ``(H, W) == resolution``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        resolution: int | Sequence[int],
+        partition: int | Sequence[int],
+        *,
+        mid_channels: int | None = None,
+        reduction: int = 2,
+        groups: int = 8,
+        kernel_sizes: Sequence[int] = (1, 3, 5),
+        global_reduction: int = 1,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        mid = mid_channels or out_channels // 4
+        if mid % reduction:
+            raise ValueError(f"reduction r={reduction} must divide the bottleneck width {mid}")
+        inner = mid // reduction
+        self.conv1 = ConvBNReLU(in_channels, mid, 1, deploy=deploy)
+        self.conv2 = ConvBNReLU(mid, inner, 3, deploy=deploy)
+        self.repmlp = RepMLPBlock(
+            inner,
+            inner,
+            resolution,
+            partition,
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_reduction=global_reduction,
+            deploy=deploy,
+        )
+        self.conv3 = ConvBNReLU(inner, mid, 3, deploy=deploy)
+        self.conv4 = ConvBN(mid, out_channels, 1, deploy=deploy)
+        self.downsample = (
+            ConvBN(in_channels, out_channels, 1, deploy=deploy) if in_channels != out_channels else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = F.relu(self.repmlp(self.conv2(self.conv1(x))))
+        return F.relu(self.conv4(self.conv3(out)) + identity)
+
+
+class RepMLPLightBlock(nn.Module):
+    """RepMLP Light Block (paper Appendix A): 1x1 conv ``r``-times reduction, RepMLP, 1x1 expansion.
+
+    ``conv1`` 1x1 ``C_in -> C_out/r`` (``r = 8`` in the paper), ``repmlp`` at ``resolution``, ``conv2``
+    1x1 back to ``C_out``; ReLU after conv1 and the RepMLP, residual addition then ReLU; no 3x3 conv.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H, W)`` with ``(H, W) == resolution``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        resolution: int | Sequence[int],
+        partition: int | Sequence[int],
+        *,
+        reduction: int = 8,
+        groups: int = 8,
+        kernel_sizes: Sequence[int] = (1, 3, 5),
+        global_reduction: int = 1,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        if out_channels % reduction:
+            raise ValueError(f"reduction r={reduction} must divide out_channels={out_channels}")
+        inner = out_channels // reduction
+        self.conv1 = ConvBNReLU(in_channels, inner, 1, deploy=deploy)
+        self.repmlp = RepMLPBlock(
+            inner,
+            inner,
+            resolution,
+            partition,
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_reduction=global_reduction,
+            deploy=deploy,
+        )
+        self.conv2 = ConvBN(inner, out_channels, 1, deploy=deploy)
+        self.downsample = (
+            ConvBN(in_channels, out_channels, 1, deploy=deploy) if in_channels != out_channels else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(self.conv2(F.relu(self.repmlp(self.conv1(x)))) + identity)
+
+
+class NonLocalBlock(nn.Module):
+    """Non-local block, embedded-Gaussian version (Wang et al., CVPR 2018, Sec. 3.3).
+
+    ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C/2``; the pairwise softmax over positions weighs ``g``;
+    ``W`` (1x1 conv ``C/2 -> C`` + BN, BN scale zero-initialised so the block starts as identity) and a
+    residual addition. With ``subsample`` (the paper's trick) ``phi`` and ``g`` are 2x2 max-pooled.
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        *,
+        inner_channels: int | None = None,
+        subsample: bool = True,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        inner = inner_channels or channels // 2
+        self.theta = nn.Conv2d(channels, inner, 1)
+        self.phi = nn.Conv2d(channels, inner, 1)
+        self.g = nn.Conv2d(channels, inner, 1)
+        self.W = ConvBN(inner, channels, 1, deploy=deploy)
+        if self.W.bn is not None:
+            nn.init.zeros_(self.W.bn.weight)
+        self.subsample = subsample
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, _, h, w = x.shape
+        q = self.theta(x).flatten(2)  # (N, C', HW)
+        k, v = self.phi(x), self.g(x)
+        if self.subsample and h > 1 and w > 1:
+            k, v = F.max_pool2d(k, 2, ceil_mode=True), F.max_pool2d(v, 2, ceil_mode=True)
+        attn = torch.softmax(q.transpose(1, 2) @ k.flatten(2), dim=-1)  # (N, HW, HW')
+        y = (attn @ v.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(n, -1, h, w)
+        return x + self.W(y)
+
+
+class GlobalContextBlock(nn.Module):
+    """Global context (GC) block (Cao et al., GCNet 2019): attention pooling + bottleneck transform.
+
+    Context modelling: 1x1 conv ``C -> 1`` and softmax over positions pool ``x`` into ``(N, C, 1, 1)``;
+    transform: 1x1 ``C -> C/ratio``, LayerNorm, ReLU, 1x1 ``C/ratio -> C`` (last conv zero-initialised);
+    fusion: broadcast addition.
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
+    """
+
+    def __init__(self, channels: int, *, ratio: int = 16) -> None:
+        super().__init__()
+        hidden = max(channels // ratio, 1)
+        self.conv_mask = nn.Conv2d(channels, 1, 1)
+        self.transform = nn.Sequential(
+            nn.Conv2d(channels, hidden, 1),
+            nn.LayerNorm([hidden, 1, 1]),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(hidden, channels, 1),
+        )
+        nn.init.zeros_(self.transform[-1].weight)
+        nn.init.zeros_(self.transform[-1].bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, c, h, w = x.shape
+        attn = torch.softmax(self.conv_mask(x).reshape(n, 1, h * w), dim=-1)  # (N, 1, HW)
+        context = (x.reshape(n, c, h * w) @ attn.transpose(1, 2)).reshape(n, c, 1, 1)
+        return x + self.transform(context)
+
+
+BlockFactory = Callable[..., nn.Module]
+
+
+class ResNet(nn.Module):
+    """A ResNet-50-style network whose stages can use RepMLP Bottlenecks or RepMLP Light Blocks.
+
+    With the defaults it is torchvision's ``resnet50`` (same parameters in the same order). In every
+    stage listed in ``repmlp_stages`` each stride-1 block is replaced by ``repmlp_block`` (the paper
+    keeps the stride-2 bottlenecks; c2's first block has stride 1 and is replaced too).
+
+    Args:
+        layers: blocks per stage (c2..c5).
+        widths: output channels per stage.
+        mid_channels: bottleneck (3x3 conv) width per stage; default ``widths/4``.
+        num_classes: classifier outputs; 0 for no classifier (``forward`` returns pooled features).
+        in_chans: input channels.
+        img_size: input resolution the RepMLPs are built for (int or ``(H, W)``).
+        stem: replacement stem module (default: torchvision's 7x7/2 conv-BN-ReLU + 3x3/2 max pool);
+            ``stem_channels`` its output channels and ``stem_size`` a function mapping the input
+            ``(H, W)`` to its output ``(H, W)``.
+        strides, dilations: per stage; a stage's first block uses the previous stage's dilation
+            (torchvision's ``replace_stride_with_dilation`` convention).
+        repmlp_stages: stages using RepMLP blocks (``"c3+c4"``, ``(3, 4)``, ...).
+        repmlp_block: ``"bottleneck"`` (RepMLP Bottleneck) or ``"light"`` (RepMLP Light Block).
+        reduction: ``r`` per stage; groups: ``g`` per stage; partition: ``h = w`` (or ``(h, w)``) per
+            stage; kernel_sizes: Local Perceptron kernels; global_reduction: FC1 reduction per stage.
+        gc_stages, gc_ratio: stages whose bottlenecks get a GC block on the residual branch.
+        nonlocal_blocks: ``{stage: (block indices, ...)}`` - a Non-local block is inserted before each.
+        deploy: build the inference structure.
+
+    Shapes: ``(N, in_chans, H, W)`` -> ``(N, num_classes)``.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[int] = (3, 4, 6, 3),
+        *,
+        widths: Sequence[int] = (256, 512, 1024, 2048),
+        mid_channels: Sequence[int] | None = None,
+        num_classes: int = 1000,
+        in_chans: int = 3,
+        img_size: int | Sequence[int] = 224,
+        stem: nn.Module | None = None,
+        stem_channels: int = 64,
+        stem_size: Callable[[tuple[int, int]], tuple[int, int]] | None = None,
+        strides: Sequence[int] = (1, 2, 2, 2),
+        dilations: Sequence[int] = (1, 1, 1, 1),
+        repmlp_stages: Sequence[int | str] | str | None = (),
+        repmlp_block: str = "bottleneck",
+        reduction: int | Sequence[int] = (2, 2, 4, 4),
+        groups: int | Sequence[int] = 8,
+        partition: int | Sequence[Any] = 7,
+        kernel_sizes: Sequence[int] | Sequence[Sequence[int]] = (1, 3, 5),
+        global_reduction: int | Sequence[int] = 1,
+        gc_stages: Sequence[int | str] | str | None = (),
+        gc_ratio: int = 16,
+        nonlocal_blocks: dict[int | str, Sequence[int]] | None = None,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        n = len(layers)
+        if n != 4:
+            raise ValueError(f"layers must give 4 stages (c2..c5), got {layers!r}")
+        if repmlp_block not in ("bottleneck", "light"):
+            raise ValueError(f"repmlp_block must be 'bottleneck' or 'light', got {repmlp_block!r}")
+        self.num_classes, self.in_chans = num_classes, in_chans
+        size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        self.img_size: tuple[int, int] = (int(size[0]), int(size[1]))
+        widths = per_stage(widths, n, "widths")
+        mids = per_stage(mid_channels, n, "mid_channels") if mid_channels is not None else (None,) * n
+        strides, dilations = per_stage(strides, n, "strides"), per_stage(dilations, n, "dilations")
+        reduction, groups = per_stage(reduction, n, "reduction"), per_stage(groups, n, "groups")
+        partitions = per_stage(partition, n, "partition") if _is_per_stage(partition, n) else (partition,) * n
+        kernels = kernel_sizes if _is_nested(kernel_sizes) else (tuple(kernel_sizes),) * n
+        kernels = per_stage(tuple(tuple(k) for k in kernels), n, "kernel_sizes")
+        global_reduction = per_stage(global_reduction, n, "global_reduction")
+        self.repmlp_stages = parse_stages(repmlp_stages)
+        gc = parse_stages(gc_stages)
+        nl = {parse_stages([k])[0]: tuple(v) for k, v in (nonlocal_blocks or {}).items()}
+
+        if stem is None:
+            self.stem = _TorchvisionStem(in_chans, stem_channels, deploy=deploy)
+            res = _TorchvisionStem.out_size(self.img_size)
+        else:
+            if stem_size is None:
+                raise ValueError("a custom stem needs stem_size (input (H, W) -> stem output (H, W))")
+            self.stem = stem
+            res = stem_size(self.img_size)
+        if self.repmlp_stages and min(res) < 1:
+            raise ValueError(f"img_size={img_size} is too small for this network")
+
+        self.stage_resolutions: list[tuple[int, int]] = []
+        stages: list[nn.Module] = []
+        c_in, prev_dilation = stem_channels, 1
+        for i in range(n):
+            blocks: list[nn.Module] = []
+            for j in range(layers[i]):
+                stride = strides[i] if j == 0 else 1
+                dilation = prev_dilation if j == 0 else dilations[i]
+                if stride != 1:
+                    res = (
+                        conv_out_size(res[0], 3, stride, dilation, dilation),
+                        conv_out_size(res[1], 3, stride, dilation, dilation),
+                    )
+                if j in nl.get(i, ()):
+                    blocks.append(NonLocalBlock(c_in, deploy=deploy))
+                if i in self.repmlp_stages and stride == 1:
+                    common = dict(
+                        groups=groups[i],
+                        kernel_sizes=kernels[i],
+                        global_reduction=global_reduction[i],
+                        deploy=deploy,
+                    )
+                    if repmlp_block == "bottleneck":
+                        blocks.append(
+                            RepMLPBottleneck(
+                                c_in,
+                                widths[i],
+                                res,
+                                partitions[i],
+                                mid_channels=mids[i],
+                                reduction=reduction[i],
+                                **common,
+                            )
+                        )
+                    else:
+                        blocks.append(
+                            RepMLPLightBlock(
+                                c_in, widths[i], res, partitions[i], reduction=reduction[i], **common
+                            )
+                        )
+                else:
+                    context = GlobalContextBlock(widths[i], ratio=gc_ratio) if i in gc else None
+                    blocks.append(
+                        Bottleneck(
+                            c_in,
+                            widths[i],
+                            mid_channels=mids[i],
+                            stride=stride,
+                            dilation=dilation,
+                            context=context,
+                            deploy=deploy,
+                        )
+                    )
+                c_in = widths[i]
+            prev_dilation = dilations[i]
+            self.stage_resolutions.append(res)
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.num_features = c_in
+        self.fc: nn.Module = nn.Linear(c_in, num_classes) if num_classes > 0 else nn.Identity()
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def check_input(self, x: Tensor) -> None:
+        """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (RepMLPs fix the size)."""
+        if x.dim() != 4 or x.shape[1] != self.in_chans:
+            raise ValueError(f"expected input (N, {self.in_chans}, H, W), got {tuple(x.shape)}")
+        if self.repmlp_stages and tuple(x.shape[2:]) != self.img_size:
+            raise ValueError(
+                f"this model's RepMLP layers are built for {self.img_size[0]}x{self.img_size[1]} inputs, "
+                f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
+            )
+
+    def forward_stages(self, x: Tensor) -> list[Tensor]:
+        """Outputs of c2, c3, c4, c5: ``[(N, widths[i], H_i, W_i)]`` (``stage_resolutions``)."""
+        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
+            self.check_input(x)
+        x = self.stem(x)
+        outs = []
+        for stage in self.stages:
+            x = stage(x)
+            outs.append(x)
+        return outs
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)``."""
+        return self.forward_stages(x)[-1]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return x if pre_logits else self.fc(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+
+def _is_per_stage(value: Any, n: int) -> bool:
+    """A per-stage partition is a length-n sequence whose items are ints or pairs (an (h, w) pair is not)."""
+    return isinstance(value, (list, tuple)) and len(value) == n and n != 2
+
+
+def _is_nested(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple))
+
+
+class _TorchvisionStem(nn.Module):
+    """7x7/2 conv-BN-ReLU + 3x3/2 max pool (torchvision's ``conv1, bn1, relu, maxpool``)."""
+
+    def __init__(self, in_chans: int, channels: int, *, deploy: bool = False) -> None:
+        super().__init__()
+        self.conv = ConvBN(in_chans, channels, 7, 2, 3, deploy=deploy)
+
+    @staticmethod
+    def out_size(size: tuple[int, int]) -> tuple[int, int]:
+        return tuple(conv_out_size(conv_out_size(s, 7, 2, 3), 3, 2, 1) for s in size)  # type: ignore[return-value]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.max_pool2d(F.relu(self.conv(x)), 3, 2, 1)

@@ -1,0 +1,325 @@
+"""The pure MLP of paper Sec. 4.1 (CIFAR-10), its ablations, the Wide ConvNet, and a Fashion-MNIST variant.
+
+One builder, :class:`PureMLP`: a 1x1 "FC" stem, then stages at full, 1/2, 1/4 resolution (2x2 max pool
+between them), each ``mixer, FC(C, C), mixer, FC(C, C_next)`` with a ReLU after every mixer and every
+FC (a 1x1 conv-BN), then the classifier. The mixer is what the paper's variants change:
+
+* ``"repmlp"``: a RepMLP (``g = 2``, ``h = w = 8``, ``K = 1,3,5,7`` on CIFAR) - the pure MLP;
+  ``global_perceptron=False`` / ``kernel_sizes=()`` give rows C (w/o Global) and B (w/o Local);
+* ``"fc3_conv9"``: a RepMLP whose FC3 is a groupwise 9x9 conv-BN on the partition map (row D);
+* ``"conv"``: a plain groupwise ``K x K`` conv-BN (row E with ``K = 9``, ``g = 2``; the Wide ConvNet
+  with ``K = 3``, ``g = 1`` and doubled widths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..block import GlobalPerceptron, RepMLPBlock
+from ..layers import ConvBN
+from ..ops import partition as to_partitions
+from ..ops import unpartition
+from .blocks import ConvBNReLU
+from .registry import register_model
+
+__all__ = [
+    "PureMLP",
+    "PartitionConvBlock",
+    "repmlp_cifar",
+    "repmlp_cifar_no_local",
+    "repmlp_cifar_no_global",
+    "repmlp_cifar_fc3_conv9",
+    "repmlp_cifar_conv9",
+    "wide_convnet_cifar",
+    "repmlp_fmnist",
+]
+
+_CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+_CIFAR_STD = (0.2470, 0.2435, 0.2616)
+_FMNIST_MEAN = (0.2860,)
+_FMNIST_STD = (0.3530,)
+
+
+class PartitionConvBlock(nn.Module):
+    """Row D of the paper's ablation: a RepMLP whose FC3 is replaced by a groupwise ``K x K`` conv + BN.
+
+    Global Perceptron as in RepMLP, then the partition map goes through the big conv (zero-padded per
+    partition, so its receptive field is the partition) plus the Local Perceptron convs; all are
+    merged into the big conv by :meth:`reparameterize` (smaller kernels zero-padded to ``K x K``).
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, O, H, W)``; ``H, W`` multiples of the partition.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        resolution: int,
+        partition: int,
+        *,
+        kernel_size: int = 9,
+        groups: int = 1,
+        kernel_sizes: Sequence[int] = (1, 3, 5, 7),
+        global_perceptron: bool = True,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        if resolution % partition:
+            raise ValueError(f"resolution {resolution} must be a multiple of the partition {partition}")
+        if any(k > kernel_size or k % 2 == 0 for k in kernel_sizes):
+            raise ValueError(f"Local Perceptron kernels {kernel_sizes} must be odd and <= {kernel_size}")
+        self.resolution, self.partition, self.in_channels = resolution, partition, in_channels
+        self.parts = resolution // partition
+        self.kernel_size = kernel_size
+        self.global_perceptron = (
+            GlobalPerceptron(in_channels, (self.parts, self.parts), (partition, partition), 1, deploy)
+            if global_perceptron and self.parts > 1
+            else None
+        )
+        self.conv = ConvBN(in_channels, out_channels, kernel_size, groups=groups, deploy=deploy)
+        self.local = (
+            nn.ModuleList(ConvBN(in_channels, out_channels, k, groups=groups) for k in kernel_sizes)
+            if kernel_sizes and not deploy
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, c, h, w = x.shape
+        if (c, h, w) != (self.in_channels, self.resolution, self.resolution):
+            raise ValueError(
+                f"block built for input (N, {self.in_channels}, {self.resolution}, {self.resolution}), "
+                f"got {tuple(x.shape)}"
+            )
+        parts = to_partitions(x, self.partition, self.partition)
+        if self.global_perceptron is not None:
+            v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
+            parts = parts + v
+        out = self.conv(parts)
+        if self.local is not None:
+            for branch in self.local:
+                out = out + branch(parts)
+        return unpartition(out, n, self.parts, self.parts)
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold every BN and the Local Perceptron into one ``K x K`` conv with bias (eval mode)."""
+        if self.global_perceptron is not None:
+            self.global_perceptron.reparameterize()
+        if self.local is None and self.conv.bn is None:
+            return
+        self.conv.reparameterize()
+        weight, bias = self.conv.conv.weight, self.conv.conv.bias
+        for branch in self.local or ():
+            branch.reparameterize()  # no-op when reparameterize_model already converted the children
+            kw, kb = branch.conv.weight, branch.conv.bias
+            pad = (self.kernel_size - kw.shape[-1]) // 2
+            weight = weight + F.pad(kw, (pad, pad, pad, pad))
+            bias = bias + kb
+        self.conv.conv.weight.copy_(weight)
+        self.conv.conv.bias.copy_(bias)
+        self.local = None
+
+
+def _mixer(
+    kind: str,
+    channels: int,
+    resolution: int,
+    *,
+    partition: int,
+    groups: int,
+    kernel_sizes: Sequence[int],
+    global_perceptron: bool,
+    conv_kernel: int,
+    deploy: bool,
+) -> nn.Module:
+    """The spatial layer of a pure-MLP stage (``C -> C`` at ``resolution``), followed by ReLU."""
+    if kind == "repmlp":
+        block: nn.Module = RepMLPBlock(
+            channels,
+            channels,
+            resolution,
+            partition,
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_perceptron=global_perceptron,
+            deploy=deploy,
+        )
+    elif kind == "fc3_conv9":
+        block = PartitionConvBlock(
+            channels,
+            channels,
+            resolution,
+            partition,
+            kernel_size=conv_kernel,
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_perceptron=global_perceptron,
+            deploy=deploy,
+        )
+    elif kind == "conv":
+        block = ConvBN(channels, channels, conv_kernel, groups=groups, deploy=deploy)
+    else:
+        raise ValueError(f"unknown mixer {kind!r}: repmlp, fc3_conv9 or conv")
+    return nn.Sequential(block, nn.ReLU(inplace=True))
+
+
+class PureMLP(nn.Module):
+    """Configurable pure MLP / ConvNet counterpart of paper Fig. "pure MLP" (see the module docstring).
+
+    Args:
+        widths: channels of the stages (16, 32, 64 for the pure MLP; 32, 64, 128 for the Wide ConvNet).
+        img_size: input resolution (stage ``i`` runs at ``img_size / 2**i``).
+        mixer: ``"repmlp"``, ``"fc3_conv9"`` or ``"conv"``.
+        partition: ``h = w`` of the RepMLPs (capped at a stage's resolution).
+        groups: ``g`` of RepMLPs / convs.
+        kernel_sizes: Local Perceptron kernels.
+        global_perceptron: keep FC1/FC2.
+        conv_kernel: ``K`` of the conv mixers.
+        num_classes, in_chans, deploy: as everywhere.
+
+    Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, num_classes)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        widths: Sequence[int] = (16, 32, 64),
+        img_size: int = 32,
+        mixer: str = "repmlp",
+        partition: int = 8,
+        groups: int = 2,
+        kernel_sizes: Sequence[int] = (1, 3, 5, 7),
+        global_perceptron: bool = True,
+        conv_kernel: int = 9,
+        num_classes: int = 10,
+        in_chans: int = 3,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(img_size, int):
+            raise ValueError(f"img_size must be an int (square inputs), got {img_size!r}")
+        n = len(widths)
+        if img_size % (2 ** (n - 1)):
+            raise ValueError(f"img_size={img_size} must be divisible by {2 ** (n - 1)} ({n} stages)")
+        self.num_classes, self.in_chans, self.img_size = num_classes, in_chans, img_size
+        self.stem = ConvBNReLU(in_chans, widths[0], 1, deploy=deploy)
+        stages = []
+        res = img_size
+        for i, c in enumerate(widths):
+            c_next = widths[i + 1] if i + 1 < n else c
+            opts: dict[str, Any] = dict(
+                partition=min(partition, res),
+                groups=groups,
+                kernel_sizes=kernel_sizes,
+                global_perceptron=global_perceptron,
+                conv_kernel=conv_kernel,
+                deploy=deploy,
+            )
+            layers: list[nn.Module] = [] if i == 0 else [nn.MaxPool2d(2)]
+            layers += [
+                _mixer(mixer, c, res, **opts),
+                ConvBNReLU(c, c, 1, deploy=deploy),
+                _mixer(mixer, c, res, **opts),
+                ConvBNReLU(c, c_next, 1, deploy=deploy),
+            ]
+            stages.append(nn.Sequential(*layers))
+            res //= 2
+        self.stages = nn.Sequential(*stages)
+        self.num_features = widths[-1]
+        self.head = nn.Linear(self.num_features, num_classes)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(N, in_chans, S, S)`` -> ``(N, widths[-1], S / 2**(n-1), ...)``."""
+        if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_chans, self.img_size, self.img_size):
+            raise ValueError(
+                f"model built for inputs (N, {self.in_chans}, {self.img_size}, {self.img_size}), got "
+                f"{tuple(x.shape)}; build it with img_size/in_chans matching the data"
+            )
+        return self.stages(self.stem(x))
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+
+_CIFAR_CFG: dict[str, Any] = dict(
+    input_size=(3, 32, 32),
+    num_classes=10,
+    mean=_CIFAR_MEAN,
+    std=_CIFAR_STD,
+    crop_pct=1.0,
+    classifier="head",
+    first_conv="stem.conv",
+)
+
+
+@register_model(**_CIFAR_CFG)
+def repmlp_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """The pure MLP on CIFAR-10 (paper Table "pure MLP"): RepMLPs with g=2, h=w=8, K=1,3,5,7."""
+    return PureMLP(**kwargs)
+
+
+@register_model(**_CIFAR_CFG)
+def repmlp_cifar_no_local(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """Row B, "w/o Local": the pure MLP without Local Perceptron."""
+    return PureMLP(**{"kernel_sizes": (), **kwargs})
+
+
+@register_model(**_CIFAR_CFG)
+def repmlp_cifar_no_global(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """Row C, "w/o Global": the pure MLP without Global Perceptron (no FC1/FC2)."""
+    return PureMLP(**{"global_perceptron": False, **kwargs})
+
+
+@register_model(**_CIFAR_CFG)
+def repmlp_cifar_fc3_conv9(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """Row D, "FC3 as conv9": FC3 replaced by a groupwise 9x9 conv (p=4) + BN."""
+    return PureMLP(**{"mixer": "fc3_conv9", "conv_kernel": 9, **kwargs})
+
+
+@register_model(**_CIFAR_CFG)
+def repmlp_cifar_conv9(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """Row E, "RepMLP as conv9": every RepMLP replaced by a groupwise 9x9 conv + BN."""
+    return PureMLP(**{"mixer": "conv", "conv_kernel": 9, **kwargs})
+
+
+@register_model(**_CIFAR_CFG)
+def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """The Wide ConvNet: the pure MLP with 3x3 convs instead of RepMLPs and widths 32, 64, 128."""
+    return PureMLP(**{"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128), **kwargs})
+
+
+@register_model(
+    input_size=(1, 28, 28),
+    num_classes=10,
+    mean=_FMNIST_MEAN,
+    std=_FMNIST_STD,
+    crop_pct=1.0,
+    classifier="head",
+    first_conv="stem.conv",
+)
+def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes.
+
+    Defaults favour speed on a CPU (small widths, only the K=3 Local Perceptron branch); every
+    :class:`PureMLP` option can be overridden.
+    """
+    defaults: dict[str, Any] = dict(
+        widths=(8, 16, 32), img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10
+    )
+    return PureMLP(**{**defaults, **kwargs})

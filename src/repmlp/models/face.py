@@ -1,0 +1,303 @@
+"""Face-recognition models of the paper's Sec. 4.3 (96x96 aligned faces -> embedding).
+
+- :class:`MobileFaceNet` (Chen et al. 2018) at 96x96: the global depthwise conv covers the 6x6 map.
+- :class:`FaceResNet`: the paper's customised ResNet (blocks 3,2,2,2 in c2..c5, widths 128..1024,
+  1x1 convs neither reducing nor expanding), optionally with RepMLP Bottlenecks replacing the
+  stride-1 bottlenecks of chosen stages (``repmlp_face_resnet``: c2, c3, c4 with h=w=6, r=2, g=4).
+
+Every model returns an embedding ``(N, embedding_dim)``; the classification layer lives in the
+loss (:class:`repmlp.losses.AMSoftmax`), so the deployed model is the embedding network alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import ConvBN
+from .registry import register_model
+
+__all__ = [
+    "MobileFaceNet",
+    "FaceResNet",
+    "DeepStem",
+    "EmbeddingHead",
+    "mobilefacenet",
+    "face_resnet",
+    "repmlp_face_resnet",
+]
+
+
+class _ConvBNAct(nn.Sequential):
+    """ConvBN followed by PReLU (MobileFaceNet's activation) or nothing (a linear layer)."""
+
+    def __init__(
+        self, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, *, act: bool, deploy: bool
+    ) -> None:
+        layers: list[nn.Module] = [ConvBN(cin, cout, k, stride, groups=groups, deploy=deploy)]
+        if act:
+            layers.append(nn.PReLU(cout))
+        super().__init__(*layers)
+
+
+class _InvertedResidual(nn.Module):
+    """MobileNetV2 bottleneck (1x1 expand, 3x3 depthwise, linear 1x1 project), residual when shapes allow.
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, O, H/s, W/s)``.
+    """
+
+    def __init__(self, cin: int, cout: int, stride: int, expansion: int, deploy: bool) -> None:
+        super().__init__()
+        mid = cin * expansion
+        self.body = nn.Sequential(
+            _ConvBNAct(cin, mid, 1, act=True, deploy=deploy),
+            _ConvBNAct(mid, mid, 3, stride, groups=mid, act=True, deploy=deploy),
+            _ConvBNAct(mid, cout, 1, act=False, deploy=deploy),
+        )
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.body(x)
+        return x + y if self.residual else y
+
+
+class MobileFaceNet(nn.Module):
+    """MobileFaceNet (Chen et al. 2018, Table 1), sized for ``img_size`` inputs (paper: 96).
+
+    The global depthwise conv (GDConv) has the kernel size of the last feature map (``img_size/16``),
+    which is what makes it "global"; it and the final 1x1 conv are linear (BN, no activation).
+
+    Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, embedding_dim)``.
+    """
+
+    # (expansion t, output channels c, repeats n, first stride s) of the paper's Table 1.
+    SETTINGS = ((2, 64, 5, 2), (4, 128, 1, 2), (2, 128, 6, 1), (4, 128, 1, 2), (2, 128, 2, 1))
+
+    def __init__(
+        self,
+        *,
+        embedding_dim: int = 128,
+        in_chans: int = 3,
+        img_size: int = 96,
+        width: int = 64,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        if img_size % 16:
+            raise ValueError(
+                f"MobileFaceNet needs img_size divisible by 16 (four stride-2 stages), got {img_size}"
+            )
+        self.embedding_dim, self.img_size, self.in_chans = embedding_dim, img_size, in_chans
+        scale = width / 64
+        layers: list[nn.Module] = [
+            _ConvBNAct(in_chans, width, 3, 2, act=True, deploy=deploy),
+            _ConvBNAct(width, width, 3, groups=width, act=True, deploy=deploy),
+        ]
+        cin = width
+        for t, c, n, s in self.SETTINGS:
+            cout = max(1, round(c * scale))
+            for i in range(n):
+                layers.append(_InvertedResidual(cin, cout, s if i == 0 else 1, t, deploy))
+                cin = cout
+        last = max(1, round(512 * scale))
+        k = img_size // 16
+        layers += [
+            _ConvBNAct(cin, last, 1, act=True, deploy=deploy),
+            _ConvBNAct(last, last, k, groups=last, act=False, deploy=deploy),  # GDConv: k x k -> 1 x 1
+            _ConvBNAct(last, embedding_dim, 1, act=False, deploy=deploy),
+        ]
+        # ConvBN's default "same" padding would keep the GDConv's output k x k; it must be valid.
+        layers[-2][0].conv.padding = (0, 0)
+        self.features = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.features(x).flatten(1)
+
+
+class EmbeddingHead(nn.Module):
+    """Face-ResNet embedding head: BN -> flatten -> FC -> BN (the usual "BN-FC-BN" output layer).
+
+    Keeps the spatial layout of the last ``(C, k, k)`` map (faces are aligned, so where a feature
+    is matters, which is the paper's point about FC layers on faces) instead of pooling it away.
+    Both BNs are foldable into the FC for inference. Shapes: ``(N, C, k, k)`` -> ``(N, D)``.
+    """
+
+    def __init__(self, channels: int, spatial: int, embedding_dim: int, deploy: bool = False) -> None:
+        super().__init__()
+        self.bn_in = nn.Identity() if deploy else nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels * spatial * spatial, embedding_dim)
+        self.bn_out = nn.Identity() if deploy else nn.BatchNorm1d(embedding_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn_out(self.fc(self.bn_in(x).flatten(1)))
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold both BNs into the FC (equivalent in eval mode)."""
+        if isinstance(self.bn_out, nn.Identity):
+            return
+        from ..reparam import absorb_bn_into_fc, fuse_bn
+
+        w, b = self.fc.weight, self.fc.bias
+        # bn_in normalises each channel of a (C, k, k) map: one affine per channel, repeated k*k times.
+        w, b = absorb_bn_into_fc(w, b, self.bn_in)
+        w, b = fuse_bn(w, self.bn_out, b)
+        self.fc.weight.copy_(w)
+        self.fc.bias.copy_(b)
+        self.bn_in, self.bn_out = nn.Identity(), nn.Identity()
+
+
+class DeepStem(nn.Module):
+    """ResNet-D's stem: three 3x3 conv-BN-ReLU (``C/2``, ``C/2``, ``C``; the first strided) + 3x3/2 max pool.
+
+    Not named by the paper; offered because with it FaceResNet's counts come within 0.2% of the
+    paper's table (40.30M / 1052M MACs against 40.35M / 1050M), see ``tests/test_face.py``.
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C, H/4, W/4)``.
+    """
+
+    def __init__(self, in_chans: int, channels: int, *, deploy: bool = False) -> None:
+        super().__init__()
+        from .blocks import ConvBNReLU
+
+        half = channels // 2
+        self.convs = nn.Sequential(
+            ConvBNReLU(in_chans, half, 3, 2, deploy=deploy),
+            ConvBNReLU(half, half, 3, deploy=deploy),
+            ConvBNReLU(half, channels, 3, deploy=deploy),
+        )
+        self.pool = nn.MaxPool2d(3, 2, 1)
+
+    @staticmethod
+    def out_size(size: tuple[int, int]) -> tuple[int, int]:
+        return tuple((((s + 1) // 2) + 1) // 2 for s in size)  # type: ignore[return-value]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pool(self.convs(x))
+
+
+class FaceResNet(nn.Module):
+    """The paper's FaceResNet, optionally with RepMLP Bottlenecks (RepMLP-FaceRes).
+
+    A :class:`~repmlp.models.blocks.ResNet` trunk (ResNet-50's 7x7/2 stem and 3x3/2 max pool, or with
+    ``stem="deep"`` :class:`DeepStem`, then c2..c5
+    of ``layers`` bottlenecks whose three convs all have ``widths[i]`` channels: the 1x1 convs neither
+    reduce nor expand), followed by :class:`EmbeddingHead`.
+
+    In every stage of ``repmlp_stages`` the bottlenecks after the first become RepMLP Bottlenecks (paper:
+    "the last two bottlenecks of c2 and the last blocks of c3, c4"; c2's first block has stride 1 in a
+    ResNet-50 but changes the width, and the paper keeps it). A RepMLP Bottleneck is the paper's block
+    of Sec. 3.5 as defined there: its 1x1 conv reduces ``widths[i]`` 4x, its 3x3 conv a further ``r``x,
+    then a RepMLP with partition ``h = w = partition`` and ``groups``.
+
+    Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, embedding_dim)``; c2..c5 see
+    ``img_size/4 .. img_size/32`` (24, 12, 6, 3 at 96).
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[int] = (3, 2, 2, 2),
+        widths: Sequence[int] = (128, 256, 512, 1024),
+        stem_channels: int = 64,
+        embedding_dim: int = 1024,
+        in_chans: int = 3,
+        img_size: int = 96,
+        repmlp_stages: Sequence[int | str] | str = (),
+        partition: int = 6,
+        reduction: int = 2,
+        groups: int = 4,
+        kernel_sizes: Sequence[int] = (1, 3, 5),
+        stem: str = "resnet",
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        from .blocks import RepMLPBottleneck, ResNet, parse_stages
+
+        if stem not in ("resnet", "deep"):
+            raise ValueError(f"stem must be 'resnet' or 'deep', got {stem!r}")
+        stem_opts: dict[str, Any] = {}
+        if stem == "deep":
+            stem_opts = dict(
+                stem=DeepStem(in_chans, stem_channels, deploy=deploy), stem_size=DeepStem.out_size
+            )
+
+        if img_size % 32:
+            raise ValueError(f"FaceResNet needs img_size divisible by 32 (c5 is img_size/32), got {img_size}")
+        self.embedding_dim, self.img_size, self.in_chans = embedding_dim, img_size, in_chans
+        self.num_classes = embedding_dim
+        self.trunk = ResNet(
+            layers,
+            widths=widths,
+            mid_channels=widths,
+            num_classes=0,
+            in_chans=in_chans,
+            img_size=img_size,
+            stem_channels=stem_channels,
+            deploy=deploy,
+            **stem_opts,
+        )
+        self.repmlp_stages = parse_stages(repmlp_stages)
+        for i in self.repmlp_stages:
+            stage, res, width = self.trunk.stages[i], self.trunk.stage_resolutions[i], widths[i]
+            for j in range(1, len(stage)):
+                stage[j] = RepMLPBottleneck(
+                    width,
+                    width,
+                    res,
+                    partition,
+                    mid_channels=width // 4,
+                    reduction=reduction,
+                    groups=groups,
+                    kernel_sizes=kernel_sizes,
+                    deploy=deploy,
+                )
+        h, w = self.trunk.stage_resolutions[-1]
+        self.head = EmbeddingHead(widths[-1], h, embedding_dim, deploy)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.repmlp_stages and tuple(x.shape[-2:]) != (self.img_size, self.img_size):
+            raise ValueError(
+                f"this model's RepMLPs are built for {self.img_size}x{self.img_size} faces, got "
+                f"{x.shape[-2]}x{x.shape[-1]}; build it with img_size={x.shape[-1]}"
+            )
+        return self.head(self.trunk.forward_features(x))
+
+
+def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """timm's ``num_classes`` (the output width) is the embedding width of these models."""
+    if num_classes is not None:
+        if "embedding_dim" in kwargs and kwargs["embedding_dim"] != num_classes:
+            raise ValueError("give embedding_dim or num_classes (the same thing for a face model), not both")
+        kwargs["embedding_dim"] = num_classes
+    return kwargs
+
+
+_FACE_CFG = dict(
+    input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), classifier="", crop_pct=1.0
+)
+
+
+@register_model(num_classes=128, first_conv="features.0.0.conv", **_FACE_CFG)
+def mobilefacenet(
+    pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
+) -> MobileFaceNet:
+    """MobileFaceNet at 96x96 (paper's Table face: 0.98M params, 162M MACs), 128-d embedding."""
+    return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs))
+
+
+@register_model(num_classes=1024, first_conv="trunk.stem.conv.conv", **_FACE_CFG)
+def face_resnet(pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any) -> FaceResNet:
+    """FaceResNet (paper Sec. 4.3): blocks 3,2,2,2, widths 128..1024, 1024-d embedding, 96x96."""
+    return FaceResNet(**_embedding_kwargs(num_classes, kwargs))
+
+
+@register_model(num_classes=1024, first_conv="trunk.stem.conv.conv", **_FACE_CFG)
+def repmlp_face_resnet(
+    pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
+) -> FaceResNet:
+    """RepMLP-FaceRes (paper Sec. 4.3): FaceResNet with RepMLP Bottlenecks (h=w=6, r=2, g=4) in c2, c3, c4."""
+    kwargs.setdefault("repmlp_stages", ("c2", "c3", "c4"))
+    return FaceResNet(**_embedding_kwargs(num_classes, kwargs))

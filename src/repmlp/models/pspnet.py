@@ -1,0 +1,266 @@
+"""PSPNet (Zhao et al. 2017) on ResNet-50 and RepMLP-Res50-g4/8 backbones (paper Sec. 4.4).
+
+Backbones as the paper sets them up for 713x713 Cityscapes crops:
+
+- ``pspnet_res50``: torchvision's ResNet-50 with c4 and c5 dilated instead of strided (dilation 2
+  and 4, output stride 8), as PSPNet-50.
+- ``pspnet_repmlp_res50``: RepMLP-Res50-g4/8 (c3+c4 RepMLP Bottlenecks, ``h = w = 10``, ``g = 4``/``8``,
+  ``K = 1,3,5,7``) with c4 not strided and *not* dilated (its receptive field is already large) and
+  c5 dilated (2, so c5's effective stride stays continuous with c4's), so c3 and c4 both run at 90x90
+  (81 partitions). Their Global Perceptron FC1 outputs / FC2 inputs are reduced 4x in c3 and 8x in c4.
+
+Head: pyramid pooling (bins 1, 2, 3, 6; each a 1x1 conv-BN-ReLU to ``C/4`` channels, upsampled and
+concatenated with the c5 map), a 3x3 conv-BN-ReLU to 512, dropout 0.1 and a 1x1 classifier; the
+auxiliary head (3x3 conv-BN-ReLU 1024 -> 256, dropout, 1x1 classifier) on c4 exists only in the
+training form, since it serves only the auxiliary loss. The converted (``deploy``) model drops it, and
+the paper's parameter counts are of that model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .blocks import Bottleneck, ConvBNReLU, ResNet
+from .registry import register_model
+from .resnet import repmlp_res50, repmlp_res50_g4_8
+
+__all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
+
+
+class PyramidPooling(nn.Module):
+    """PSPNet's pyramid pooling module: ``(N, C, H, W)`` -> ``(N, C + len(bins) * C/len(bins), H, W)``.
+
+    Each bin size ``b`` average-pools the map to ``b x b``, reduces it with a 1x1 conv-BN-ReLU and
+    bilinearly upsamples it back; the branches are concatenated with the input.
+    """
+
+    def __init__(self, in_channels: int, bins: Sequence[int] = (1, 2, 3, 6), *, deploy: bool = False) -> None:
+        super().__init__()
+        self.bins = tuple(bins)
+        reduced = in_channels // len(self.bins)
+        self.branches = nn.ModuleList(ConvBNReLU(in_channels, reduced, 1, deploy=deploy) for _ in self.bins)
+        self.out_channels = in_channels + reduced * len(self.bins)
+
+    def forward(self, x: Tensor) -> Tensor:
+        size = x.shape[-2:]
+        outs = [x]
+        for b, branch in zip(self.bins, self.branches, strict=True):
+            y = branch(F.adaptive_avg_pool2d(x, b))
+            outs.append(F.interpolate(y, size=size, mode="bilinear", align_corners=True))
+        return torch.cat(outs, 1)
+
+
+class _SegHead(nn.Sequential):
+    """3x3 conv-BN-ReLU, dropout, 1x1 classifier: ``(N, C, H, W)`` -> ``(N, num_classes, H, W)``."""
+
+    def __init__(
+        self, in_channels: int, channels: int, num_classes: int, dropout: float, deploy: bool
+    ) -> None:
+        super().__init__(
+            ConvBNReLU(in_channels, channels, 3, deploy=deploy),
+            nn.Dropout2d(dropout),
+            nn.Conv2d(channels, num_classes, 1),
+        )
+
+
+class PSPNet(nn.Module):
+    """PSPNet on a :class:`~repmlp.models.blocks.ResNet` backbone (``num_classes=0``) whose c4 and c5
+    outputs have ``c4_channels`` and ``c5_channels`` channels.
+
+    ``forward`` returns logits ``(N, num_classes, H, W)`` upsampled to the input size; in training mode,
+    with the auxiliary head present, it returns ``(main, aux)`` (both at the input size).
+    """
+
+    def __init__(
+        self,
+        backbone: ResNet,
+        c4_channels: int,
+        c5_channels: int,
+        *,
+        num_classes: int = 19,
+        bins: Sequence[int] = (1, 2, 3, 6),
+        head_channels: int = 512,
+        aux_channels: int = 256,
+        dropout: float = 0.1,
+        aux: bool = True,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.num_classes, self.in_chans, self.img_size = num_classes, backbone.in_chans, backbone.img_size
+        self.ppm = PyramidPooling(c5_channels, bins, deploy=deploy)
+        self.head = _SegHead(self.ppm.out_channels, head_channels, num_classes, dropout, deploy)
+        # The auxiliary head is training-only: the inference form (deploy) has none.
+        self.aux_head = (
+            _SegHead(c4_channels, aux_channels, num_classes, dropout, deploy) if aux and not deploy else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        size = x.shape[-2:]
+        c2, c3, c4, c5 = self.backbone.forward_stages(x)
+        out = F.interpolate(self.head(self.ppm(c5)), size=size, mode="bilinear", align_corners=True)
+        if self.training and self.aux_head is not None:
+            aux = F.interpolate(self.aux_head(c4), size=size, mode="bilinear", align_corners=True)
+            return out, aux
+        return out
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Drop the auxiliary head (training-only); conv-BN pairs fuse in their own ``reparameterize``."""
+        self.aux_head = None
+
+    def backbone_state_keys(self) -> list[str]:
+        """The state-dict keys that come from the backbone (prefix ``backbone.``)."""
+        return [k for k in self.state_dict() if k.startswith("backbone.")]
+
+
+def _seg_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword arguments into PSPNet's own (plus the c4/c5 widths) and the backbone's."""
+    own = {
+        k: kwargs.pop(k) for k in ("bins", "head_channels", "aux_channels", "dropout", "aux") if k in kwargs
+    }
+    widths = kwargs.get("widths", (256, 512, 1024, 2048))
+    own["c4_channels"], own["c5_channels"] = widths[2], widths[3]
+    return own, kwargs
+
+
+@register_model(
+    input_size=(3, 713, 713),
+    num_classes=19,
+    classifier="head.2",
+    first_conv="backbone.stem.conv.conv",
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+)
+def pspnet_res50(
+    pretrained: bool = False,
+    *,
+    num_classes: int = 19,
+    img_size: int | Sequence[int] = 713,
+    in_chans: int = 3,
+    deploy: bool = False,
+    **kwargs: Any,
+) -> PSPNet:
+    """PSPNet with a ResNet-50 backbone, c4/c5 dilated 2/4 (output stride 8), 19 Cityscapes classes.
+
+    Extra options: ``bins``, ``head_channels``, ``aux_channels``, ``dropout``, ``aux`` (PSPNet's) and
+    any :class:`ResNet` option (``widths``, ``mid_channels``, ``layers`` via ``repmlp_res50``, ...).
+    """
+    own, rest = _seg_kwargs(dict(kwargs))
+    rest.setdefault("strides", (1, 2, 1, 1))
+    rest.setdefault("dilations", (1, 1, 2, 4))
+    backbone = repmlp_res50(
+        stages=(), num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **rest
+    )
+    return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
+
+
+@register_model(
+    input_size=(3, 713, 713),
+    num_classes=19,
+    classifier="head.2",
+    first_conv="backbone.stem.conv.conv",
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+)
+def pspnet_repmlp_res50(
+    pretrained: bool = False,
+    *,
+    num_classes: int = 19,
+    img_size: int | Sequence[int] = 713,
+    in_chans: int = 3,
+    deploy: bool = False,
+    **kwargs: Any,
+) -> PSPNet:
+    """PSPNet with a RepMLP-Res50-g4/8 backbone (c4 neither strided nor dilated, c5 dilated 2).
+
+    FC1/FC2 of the Global Perceptrons are reduced 4x in c3 and 8x in c4 (``global_reduction``).
+    Extra options as :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
+    """
+    own, rest = _seg_kwargs(dict(kwargs))
+    rest.setdefault("strides", (1, 2, 1, 1))
+    rest.setdefault("dilations", (1, 1, 1, 2))
+    rest.setdefault("global_reduction", (1, 4, 8, 1))
+    backbone = repmlp_res50_g4_8(num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **rest)
+    _keep_first_bottlenecks(backbone, rest["dilations"], deploy)
+    return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
+
+
+def _keep_first_bottlenecks(backbone: ResNet, dilations: Sequence[int], deploy: bool) -> None:
+    """Restore the first block of every RepMLP stage to the ImageNet model's plain bottleneck.
+
+    The ImageNet RepMLP-Res50 keeps each stage's first (stride-2) bottleneck; un-striding c4 for
+    segmentation must not turn it into a RepMLP Bottleneck, or the backbone would no longer be the
+    pretrained one (and c4 would gain a sixth RepMLP). The block's dilation follows the ResNet
+    convention (a stage's first block uses the previous stage's dilation).
+    """
+    for i in backbone.repmlp_stages:
+        stage = backbone.stages[i]
+        first = stage[0]
+        if isinstance(first, Bottleneck):
+            continue
+        c_in = first.conv1.conv.in_channels
+        c_out = first.conv4.conv.out_channels
+        dilation = dilations[i - 1] if i > 0 else 1
+        stage[0] = Bottleneck(c_in, c_out, stride=1, dilation=dilation, deploy=deploy)
+
+
+def _is_reinitialised(key: str) -> bool:
+    """FC1/FC2 of the Global Perceptrons: their size depends on the resolution (paper Sec. 4.4)."""
+    return ".global_perceptron.fc1." in key or ".global_perceptron.fc2." in key
+
+
+def load_backbone_weights(model: PSPNet, path: str) -> dict[str, list[str]]:
+    """Load ImageNet-trained backbone weights (a training-form safetensors file) into ``model.backbone``.
+
+    Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh random
+    initialisation (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of
+    the ImageNet model is dropped. Any other difference - a backbone tensor the file lacks, a file
+    tensor the backbone lacks, a shape mismatch - raises :class:`~repmlp.errors.UserError` listing
+    them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys).
+    """
+    from ..checkpoint import CheckpointError, _read_tensors
+    from ..errors import UserError
+
+    try:
+        tensors, meta = _read_tensors(Path(path))
+    except CheckpointError as exc:
+        raise UserError(f"--backbone-weights: {exc}") from None
+    if meta.get("form") == "deploy":
+        raise UserError(
+            f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
+            "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
+        )
+    own = model.backbone.state_dict()
+    ignored = sorted(k for k in tensors if k.startswith("fc."))
+    reinit = sorted(k for k in own if _is_reinitialised(k))
+    missing = sorted(k for k in own if k not in tensors and not _is_reinitialised(k))
+    unexpected = sorted(k for k in tensors if k not in own and k not in ignored and not _is_reinitialised(k))
+    shapes = sorted(
+        f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in tensors and not _is_reinitialised(k) and tuple(tensors[k].shape) != tuple(own[k].shape)
+    )
+    if missing or unexpected or shapes:
+        parts = []
+        for what, keys in (
+            ("missing from the file", missing),
+            ("not in the backbone", unexpected),
+            ("with other shapes (file vs backbone)", shapes),
+        ):
+            if keys:
+                shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
+                parts.append(f"{len(keys)} {what}: {shown}")
+        model_name = meta.get("model", "an unknown model")
+        raise UserError(
+            f"backbone weights {path} (from {model_name}) do not fit the backbone: " + "; ".join(parts)
+        )
+    loadable = {k: v for k, v in tensors.items() if k in own and not _is_reinitialised(k)}
+    model.backbone.load_state_dict(loadable, strict=False)
+    return {"loaded": sorted(loadable), "reinitialised": reinit, "ignored": ignored}

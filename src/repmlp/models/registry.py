@@ -1,0 +1,223 @@
+"""Model registry: repmlp's own names, registered with timm too, plus timm/torchvision fall-backs.
+
+``@register_model`` on ``fn(pretrained: bool = False, **kwargs) -> nn.Module`` records ``fn`` under its
+``__name__`` and registers a timm-compatible entrypoint of the same name, so that after
+``import repmlp`` both ``repmlp.create_model(name)`` and ``timm.create_model(name)`` build it.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import fnmatch
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["register_model", "create_model", "list_models", "model_default_cfg", "is_model"]
+
+ModelFn = Callable[..., nn.Module]
+
+_MODELS: dict[str, ModelFn] = {}
+_CFGS: dict[str, dict[str, Any]] = {}
+
+_IMAGENET_MEAN = (0.485, 0.456, 0.406)
+_IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Keyword arguments timm's factory passes to every entrypoint; our builders do not use them.
+_TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+
+
+def _default_cfg(name: str, **overrides: Any) -> dict[str, Any]:
+    """A timm ``pretrained_cfg`` dict (no weights: ``url``/``hf_hub_id`` empty)."""
+    cfg: dict[str, Any] = {
+        "url": "",
+        "hf_hub_id": None,
+        "architecture": name,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.875,
+        "interpolation": "bilinear",
+        "mean": _IMAGENET_MEAN,
+        "std": _IMAGENET_STD,
+        "first_conv": "",
+        "classifier": "head.fc",
+        "license": "mit",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _no_pretrained(name: str, pretrained: bool) -> None:
+    if pretrained:
+        raise ValueError(
+            f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` and "
+            "load it with repmlp.checkpoint.load_model"
+        )
+
+
+def register_model(fn: ModelFn | None = None, **cfg: Any) -> Any:
+    """Register a model builder under its ``__name__`` (usable bare or as ``@register_model(**cfg)``).
+
+    ``cfg`` overrides the timm ``pretrained_cfg`` fields (``input_size``, ``num_classes``, ``mean``, ...);
+    ``num_classes`` and ``input_size`` there should be the builder's defaults.
+    """
+
+    def wrap(fn: ModelFn) -> ModelFn:
+        name = fn.__name__
+        _MODELS[name] = fn
+        _CFGS[name] = _default_cfg(name, **cfg)
+        _register_with_timm(name, fn)
+        return fn
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _register_with_timm(name: str, fn: ModelFn) -> None:
+    try:
+        import timm.models as tm
+    except ImportError:  # timm is a dependency, but the registry works without it
+        return
+
+    @functools.wraps(fn)
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        for key in _TIMM_ONLY_KWARGS:
+            kwargs.pop(key, None)
+        return _build(name, pretrained=pretrained, **kwargs)
+
+    # timm looks the pretrained cfg up in ``sys.modules[fn.__module__].default_cfgs`` at registration.
+    module = sys.modules[fn.__module__]
+    if not hasattr(module, "default_cfgs"):
+        module.default_cfgs = {}
+    module.default_cfgs[name] = dict(_CFGS[name])
+    tm.register_model(entrypoint)
+
+
+def _build(name: str, *, pretrained: bool = False, **kwargs: Any) -> nn.Module:
+    _no_pretrained(name, pretrained)
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    model = _MODELS[name](pretrained=False, **kwargs)
+    cfg = dict(_CFGS[name])
+    if getattr(model, "num_classes", None) is not None:
+        cfg["num_classes"] = model.num_classes
+    if getattr(model, "img_size", None) is not None:
+        size = model.img_size if isinstance(model.img_size, tuple) else (model.img_size, model.img_size)
+        cfg["input_size"] = (getattr(model, "in_chans", cfg["input_size"][0]), *size)
+    model.pretrained_cfg = cfg
+    model.default_cfg = cfg
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model
+
+
+def is_model(name: str) -> bool:
+    """Whether ``name`` is one of repmlp's registered models."""
+    return name in _MODELS
+
+
+def model_default_cfg(name: str) -> dict[str, Any]:
+    """A copy of the timm-style default cfg of a registered model (``input_size``, ``num_classes``, ...)."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown repmlp model {name!r}")
+    return copy.deepcopy(_CFGS[name])
+
+
+def list_models(pattern: str | None = None) -> list[str]:
+    """Sorted names of repmlp's registered models, optionally filtered by a shell-style ``pattern``."""
+    names = sorted(_MODELS)
+    return [n for n in names if fnmatch.fnmatch(n, pattern)] if pattern else names
+
+
+def _torchvision_names() -> list[str]:
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _timm_names() -> list[str]:
+    import timm
+
+    return list(timm.list_models())
+
+
+def _unknown(name: str) -> ValueError:
+    candidates = list(_MODELS)
+    for source in (_timm_names, _torchvision_names):
+        try:
+            candidates += source()
+        except Exception:  # noqa: BLE001 - suggestions only; never hide the real error
+            pass
+    close = difflib.get_close_matches(name, candidates, n=5, cutoff=0.6)
+    hint = f"; did you mean: {', '.join(close)}" if close else ""
+    return ValueError(
+        f"unknown model {name!r} (not a repmlp, timm or torchvision model name){hint}. "
+        "`repmlp.list_models()` lists repmlp's models"
+    )
+
+
+def _maybe_deploy(model: nn.Module, deploy: bool) -> nn.Module:
+    if not deploy:
+        return model
+    from ..convert import reparameterize_model
+
+    return reparameterize_model(model.eval(), inplace=True)
+
+
+def create_model(
+    name: str,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    deploy: bool = False,
+    pretrained: bool = False,
+    **kwargs: Any,
+) -> nn.Module:
+    """Build a model by name: repmlp's registry first, then timm's, then torchvision's.
+
+    Prefixes ``timm:`` and ``torchvision:`` force a source (both also build a model whose name repmlp
+    uses for something else). ``num_classes``/``in_chans`` left ``None`` keep the model's defaults.
+    ``deploy=True`` builds the inference form: for repmlp's models the converted structure directly
+    (load the state dict of ``reparameterize_model(model)`` into it with ``strict=True``); for timm's
+    and torchvision's, the freshly built eval model passed through ``reparameterize_model``.
+
+    Raises:
+        ValueError: unknown name (with close matches) or an option the model does not support.
+    """
+    source = None
+    if ":" in name:
+        source, name = name.split(":", 1)
+        if source not in ("repmlp", "timm", "torchvision"):
+            raise ValueError(
+                f"unknown model source {source!r} in {source}:{name} (repmlp, timm, torchvision)"
+            )
+    opts = {k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None}
+
+    if source in (None, "repmlp") and name in _MODELS:
+        return _build(name, pretrained=pretrained, deploy=deploy, **opts, **kwargs)
+    if source == "repmlp":
+        raise _unknown(name)
+
+    if source in (None, "timm"):
+        import timm
+
+        if timm.is_model(name):
+            _no_pretrained(name, pretrained)  # this package never downloads weights
+            return _maybe_deploy(timm.create_model(name, pretrained=False, **opts, **kwargs), deploy)
+        if source == "timm":
+            raise _unknown(name)
+
+    import torchvision
+
+    if name in _torchvision_names():
+        _no_pretrained(name, pretrained)
+        if opts.get("in_chans", 3) != 3:
+            raise ValueError(f"torchvision model {name!r} supports only in_chans=3")
+        if "num_classes" in opts:
+            kwargs["num_classes"] = opts["num_classes"]
+        model = torchvision.models.get_model(name, weights=None, **kwargs)
+        return _maybe_deploy(model, deploy)
+    raise _unknown(name)

@@ -1,0 +1,194 @@
+"""Pieces shared by the face and segmentation pipelines: processes, models, seeded data, logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Processes:
+    """This process's place in a (possibly single-process) run: ``rank`` of ``world``, its device."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def setup_processes(device_text: str) -> Processes:
+    """Join the torchrun process group when launched by torchrun (``WORLD_SIZE`` > 1), else one process.
+
+    Uses the classification engine's :func:`repmlp.train.setup_distributed` (NCCL with ``cuda:LOCAL_RANK``
+    on GPUs, gloo on CPUs), so all tasks start processes the same way.
+    """
+    from ..train import setup_distributed
+
+    info = setup_distributed(device_text)
+    return Processes(info.rank, info.world, info.device)
+
+
+def teardown_processes(procs: Processes) -> None:
+    from ..train import cleanup_distributed
+
+    if procs.distributed:
+        cleanup_distributed()
+
+
+def all_reduce_sum(t: torch.Tensor, procs: Processes) -> torch.Tensor:
+    """Sum ``t`` over processes (identity for one process)."""
+    if procs.distributed:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def per_process_batch(global_batch: int, procs: Processes, flag: str = "--batch-size") -> int:
+    """Split the global batch size (the paper's numbers are global) evenly over the processes."""
+    if global_batch % procs.world:
+        raise UserError(f"{flag} {global_batch} is not divisible by the {procs.world} processes")
+    return global_batch // procs.world
+
+
+def parse_model_kwargs(text: str | None) -> dict[str, Any]:
+    """``--model-kwargs`` JSON object -> dict (e.g. ``'{"img_size": 64}'``)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--model-kwargs is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise UserError("--model-kwargs must be a JSON object, e.g. '{\"img_size\": 64}'")
+    return value
+
+
+def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """``create_model(name, **kwargs)`` with a bad name or option reported as a :class:`UserError`."""
+    from ..models import create_model
+
+    try:
+        return create_model(name, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"cannot build model {name!r} with {kwargs}: {exc}") from None
+
+
+class EpochSeeded(Dataset):
+    """Adapts a dataset to TRAIN's loaders: items are ``(index, epoch)`` and augmentation is seeded.
+
+    The torch RNG is seeded from ``(seed, epoch, index)`` around each item, so a sample's random
+    augmentation does not depend on worker count or on which process loads it.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, train: bool) -> None:
+        self.dataset, self.seed, self.train = dataset, seed, train
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, int]):
+        index, epoch = item
+        seed = int(np.random.SeedSequence([self.seed, epoch, index, int(self.train)]).generate_state(1)[0])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
+def add_common_train_arguments(
+    parser: argparse.ArgumentParser, *, model: str, batch_size: int, lr: float, weight_decay: float
+) -> None:
+    """Options every task's training shares (model, output, schedule basics, processes)."""
+    from ..commands._common import int_at_least, positive_float
+
+    parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
+    parser.add_argument(
+        "--model-kwargs", default=None, help="JSON object of extra model options, e.g. '{\"img_size\": 64}'"
+    )
+    parser.add_argument("--output", required=True, help="folder for checkpoints and the training log")
+    parser.add_argument(
+        "--batch-size",
+        type=int_at_least(1),
+        default=batch_size,
+        help=f"global batch size, split over torchrun processes (default: {batch_size})",
+    )
+    parser.add_argument("--lr", type=positive_float, default=lr, help=f"base learning rate (default: {lr})")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument(
+        "--weight-decay", type=float, default=weight_decay, help=f"weight decay (default: {weight_decay})"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=int_at_least(1),
+        default=20,
+        help="log the mean loss every N iterations (default: 20)",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    from ..checkpoint import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def progress(iterable, total: int, desc: str, enabled: bool) -> Any:
+    """tqdm progress bar on the main process only."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, leave=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def ddp(model: nn.Module, procs: Processes) -> nn.Module:
+    if not procs.distributed:
+        return model
+    ids = [procs.device.index] if procs.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def load_for_eval(path: str, device: torch.device) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
+    """Load a checkpoint; returns ``(train_form_or_None, deployed, info)``.
+
+    A training-form checkpoint is converted here with ``reparameterize_model``; a deployed one is used
+    as is (and the first element is ``None``).
+    """
+    from ..checkpoint import load_model
+    from ..convert import reparameterize_model
+
+    model, info = load_model(path, device=device)
+    model.eval()
+    if info["form"] == "deploy":
+        return None, model, info
+    return model, reparameterize_model(model), info
+
+
+ScalarFn = Callable[[nn.Module], dict[str, Any]]

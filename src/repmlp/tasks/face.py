@@ -1,0 +1,388 @@
+"""Face recognition (paper Sec. 4.3): AM-Softmax training on identity folders, verification and
+rank-1 identification on the converted model's embeddings.
+
+Training follows the paper's recipe: SGD with momentum 0.9, learning rate 0.1 divided by 10 at the
+``--lr-steps`` iterations (paper: 252k, 364k, 406k of 420k at batch size 512), AM-Softmax loss, and
+MobileFaceNets' weight decay (4e-5, 4e-4 on the embedding layer and the class weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UserError
+from ._common import (
+    EpochSeeded,
+    Processes,
+    add_common_train_arguments,
+    all_reduce_sum,
+    build_model,
+    ddp,
+    load_for_eval,
+    parse_model_kwargs,
+    per_process_batch,
+    progress,
+    setup_processes,
+    teardown_processes,
+    unwrap,
+    write_json,
+)
+
+__all__ = [
+    "add_train_arguments",
+    "add_eval_arguments",
+    "train",
+    "evaluate",
+    "embed_images",
+    "FaceTrainModule",
+]
+
+log = logging.getLogger(__name__)
+
+PAPER_LR_STEPS = (252_000, 364_000, 406_000)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values) or values != sorted(values):
+        raise argparse.ArgumentTypeError(f"expected increasing positive iterations, got {text!r}")
+    return values
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``repmlp train --task face``."""
+    from ..commands._common import int_at_least, positive_float
+
+    parser.add_argument(
+        "--data", required=True, help="folder of aligned face crops, one sub-folder per identity"
+    )
+    add_common_train_arguments(parser, model="repmlp_face_resnet", batch_size=512, lr=0.1, weight_decay=4e-5)
+    parser.add_argument(
+        "--head-weight-decay",
+        type=float,
+        default=4e-4,
+        help="weight decay of the embedding layer and AM-Softmax class weights (default: 4e-4)",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int_at_least(1),
+        default=420_000,
+        help="training iterations (default: 420000, the paper's)",
+    )
+    parser.add_argument(
+        "--lr-steps",
+        type=_int_list,
+        default=list(PAPER_LR_STEPS),
+        help="iterations at which the LR is divided by 10 (default: 252000,364000,406000)",
+    )
+    parser.add_argument(
+        "--am-scale", type=positive_float, default=30.0, help="AM-Softmax scale s (default: 30)"
+    )
+    parser.add_argument("--am-margin", type=float, default=0.35, help="AM-Softmax margin m (default: 0.35)")
+    parser.add_argument("--img-size", type=int_at_least(16), default=96, help="face crop size (default: 96)")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``repmlp eval --task face``."""
+    from ..commands._common import int_at_least
+
+    parser.add_argument(
+        "--checkpoint", required=True, help="model file written by `repmlp train --task face`"
+    )
+    parser.add_argument(
+        "--pairs", default=None, help="verification pairs: LFW pairs.txt or lines '<path1> <path2> <0|1>'"
+    )
+    parser.add_argument(
+        "--pairs-root",
+        default=None,
+        help="folder the pair paths are relative to (default: the pairs file's folder)",
+    )
+    parser.add_argument("--folds", type=int_at_least(2), default=10, help="verification folds (default: 10)")
+    parser.add_argument("--probe", default=None, help="identification probe set: one sub-folder per identity")
+    parser.add_argument(
+        "--gallery",
+        default=None,
+        help="identification gallery: the probes' mates plus distractors, one sub-folder per identity",
+    )
+    parser.add_argument(
+        "--batch-size", type=int_at_least(1), default=256, help="embedding batch size (default: 256)"
+    )
+    parser.add_argument(
+        "--check-conversion",
+        action="store_true",
+        help="also evaluate the training-form model and report both (train-form checkpoints)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
+    parser.add_argument(
+        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+
+
+class FaceTrainModule(nn.Module):
+    """Embedding model + AM-Softmax as one module, so one DDP wrapper synchronises both.
+
+    Shapes: images ``(N, 3, S, S)``, labels ``(N,)`` -> scalar loss.
+    """
+
+    def __init__(self, model: nn.Module, loss: nn.Module) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, images: Tensor, labels: Tensor) -> Tensor:
+        return self.loss(self.model(images), labels)
+
+
+def _param_groups(module: FaceTrainModule, wd: float, head_wd: float) -> list[dict[str, Any]]:
+    """MobileFaceNets' decay: ``head_wd`` on the last (embedding) layer and the class weights."""
+    model = module.model
+    head = getattr(model, "head", None)
+    if head is None:  # MobileFaceNet: the last conv is the embedding layer
+        features = getattr(model, "features", None)
+        head = features[-1] if features is not None else None
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    head_ids |= {id(p) for p in module.loss.parameters()}
+    base = [p for p in module.parameters() if id(p) not in head_ids]
+    heads = [p for p in module.parameters() if id(p) in head_ids]
+    return [{"params": base, "weight_decay": wd}, {"params": heads, "weight_decay": head_wd}]
+
+
+def train(args: argparse.Namespace) -> int:
+    """``repmlp train --task face``: train, then save the training-form and converted models."""
+    from ..checkpoint import save_model
+    from ..convert import reparameterize_model
+    from ..data.face import FaceFolder
+    from ..data.loader import FolderLoader
+    from ..losses import AMSoftmax
+
+    procs = setup_processes(args.device)
+    try:
+        out = Path(args.output)
+        torch.manual_seed(args.seed)
+        dataset = FaceFolder(args.data, train=True, size=args.img_size)
+        kwargs = parse_model_kwargs(args.model_kwargs)
+        kwargs.setdefault("img_size", args.img_size)
+        model = build_model(args.model, kwargs)
+        dim = getattr(model, "embedding_dim", None)
+        if dim is None:
+            raise UserError(f"model {args.model!r} is not an embedding model (no embedding_dim)")
+        if not 0 <= args.am_margin < 2:
+            raise UserError(f"--am-margin must be in [0, 2), got {args.am_margin}")
+        loss = AMSoftmax(dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
+        module = FaceTrainModule(model, loss).to(procs.device)
+        if procs.distributed:
+            module = (
+                nn.SyncBatchNorm.convert_sync_batchnorm(module) if procs.device.type == "cuda" else module
+            )
+        per_process = per_process_batch(args.batch_size, procs)
+        if per_process < 2:
+            raise UserError(
+                f"--batch-size {args.batch_size} leaves BatchNorm one sample per process; use more"
+            )
+        net = ddp(module, procs)
+        optimizer = torch.optim.SGD(
+            _param_groups(unwrap(net), args.weight_decay, args.head_weight_decay),
+            lr=args.lr,
+            momentum=args.momentum,
+        )
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [s for s in args.lr_steps], gamma=0.1)
+        loader = FolderLoader(
+            EpochSeeded(dataset, args.seed, train=True),
+            batch_size=per_process,
+            train=True,
+            seed=args.seed,
+            rank=procs.rank,
+            world=procs.world,
+            workers=args.workers,
+            device=procs.device,
+        )
+        if procs.main:
+            log.info(
+                "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
+                len(dataset),
+                len(dataset.classes),
+                args.model,
+                sum(p.numel() for p in model.parameters()),
+                args.iterations,
+                procs.world,
+            )
+        history = _train_loop(net, optimizer, scheduler, loader, args.iterations, args.log_interval, procs)
+        if procs.main:
+            trained = unwrap(net).model.eval()
+            meta = {
+                "task": "face",
+                "identities": str(len(dataset.classes)),
+                "iterations": str(args.iterations),
+            }
+            save_model(
+                out / "model.safetensors",
+                trained,
+                name=args.model,
+                model_kwargs=kwargs,
+                form="train",
+                extra=meta,
+            )
+            deployed = reparameterize_model(trained)
+            save_model(
+                out / "model_deploy.safetensors",
+                deployed,
+                name=args.model,
+                model_kwargs=kwargs,
+                form="deploy",
+                extra=meta,
+            )
+            write_json(
+                out / "train_log.json",
+                {"task": "face", "model": args.model, "model_kwargs": kwargs, "history": history},
+            )
+            log.info("saved %s and %s", out / "model.safetensors", out / "model_deploy.safetensors")
+        return 0
+    finally:
+        teardown_processes(procs)
+
+
+def _train_loop(
+    net, optimizer, scheduler, loader, iterations: int, log_interval: int, procs: Processes
+) -> list[dict[str, float]]:
+    """Iteration-based SGD loop (the paper counts iterations, not epochs); returns the loss log."""
+    history: list[dict[str, float]] = []
+    net.train()
+    step, epoch = 0, 0
+    running = torch.zeros(2, dtype=torch.float64, device=procs.device)  # (sum of losses, count)
+    start = time.perf_counter()
+    bar = progress(range(iterations), iterations, "train", procs.main)
+    while step < iterations:
+        for images, labels in loader.batches(epoch):
+            loss = net(images, labels)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            bar.update(1)
+            running += torch.stack(
+                [loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)]
+            )
+            if step % log_interval == 0 or step == iterations:
+                total = all_reduce_sum(running, procs)
+                entry = {
+                    "iteration": step,
+                    "loss": float(total[0] / total[1]),
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "seconds": time.perf_counter() - start,
+                }
+                history.append(entry)
+                if procs.main:
+                    log.info("iter %d  loss %.4f  lr %.2e", step, entry["loss"], entry["lr"])
+                running.zero_()
+            if step >= iterations:
+                break
+        epoch += 1
+    bar.close()
+    return history
+
+
+@torch.no_grad()
+def embed_images(
+    model: nn.Module,
+    paths: list[Path],
+    *,
+    img_size: int,
+    batch_size: int,
+    device: torch.device,
+    workers: int = 0,
+) -> Tensor:
+    """L2-normalised embeddings ``(len(paths), D)`` of face crops, in order."""
+    from ..data.face import ImageList, face_transform
+
+    dataset = ImageList(list(paths), [0] * len(paths), face_transform(img_size, train=False))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
+    model.eval()
+    chunks = []
+    for images, _ in progress(loader, len(loader), "embed", True):
+        chunks.append(F.normalize(model(images.to(device)).float(), dim=1).cpu())
+    return torch.cat(chunks) if chunks else torch.empty(0)
+
+
+def face_metrics(
+    model: nn.Module, args: argparse.Namespace, img_size: int, device: torch.device
+) -> dict[str, Any]:
+    """Verification accuracy and/or rank-1 identification of ``model`` on the sets named in ``args``."""
+    from ..data.face import FaceFolder, read_pairs
+    from ..metrics import rank1_identification, verification_accuracy
+
+    result: dict[str, Any] = {}
+    common = dict(img_size=img_size, batch_size=args.batch_size, device=device, workers=args.workers)
+    if args.pairs:
+        root = Path(args.pairs_root) if args.pairs_root else Path(args.pairs).parent
+        pairs = read_pairs(args.pairs, root)
+        folds = pairs.folds or args.folds
+        unique = sorted(set(pairs.first) | set(pairs.second))
+        index = {p: i for i, p in enumerate(unique)}
+        emb = embed_images(model, unique, **common)
+        a = emb[[index[p] for p in pairs.first]]
+        b = emb[[index[p] for p in pairs.second]]
+        scores = (a * b).sum(1)  # cosine: embeddings are unit vectors
+        if len(scores) < folds:
+            raise UserError(f"{len(scores)} pairs are too few for {folds} folds")
+        result["verification_accuracy"] = verification_accuracy(scores, torch.tensor(pairs.same), folds=folds)
+        result["verification_pairs"] = len(scores)
+        result["verification_folds"] = folds
+    if args.probe or args.gallery:
+        if not (args.probe and args.gallery):
+            raise UserError("identification needs both --probe and --gallery")
+        probe, gallery = FaceFolder(args.probe), FaceFolder(args.gallery)
+        missing = sorted(set(probe.classes) - set(gallery.classes))
+        if missing:
+            raise UserError(
+                f"{len(missing)} probe identities have no mate in the gallery, e.g. {missing[0]!r}"
+            )
+        pe = embed_images(model, probe.paths, **common)
+        ge = embed_images(model, gallery.paths, **common)
+        result["rank1_identification"] = rank1_identification(pe, probe.identities, ge, gallery.identities)
+        result["probes"] = len(probe)
+        result["gallery"] = len(gallery)
+        result["distractors"] = sum(1 for c in gallery.identities if c not in set(probe.classes))
+    return result
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``repmlp eval --task face``: metrics on the converted model's embeddings."""
+    from ..commands._common import resolve_device
+
+    if not args.pairs and not (args.probe or args.gallery):
+        raise UserError("nothing to evaluate: give --pairs and/or --probe with --gallery")
+    device = resolve_device(args.device)
+    trained, deployed, info = load_for_eval(args.checkpoint, device)
+    img_size = int(info["model_kwargs"].get("img_size", 96))
+    metrics = {"checkpoint": str(args.checkpoint), "model": info["model"], "form_evaluated": "deploy"}
+    metrics.update(face_metrics(deployed, args, img_size, device))
+    if args.check_conversion:
+        if trained is None:
+            raise UserError(
+                "--check-conversion needs a training-form checkpoint (this one is already converted)"
+            )
+        metrics["train_form"] = face_metrics(trained, args, img_size, device)
+    for key in ("verification_accuracy", "rank1_identification"):
+        if key in metrics:
+            line = f"{key}: {100 * metrics[key]:.2f}%"
+            if "train_form" in metrics:
+                line += f" (training form: {100 * metrics['train_form'][key]:.2f}%)"
+            print(line)
+    if args.output_json:
+        write_json(Path(args.output_json), metrics)
+    return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

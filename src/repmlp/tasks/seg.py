@@ -1,0 +1,426 @@
+"""Semantic segmentation (paper Sec. 4.4): PSPNet on Cityscapes, mIoU of the converted model.
+
+Training follows the official PSPNet configuration the paper adopts: SGD (momentum 0.9), poly
+learning rate ``base * (1 - it/max_it)^0.9`` with base 0.01 (the head at 10x, as PSPNet's code does),
+weight decay 1e-4, random scale (0.5-2) / crop / flip, ignore label 255, main + 0.4 x auxiliary loss;
+the paper trains 200 epochs at a global batch size of 16 with 713x713 crops.
+
+Evaluation is single-scale: images no larger than the crop are padded to it and predicted in one
+pass; larger ones (Cityscapes' 1024x2048 frames) are predicted with a sliding ``crop_size`` window
+(stride 2/3 of the crop, overlapping logits averaged), which is what a model whose RepMLPs are built
+for one resolution requires. ``--mode whole`` predicts whole images in one pass instead (models
+without RepMLPs only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UserError
+from ._common import (
+    EpochSeeded,
+    Processes,
+    add_common_train_arguments,
+    all_reduce_sum,
+    build_model,
+    ddp,
+    load_for_eval,
+    parse_model_kwargs,
+    per_process_batch,
+    progress,
+    setup_processes,
+    teardown_processes,
+    unwrap,
+    write_json,
+)
+
+__all__ = [
+    "add_train_arguments",
+    "add_eval_arguments",
+    "train",
+    "evaluate",
+    "poly_lr",
+    "sliding_window_logits",
+    "predict",
+    "segmentation_metrics",
+]
+
+log = logging.getLogger(__name__)
+
+
+def poly_lr(base: float, iteration: int, max_iterations: int, power: float = 0.9) -> float:
+    """Poly policy: ``base * (1 - iteration / max_iterations) ** power``."""
+    return base * (1.0 - min(iteration, max_iterations) / max_iterations) ** power
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``repmlp train --task seg``."""
+    from ..commands._common import int_at_least, positive_float
+
+    parser.add_argument(
+        "--data", required=True, help="Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)"
+    )
+    add_common_train_arguments(parser, model="pspnet_repmlp_res50", batch_size=16, lr=0.01, weight_decay=1e-4)
+    parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
+    parser.add_argument("--power", type=positive_float, default=0.9, help="poly LR power (default: 0.9)")
+    parser.add_argument(
+        "--head-lr-mult",
+        type=positive_float,
+        default=10.0,
+        help="LR multiplier of the PSP and auxiliary heads (PSPNet's code: 10)",
+    )
+    parser.add_argument("--crop-size", type=int_at_least(8), default=713, help="training crop (default: 713)")
+    parser.add_argument(
+        "--scale-min", type=positive_float, default=0.5, help="random scale lower bound (0.5)"
+    )
+    parser.add_argument(
+        "--scale-max", type=positive_float, default=2.0, help="random scale upper bound (2.0)"
+    )
+    parser.add_argument("--aux-weight", type=float, default=0.4, help="auxiliary loss weight (default: 0.4)")
+    parser.add_argument(
+        "--backbone-weights",
+        default=None,
+        help="ImageNet-trained backbone (training-form safetensors from `repmlp train`); "
+        "FC1/FC2 are re-initialised, everything else inherited",
+    )
+    parser.add_argument(
+        "--train-split", default="train", help="Cityscapes split to train on (default: train)"
+    )
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``repmlp eval --task seg``."""
+    from ..commands._common import int_at_least
+
+    parser.add_argument("--checkpoint", required=True, help="model file written by `repmlp train --task seg`")
+    parser.add_argument("--data", required=True, help="Cityscapes root")
+    parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
+    parser.add_argument(
+        "--mode",
+        choices=("slide", "whole"),
+        default="slide",
+        help="slide: crop-size windows (default); whole: one pass per image (no RepMLPs)",
+    )
+    parser.add_argument(
+        "--crop-size", type=int_at_least(8), default=None, help="window size (default: the model's img_size)"
+    )
+    parser.add_argument(
+        "--limit", type=int_at_least(1), default=None, help="evaluate the first N images only"
+    )
+    parser.add_argument(
+        "--check-conversion",
+        action="store_true",
+        help="also evaluate the training-form model and report both (train-form checkpoints)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
+    parser.add_argument(
+        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+
+
+class SegTrainModule(nn.Module):
+    """PSPNet + its loss as one module (one DDP wrapper): images ``(N,3,h,w)``, labels ``(N,h,w)`` -> loss."""
+
+    def __init__(self, model: nn.Module, aux_weight: float) -> None:
+        super().__init__()
+        self.model, self.aux_weight = model, aux_weight
+
+    def forward(self, images: Tensor, labels: Tensor) -> Tensor:
+        from ..data.cityscapes import IGNORE_INDEX
+        from ..losses import pspnet_loss
+
+        out = self.model(images)
+        main, aux = out if isinstance(out, tuple) else (out, None)
+        return pspnet_loss(main, aux, labels, aux_weight=self.aux_weight, ignore_index=IGNORE_INDEX)
+
+
+def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[str, Any]]:
+    backbone = getattr(model, "backbone", None)
+    back_ids = {id(p) for p in backbone.parameters()} if backbone is not None else set()
+    back = [p for p in model.parameters() if id(p) in back_ids]
+    head = [p for p in model.parameters() if id(p) not in back_ids]
+    return [
+        {"params": back, "weight_decay": wd, "lr_mult": 1.0},
+        {"params": head, "weight_decay": wd, "lr_mult": head_mult},
+    ]
+
+
+def train(args: argparse.Namespace) -> int:
+    """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
+    from ..checkpoint import save_model
+    from ..convert import reparameterize_model
+    from ..data.cityscapes import CityscapesSegmentation
+    from ..data.loader import FolderLoader
+    from ..models.pspnet import load_backbone_weights
+
+    if args.scale_min > args.scale_max:
+        raise UserError(f"--scale-min {args.scale_min} is larger than --scale-max {args.scale_max}")
+    procs = setup_processes(args.device)
+    try:
+        out = Path(args.output)
+        torch.manual_seed(args.seed)
+        dataset = CityscapesSegmentation(
+            args.data,
+            args.train_split,
+            crop_size=args.crop_size,
+            scale_range=(args.scale_min, args.scale_max),
+        )
+        kwargs = parse_model_kwargs(args.model_kwargs)
+        kwargs.setdefault("img_size", args.crop_size)
+        model = build_model(args.model, kwargs)
+        if args.backbone_weights:
+            report = load_backbone_weights(model, args.backbone_weights)
+            if procs.main:
+                log.info(
+                    "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
+                    len(report["loaded"]),
+                    args.backbone_weights,
+                    len(report["reinitialised"]),
+                )
+        model = model.to(procs.device)
+        if procs.distributed and procs.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(
+                model
+            )  # batch 2 per GPU: BN needs the global batch
+        module = SegTrainModule(model, args.aux_weight)
+        net = ddp(module, procs)
+        per_process = per_process_batch(args.batch_size, procs)
+        sync_bn = procs.distributed and procs.device.type == "cuda"
+        if (args.batch_size if sync_bn else per_process) < 2:
+            # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
+            raise UserError(
+                f"--batch-size {args.batch_size} gives BatchNorm batches of 1 "
+                f"({'global' if sync_bn else 'per process'}); use at least 2"
+                + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
+            )
+        groups = _param_groups(model, args.weight_decay, args.head_lr_mult)
+        optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
+        loader = FolderLoader(
+            EpochSeeded(dataset, args.seed, train=True),
+            batch_size=per_process,
+            train=True,
+            seed=args.seed,
+            rank=procs.rank,
+            world=procs.world,
+            workers=args.workers,
+            device=procs.device,
+        )
+        max_it = args.epochs * len(loader)
+        if procs.main:
+            log.info(
+                "seg: %d images, %s (%d params), %d epochs x %d iterations on %d process(es)",
+                len(dataset),
+                args.model,
+                sum(p.numel() for p in model.parameters()),
+                args.epochs,
+                len(loader),
+                procs.world,
+            )
+        history = _train_loop(net, optimizer, loader, args, max_it, procs)
+        if procs.main:
+            trained = unwrap(net).model.eval()
+            meta = {"task": "seg", "epochs": args.epochs, "crop_size": args.crop_size}
+            save_model(
+                out / "model.safetensors",
+                trained,
+                name=args.model,
+                model_kwargs=kwargs,
+                form="train",
+                extra=meta,
+            )
+            save_model(
+                out / "model_deploy.safetensors",
+                reparameterize_model(trained),
+                name=args.model,
+                model_kwargs=kwargs,
+                form="deploy",
+                extra=meta,
+            )
+            write_json(
+                out / "train_log.json",
+                {"task": "seg", "model": args.model, "model_kwargs": kwargs, "history": history},
+            )
+            log.info("saved %s and %s", out / "model.safetensors", out / "model_deploy.safetensors")
+        return 0
+    finally:
+        teardown_processes(procs)
+
+
+def _train_loop(
+    net, optimizer, loader, args: argparse.Namespace, max_it: int, procs: Processes
+) -> list[dict[str, float]]:
+    history: list[dict[str, float]] = []
+    net.train()
+    step = 0
+    running = torch.zeros(2, dtype=torch.float64, device=procs.device)
+    start = time.perf_counter()
+    bar = progress(range(max_it), max_it, "train", procs.main)
+    for epoch in range(args.epochs):
+        for images, labels in loader.batches(epoch):
+            lr = poly_lr(args.lr, step, max_it, args.power)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group["lr_mult"]
+            loss = net(images, labels)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            bar.update(1)
+            running += torch.stack(
+                [loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)]
+            )
+            if step % args.log_interval == 0 or step == max_it:
+                total = all_reduce_sum(running, procs)
+                entry = {
+                    "iteration": step,
+                    "epoch": epoch,
+                    "loss": float(total[0] / total[1]),
+                    "lr": lr,
+                    "seconds": time.perf_counter() - start,
+                }
+                history.append(entry)
+                if procs.main:
+                    log.info(
+                        "epoch %d iter %d/%d  loss %.4f  lr %.2e", epoch, step, max_it, entry["loss"], lr
+                    )
+                running.zero_()
+    bar.close()
+    return history
+
+
+@torch.no_grad()
+def sliding_window_logits(model: nn.Module, image: Tensor, crop: tuple[int, int], num_classes: int) -> Tensor:
+    """Single-scale sliding-window logits ``(N, K, H, W)`` for images ``(N, 3, H, W)`` of any size.
+
+    The image is zero-padded (the mean colour after normalisation) to at least ``crop``; windows of
+    ``crop`` with stride ``ceil(2/3 crop)`` (the last one flush with the border) cover it, each window
+    is predicted at exactly ``crop`` (what a resolution-specific RepMLP model needs), and overlapping
+    logits are averaged.
+    """
+    n, _, h, w = image.shape
+    ch, cw = crop
+    ph, pw = max(ch - h, 0), max(cw - w, 0)
+    if ph or pw:
+        image = F.pad(image, (0, pw, 0, ph))
+    hh, ww = image.shape[-2:]
+    sh, sw = math.ceil(ch * 2 / 3), math.ceil(cw * 2 / 3)
+    rows = max(math.ceil((hh - ch) / sh), 0) + 1
+    cols = max(math.ceil((ww - cw) / sw), 0) + 1
+    logits = image.new_zeros(n, num_classes, hh, ww)
+    count = image.new_zeros(1, 1, hh, ww)
+    for r in range(rows):
+        for c in range(cols):
+            top, left = min(r * sh, hh - ch), min(c * sw, ww - cw)
+            window = image[:, :, top : top + ch, left : left + cw]
+            logits[:, :, top : top + ch, left : left + cw] += model(window).float()
+            count[:, :, top : top + ch, left : left + cw] += 1
+    return (logits / count)[:, :, :h, :w]
+
+
+@torch.no_grad()
+def predict(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
+    """Label map ``(N, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
+    model.eval()
+    if mode == "whole":
+        try:
+            logits = model(image)
+        except ValueError as exc:  # a RepMLP model built for another resolution
+            raise UserError(f"--mode whole: {exc}; use --mode slide") from None
+    else:
+        logits = sliding_window_logits(model, image, crop, num_classes)
+    return logits.argmax(1)
+
+
+def segmentation_metrics(
+    model: nn.Module,
+    dataset,
+    *,
+    mode: str,
+    crop: tuple[int, int],
+    device: torch.device,
+    procs: Processes | None = None,
+    workers: int = 0,
+) -> dict[str, Any]:
+    """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images), summed confusion matrix."""
+    from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
+    from ..metrics import confusion_matrix, iou_from_confusion
+
+    procs = procs or Processes(0, 1, device)
+    indices = list(range(procs.rank, len(dataset), procs.world))
+    subset = torch.utils.data.Subset(dataset, indices)
+    loader = torch.utils.data.DataLoader(subset, batch_size=1, num_workers=workers)
+    confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long, device=device)
+    for image, label in progress(loader, len(loader), "eval", procs.main):
+        pred = predict(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
+        confusion += confusion_matrix(pred, label.to(device), NUM_CLASSES, IGNORE_INDEX)
+    confusion = all_reduce_sum(confusion, procs)
+    miou, iou = iou_from_confusion(confusion.cpu())
+    return {
+        "miou": miou,
+        "per_class_iou": {
+            name: (None if math.isnan(v) else v) for name, v in zip(CLASS_NAMES, iou.tolist(), strict=True)
+        },
+        "images": len(dataset),
+        "confusion_matrix": confusion.cpu().tolist(),
+    }
+
+
+def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, int]:
+    if override is not None:
+        return (override, override)
+    size = model_kwargs.get("img_size", 713)
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
+    from ..data.cityscapes import CityscapesSegmentation
+
+    procs = setup_processes(args.device)
+    try:
+        trained, deployed, info = load_for_eval(args.checkpoint, procs.device)
+        dataset = CityscapesSegmentation(args.data, args.split)
+        if args.limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+        crop = _crop_of(info["model_kwargs"], args.crop_size)
+        common = dict(mode=args.mode, crop=crop, device=procs.device, procs=procs, workers=args.workers)
+        metrics: dict[str, Any] = {
+            "checkpoint": str(args.checkpoint),
+            "model": info["model"],
+            "form_evaluated": "deploy",
+            "mode": args.mode,
+            "crop": list(crop),
+        }
+        metrics.update(segmentation_metrics(deployed, dataset, **common))
+        if args.check_conversion:
+            if trained is None:
+                raise UserError(
+                    "--check-conversion needs a training-form checkpoint (this one is already converted)"
+                )
+            metrics["train_form"] = segmentation_metrics(trained, dataset, **common)
+        if procs.main:
+            print(
+                f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
+                f"({args.mode}, crop {crop[0]})"
+            )
+            for name, v in metrics["per_class_iou"].items():
+                print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
+            if "train_form" in metrics:
+                print(f"training form mIoU: {100 * metrics['train_form']['miou']:.2f}%")
+            if args.output_json:
+                write_json(Path(args.output_json), metrics)
+        return 0
+    finally:
+        teardown_processes(procs)

@@ -1,0 +1,622 @@
+"""The classification training loop: seeded, resumable, distributed (DDP), with evaluation.
+
+:func:`run_training` trains a model on a data set per a :class:`TrainConfig`, writing into the run folder
+``checkpoint.safetensors`` (the whole training state, see :mod:`repmlp.checkpoint`) every ``ckpt_every``
+steps and at the end of every epoch, plus ``metrics.csv``. A killed run continues with
+``resume=True`` from its last checkpoint: model, optimizer, learning-rate position, gradient scaler, the
+torch/numpy/python RNG states and the position in the epoch's data order are restored, so the final
+weights equal those of an uninterrupted run.
+
+The learning rate is a pure function of the global step (:func:`lr_at`): the "scheduler state" is that step.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .checkpoint import CheckpointError, atomic_write_text, load_state, save_state
+from .data import Data, DataConfig, build_data
+from .data.loader import batch_generator
+from .errors import UserError
+
+__all__ = ["TrainConfig", "DistInfo", "lr_at", "evaluate", "run_training", "build_model", "setup_distributed"]
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "checkpoint.safetensors"
+METRICS_FILE = "metrics.csv"
+METRIC_FIELDS = [
+    "epoch",
+    "step",
+    "lr",
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_top1",
+    "val_top5",
+    "epoch_s",
+]
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a classification run (JSON-serialisable; stored in the checkpoint)."""
+
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    download: bool = False
+    preset: str = "fmnist"
+    model: str = "repmlp_fmnist"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    epochs: int = 12
+    batch_size: int = 256  # global, split over the processes
+    eval_batch_size: int = 512
+    optimizer: str = "sgd"
+    lr: float = 0.2
+    min_lr: float = 0.0
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-5
+    schedule: str = "cosine"
+    warmup_epochs: float = 0.0
+    label_smoothing: float = 0.0
+    mixup: float = 0.0
+    pad: int = 0
+    flip: bool = True
+    autoaugment: bool = False
+    img_size: int | None = None
+    train_limit: int | None = None
+    val_limit: int | None = None
+    seed: int = 0
+    # Runtime options: they do not change the maths, so a resumed run may change them.
+    device: str = "auto"
+    amp: bool | None = None  # None: on for CUDA
+    channels_last: bool | None = None  # None: on for CUDA
+    workers: int = 2
+    ckpt_every: int = 0
+    output: str = "runs/latest"
+
+    RUNTIME = ("device", "amp", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def validate(self) -> None:
+        """Raise :class:`UserError` for options out of range."""
+        checks = [
+            (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}"),
+            (self.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {self.eval_batch_size}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be positive, got {self.lr}"),
+            (0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, lr], got {self.min_lr}"),
+            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (self.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {self.warmup_epochs}"),
+            (
+                0 <= self.label_smoothing < 1,
+                f"--label-smoothing must be in [0, 1), got {self.label_smoothing}",
+            ),
+            (self.mixup >= 0, f"--mixup must be >= 0, got {self.mixup}"),
+            (self.pad >= 0, f"--pad must be >= 0, got {self.pad}"),
+            (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
+            (self.ckpt_every >= 0, f"--ckpt-every must be >= 0, got {self.ckpt_every}"),
+            (
+                self.img_size is None or self.img_size >= 8,
+                f"--img-size must be at least 8, got {self.img_size}",
+            ),
+            (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer}"),
+            (
+                self.schedule in ("cosine", "constant"),
+                f"--schedule must be cosine or constant, got {self.schedule}",
+            ),
+            (
+                self.train_limit is None or self.train_limit >= 1,
+                f"--train-limit must be >= 1, got {self.train_limit}",
+            ),
+            (
+                self.val_limit is None or self.val_limit >= 1,
+                f"--val-limit must be >= 1, got {self.val_limit}",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+
+
+# ------------------------------------------------------------------------------------- distributed
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; other names are checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def setup_distributed(device_name: str) -> DistInfo:
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_name)
+    if world <= 1:
+        return DistInfo(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local_rank, device)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------- pieces
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def build_model(name: str, *, num_classes: int, in_chans: int, img_size: int, model_args: dict[str, Any]):
+    """``create_model`` with the data's shape; returns ``(model, model_kwargs)`` for the checkpoint.
+
+    ``img_size`` is passed only to models that take it (repmlp's do; most timm/torchvision CNNs do not).
+    """
+    from . import create_model
+
+    kwargs = {"num_classes": num_classes, "in_chans": in_chans, **model_args}
+    try:
+        try:
+            return create_model(name, img_size=img_size, **kwargs), {"img_size": img_size, **kwargs}
+        except TypeError as exc:
+            if "img_size" not in str(exc):
+                raise
+            return create_model(name, **kwargs), kwargs
+    except UserError:
+        raise
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        msg = str(exc).strip("'\"").splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot build model {name!r}: {msg}") from None
+
+
+def lr_at(step: int, total_steps: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
+    """Learning rate at optimizer step ``step`` (0-based): linear warm-up, then cosine to ``min_lr``."""
+    warmup = int(round(cfg.warmup_epochs * steps_per_epoch))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # No weight decay on BN parameters and biases (1-D tensors): the usual practice, decaying them hurts.
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr)
+    return torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
+    )
+
+
+def topk_correct(logits: Tensor, target: Tensor, ks: tuple[int, ...] = (1, 5)) -> list[int]:
+    """Number of samples whose target is among the top-k logits, for each k (k clipped to #classes)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top == target[:, None]
+    return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader,
+    device: torch.device,
+    *,
+    amp: bool = False,
+    dist_info: DistInfo | None = None,
+    desc: str = "eval",
+) -> dict[str, float]:
+    """Loss, top-1 and top-5 accuracy (%) over ``loader``; sums are all-reduced across processes."""
+    from tqdm import tqdm
+
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
+    show = dist_info is None or dist_info.is_main
+    for x, y in tqdm(
+        loader.batches(0), total=len(loader), desc=desc, leave=False, disable=None if show else True
+    ):
+        with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=amp):
+            logits = model(x)
+        logits = logits.float()
+        c1, c5 = topk_correct(logits, y)
+        sums += torch.tensor(
+            [F.cross_entropy(logits, y, reduction="sum").item(), c1, c5, len(y)], dtype=torch.float64
+        )
+    if dist_info is not None and dist_info.enabled:
+        t = sums.to(device) if device.type == "cuda" else sums
+        dist.all_reduce(t)
+        sums = t.cpu()
+    n = max(1.0, sums[3].item())
+    return {
+        "loss": sums[0].item() / n,
+        "top1": 100 * sums[1].item() / n,
+        "top5": 100 * sums[2].item() / n,
+        "n": int(n),
+    }
+
+
+def _amp_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def state_hash(model: nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (bitwise), to compare replicas or runs."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_metrics_csv(path: Path, history: list[dict[str, Any]]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+# ------------------------------------------------------------------------------------------- loop
+@dataclass
+class TrainResult:
+    model: nn.Module  # unwrapped, eval mode, on the training device
+    model_kwargs: dict[str, Any]
+    data: Data
+    history: list[dict[str, Any]]
+    config: TrainConfig
+    train_seconds: float
+    replica_hashes: list[str]
+    dist_info: DistInfo
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _broadcast_buffers(model: nn.Module, dist_info: DistInfo) -> None:
+    """Make every replica's BatchNorm statistics rank 0's (DDP syncs parameters, not running stats)."""
+    if dist_info.enabled:
+        for b in model.buffers():
+            dist.broadcast(b.data, src=0)
+
+
+def run_training(
+    cfg: TrainConfig, *, resume: bool = False, stop_after_steps: int | None = None
+) -> TrainResult:
+    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group."""
+    from tqdm import tqdm
+
+    cfg.validate()
+    di = setup_distributed(cfg.device)
+    if cfg.batch_size % di.world:
+        raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
+    out = Path(cfg.output)
+    state_path = out / STATE_FILE
+    state: dict[str, Any] | None = None
+    if resume:
+        if not state_path.is_file():
+            raise UserError(f"nothing to resume: {state_path} does not exist")
+        state = load_state(state_path)
+        try:
+            saved = TrainConfig.from_dict(state["config"])
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"{state_path} has no usable config ({exc})") from None
+        changed = [
+            k for k, v in cfg.to_dict().items() if k not in TrainConfig.RUNTIME and getattr(saved, k) != v
+        ]
+        if changed and di.is_main:
+            log.warning("resuming with the saved settings; ignoring changed %s", ", ".join(changed))
+        for k in TrainConfig.RUNTIME:
+            setattr(saved, k, getattr(cfg, k))
+        cfg = saved
+    elif di.is_main and state_path.exists():
+        raise UserError(
+            f"{out} already holds a run ({STATE_FILE}); use --resume to continue it or another --output"
+        )
+
+    device = di.device
+    amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
+    channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
+    seed_everything(cfg.seed)
+    data = build_data(
+        DataConfig(
+            dataset=cfg.dataset,
+            data_dir=cfg.data_dir,
+            download=cfg.download,
+            batch_size=cfg.batch_size // di.world,
+            eval_batch_size=cfg.eval_batch_size,
+            train_limit=cfg.train_limit,
+            val_limit=cfg.val_limit,
+            seed=cfg.seed,
+            pad=cfg.pad,
+            flip=cfg.flip,
+            autoaugment=cfg.autoaugment,
+            img_size=cfg.img_size,
+            workers=cfg.workers,
+            channels_last=channels_last,
+        ),
+        rank=di.rank,
+        world=di.world,
+        device=device,
+    )
+    model, model_kwargs = build_model(
+        cfg.model,
+        num_classes=data.num_classes,
+        in_chans=data.in_chans,
+        img_size=data.img_size,
+        model_args=cfg.model_args,
+    )
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    optimizer = make_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp and _amp_dtype(device) == torch.float16)
+    steps_per_epoch = len(data.train)
+    total_steps = steps_per_epoch * cfg.epochs
+    epoch, batch_in_epoch, step = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
+    if state is not None:
+        try:
+            model.load_state_dict(state["model"], strict=True)
+            optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            epoch, batch_in_epoch, step = int(state["epoch"]), int(state["batch"]), int(state["step"])
+            history, acc = list(state["history"]), dict(state["epoch_acc"])
+            set_rng_state(
+                state["rng"][str(di.rank)] if str(di.rank) in state["rng"] else state["rng"]["0"], device
+            )
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{state_path} does not fit this run: {str(exc).splitlines()[0]}") from None
+        if di.is_main:
+            log.info("resuming %s at epoch %d, batch %d (step %d)", out, epoch + 1, batch_in_epoch, step)
+    if di.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        log.info(
+            "training %s (%.2fM params) on %s: %d train / %d val examples, %d epochs x %d steps, batch %d, "
+            "%s, device %s%s",
+            cfg.model,
+            n_params / 1e6,
+            cfg.dataset,
+            data.train.num_samples,
+            data.val.num_samples,
+            cfg.epochs,
+            steps_per_epoch,
+            cfg.batch_size,
+            cfg.optimizer,
+            device,
+            f", {di.world} processes" if di.enabled else "",
+        )
+    ddp = model
+    if di.enabled:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+
+    def save_checkpoint() -> None:
+        rngs = [rng_state(device)]
+        if di.enabled:
+            gathered: list[Any] = [None] * di.world
+            dist.all_gather_object(gathered, rngs[0])
+            rngs = gathered
+        if not di.is_main:
+            return
+        save_state(
+            state_path,
+            {
+                "config": cfg.to_dict(),
+                "model_kwargs": model_kwargs,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict() if scaler.is_enabled() else {},
+                "epoch": epoch,
+                "batch": batch_in_epoch,
+                "step": step,
+                "history": history,
+                "epoch_acc": acc,
+                "rng": {str(r): s for r, s in enumerate(rngs)},
+            },
+        )
+
+    t_start = time.perf_counter()
+    while epoch < cfg.epochs:
+        ddp.train()
+        t_epoch = time.perf_counter()
+        bar = tqdm(
+            data.train.batches(epoch, batch_in_epoch),
+            total=steps_per_epoch,
+            initial=batch_in_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            disable=None if di.is_main else True,
+            leave=False,
+        )
+        for x, y in bar:
+            lr = lr_at(step, total_steps, cfg, steps_per_epoch)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            target = y
+            lam = 1.0
+            if cfg.mixup > 0:
+                gen = batch_generator(cfg.seed, epoch, batch_in_epoch, di.rank, 1)
+                lam = float(
+                    np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen))).beta(
+                        cfg.mixup, cfg.mixup
+                    )
+                )
+                perm = torch.randperm(len(y), generator=gen).to(device)
+                x = lam * x + (1 - lam) * x[perm]
+                target2 = y[perm]
+            with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=amp):
+                logits = ddp(x)
+                loss = F.cross_entropy(logits.float(), target, label_smoothing=cfg.label_smoothing)
+                if cfg.mixup > 0:
+                    loss = lam * loss + (1 - lam) * F.cross_entropy(
+                        logits.float(), target2, label_smoothing=cfg.label_smoothing
+                    )
+            if not torch.isfinite(loss):
+                raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            step += 1
+            batch_in_epoch += 1
+            acc["loss"] += loss.item() * len(y)
+            acc["correct"] += (logits.argmax(1) == y).sum().item()
+            acc["n"] += len(y)
+            if di.is_main:
+                bar.set_postfix(
+                    loss=f"{acc['loss'] / acc['n']:.3f}",
+                    acc=f"{100 * acc['correct'] / acc['n']:.1f}",
+                    lr=f"{lr:.3g}",
+                    refresh=False,
+                )
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and batch_in_epoch < steps_per_epoch:
+                acc["seconds"] += time.perf_counter() - t_epoch
+                t_epoch = time.perf_counter()
+                save_checkpoint()
+            if stop_after_steps is not None and step >= stop_after_steps:
+                bar.close()
+                # Simulates a crash (tests of --resume): no cleanup, no final checkpoint.
+                log.warning("--stop-after-steps %d reached: exiting without cleanup", stop_after_steps)
+                logging.shutdown()
+                os._exit(3)
+        bar.close()
+        acc["seconds"] += time.perf_counter() - t_epoch
+        _broadcast_buffers(model, di)
+        val = evaluate(model, data.val, device, amp=amp, dist_info=di, desc=f"eval {epoch + 1}")
+        # Train-loss/accuracy sums are per rank; average them too so the metrics describe the whole run.
+        sums = torch.tensor([acc["loss"], acc["correct"], acc["n"]], dtype=torch.float64)
+        if di.enabled:
+            dist.all_reduce(sums)
+        row = {
+            "epoch": epoch + 1,
+            "step": step,
+            "lr": lr_at(step - 1, total_steps, cfg, steps_per_epoch),
+            "train_loss": sums[0].item() / max(1, sums[2].item()),
+            "train_acc": 100 * sums[1].item() / max(1, sums[2].item()),
+            "val_loss": val["loss"],
+            "val_top1": val["top1"],
+            "val_top5": val["top5"],
+            "epoch_s": acc["seconds"],
+        }
+        history.append(row)
+        if di.is_main:
+            log.info(
+                "epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | %.0f s",
+                epoch + 1,
+                cfg.epochs,
+                row["train_loss"],
+                row["train_acc"],
+                val["loss"],
+                val["top1"],
+                val["top5"],
+                row["epoch_s"],
+            )
+        epoch, batch_in_epoch = epoch + 1, 0
+        acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
+        save_checkpoint()
+        if di.is_main:
+            write_metrics_csv(out / METRICS_FILE, history)
+    train_seconds = time.perf_counter() - t_start
+    _broadcast_buffers(model, di)
+    hashes = [state_hash(model)]
+    if di.enabled:
+        gathered: list[Any] = [None] * di.world
+        dist.all_gather_object(gathered, hashes[0])
+        hashes = gathered
+        if len(set(hashes)) != 1:
+            log.error("replicas differ after training: %s", hashes)
+    model.eval()
+    return TrainResult(model, model_kwargs, data, history, cfg, train_seconds, hashes, di)
+
+
+def config_json(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

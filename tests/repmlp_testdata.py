@@ -1,0 +1,74 @@
+"""Small data sets in the real on-disk formats, for the CLI and data tests (shared helpers, not tests)."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file (``.gz`` compressed when the name ends so) of a uint8 array."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+
+
+def make_fashion_mnist(root: Path, n_train: int = 256, n_test: int = 128, seed: int = 0) -> Path:
+    """Four Fashion-MNIST-named IDX .gz files with learnable synthetic data (class = a bright band)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, n).astype(np.uint8)
+        images = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+        for i, c in enumerate(labels):
+            images[i, 2 * c + 4 : 2 * c + 7, :] = 250
+        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", images)
+        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return root
+
+
+def make_cifar10(root: Path, per_batch: int = 16, seed: int = 0) -> Path:
+    """``root/cifar-10-batches-py`` exactly as torchvision lays it out (pickled dicts with bytes keys)."""
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        labels = [int(v) for v in rng.integers(0, 10, per_batch)]
+        data = rng.integers(0, 256, (per_batch, 3072)).astype(np.uint8)
+        batch = {
+            b"batch_label": name.encode(),
+            b"labels": labels,
+            b"data": data,
+            b"filenames": [f"img_{i}.png".encode() for i in range(per_batch)],
+        }
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+    meta = {
+        b"num_cases_per_batch": per_batch,
+        b"label_names": [b"c%d" % i for i in range(10)],
+        b"num_vis": 3072,
+    }
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump(meta, f, protocol=2)
+    return root
+
+
+def make_image_folder(
+    root: Path, classes: int = 3, per_class: int = 4, size: int = 40, seed: int = 0
+) -> Path:
+    """``root/{train,val}/<class>/*.png`` with small random RGB images."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for split in ("train", "val"):
+        for c in range(classes):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                arr = rng.integers(0, 256, (size, size + 4, 3)).astype(np.uint8)
+                Image.fromarray(arr).save(d / f"{i}.png")
+    return root
