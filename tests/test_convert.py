@@ -102,6 +102,20 @@ def test_folds_batchnorm_in_torchvision_resnet50(dtype):
     assert rel_err(out, ref) < (1e-10 if dtype == torch.float64 else 1e-4)
 
 
+def test_folds_timm_batchnorm_act_keeping_its_activation():
+    # timm's EfficientNets normalise with BatchNormAct2d (BN + drop + act in one BatchNorm2d subclass).
+    torch.manual_seed(0)
+    model = randomize_bn(timm.create_model("efficientnet_b0", num_classes=10)).double().eval()
+    assert any(type(m).__name__ == "BatchNormAct2d" for m in model.modules())
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    with torch.no_grad():
+        ref = model(x)
+        fused = reparameterize_model(model)
+        out = fused(x)
+    assert count_bn(fused) == 0 and list(fused.unfused_batchnorms) == []
+    assert rel_err(out, ref) < 1e-10
+
+
 class _Unfusable(nn.Module):
     def __init__(self) -> None:
         super().__init__()

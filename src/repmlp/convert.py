@@ -23,10 +23,29 @@ class ConversionReport(list):
 
 
 class _Tracer(fx.Tracer):
-    """Treats every module with its own ``reparameterize`` as a leaf (already converted)."""
+    """Leaves: modules with their own ``reparameterize`` (already converted) and every BatchNorm.
+
+    BatchNorm subclasses from other libraries (timm's ``BatchNormAct2d``) must stay whole call sites,
+    or the tracer would inline them into ``F.batch_norm`` calls that cannot be folded.
+    """
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return hasattr(m, "reparameterize") or super().is_leaf_module(m, qualname)
+        return hasattr(m, "reparameterize") or isinstance(m, _BN) or super().is_leaf_module(m, qualname)
+
+
+def _after_fold(bn: nn.Module) -> nn.Module | None:
+    """What replaces ``bn`` once its statistics are folded into the preceding layer.
+
+    ``nn.Identity`` for a plain BatchNorm; for a norm-act layer in timm's convention (``BatchNormAct2d``:
+    batch norm, then ``drop``, then ``act``) the ``drop`` and ``act`` it applies after normalising.
+    ``None`` for other BatchNorm subclasses, whose forward may do more than normalise.
+    """
+    if type(bn) in _BN:
+        return nn.Identity()
+    drop, act = getattr(bn, "drop", None), getattr(bn, "act", None)
+    if type(bn).__name__ == "BatchNormAct2d" and isinstance(drop, nn.Module) and isinstance(act, nn.Module):
+        return nn.Sequential(drop, act)
+    return None
 
 
 def _fused_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
@@ -56,9 +75,12 @@ def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
             keys = list(child._modules.keys())
             for a, b in zip(keys, keys[1:], strict=False):
                 layer, bn = child._modules[a], child._modules[b]
-                if isinstance(layer, _FUSABLE) and isinstance(bn, _BN) and _bn_matches(layer, bn):
+                if not (isinstance(layer, _FUSABLE) and isinstance(bn, _BN) and _bn_matches(layer, bn)):
+                    continue
+                rest = _after_fold(bn)
+                if rest is not None:
                     child._modules[a] = _fused_layer(layer, bn)
-                    child._modules[b] = nn.Identity()
+                    child._modules[b] = rest
                     fused.add(f"{path}.{b}")
         _fuse_sequential(child, path + ".", fused)
 
@@ -76,13 +98,24 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
             continue
         layer = modules.get(src.target)
         bn = modules[node.target]
-        if not isinstance(layer, _FUSABLE) or not _bn_matches(layer, bn) or len(src.users) != 1:
+        rest = _after_fold(bn)
+        if (
+            not isinstance(layer, _FUSABLE)
+            or not _bn_matches(layer, bn)
+            or len(src.users) != 1
+            or rest is None
+        ):
             continue
         parent_name, _, attr = src.target.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, _fused_layer(layer, bn))
-        node.replace_all_uses_with(src)
-        graph.erase_node(node)
+        if isinstance(rest, nn.Identity):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        else:
+            bn_parent_name, _, bn_attr = node.target.rpartition(".")
+            bn_parent = model.get_submodule(bn_parent_name) if bn_parent_name else model
+            setattr(bn_parent, bn_attr, rest)
         fused.add(node.target)
         changed = True
     if not changed:
@@ -152,7 +185,8 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
     if fuse_bn:
         model, left = fuse_conv_bn(model)
         if left:
-            log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), ", ".join(left))
+            shown = ", ".join(left[:8]) + (f", ... ({len(left) - 8} more)" if len(left) > 8 else "")
+            log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), shown)
     model.eval()
     try:
         model.unfused_batchnorms = left

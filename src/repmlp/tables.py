@@ -56,10 +56,6 @@ TABLE_TITLES = {
 }
 
 _R = "repmlp_res50"
-_EFF = (
-    "timm's BatchNormAct2d layers are not folded by reparameterize_model, so our params keep BN's "
-    "weight and bias (with them folded: 7.76M, 9.08M, 12.19M)"
-)
 _PURE = (
     "we found no structure following the paper's description that reaches its params for rows D, E and "
     "the Wide ConvNet while matching its FLOPs (see docs/models.md); our FLOPs match"
@@ -100,9 +96,9 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
     PaperRow("comparisons", "RepMLP-Res50-g4/8", "repmlp_res50_g4_8", 320, 87.38, 8354),
     PaperRow("comparisons", "NL-Res50", "nl_res50", 320, 27.63, 9182),
     PaperRow("comparisons", "GC-Res50", "gc_res50", 320, 28.05, 8351),
-    PaperRow("comparisons", "EfficientNet-B1", "timm:efficientnet_b1", 240, 7.76, 686, note=_EFF),
-    PaperRow("comparisons", "EfficientNet-B2", "timm:efficientnet_b2", 260, 9.07, 993, note=_EFF),
-    PaperRow("comparisons", "EfficientNet-B3", "timm:efficientnet_b3", 300, 12.18, 1827, note=_EFF),
+    PaperRow("comparisons", "EfficientNet-B1", "timm:efficientnet_b1", 240, 7.76, 686),
+    PaperRow("comparisons", "EfficientNet-B2", "timm:efficientnet_b2", 260, 9.07, 993),
+    PaperRow("comparisons", "EfficientNet-B3", "timm:efficientnet_b3", 300, 12.18, 1827),
     PaperRow("light", "Original", _R, 224, 25.53, 4089, {"stages": ()}),
     PaperRow("light", "RepMLP Bottleneck", _R, 224, 40.87, 3890),
     PaperRow("light", "RepMLP Light Block", "repmlp_res50_light", 224, 57.86, 2919),
