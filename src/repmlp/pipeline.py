@@ -72,13 +72,17 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
     epochs = [r["epoch"] for r in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(epochs, [r["train_loss"] for r in history], "o-", label="train")
+    # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
+    ax1.plot(epochs, [r["train_loss"] for r in history], "o-", label="train (as optimised)")
     ax1.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
     ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
     ax2.plot(epochs, [r["train_acc"] for r in history], "o-", label="train")
     ax2.plot(epochs, [r["val_top1"] for r in history], "s-", label="validation top-1")
     ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
