@@ -30,6 +30,20 @@ COMMANDS: list[str] = [
 log = logging.getLogger("repmlp")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks; appends ``(default: X)`` where the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default in (None, False, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` with errors as one line (``repmlp: error: ...``) instead of usage + message."""
 

@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+
     p = subparsers.add_parser(
         "convert",
         help="convert a training-time checkpoint into the deployed (inference) form, verified",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint", required=True, type=Path, help="training-time checkpoint (.safetensors)")
     p.add_argument(

@@ -19,13 +19,14 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
     from ..data import DATASETS
 
     p = subparsers.add_parser(
         "eval",
         help="top-1/top-5 accuracy of a checkpoint",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_task_option(p)
     p.add_argument("--checkpoint", default=None, help="model.safetensors or deploy.safetensors of a run")

@@ -19,11 +19,13 @@ _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+
     p = subparsers.add_parser(
         "export",
         help="export a checkpoint's deployed model to ONNX / TorchScript, checked against PyTorch",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--checkpoint", required=True, type=Path, help="model checkpoint (.safetensors), either form"

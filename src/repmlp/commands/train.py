@@ -96,6 +96,7 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
     from ..data import DATASETS
     from ..recipes import PRESETS
 
@@ -103,7 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "train",
         help="train a model (default: the 10-minute Fashion-MNIST job)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_task_option(p)
     g = p.add_argument_group("data")

@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+
     p = subparsers.add_parser(
         "viz",
         help="plot the paper's FC3 weight figure (before / after merging the Local Perceptron)",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--checkpoint", required=True, type=Path, help="training-time checkpoint (.safetensors)")
     p.add_argument(
