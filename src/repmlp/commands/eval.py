@@ -13,7 +13,7 @@ import logging
 
 from ..errors import UserError
 from ._common import int_at_least
-from .train import add_task_option, run_task
+from .train import add_task_option, print_help_if_asked, run_task
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = subparsers.add_parser(
         "eval",
+        add_help=False,
         help="top-1/top-5 accuracy of a checkpoint",
         description=__doc__,
         formatter_class=HelpFormatter,
@@ -51,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    if print_help_if_asked(args):
+        return 0
     if args.task != "cls":
         return run_task(args, "eval", "eval")
     if not args.checkpoint:

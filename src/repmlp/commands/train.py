@@ -50,6 +50,14 @@ def _model_arg(text: str) -> tuple[str, object]:
 
 
 def add_task_option(p: argparse.ArgumentParser) -> None:
+    """``--task`` and a ``--help`` that shows the chosen task's options (``p`` has ``add_help=False``)."""
+    p.add_argument(
+        "-h",
+        "--help",
+        action="store_true",
+        dest="show_help",
+        help="show this help message and exit (with --task face|seg: that task's options)",
+    )
     p.add_argument(
         "--task",
         choices=TASKS,
@@ -57,6 +65,15 @@ def add_task_option(p: argparse.ArgumentParser) -> None:
         help="cls: image classification (this command's options); face / seg: the paper's face "
         "recognition / semantic segmentation pipelines, with their own options (see --task X --help)",
     )
+    p.set_defaults(parser=p)
+
+
+def print_help_if_asked(args: argparse.Namespace) -> bool:
+    """Print the classification options' help for ``--help`` (tasks print their own in :func:`run_task`)."""
+    if args.show_help and args.task == "cls":
+        args.parser.print_help()
+        return True
+    return False
 
 
 def task_argv(argv: list[str], command: str) -> list[str]:
@@ -102,6 +119,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = subparsers.add_parser(
         "train",
+        add_help=False,
         help="train a model (default: the 10-minute Fashion-MNIST job)",
         description=__doc__,
         formatter_class=HelpFormatter,
@@ -246,6 +264,8 @@ def resolve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    if print_help_if_asked(args):
+        return 0
     if args.task != "cls":
         return run_task(args, "train", "train")
     t0 = time.perf_counter()

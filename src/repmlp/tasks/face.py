@@ -66,7 +66,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least, positive_float
 
     parser.add_argument(
-        "--data", required=True, help="folder of aligned face crops, one sub-folder per identity"
+        "--data",
+        "--data-dir",
+        dest="data",
+        required=True,
+        help="folder of aligned face crops, one sub-folder per identity",
     )
     add_common_train_arguments(parser, model="repmlp_face_resnet", batch_size=512, lr=0.1, weight_decay=4e-5)
     parser.add_argument(

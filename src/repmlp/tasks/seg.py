@@ -67,7 +67,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least, positive_float
 
     parser.add_argument(
-        "--data", required=True, help="Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)"
+        "--data",
+        "--data-dir",
+        dest="data",
+        required=True,
+        help="Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)",
     )
     add_common_train_arguments(parser, model="pspnet_repmlp_res50", batch_size=16, lr=0.01, weight_decay=1e-4)
     parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
@@ -102,7 +106,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least
 
     parser.add_argument("--checkpoint", required=True, help="model file written by `repmlp train --task seg`")
-    parser.add_argument("--data", required=True, help="Cityscapes root")
+    parser.add_argument("--data", "--data-dir", dest="data", required=True, help="Cityscapes root")
     parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
     parser.add_argument(
         "--mode",
