@@ -234,7 +234,7 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
     assert "rank1_identification" in capsys.readouterr().out
     # The deployed file evaluates to the same numbers.
     rc = cli_main([
-        "eval", "--task", "face", "--checkpoint", str(trained_face / "model_deploy.safetensors"),
+        "eval", "--task", "face", "--checkpoint", str(trained_face / "deploy.safetensors"),
         "--probe", str(face_data / "probe"), "--gallery", str(face_data / "gallery"), "--device", "cpu",
         "--workers", "0", "--output-json", str(out_json),
     ])  # fmt: skip
@@ -271,4 +271,4 @@ def test_face_training_with_torchrun(face_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     history = json.loads((tmp_path / "ddp" / "train_log.json").read_text())["history"]
     assert history[-1]["iteration"] == 8
-    assert (tmp_path / "ddp" / "model_deploy.safetensors").is_file()
+    assert (tmp_path / "ddp" / "deploy.safetensors").is_file()

@@ -250,7 +250,7 @@ def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, ca
     assert m["miou"] == pytest.approx(sum(counted) / len(counted))
     assert "mIoU" in capsys.readouterr().out
     # A RepMLP model cannot predict whole 80x112 images in one pass: clear error.
-    rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "model_deploy.safetensors"),
+    rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
                    "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
     assert rc == 2 and "use --mode slide" in capsys.readouterr().err
 
@@ -290,4 +290,4 @@ def test_seg_training_with_torchrun(city, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     history = json.loads((tmp_path / "ddp" / "train_log.json").read_text())["history"]
     assert history[-1]["iteration"] == 2  # 3 images per process, batches of 2, 2 epochs
-    assert (tmp_path / "ddp" / "model_deploy.safetensors").is_file()
+    assert (tmp_path / "ddp" / "deploy.safetensors").is_file()

@@ -240,7 +240,7 @@ def train(args: argparse.Namespace) -> int:
             )
             deployed = reparameterize_model(trained)
             save_model(
-                out / "model_deploy.safetensors",
+                out / "deploy.safetensors",
                 deployed,
                 name=args.model,
                 model_kwargs=kwargs,
@@ -251,7 +251,7 @@ def train(args: argparse.Namespace) -> int:
                 out / "train_log.json",
                 {"task": "face", "model": args.model, "model_kwargs": kwargs, "history": history},
             )
-            log.info("saved %s and %s", out / "model.safetensors", out / "model_deploy.safetensors")
+            log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
         return 0
     finally:
         teardown_processes(procs)

@@ -243,7 +243,7 @@ def train(args: argparse.Namespace) -> int:
                 extra=meta,
             )
             save_model(
-                out / "model_deploy.safetensors",
+                out / "deploy.safetensors",
                 reparameterize_model(trained),
                 name=args.model,
                 model_kwargs=kwargs,
@@ -254,7 +254,7 @@ def train(args: argparse.Namespace) -> int:
                 out / "train_log.json",
                 {"task": "seg", "model": args.model, "model_kwargs": kwargs, "history": history},
             )
-            log.info("saved %s and %s", out / "model.safetensors", out / "model_deploy.safetensors")
+            log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
         return 0
     finally:
         teardown_processes(procs)
