@@ -53,21 +53,13 @@ def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
 
 
 def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
-    """Max abs and relative difference, how many predictions (argmax) differ, and how many of those
-    were not near-ties (top-2 margin of ``ref`` above twice the max difference: a real change)."""
+    """Max abs and relative difference, and how many predictions (argmax) differ."""
     diff = (ref - out).abs().max().item()
     scale = max(ref.abs().max().item(), 1e-12)
-    changed = ref.argmax(1) != out.argmax(1)
-    if ref.shape[1] > 1:
-        top2 = ref.topk(2, dim=1).values
-        margin = top2[:, 0] - top2[:, 1]
-    else:
-        margin = torch.full((ref.shape[0],), float("inf"))
     return {
         "max_abs_diff": diff,
         "max_rel_diff": diff / scale,
-        "changed_predictions": int(changed.sum()),
-        "changed_beyond_ties": int((changed & (margin > 2 * diff)).sum()),
+        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
     }
 
 
@@ -181,8 +173,9 @@ def finish_run(
     dep_logits, _ = predict(deployed, val, device)
     dep_acc = accuracy(dep_logits, labels)
     cmp = compare_logits(ref_logits, dep_logits)
-    # A prediction may flip only where two logits tie to float rounding.
-    equivalent = cmp["max_rel_diff"] <= EQUIVALENCE_RTOL and cmp["changed_beyond_ties"] == 0
+    # No separate test on changed predictions: a flip moves two logits' difference by at least their
+    # margin, so with every logit within max_abs_diff only pairs tied within 2 * max_abs_diff can flip.
+    equivalent = cmp["max_rel_diff"] <= EQUIVALENCE_RTOL
     log.info(
         "top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
         "%d predictions changed -> %s",
