@@ -11,8 +11,8 @@ from repmlp import create_model, reparameterize_model
 from repmlp.profile import count_macs, profile, profile_model
 from repmlp.tables import PAPER_ROWS, deviation, measure_row, render_tables
 
-# Models built by the face/segmentation helper are checked by their own tests.
-_OTHERS = {"mobilefacenet", "face_resnet", "repmlp_face_resnet", "pspnet_res50", "pspnet_repmlp_res50"}
+# Segmentation models are checked by their own tests.
+_OTHERS = {"pspnet_res50", "pspnet_repmlp_res50"}
 
 # Rows whose paper parameter count we could not reproduce with a structure that follows the paper's
 # description: our FLOPs for these rows match within 0.1%, and the missing ~31k (D, E) / ~62k (Wide
@@ -25,6 +25,15 @@ _PARAMS_XFAIL = {
 }
 
 
+# RepMLP-FaceRes as the paper's text builds it (FaceResNet with its four stride-1 bottlenecks of c2, c3,
+# c4 replaced) cannot reach the paper's counts: the paper's own FaceResNet (40.35M, 1050M) minus those
+# four bottlenecks (3.97M, 415M) already exceeds its RepMLP-FaceRes (28.32M, 406M). See docs/models.md.
+_FACE_XFAIL = {
+    "RepMLP-FaceRes": "paper's 28.32M / 406M are below FaceResNet minus the replaced blocks "
+    "(36.4M / 635M by the paper's own FaceResNet counts); ours 38.84M / 682M",
+}
+
+
 def _rows():
     for row in PAPER_ROWS:
         if row.model in _OTHERS:
@@ -32,6 +41,8 @@ def _rows():
         marks = []
         if row.label in _PARAMS_XFAIL and row.table == "puremlp":
             marks.append(pytest.mark.xfail(strict=True, reason=_PARAMS_XFAIL[row.label]))
+        if row.label in _FACE_XFAIL and row.table == "face":
+            marks.append(pytest.mark.xfail(strict=True, reason=_FACE_XFAIL[row.label]))
         yield pytest.param(row, id=f"{row.table}-{row.label}-{row.input_size}", marks=marks)
 
 
@@ -48,6 +59,32 @@ def test_counts_match_paper(row) -> None:
 )
 def test_unmatched_rows_still_match_flops(row) -> None:
     assert abs(deviation(measure_row(row).macs, row.macs)) < 1.0
+
+
+def test_repmlp_face_resnet_cannot_reach_paper_counts() -> None:
+    """The arithmetic behind the RepMLP-FaceRes xfail (docs/models.md, "Deviations").
+
+    The bottlenecks the paper replaces (c2's last two, c3's and c4's last) cost 3.97M params and 415M
+    MACs in FaceResNet; removing them from the paper's own FaceResNet (40.35M, 1050M) without any
+    replacement still leaves more than the paper's RepMLP-FaceRes (28.32M, 406M).
+    """
+    with torch.device("meta"):
+        face = create_model("face_resnet", deploy=True)
+        ours = create_model("repmlp_face_resnet", deploy=True)
+    replaced = [(0, 1), (0, 2), (1, 1), (2, 1)]
+    assert [
+        (i, j)
+        for i, s in enumerate(ours.trunk.stages)
+        for j, b in enumerate(s)
+        if "RepMLP" in type(b).__name__
+    ] == replaced
+    params = macs = 0
+    for i, j in replaced:
+        block, (h, w) = face.trunk.stages[i][j], face.trunk.stage_resolutions[i]
+        p, m = profile(block, (block.conv1.conv.in_channels, h, w))
+        params, macs = params + p, macs + m
+    assert round(params / 1e6, 2) == 3.97 and round(macs / 1e6) == 415
+    assert 40.35 - params / 1e6 > 28.32 * 1.25 and 1050 - macs / 1e6 > 406 * 1.5
 
 
 def test_counts_of_a_known_layer() -> None:

@@ -2,8 +2,10 @@
 
 - :class:`MobileFaceNet` (Chen et al. 2018) at 96x96: the global depthwise conv covers the 6x6 map.
 - :class:`FaceResNet`: the paper's customised ResNet (blocks 3,2,2,2 in c2..c5, widths 128..1024,
-  1x1 convs neither reducing nor expanding), optionally with RepMLP Bottlenecks replacing the
-  stride-1 bottlenecks of chosen stages (``repmlp_face_resnet``: c2, c3, c4 with h=w=6, r=2, g=4).
+  1x1 convs neither reducing nor expanding; deep 3x3 stem and a flattened-map embedding head, the
+  two parts the paper does not describe, as its parameter and FLOP counts require), optionally with
+  RepMLP Bottlenecks replacing the stride-1 bottlenecks of chosen stages (``repmlp_face_resnet``:
+  c2, c3, c4 with h=w=6, r=2, g=4).
 
 Every model returns an embedding ``(N, embedding_dim)``; the classification layer lives in the
 loss (:class:`repmlp.losses.AMSoftmax`), so the deployed model is the embedding network alone.
@@ -151,10 +153,14 @@ class EmbeddingHead(nn.Module):
 
 
 class DeepStem(nn.Module):
-    """ResNet-D's stem: three 3x3 conv-BN-ReLU (``C/2``, ``C/2``, ``C``; the first strided) + 3x3/2 max pool.
+    """Deep stem (ResNet-C of He et al., "Bag of Tricks", 2019): three 3x3 conv-BN-ReLU with ``C/2``,
+    ``C/2``, ``C`` channels (the first strided) + 3x3/2 max pool, in place of the 7x7/2 conv.
 
-    Not named by the paper; offered because with it FaceResNet's counts come within 0.2% of the
-    paper's table (40.30M / 1052M MACs against 40.35M / 1050M), see ``tests/test_face.py``.
+    FaceResNet's stem. The paper does not describe it; its counts single it out: outside the
+    stages its FaceResNet has 40.35M - 30.83M = 9.52M params and 1050M - 976.7M = 73.3M MACs; the
+    flattened 3x3x1024 -> 1024 head takes 9.44M of both, leaving ~64M MACs for a stem at 48x48
+    (2304 positions), i.e. ~28k weights: this stem has 28.5k (65.7M MACs), ResNet-50's 7x7 conv
+    9.4k (21.7M MACs, leaving the total 4% below the paper's). See docs/models.md.
     Shapes: ``(N, C_in, H, W)`` -> ``(N, C, H/4, W/4)``.
     """
 
@@ -181,16 +187,19 @@ class DeepStem(nn.Module):
 class FaceResNet(nn.Module):
     """The paper's FaceResNet, optionally with RepMLP Bottlenecks (RepMLP-FaceRes).
 
-    A :class:`~repmlp.models.blocks.ResNet` trunk (ResNet-50's 7x7/2 stem and 3x3/2 max pool, or with
-    ``stem="deep"`` :class:`DeepStem`, then c2..c5
-    of ``layers`` bottlenecks whose three convs all have ``widths[i]`` channels: the 1x1 convs neither
-    reduce nor expand), followed by :class:`EmbeddingHead`.
+    A :class:`~repmlp.models.blocks.ResNet` trunk (:class:`DeepStem` by default, ``stem="resnet"`` for
+    ResNet-50's 7x7/2 conv and 3x3/2 max pool; then c2..c5 of ``layers`` bottlenecks whose three
+    convs all have ``widths[i]`` channels: the 1x1 convs neither reduce nor expand), followed by
+    :class:`EmbeddingHead`. With the defaults: 40.30M params, 1052M MACs at 96x96 (paper: 40.35M,
+    1050M); with ``stem="resnet"`` 40.28M, 1008M.
 
     In every stage of ``repmlp_stages`` the bottlenecks after the first become RepMLP Bottlenecks (paper:
     "the last two bottlenecks of c2 and the last blocks of c3, c4"; c2's first block has stride 1 in a
     ResNet-50 but changes the width, and the paper keeps it). A RepMLP Bottleneck is the paper's block
     of Sec. 3.5 as defined there: its 1x1 conv reduces ``widths[i]`` 4x, its 3x3 conv a further ``r``x,
-    then a RepMLP with partition ``h = w = partition`` and ``groups``.
+    then a RepMLP with partition ``h = w = partition`` and ``groups`` (no Global Perceptron in c4,
+    whose 6x6 map is a single partition). This is as cheap as the text allows, yet the paper's
+    RepMLP-FaceRes counts (28.32M, 406M) cannot be reached: see docs/models.md, "Deviations".
 
     Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, embedding_dim)``; c2..c5 see
     ``img_size/4 .. img_size/32`` (24, 12, 6, 3 at 96).
@@ -210,7 +219,7 @@ class FaceResNet(nn.Module):
         reduction: int = 2,
         groups: int = 4,
         kernel_sizes: Sequence[int] = (1, 3, 5),
-        stem: str = "resnet",
+        stem: str = "deep",
         deploy: bool = False,
     ) -> None:
         super().__init__()
@@ -288,13 +297,13 @@ def mobilefacenet(
     return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.conv.conv", **_FACE_CFG)
+@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_CFG)
 def face_resnet(pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any) -> FaceResNet:
     """FaceResNet (paper Sec. 4.3): blocks 3,2,2,2, widths 128..1024, 1024-d embedding, 96x96."""
     return FaceResNet(**_embedding_kwargs(num_classes, kwargs))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.conv.conv", **_FACE_CFG)
+@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_CFG)
 def repmlp_face_resnet(
     pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
 ) -> FaceResNet:
