@@ -257,6 +257,9 @@ def test_tables_command():
     assert res.returncode == 0, res.stderr
     assert "| Pure MLP | `repmlp_cifar` |" in res.stdout
     assert sum(ln.startswith("| ") for ln in res.stdout.splitlines()) > 20
+    # docs/models.md quotes this output: it must stay what the command prints now.
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    assert res.stdout.strip() in docs, "docs/models.md is stale: paste the output of `repmlp -q tables`"
 
 
 def test_help_of_each_command():
