@@ -167,7 +167,8 @@ def test_bench_table_for_checkpoint_and_models(run_dir, capsys):
     params = [float(r[3]) for r in rows]
     speed = [float(r[6]) for r in rows]
     assert params[1] < params[0] and all(s > 0 for s in speed)
-    assert rows[1][7].strip().endswith("x")  # deployed speed relative to training-time
+    assert rows[1][7].strip().endswith("%")  # spread of the pass times
+    assert rows[1][8].strip().endswith("x")  # deployed speed relative to training-time
     assert "1x28x28" in res.stdout and "Batch 4" in res.stdout
 
     # Registered names side by side (repmlp's and timm's), one input size for both (in-process: faster).
@@ -314,6 +315,9 @@ def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
         (["bench", "--checkpoint", "{model}", "--device", "cuda:7"], ["--device cuda:7"]),
         (["export", "--checkpoint", "{model}", "--format", "tflite"], ["invalid choice"]),
         (["convert", "--checkpoint", "{missing}"], ["checkpoint not found"]),
+        (["viz", "--checkpoint", "{model}", "--output", "{model}"], ["would overwrite the checkpoint"]),
+        (["bench", "--checkpoint", "{model}", "--output", "{deploy}"], ["model file name"]),
+        (["tables", "--output", "{missing}"], ["model file name"]),
     ],
 )
 def test_bad_inputs_in_process(argv, fragments, run_dir, bad_files, deployed, capsys):

@@ -37,6 +37,7 @@ class BenchRow:
     macs: int
     throughput: float
     latency_ms: float  # median time of one batch
+    spread: float = 0.0  # interquartile range of the batch times / their median
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,39 +112,62 @@ def benchmark(
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     device = torch.device(device)
     input_size = tuple(int(s) for s in input_size)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *input_size, generator=gen).to(device)
-    rows: list[BenchRow] = []
+    variants: list[tuple[str, str, nn.Module, int, int]] = []
     for name, model in models.items():
         base = copy.deepcopy(model).eval()
         deployed_already = _is_deployed(base)
-        variants: list[tuple[str, nn.Module]] = []
         if "train" in forms and not deployed_already:
-            variants.append(("train", base))
+            variants.append((name, "train", base, *profile(base, input_size)))
         if "deploy" in forms:
-            variants.append(("deploy", base if deployed_already else reparameterize_model(base)))
-        for form, net in variants:
-            params, macs = profile(net, input_size)
-            net = net.to(device)
-            times = time_forward(net, x, warmup=warmup, repeats=repeats)
-            median = statistics.median(times)
-            rows.append(
-                BenchRow(
-                    model=name,
-                    form=form,
-                    input_size=input_size,
-                    batch_size=batch_size,
-                    device=str(device),
-                    params=int(params),
-                    macs=int(macs),
-                    throughput=batch_size / median if median > 0 else math.inf,
-                    latency_ms=median * 1e3,
-                )
+            net = base if deployed_already else reparameterize_model(base)
+            variants.append((name, "deploy", net, *profile(net, input_size)))
+    nets = [v[2].to(device) for v in variants]
+    # Interleaved rounds (every form once per round): on a shared machine the load drifts, and
+    # interleaving makes the drift hit every form alike, so the ratios between them stay meaningful.
+    times: list[list[float]] = [[] for _ in nets]
+    with torch.inference_mode():
+        for net in nets:
+            for _ in range(warmup):
+                net(x)
+        _sync(device)
+        for _ in range(repeats):
+            for i, net in enumerate(nets):
+                times[i] += time_forward(net, x, warmup=0, repeats=1)
+    rows: list[BenchRow] = []
+    for (name, form, _, params, macs), t in zip(variants, times, strict=True):
+        median = statistics.median(t)
+        q = statistics.quantiles(t, n=4) if len(t) > 1 else [median, median, median]
+        rows.append(
+            BenchRow(
+                model=name,
+                form=form,
+                input_size=input_size,
+                batch_size=batch_size,
+                device=str(device),
+                params=int(params),
+                macs=int(macs),
+                throughput=batch_size / median if median > 0 else math.inf,
+                latency_ms=median * 1e3,
+                spread=(q[2] - q[0]) / median if median > 0 else 0.0,
             )
-            log.info("%s (%s): %.1f examples/s", name, form, rows[-1].throughput)
-            net.to("cpu")
+        )
+        log.info(
+            "%s (%s): %.1f examples/s (spread %.0f%%)", name, form, rows[-1].throughput, 100 * rows[-1].spread
+        )
+    worst = max((r.spread for r in rows), default=0.0)
+    if worst > 0.25:
+        log.warning(
+            "timings vary by up to %.0f%% between passes: the machine is busy; compare ratios, or rerun",
+            100 * worst,
+        )
+    for net in nets:
+        net.to("cpu")
     return rows
 
 
@@ -166,7 +190,8 @@ def _millions(n: int) -> str:
 def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note: str | None = None) -> str:
     """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s.
 
-    Each deployed row also shows its speed relative to the training-time row of the same model;
+    ``spread`` is the interquartile range of the batch times relative to their median. Each deployed
+    row also shows its speed relative to the training-time row of the same model;
     ``title`` goes above the table, ``note`` (say, the hardware) below it.
     """
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
@@ -174,8 +199,8 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
     if title:
         lines += [title, ""]
     lines += [
-        "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | vs. train |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | spread | vs. train |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         rel = train_speed.get(r.model)
@@ -183,7 +208,7 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
         size = "x".join(str(s) for s in r.input_size)
         lines.append(
             f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
-            f"| {r.throughput:.1f} | {ratio} |"
+            f"| {r.throughput:.1f} | {100 * r.spread:.0f}% | {ratio} |"
         )
     if note:
         lines += ["", note]

@@ -1,9 +1,11 @@
 """Tensor re-arrangements and the groupwise FC used by RepMLP (paper Sec. 3.2).
 
 The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient.
-On the CPUs and GPUs we measured (``benchmarks/bench_fc3.py``), a batched matmul over a
-``(g, partitions, C*h*w/g)`` layout computes the same result several times faster, so that is the
-default; the grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
+On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmarks.md``), a batched
+matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 7-10x faster than the
+grouped 1x1 conv and within a few percent of the fastest of the other layouts tried, so it is used on
+every device; no GPU was available to measure on (``bench_fc3.py --device cuda`` does). The
+grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
 """
 
 from __future__ import annotations

@@ -142,6 +142,13 @@ def finish_run(
     # Rank 0 alone finishes the run: it needs the whole validation set, not its shard.
     val = copy.copy(data.val)
     val.rank, val.world = 0, 1
+    # Recorded so that eval / convert of these files find the data without --data-dir.
+    extra = {
+        "dataset": cfg.dataset,
+        "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
+        "classes": data.classes,
+        "input_size": list(input_size),
+    }
 
     # Float32 for the equivalence check: AMP rounding would hide (or fake) conversion errors.
     model = model.float().to(memory_format=torch.contiguous_format).eval()
@@ -151,7 +158,7 @@ def finish_run(
         name=name,
         model_kwargs=result.model_kwargs,
         form="train",
-        extra={"dataset": cfg.dataset, "classes": data.classes, "input_size": list(input_size)},
+        extra=extra,
     )
     log.info("evaluating the training-time model ...")
     ref_logits, labels = predict(model, val, device)
@@ -166,7 +173,7 @@ def finish_run(
         name=name,
         model_kwargs=result.model_kwargs,
         form="deploy",
-        extra={"dataset": cfg.dataset, "classes": data.classes, "input_size": list(input_size)},
+        extra=extra,
     )
     # Check the file, not the in-memory object: a deploy=True model must load it strictly.
     deployed, _ = load_model(out / "deploy.safetensors", device=device, form="deploy")

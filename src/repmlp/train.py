@@ -22,6 +22,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -365,10 +366,51 @@ def _broadcast_buffers(model: nn.Module, dist_info: DistInfo) -> None:
             dist.broadcast(b.data, src=0)
 
 
+def option_name(field_name: str) -> str:
+    """The command-line spelling of a :class:`TrainConfig` field (``model_args`` -> ``--model-arg``)."""
+    return "--model-arg" if field_name == "model_args" else "--" + field_name.replace("_", "-")
+
+
+def resumed_config(
+    saved: TrainConfig, cfg: TrainConfig, given: Collection[str] | None, where: Path
+) -> TrainConfig:
+    """The configuration a resumed run continues with: the saved one, with ``cfg``'s runtime options.
+
+    ``given`` names the fields the user set explicitly (``None``: all of ``cfg``). Those that change the
+    maths must equal the saved values, else the checkpoint belongs to another model or recipe and resuming
+    would silently train something else: :class:`UserError`. Runtime options (device, workers, data folder,
+    ...) that were given replace the saved ones; the others keep the saved values.
+    """
+    explicit = {f.name for f in dataclasses.fields(TrainConfig)} if given is None else set(given)
+    conflicts = [
+        f"{option_name(k)} {getattr(saved, k)!r}, not {getattr(cfg, k)!r}"
+        for k in sorted(explicit)
+        if k not in TrainConfig.RUNTIME and hasattr(saved, k) and getattr(saved, k) != getattr(cfg, k)
+    ]
+    if conflicts:
+        raise UserError(
+            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}"
+            f"{' ...' if len(conflicts) > 4 else ''} (leave these options out to continue it, or train into "
+            "another --output)"
+        )
+    for k in TrainConfig.RUNTIME:
+        if k in explicit:
+            setattr(saved, k, getattr(cfg, k))
+    return saved
+
+
 def run_training(
-    cfg: TrainConfig, *, resume: bool = False, stop_after_steps: int | None = None
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    stop_after_steps: int | None = None,
+    given: Collection[str] | None = None,
 ) -> TrainResult:
-    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group."""
+    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group.
+
+    With ``resume``, the run continues from ``cfg.output``'s checkpoint with the saved configuration;
+    ``given`` names the options the user set explicitly (see :func:`resumed_config`).
+    """
     from tqdm import tqdm
 
     cfg.validate()
@@ -386,14 +428,7 @@ def run_training(
             saved = TrainConfig.from_dict(state["config"])
         except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{state_path} has no usable config ({exc})") from None
-        changed = [
-            k for k, v in cfg.to_dict().items() if k not in TrainConfig.RUNTIME and getattr(saved, k) != v
-        ]
-        if changed and di.is_main:
-            log.warning("resuming with the saved settings; ignoring changed %s", ", ".join(changed))
-        for k in TrainConfig.RUNTIME:
-            setattr(saved, k, getattr(cfg, k))
-        cfg = saved
+        cfg = resumed_config(saved, cfg, given, out)
     elif di.is_main and state_path.exists():
         raise UserError(
             f"{out} already holds a run ({STATE_FILE}); use --resume to continue it or another --output"
@@ -606,6 +641,9 @@ def run_training(
         if di.is_main:
             write_metrics_csv(out / METRICS_FILE, history)
     train_seconds = time.perf_counter() - t_start
+    if di.is_main:
+        # Again after the loop: a run killed between its last checkpoint and this file resumes past the loop.
+        write_metrics_csv(out / METRICS_FILE, history)
     _broadcast_buffers(model, di)
     hashes = [state_hash(model)]
     if di.enabled:
@@ -614,6 +652,9 @@ def run_training(
         hashes = gathered
         if len(set(hashes)) != 1:
             log.error("replicas differ after training: %s", hashes)
+        elif di.is_main:
+            # The check that DDP kept the processes in step (also in report.md).
+            log.info("final weights identical on all %d processes (sha256 %s)", di.world, hashes[0][:16])
     model.eval()
     return TrainResult(model, model_kwargs, data, history, cfg, train_seconds, hashes, di)
 

@@ -16,6 +16,25 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 
+# Files a report or figure must never replace: weights and exported models.
+_MODEL_SUFFIXES = (".safetensors", ".onnx", ".pt", ".pth", ".ckpt", ".bin")
+
+
+def check_report_output(output: Path | None, inputs: Sequence[Path] = ()) -> None:
+    """Refuse an ``--output`` for a text report or figure that would replace an input or a model file."""
+    if output is None:
+        return
+    if output.is_dir():
+        raise UserError(f"--output {output} is a folder")
+    for src in inputs:
+        if output.exists() and output.resolve() == Path(src).resolve():
+            raise UserError(f"--output {output} would overwrite the checkpoint being read")
+    if output.suffix.lower() in _MODEL_SUFFIXES:
+        raise UserError(
+            f"--output {output}: refusing to write a report over a model file name ({output.suffix})"
+        )
+
+
 def int_at_least(minimum: int):
     """An ``argparse`` type: an int >= ``minimum`` (out of range -> one-line usage error)."""
 

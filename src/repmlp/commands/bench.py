@@ -19,6 +19,7 @@ from ._common import (
     add_device_argument,
     build_model,
     check_forward,
+    check_report_output,
     checkpoint_input_size,
     describe_device,
     int_at_least,
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench import benchmark, render_markdown
     from ..checkpoint import atomic_write_text
 
+    check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)
     models, input_size, forms = _models(args)
     rows = []
@@ -121,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     size = "x".join(str(s) for s in input_size)
     note = (
         f"Batch {args.batch_size}, input {size}, {describe_device(device)}; speed is the median of "
-        f"{args.repeats} timed passes after {args.warmup} warm-up passes (`repmlp bench`)."
+        f"{args.repeats} timed passes after {args.warmup} warm-up passes, the forms interleaved; spread is "
+        "the interquartile range of the pass times relative to their median (`repmlp bench`)."
     )
     table = render_markdown(rows, note=note)
     print(table)

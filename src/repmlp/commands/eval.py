@@ -37,7 +37,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="(default: the one the checkpoint was trained on, else fashion-mnist)",
     )
-    p.add_argument("--data-dir", default=None, help="as for repmlp train")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="as for repmlp train (default: the folder the checkpoint was trained on)",
+    )
     p.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
     p.add_argument(
         "--val-limit", type=int_at_least(1), default=None, metavar="N", help="first N examples only"
@@ -66,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
     model, info = load_model(args.checkpoint, device=device)
     extra = info.get("extra") or {}
     dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
+    # The training run's data folder (recorded in the checkpoint) unless another is given.
+    data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
     kwargs = info["model_kwargs"]
     data = build_data(
         DataConfig(
             dataset=dataset,
-            data_dir=args.data_dir,
+            data_dir=data_dir,
             download=args.download,
             eval_batch_size=args.batch_size,
             val_limit=args.val_limit,

@@ -20,7 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import atomic_write_text
     from ..tables import render_tables
+    from ._common import check_report_output
 
+    check_report_output(args.output)
     text = render_tables()
     print(text)
     if args.output is not None:

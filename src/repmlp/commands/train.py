@@ -199,7 +199,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g = p.add_argument_group("run")
     g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")
     g.add_argument(
-        "--resume", action="store_true", help="continue the run in --output from its last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --output from its last checkpoint, with its saved settings (options "
+        "that would change them are refused; --device, --workers, --data-dir, ... may change)",
     )
     g.add_argument(
         "--ckpt-every",
@@ -246,7 +249,8 @@ def resolve_config(args: argparse.Namespace):
         raise UserError("--resume needs --output DIR (the run folder to continue)")
     return TrainConfig(
         dataset=args.dataset,
-        data_dir=args.data_dir,
+        # Absolute, so that --resume from another working directory still finds the data.
+        data_dir=os.path.abspath(os.path.expanduser(args.data_dir)) if args.data_dir else None,
         download=args.download,
         preset=preset,
         model_args=dict(args.model_arg),
@@ -261,6 +265,22 @@ def resolve_config(args: argparse.Namespace):
         output=output,
         **values,
     )
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The :class:`~repmlp.train.TrainConfig` fields the user typed (``--resume`` keeps the others' saved values).
+
+    Re-parses the command's own options into a namespace pre-filled with a marker: ``argparse`` fills in
+    defaults only for attributes that are missing, so whatever still holds the marker was not typed. The
+    marker is a list because ``append`` actions (``--model-arg``) extend a copy of the current value.
+    """
+    unset: list = []
+    dests = {a.dest for a in args.parser._actions if a.dest != argparse.SUPPRESS}
+    probe = argparse.Namespace(**dict.fromkeys(dests, unset))
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    args.parser.parse_known_args(task_argv(argv, "train"), probe)
+    typed = {d for d in dests if getattr(probe, d) is not unset}
+    return {"model_args" if d == "model_arg" else d for d in typed}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -278,7 +298,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     try:
-        result = run_training(cfg, resume=args.resume, stop_after_steps=args.stop_after_steps)
+        result = run_training(
+            cfg,
+            resume=args.resume,
+            stop_after_steps=args.stop_after_steps,
+            given=given_options(args) if args.resume else None,
+        )
         if not result.dist_info.is_main:
             return 0
         ok = finish_run(

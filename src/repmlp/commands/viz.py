@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from ..errors import UserError
-from ._common import int_at_least, load_checkpoint
+from ._common import check_report_output, int_at_least, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from ..viz import find_repmlp_blocks, plot_fc3
 
     output = args.output or args.checkpoint.with_name("fc3_weights.png")
-    if output.is_dir():
-        raise UserError(f"--output {output} is a folder")
+    check_report_output(output, [args.checkpoint])
     model, info = load_checkpoint(args.checkpoint)
     blocks = find_repmlp_blocks(model)
     if args.list_blocks:

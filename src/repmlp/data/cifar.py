@@ -1,8 +1,10 @@
 """CIFAR-10 in torchvision's on-disk layout (``cifar-10-batches-py``), read without running pickled code.
 
-The batches are Python pickles of ``{"data": uint8 array (N, 3072), "labels": [int], ...}``. A restricted
-unpickler allows only the builtin containers and the numpy array reconstruction functions, so a file that
-tries to call anything else fails to load instead of executing it.
+The batches are Python pickles of ``{"data": uint8 array (N, 3072), "labels": [int], ...}``: the one
+pickled format this project reads, an exception to "never unpickle" made because it is the data set's own
+distribution format. A restricted unpickler allows only the builtin containers, the numpy array
+reconstruction functions and a latin-1-only stand-in for ``_codecs.encode`` (how protocol-2 pickles written
+by Python 3 spell ``bytes``), so a file that tries to call anything else fails to load instead of executing it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,19 @@ _ALLOWED = {
 }
 
 
+def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
+    """``_codecs.encode`` limited to what protocol-2 pickles of ``bytes`` need: latin-1 text -> bytes."""
+    if not isinstance(text, str) or encoding.lower().replace("-", "") not in ("latin1", "iso88591"):
+        raise pickle.UnpicklingError(f"refusing _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle API
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1_bytes
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
