@@ -201,6 +201,9 @@ def test_empty_kernel_sizes_has_no_local_perceptron():
         ((4, 4, 8, (1, 2, 3)), {}, "partition"),
         ((1, 1, 4, 2), {"kernel_sizes": (1,), "global_reduction": 8}, "global_reduction"),
         ((1, 1, 4, 2), {"kernel_sizes": (1,), "global_reduction": 0}, "global_reduction"),
+        ((4, 4, 8, 4), {"kernel_sizes": (3,), "global_reduction": 2.5}, "global_reduction"),
+        ((4, 4, 8, 4), {"kernel_sizes": 3}, "kernel_sizes"),  # an int, not a sequence
+        ((4, 4, 8, 4), {"groups": True}, "groups"),
     ],
 )
 def test_invalid_configurations_raise_value_error_naming_the_argument(args, kwargs, name):

@@ -149,3 +149,12 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
         atomic_write_bytes(path, b"new" * 1000)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left behind
+
+
+def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "f.bin", b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o644

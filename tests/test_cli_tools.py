@@ -334,3 +334,14 @@ def test_bad_inputs_in_process(argv, fragments, run_dir, bad_files, deployed, ca
     assert sum("error" in ln.lower() for ln in lines) == 1, err
     for fragment in fragments:
         assert fragment in lines[-1], lines[-1]
+
+
+def test_eval_of_a_foreign_model_checks_its_own_input_channels(tmp_path, capsys):
+    # A timm model's checkpoint need not record in_chans: the channels come from the model itself.
+    data = make_fashion_mnist(tmp_path / "fm", n_train=8, n_test=8)
+    model = repmlp.create_model("resnet18", num_classes=10)
+    ckpt = tmp_path / "r18.safetensors"
+    save_model(ckpt, model, name="resnet18", model_kwargs={"num_classes": 10}, form="train")
+    status = cli.main(["eval", "--checkpoint", str(ckpt), "--data-dir", str(data)])
+    err = capsys.readouterr().err
+    assert status == 2 and "takes 3-channel images but fashion-mnist has 1" in err and "Traceback" not in err

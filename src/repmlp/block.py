@@ -53,7 +53,9 @@ class GlobalPerceptron(nn.Module):
         super().__init__()
         self.channels, self.parts, self.partition = channels, parts, partition
         width = channels * parts[0] * parts[1]
-        if reduction < 1 or width // reduction < 1:
+        if not isinstance(reduction, int) or isinstance(reduction, bool) or reduction < 1:
+            raise ValueError(f"global_reduction must be a positive int, got {reduction!r}")
+        if width // reduction < 1:
             raise ValueError(f"global_reduction={reduction} leaves FC1 no outputs (input width {width})")
         self.bn: nn.BatchNorm2d | None = None if deploy else nn.BatchNorm2d(channels)
         self.fc1 = nn.Linear(width, width // reduction)
@@ -136,7 +138,8 @@ class RepMLPBlock(nn.Module):
         groups: ``g`` of FC3 and every Local Perceptron conv.
         kernel_sizes: Local Perceptron branches, each an odd int or an ``(kh, kw)`` pair no larger
             than the partition; empty for none.
-        global_reduction: FC1 output width = ``C*Hp*Wp // global_reduction``.
+        global_reduction: FC1 output width = ``C*Hp*Wp // global_reduction`` (rounded down, as
+            squeeze-and-excitation widths are).
         global_perceptron: ``False`` drops the Global Perceptron (it is also absent when the padded
             input is a single partition).
         deploy: build the inference form (FC1, FC2, FC3 with bias; no BN, no conv).
@@ -159,7 +162,7 @@ class RepMLPBlock(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if in_channels % groups or out_channels % groups:
             raise ValueError(
@@ -168,6 +171,10 @@ class RepMLPBlock(nn.Module):
         self.resolution = _positive_pair(resolution, "resolution")
         self.partition = _positive_pair(partition, "partition")
         h, w = self.partition
+        if not isinstance(kernel_sizes, Sequence) or isinstance(kernel_sizes, str):
+            raise ValueError(
+                f"kernel_sizes must be a sequence of kernel sizes such as (1, 3, 5), got {kernel_sizes!r}"
+            )
         kernels = []
         for k in kernel_sizes:
             kh, kw = _positive_pair(k, "kernel_sizes")

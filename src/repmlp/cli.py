@@ -131,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError; any other RuntimeError is a bug.
+        if type(exc).__name__ != "OutOfMemoryError":
+            raise
+        print("repmlp: error: device out of memory (try a smaller --batch-size)", file=sys.stderr)
+        return 1
     except OSError as exc:
         # Disk full, permission denied, ...: the user's environment, not a bug in repmlp.
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""

@@ -103,7 +103,10 @@ def check_inputs(
             return x.float(), f"{len(x)} {name} validation images"
         except UserError as exc:
             if dataset:
-                raise UserError(f"--dataset {dataset}: {exc}") from None
+                msg = str(exc)
+                raise UserError(
+                    msg if msg.startswith("--dataset") else f"--dataset {dataset}: {msg}"
+                ) from None
             log.warning("cannot load the run's data set %s (%s); checking on random inputs", name, exc)
     gen = torch.Generator().manual_seed(0)
     return torch.randn(n, *input_size, generator=gen), f"{n} random inputs (no data set known)"

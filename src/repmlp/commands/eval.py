@@ -12,7 +12,7 @@ import json
 import logging
 
 from ..errors import UserError
-from ._common import int_at_least
+from ._common import checkpoint_input_size, int_at_least
 from .train import add_task_option, print_help_if_asked, run_task
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,11 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(
             f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"
         )
-    if kwargs.get("in_chans") not in (None, data.in_chans):
+    # The model's own input channels (a foreign model's checkpoint may not record in_chans).
+    in_chans = checkpoint_input_size(model, info)[0]
+    if in_chans != data.in_chans:
         raise CheckpointError(
-            f"{args.checkpoint} takes {kwargs['in_chans']}-channel images but {dataset} has {data.in_chans}"
+            f"{args.checkpoint} takes {in_chans}-channel images but {dataset} has {data.in_chans}"
         )
     if kwargs.get("img_size") not in (None, data.img_size):
         raise CheckpointError(
