@@ -11,6 +11,7 @@ keep what FC3 learnt (the global capacity).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ def _select_block(model: nn.Module, block_name: str | None) -> tuple[str, RepMLP
     if block_name is None:
         # The paper samples a block that has a Local Perceptron; prefer the first such block.
         with_local = [(n, b) for n, b in blocks if b.local_perceptron is not None]
+        if not with_local:
+            logging.getLogger(__name__).warning(
+                "no RepMLP block has a Local Perceptron: both panels will show the same FC3"
+            )
         return (with_local or blocks)[0]
     for name, block in blocks:
         if name == block_name:
