@@ -11,7 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
+import repmlp.convert
 from repmlp import reparameterize_model
+from repmlp.checkpoint import load_model, read_metadata, save_model
 from repmlp.cli import main as cli_main
 from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
@@ -256,3 +258,123 @@ def test_face_training_with_torchrun(face_data, tmp_path):
     history = json.loads((tmp_path / "ddp" / "train_log.json").read_text())["history"]
     assert history[-1]["iteration"] == 8
     assert (tmp_path / "ddp" / "deploy.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------ clear user errors
+def test_mobilefacenet_checks_its_input_size():
+    model = create_model("mobilefacenet", img_size=32, width=16).eval()
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 128)
+    # Fed 96x96 faces, the GDConv would no longer reduce the map to 1x1: a 3200-d "embedding".
+    with pytest.raises(ValueError, match=r"img_size=32 takes \(N, 3, 32, 32\).*build it with img_size=96"):
+        model(torch.randn(1, 3, 96, 96))
+    with pytest.raises(ValueError, match="img_size=32"):
+        model(torch.randn(1, 1, 32, 32))
+
+
+def _user_error(capsys) -> str:
+    """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
+    assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
+    return last
+
+
+def test_face_eval_refuses_checkpoints_of_other_tasks(face_data, tmp_path, capsys):
+    cls = create_model("repmlp_fmnist")
+    pairs = ["--pairs", str(face_data / "pairs.txt"), "--folds", "2", "--device", "cpu", "--workers", "0"]
+    cases = [
+        (
+            {"dataset": "fashion-mnist"},
+            "holds an image classifier (repmlp_fmnist), not a face embedding model",
+        ),
+        ({"task": "seg"}, "holds a segmentation model (repmlp_fmnist)"),
+        (None, "holds model 'repmlp_fmnist', not a face embedding model"),  # no record: the model decides
+    ]
+    for i, (extra, message) in enumerate(cases):
+        path = tmp_path / f"other{i}.safetensors"
+        save_model(path, cls, name="repmlp_fmnist", model_kwargs={}, form="train", extra=extra)
+        assert cli_main(["eval", "--task", "face", "--checkpoint", str(path), *pairs]) == 2
+        line = _user_error(capsys)
+        assert message in line and "repmlp train --task face" in line
+
+
+def test_face_training_sizes_models_and_identities(face_data, tmp_path, capsys):
+    base = ["train", "--task", "face", "--data", str(face_data / "train"), "--iterations", "1",
+            "--batch-size", "2", "--device", "cpu", "--workers", "0"]  # fmt: skip
+    small = {"width": 16, "embedding_dim": 24, "img_size": 32}
+    mfn = ["--model", "mobilefacenet", "--model-kwargs", json.dumps(small)]
+    # --model-kwargs' img_size alone sizes the data too (it used to be --img-size's 96: a crash).
+    out = tmp_path / "mfn"
+    assert cli_main([*base, *mfn, "--output", str(out)]) == 0
+    assert json.loads(read_metadata(out / "deploy.safetensors")["model_kwargs"])["img_size"] == 32
+    capsys.readouterr()
+    bad = [
+        ([*mfn, "--img-size", "64"], "--model-kwargs img_size 32 differs from --img-size 64"),
+        # Face models return an embedding (N, embedding_dim); a classifier is refused, not trained.
+        (
+            ["--model", "repmlp_fmnist", "--img-size", "32"],
+            "model 'repmlp_fmnist' is not a face embedding model",
+        ),
+    ]
+    for extra, message in bad:
+        assert cli_main([*base, *extra, "--output", str(tmp_path / "x")]) == 2
+        assert message in _user_error(capsys)
+    # One identity: the AM-Softmax loss would be 0 whatever the model (it used to "train" at loss 0.0000).
+    _make_faces(tmp_path / "one", 1, 4)
+    args = [a if a != str(face_data / "train") else str(tmp_path / "one") for a in base]
+    assert cli_main([*args, *mfn, "--output", str(tmp_path / "o")]) == 2
+    assert "holds 1 identity; face training needs at least 2" in _user_error(capsys)
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_face_eval_names_diverged_weights(face_data, trained_face, tmp_path, capsys, monkeypatch):
+    model, info = load_model(trained_face / "model.safetensors")
+    sets = ["--probe", str(face_data / "probe"), "--gallery", str(face_data / "gallery"), "--device", "cpu",
+            "--workers", "0"]  # fmt: skip
+
+    def save_eval(name: str, *extra: str) -> int:
+        save_model(tmp_path / name, model, name=info["model"], model_kwargs=info["model_kwargs"], form="train",
+                   extra=info["extra"])  # fmt: skip
+        return cli_main(["eval", "--task", "face", "--checkpoint", str(tmp_path / name), *sets, *extra])
+
+    # Finite weights, but so large that the outputs overflow: the training form is checked first.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.mul_(1e6)
+    assert save_eval("huge.safetensors", "--check-conversion") == 2
+    assert "the training-form model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
+    assert save_eval("huge.safetensors") == 2
+    assert "the converted model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert save_eval("nan.safetensors") == 2
+    assert "weight tensors hold NaN/inf" in _user_error(capsys)
+
+    # A finite training form whose conversion gives NaN is the conversion's fault, and said so.
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return torch.full((len(x), 32), float("nan"))
+
+    monkeypatch.setattr(repmlp.convert, "reparameterize_model", lambda m: Broken())
+    rc = cli_main(["eval", "--task", "face", "--checkpoint", str(trained_face / "model.safetensors"), *sets,
+                   "--check-conversion"])  # fmt: skip
+    assert rc == 2 and "training form's are finite: the conversion failed" in _user_error(capsys)
+
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+def test_face_help_description_is_a_whole_sentence(phase, capsys):
+    import repmlp.tasks.face
+
+    first = repmlp.tasks.face.__doc__.splitlines()[0]  # what `repmlp train/eval --task face -h` shows
+    assert first.endswith(".")
+    assert cli_main([phase, "--task", "face", "--help"]) == 0
+    assert first in " ".join(capsys.readouterr().out.split())
+
+
+def test_face_eval_set_errors_come_before_progress_bars(face_data, trained_face, capsys):
+    rc = cli_main(["eval", "--task", "face", "--checkpoint", str(trained_face / "model.safetensors"),
+                   "--pairs", str(face_data / "pairs.txt"), "--device", "cpu", "--workers", "0"])  # fmt: skip
+    assert rc == 2
+    assert capsys.readouterr().err == "repmlp: error: 8 pairs are too few for 10 folds\n"  # no bar text

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from repmlp import reparameterize_model
-from repmlp.checkpoint import save_model
+from repmlp.checkpoint import load_model, read_metadata, save_model
 from repmlp.cli import main as cli_main
 from repmlp.data.cityscapes import CityscapesSegmentation, random_scale_crop_flip
 from repmlp.errors import UserError
@@ -291,3 +291,99 @@ def test_seg_training_with_torchrun(city, tmp_path):
     history = json.loads((tmp_path / "ddp" / "train_log.json").read_text())["history"]
     assert history[-1]["iteration"] == 2  # 3 images per process, batches of 2, 2 epochs
     assert (tmp_path / "ddp" / "deploy.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------ clear user errors
+def _user_error(capsys) -> str:
+    """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
+    assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
+    return last
+
+
+def test_seg_eval_refuses_checkpoints_of_other_tasks(city, tmp_path, capsys):
+    face = reparameterize_model(create_model("mobilefacenet", img_size=32, width=16).eval())  # deploy form
+    cls = create_model("repmlp_fmnist")
+    cases = [
+        (cls, "repmlp_fmnist", {"dataset": "fashion-mnist"}, "holds an image classifier (repmlp_fmnist)"),
+        (face, "mobilefacenet", {"task": "face"}, "holds a face embedding model (mobilefacenet)"),
+        (face, "mobilefacenet", None, "holds model 'mobilefacenet'"),  # no record: the model decides
+    ]
+    for i, (model, name, extra, message) in enumerate(cases):
+        path = tmp_path / f"other{i}.safetensors"
+        kwargs = {"img_size": 32, "width": 16} if name == "mobilefacenet" else {}
+        save_model(path, model, name=name, model_kwargs=kwargs, form="deploy" if i else "train", extra=extra)
+        rc = cli_main(
+            ["eval", "--task", "seg", "--checkpoint", str(path), "--data", str(city), "--device", "cpu"]
+        )
+        line = _user_error(capsys)
+        assert rc == 2 and message in line and "not a PSPNet segmentation model" in line
+
+
+def test_seg_training_sizes_and_models(city, tmp_path, capsys):
+    base = ["train", "--task", "seg", "--data", str(city), "--batch-size", "2", "--epochs", "1",
+            "--device", "cpu", "--workers", "0", "--output"]  # fmt: skip
+    small = {"widths": [16, 32, 64, 64], "head_channels": 8, "aux_channels": 8}
+    # --model-kwargs' img_size alone sets the crop (no --crop-size): one size for data and model.
+    sized = ["--model", "pspnet_res50", "--model-kwargs", json.dumps({**small, "img_size": 48})]
+    assert cli_main([*base, str(tmp_path / "ok"), *sized]) == 0
+    meta = read_metadata(tmp_path / "ok" / "deploy.safetensors")
+    assert json.loads(meta["extra"])["crop_size"] == 48 and json.loads(meta["model_kwargs"])["img_size"] == 48
+    # Without RepMLPs the model takes whole 80x112 images in one pass.
+    rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(tmp_path / "ok" / "deploy.safetensors"),
+                   "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
+    assert rc == 0 and "(whole, crop 48)" in capsys.readouterr().out
+    bad = [
+        ([*sized, "--crop-size", "64"], "--model-kwargs img_size 48 differs from --crop-size 64"),
+        (["--model", "repmlp_fmnist", "--crop-size", "64"], "model 'repmlp_fmnist' is not a PSPNet"),
+    ]
+    for extra, message in bad:
+        assert cli_main([*base, str(tmp_path / "x"), *extra]) == 2
+        assert message in _user_error(capsys)
+
+
+def test_seg_eval_names_diverged_weights(city, trained_seg, tmp_path, capsys):
+    model, info = load_model(trained_seg / "model.safetensors")
+    common = ["--data", str(city), "--limit", "1", "--device", "cpu", "--workers", "0"]
+
+    def save_eval(name: str, *extra: str) -> int:
+        save_model(tmp_path / name, model, name=info["model"], model_kwargs=info["model_kwargs"], form="train",
+                   extra=info["extra"])  # fmt: skip
+        return cli_main(["eval", "--task", "seg", "--checkpoint", str(tmp_path / name), *common, *extra])
+
+    # Finite weights whose outputs overflow (NaN logits would argmax to class 0 and give a fake mIoU).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.mul_(1e6)
+    assert save_eval("huge.safetensors", "--check-conversion") == 2
+    assert "the training-form model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
+    assert save_eval("huge.safetensors") == 2
+    assert "the converted model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert save_eval("nan.safetensors") == 2
+    assert "weight tensors hold NaN/inf" in _user_error(capsys)
+
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+def test_seg_help_description_is_a_whole_sentence(phase, capsys):
+    import repmlp.tasks.seg
+
+    first = repmlp.tasks.seg.__doc__.splitlines()[0]  # what `repmlp train/eval --task seg -h` shows
+    assert first.endswith(".")
+    assert cli_main([phase, "--task", "seg", "--help"]) == 0
+    assert first in " ".join(capsys.readouterr().out.split())
+
+
+def test_seg_eval_whole_mode_error_comes_before_progress_bars(city, trained_seg, capsys):
+    rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
+                   "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err  # exactly the message: no (cleared) progress bar text before it
+    assert (
+        err == "repmlp: error: --mode whole: this model's RepMLPs are built for 64x64 inputs, not whole "
+        "images; use --mode slide\n"
+    )

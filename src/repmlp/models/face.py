@@ -115,7 +115,22 @@ class MobileFaceNet(nn.Module):
         layers[-2][0].conv.padding = (0, 0)
         self.features = nn.Sequential(*layers)
 
+    def check_input(self, x: Tensor) -> None:
+        """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
+
+        The GDConv's kernel is the last map's size: other inputs would not be reduced to 1x1, and the
+        "embedding" would silently be a flattened map of another width.
+        """
+        s = self.img_size
+        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != (s, s):
+            raise ValueError(
+                f"MobileFaceNet built with img_size={s} takes (N, {self.in_chans}, {s}, {s}) inputs, got "
+                f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
+            )
+
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
+            self.check_input(x)
         return self.features(x).flatten(1)
 
 

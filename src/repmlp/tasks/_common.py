@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from ..errors import UserError
@@ -95,6 +95,75 @@ def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
         raise UserError(f"cannot build model {name!r} with {kwargs}: {exc}") from None
 
 
+def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, default: int) -> int:
+    """The one square input size of a run: ``--model-kwargs``' ``img_size`` or ``flag`` (``value``).
+
+    The data are sized with it and the model built for it (written into ``kwargs``), so the two cannot
+    disagree; giving both with different values is a :class:`UserError`. ``default`` when neither is given.
+    """
+    given = kwargs.get("img_size")
+    if isinstance(given, (list, tuple)) and len(given) == 2 and given[0] == given[1]:
+        given = given[0]
+    if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+        raise UserError(f"--model-kwargs img_size must be one integer (square inputs), got {given!r}")
+    if given is not None and value is not None and given != value:
+        raise UserError(
+            f"--model-kwargs img_size {given} differs from {flag} {value}: the model is built for the "
+            f"size of its inputs; give one of them"
+        )
+    size = given if given is not None else value if value is not None else default
+    kwargs["img_size"] = size
+    return size
+
+
+# What each task's pipeline needs of a model, as told to a user who gave another kind.
+TASK_MODELS = {
+    "face": "a face embedding model (one with embedding_dim: repmlp_face_resnet, face_resnet, mobilefacenet)",
+    "seg": "a PSPNet segmentation model (pspnet_repmlp_res50, pspnet_res50)",
+}
+_FOUND = {"cls": "an image classifier", "face": "a face embedding model", "seg": "a segmentation model"}
+
+
+def is_task_model(model: nn.Module, task: str) -> bool:
+    """Whether ``model`` is of the kind ``task`` trains and evaluates (see :data:`TASK_MODELS`)."""
+    if task == "face":
+        # The loss and the metrics need the embedding width; face models return (N, embedding_dim).
+        return getattr(model, "embedding_dim", None) is not None
+    if task == "seg":
+        from ..models.pspnet import PSPNet
+
+        return isinstance(model, PSPNet)
+    raise ValueError(f"unknown task {task!r}")
+
+
+def require_task_model(model: nn.Module, task: str, name: str) -> None:
+    """:class:`UserError` unless model ``name`` is of ``task``'s kind."""
+    if not is_task_model(model, task):
+        raise UserError(f"model {name!r} is not {TASK_MODELS[task]}")
+
+
+class NonFiniteOutput(UserError):
+    """A model's outputs hold NaN/inf (see :func:`check_finite`)."""
+
+
+def check_finite(output: Tensor, what: str = "the model") -> None:
+    """:class:`NonFiniteOutput` when ``output`` holds NaN/inf: metrics of such outputs would mean nothing."""
+    if not bool(torch.isfinite(output).all()):
+        raise non_finite(what)
+
+
+def non_finite(what: str) -> NonFiniteOutput:
+    """The error for ``what``'s outputs holding NaN/inf."""
+    return NonFiniteOutput(f"{what}'s outputs are NaN/inf (diverged weights?); retrain it with a lower --lr")
+
+
+def conversion_broke(what: str) -> UserError:
+    """The error for a converted model whose outputs are NaN/inf where its training form's are finite."""
+    return UserError(
+        f"{what}'s outputs are NaN/inf while its training form's are finite: the conversion failed"
+    )
+
+
 class EpochSeeded(Dataset):
     """Adapts a dataset to TRAIN's loaders: items are ``(index, epoch)`` and augmentation is seeded.
 
@@ -158,7 +227,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def progress(iterable, total: int, desc: str, enabled: bool) -> Any:
-    """tqdm progress bar on the main process only."""
+    """tqdm progress bar on the main process only; use it in a ``with`` so that an error clears it."""
     from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, disable=not enabled, leave=False)
@@ -175,16 +244,38 @@ def ddp(model: nn.Module, procs: Processes) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def load_for_eval(path: str, device: torch.device) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
-    """Load a checkpoint; returns ``(train_form_or_None, deployed, info)``.
+def load_for_eval(
+    path: str, device: torch.device, task: str
+) -> tuple[nn.Module | None, nn.Module, dict[str, Any]]:
+    """Load a ``task`` checkpoint; returns ``(train_form_or_None, deployed, info)``.
 
     A training-form checkpoint is converted here with ``reparameterize_model``; a deployed one is used
-    as is (and the first element is ``None``).
+    as is (and the first element is ``None``). A checkpoint of another task (its ``extra["task"]``,
+    ``"cls"`` for a classification run, which records its ``dataset``) or of another kind of model, and
+    one whose weights hold NaN/inf (a diverged run), are :class:`UserError`.
     """
     from ..checkpoint import load_model
     from ..convert import reparameterize_model
 
     model, info = load_model(path, device=device)
+    extra = info.get("extra") or {}
+    found = extra.get("task") or ("cls" if "dataset" in extra else None)
+    kind = None
+    if found is not None and found != task:
+        kind = f"{_FOUND.get(found, f'a {found!r} model')} ({info['model']})"
+    elif not is_task_model(model, task):
+        kind = f"model {info['model']!r}"
+    if kind is not None:
+        raise UserError(
+            f"{path} holds {kind}, not {TASK_MODELS[task]}: give a checkpoint written by "
+            f"`repmlp train --task {task}`"
+        )
+    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise UserError(
+            f"{path}: {len(bad)} weight tensors hold NaN/inf (e.g. {bad[0]}): the run diverged; "
+            "retrain it with a lower --lr"
+        )
     model.eval()
     if info["form"] == "deploy":
         return None, model, info

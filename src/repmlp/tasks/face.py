@@ -1,5 +1,6 @@
-"""Face recognition (paper Sec. 4.3): AM-Softmax training on identity folders, verification and
-rank-1 identification on the converted model's embeddings.
+"""Face recognition (paper Sec. 4.3): AM-Softmax training, verification and rank-1 identification.
+
+Training reads identity folders; evaluation uses the converted model's embeddings.
 
 Training follows the paper's recipe: SGD with momentum 0.9, learning rate 0.1 divided by 10 at the
 ``--lr-steps`` iterations (paper: 252k, 364k, 406k of 420k at batch size 512), AM-Softmax loss, and
@@ -22,15 +23,20 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ._common import (
     EpochSeeded,
+    NonFiniteOutput,
     Processes,
     add_common_train_arguments,
     all_reduce_sum,
     build_model,
+    check_finite,
+    conversion_broke,
     ddp,
     load_for_eval,
     parse_model_kwargs,
     per_process_batch,
     progress,
+    require_task_model,
+    resolve_img_size,
     setup_processes,
     teardown_processes,
     unwrap,
@@ -95,7 +101,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--am-scale", type=positive_float, default=30.0, help="AM-Softmax scale s (default: 30)"
     )
     parser.add_argument("--am-margin", type=float, default=0.35, help="AM-Softmax margin m (default: 0.35)")
-    parser.add_argument("--img-size", type=int_at_least(16), default=96, help="face crop size (default: 96)")
+    parser.add_argument(
+        "--img-size",
+        type=int_at_least(16),
+        default=None,
+        help="face crop size (default: --model-kwargs' img_size, else 96)",
+    )
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,13 +186,17 @@ def train(args: argparse.Namespace) -> int:
     try:
         out = Path(args.output)
         torch.manual_seed(args.seed)
-        dataset = FaceFolder(args.data, train=True, size=args.img_size)
         kwargs = parse_model_kwargs(args.model_kwargs)
-        kwargs.setdefault("img_size", args.img_size)
+        size = resolve_img_size(kwargs, "--img-size", args.img_size, 96)
+        dataset = FaceFolder(args.data, train=True, size=size)
+        if len(dataset.classes) < 2:
+            # One class makes the AM-Softmax loss 0 whatever the embedding: nothing would be learnt.
+            raise UserError(
+                f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2"
+            )
         model = build_model(args.model, kwargs)
-        dim = getattr(model, "embedding_dim", None)
-        if dim is None:
-            raise UserError(f"model {args.model!r} is not an embedding model (no embedding_dim)")
+        require_task_model(model, "face", args.model)
+        dim = model.embedding_dim
         if not 0 <= args.am_margin < 2:
             raise UserError(f"--am-margin must be in [0, 2), got {args.am_margin}")
         loss = AMSoftmax(dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
@@ -309,52 +324,55 @@ def embed_images(
     batch_size: int,
     device: torch.device,
     workers: int = 0,
+    what: str = "the model",
 ) -> Tensor:
-    """L2-normalised embeddings ``(len(paths), D)`` of face crops, in order."""
+    """L2-normalised embeddings ``(len(paths), D)`` of face crops, in order.
+
+    Raises :class:`UserError` naming ``what`` when the model's outputs are NaN/inf.
+    """
     from ..data.face import ImageList, face_transform
 
     dataset = ImageList(list(paths), [0] * len(paths), face_transform(img_size, train=False))
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
     model.eval()
     chunks = []
-    for images, _ in progress(loader, len(loader), "embed", True):
-        chunks.append(F.normalize(model(images.to(device)).float(), dim=1).cpu())
+    with progress(loader, len(loader), "embed", True) as bar:  # closed (line cleared) on errors too
+        for images, _ in bar:
+            out = model(images.to(device)).float()
+            check_finite(out, what)
+            chunks.append(F.normalize(out, dim=1).cpu())
     return torch.cat(chunks) if chunks else torch.empty(0)
 
 
 def face_metrics(
-    model: nn.Module, args: argparse.Namespace, img_size: int, device: torch.device
+    model: nn.Module,
+    sets: tuple[Any, int, Any, Any],
+    args: argparse.Namespace,
+    img_size: int,
+    device: torch.device,
+    what: str = "the model",
 ) -> dict[str, Any]:
-    """Verification accuracy and/or rank-1 identification of ``model`` on the sets named in ``args``."""
-    from ..data.face import FaceFolder, read_pairs
+    """Verification accuracy and/or rank-1 identification of ``model`` on ``sets``
+    (:func:`read_face_sets`); ``args`` gives the batch size and workers.
+    """
     from ..metrics import rank1_identification, verification_accuracy
 
+    pairs, folds, probe, gallery = sets
     result: dict[str, Any] = {}
-    common = dict(img_size=img_size, batch_size=args.batch_size, device=device, workers=args.workers)
-    if args.pairs:
-        root = Path(args.pairs_root) if args.pairs_root else Path(args.pairs).parent
-        pairs = read_pairs(args.pairs, root)
-        folds = pairs.folds or args.folds
+    common = dict(
+        img_size=img_size, batch_size=args.batch_size, device=device, workers=args.workers, what=what
+    )
+    if pairs is not None:
         unique = sorted(set(pairs.first) | set(pairs.second))
         index = {p: i for i, p in enumerate(unique)}
         emb = embed_images(model, unique, **common)
         a = emb[[index[p] for p in pairs.first]]
         b = emb[[index[p] for p in pairs.second]]
         scores = (a * b).sum(1)  # cosine: embeddings are unit vectors
-        if len(scores) < folds:
-            raise UserError(f"{len(scores)} pairs are too few for {folds} folds")
         result["verification_accuracy"] = verification_accuracy(scores, torch.tensor(pairs.same), folds=folds)
         result["verification_pairs"] = len(scores)
         result["verification_folds"] = folds
-    if args.probe or args.gallery:
-        if not (args.probe and args.gallery):
-            raise UserError("identification needs both --probe and --gallery")
-        probe, gallery = FaceFolder(args.probe), FaceFolder(args.gallery)
-        missing = sorted(set(probe.classes) - set(gallery.classes))
-        if missing:
-            raise UserError(
-                f"{len(missing)} probe identities have no mate in the gallery, e.g. {missing[0]!r}"
-            )
+    if probe is not None and gallery is not None:
         pe = embed_images(model, probe.paths, **common)
         ge = embed_images(model, gallery.paths, **common)
         result["rank1_identification"] = rank1_identification(pe, probe.identities, ge, gallery.identities)
@@ -364,23 +382,57 @@ def face_metrics(
     return result
 
 
+def read_face_sets(args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
+    """Read the evaluation sets of ``args``: ``(pairs or None, folds, probe or None, gallery or None)``.
+
+    Every problem is a :class:`UserError` raised here, before a progress bar starts.
+    """
+    from ..data.face import FaceFolder, read_pairs
+
+    if not args.pairs and not (args.probe or args.gallery):
+        raise UserError("nothing to evaluate: give --pairs and/or --probe with --gallery")
+    pairs, folds, probe, gallery = None, args.folds, None, None
+    if args.pairs:
+        root = Path(args.pairs_root) if args.pairs_root else Path(args.pairs).parent
+        pairs = read_pairs(args.pairs, root)
+        folds = pairs.folds or args.folds
+        if len(pairs.same) < folds:
+            raise UserError(f"{len(pairs.same)} pairs are too few for {folds} folds")
+    if args.probe or args.gallery:
+        if not (args.probe and args.gallery):
+            raise UserError("identification needs both --probe and --gallery")
+        probe, gallery = FaceFolder(args.probe), FaceFolder(args.gallery)
+        missing = sorted(set(probe.classes) - set(gallery.classes))
+        if missing:
+            raise UserError(
+                f"{len(missing)} probe identities have no mate in the gallery, e.g. {missing[0]!r}"
+            )
+    return pairs, folds, probe, gallery
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """``repmlp eval --task face``: metrics on the converted model's embeddings."""
     from ..commands._common import resolve_device
 
-    if not args.pairs and not (args.probe or args.gallery):
-        raise UserError("nothing to evaluate: give --pairs and/or --probe with --gallery")
+    sets = read_face_sets(args)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(args.device)
-    trained, deployed, info = load_for_eval(args.checkpoint, device)
+    trained, deployed, info = load_for_eval(args.checkpoint, device, "face")
+    if args.check_conversion and trained is None:
+        raise UserError("--check-conversion needs a training-form checkpoint (this one is already converted)")
     img_size = int(info["model_kwargs"].get("img_size", 96))
     metrics = {"checkpoint": str(args.checkpoint), "model": info["model"], "form_evaluated": "deploy"}
-    metrics.update(face_metrics(deployed, args, img_size, device))
+    reference = None
     if args.check_conversion:
-        if trained is None:
-            raise UserError(
-                "--check-conversion needs a training-form checkpoint (this one is already converted)"
-            )
-        metrics["train_form"] = face_metrics(trained, args, img_size, device)
+        # The training form first: non-finite outputs there are the weights' fault, not the conversion's.
+        reference = face_metrics(trained, sets, args, img_size, device, "the training-form model")
+    try:
+        metrics.update(face_metrics(deployed, sets, args, img_size, device, "the converted model"))
+    except NonFiniteOutput:
+        if reference is None:
+            raise
+        raise conversion_broke("the converted model") from None
+    if reference is not None:
+        metrics["train_form"] = reference
     for key in ("verification_accuracy", "rank1_identification"):
         if key in metrics:
             line = f"{key}: {100 * metrics[key]:.2f}%"

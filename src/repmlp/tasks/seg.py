@@ -28,15 +28,20 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ._common import (
     EpochSeeded,
+    NonFiniteOutput,
     Processes,
     add_common_train_arguments,
     all_reduce_sum,
     build_model,
+    conversion_broke,
     ddp,
     load_for_eval,
+    non_finite,
     parse_model_kwargs,
     per_process_batch,
     progress,
+    require_task_model,
+    resolve_img_size,
     setup_processes,
     teardown_processes,
     unwrap,
@@ -82,7 +87,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="LR multiplier of the PSP and auxiliary heads (PSPNet's code: 10)",
     )
-    parser.add_argument("--crop-size", type=int_at_least(8), default=713, help="training crop (default: 713)")
+    parser.add_argument(
+        "--crop-size",
+        type=int_at_least(8),
+        default=None,
+        help="training crop, the model's img_size (default: --model-kwargs' img_size, else 713)",
+    )
     parser.add_argument(
         "--scale-min", type=positive_float, default=0.5, help="random scale lower bound (0.5)"
     )
@@ -173,15 +183,17 @@ def train(args: argparse.Namespace) -> int:
     try:
         out = Path(args.output)
         torch.manual_seed(args.seed)
+        kwargs = parse_model_kwargs(args.model_kwargs)
+        # The crops are the model's inputs: its RepMLPs are built for exactly that size.
+        crop = resolve_img_size(kwargs, "--crop-size", args.crop_size, 713)
         dataset = CityscapesSegmentation(
             args.data,
             args.train_split,
-            crop_size=args.crop_size,
+            crop_size=crop,
             scale_range=(args.scale_min, args.scale_max),
         )
-        kwargs = parse_model_kwargs(args.model_kwargs)
-        kwargs.setdefault("img_size", args.crop_size)
         model = build_model(args.model, kwargs)
+        require_task_model(model, "seg", args.model)
         if args.backbone_weights:
             report = load_backbone_weights(model, args.backbone_weights)
             if procs.main:
@@ -233,7 +245,7 @@ def train(args: argparse.Namespace) -> int:
         history = _train_loop(net, optimizer, loader, args, max_it, procs)
         if procs.main:
             trained = unwrap(net).model.eval()
-            meta = {"task": "seg", "epochs": args.epochs, "crop_size": args.crop_size}
+            meta = {"task": "seg", "epochs": args.epochs, "crop_size": crop}
             save_model(
                 out / "model.safetensors",
                 trained,
@@ -334,17 +346,21 @@ def sliding_window_logits(model: nn.Module, image: Tensor, crop: tuple[int, int]
 
 
 @torch.no_grad()
-def predict(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
-    """Label map ``(N, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
+def _logits(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
+    """Logits ``(N, K, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
     model.eval()
     if mode == "whole":
         try:
-            logits = model(image)
+            return model(image)
         except ValueError as exc:  # a RepMLP model built for another resolution
             raise UserError(f"--mode whole: {exc}; use --mode slide") from None
-    else:
-        logits = sliding_window_logits(model, image, crop, num_classes)
-    return logits.argmax(1)
+    return sliding_window_logits(model, image, crop, num_classes)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
+    """Label map ``(N, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
+    return _logits(model, image, mode=mode, crop=crop, num_classes=num_classes).argmax(1)
 
 
 def segmentation_metrics(
@@ -356,8 +372,13 @@ def segmentation_metrics(
     device: torch.device,
     procs: Processes | None = None,
     workers: int = 0,
+    what: str = "the model",
 ) -> dict[str, Any]:
-    """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images), summed confusion matrix."""
+    """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images), summed confusion matrix.
+
+    Raises :class:`NonFiniteOutput` naming ``what`` when the model's logits hold NaN/inf (on every
+    process: the count is summed first, so no process is left waiting in a collective).
+    """
     from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
     from ..metrics import confusion_matrix, iou_from_confusion
 
@@ -366,10 +387,15 @@ def segmentation_metrics(
     subset = torch.utils.data.Subset(dataset, indices)
     loader = torch.utils.data.DataLoader(subset, batch_size=1, num_workers=workers)
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long, device=device)
-    for image, label in progress(loader, len(loader), "eval", procs.main):
-        pred = predict(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
-        confusion += confusion_matrix(pred, label.to(device), NUM_CLASSES, IGNORE_INDEX)
+    non_finite_images = torch.zeros((), dtype=torch.long, device=device)
+    with progress(loader, len(loader), "eval", procs.main) as bar:  # closed (line cleared) on errors too
+        for image, label in bar:
+            logits = _logits(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
+            non_finite_images += (~torch.isfinite(logits)).any().long()
+            confusion += confusion_matrix(logits.argmax(1), label.to(device), NUM_CLASSES, IGNORE_INDEX)
     confusion = all_reduce_sum(confusion, procs)
+    if all_reduce_sum(non_finite_images, procs).item():
+        raise non_finite(what)
     miou, iou = iou_from_confusion(confusion.cpu())
     return {
         "miou": miou,
@@ -388,17 +414,34 @@ def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, i
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
+def _fixed_resolution(model: nn.Module) -> bool:
+    """Whether ``model`` holds RepMLPs, which take one input resolution only."""
+    from ..block import RepMLPBlock
+
+    return any(isinstance(m, RepMLPBlock) for m in model.modules())
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
     from ..data.cityscapes import CityscapesSegmentation
 
     procs = setup_processes(args.device)
     try:
-        trained, deployed, info = load_for_eval(args.checkpoint, procs.device)
+        trained, deployed, info = load_for_eval(args.checkpoint, procs.device, "seg")
+        if args.check_conversion and trained is None:
+            raise UserError(
+                "--check-conversion needs a training-form checkpoint (this one is already converted)"
+            )
         dataset = CityscapesSegmentation(args.data, args.split)
         if args.limit:
             dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
         crop = _crop_of(info["model_kwargs"], args.crop_size)
+        if args.mode == "whole" and _fixed_resolution(deployed):  # checked before any progress bar
+            h, w = _crop_of(info["model_kwargs"], None)
+            raise UserError(
+                f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
+                "use --mode slide"
+            )
         common = dict(mode=args.mode, crop=crop, device=procs.device, procs=procs, workers=args.workers)
         metrics: dict[str, Any] = {
             "checkpoint": str(args.checkpoint),
@@ -407,13 +450,18 @@ def evaluate(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "crop": list(crop),
         }
-        metrics.update(segmentation_metrics(deployed, dataset, **common))
+        reference = None
         if args.check_conversion:
-            if trained is None:
-                raise UserError(
-                    "--check-conversion needs a training-form checkpoint (this one is already converted)"
-                )
-            metrics["train_form"] = segmentation_metrics(trained, dataset, **common)
+            # The training form first: non-finite outputs there are the weights' fault, not the conversion's.
+            reference = segmentation_metrics(trained, dataset, what="the training-form model", **common)
+        try:
+            metrics.update(segmentation_metrics(deployed, dataset, what="the converted model", **common))
+        except NonFiniteOutput:
+            if reference is None:
+                raise
+            raise conversion_broke("the converted model") from None
+        if reference is not None:
+            metrics["train_form"] = reference
         if procs.main:
             print(
                 f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
