@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 device_args=("$@")
-echo "Produced by \`bash benchmarks/run_all.sh ${*}\` on $(date -u +%Y-%m-%d)."
+echo "Produced by \`bash benchmarks/run_all.sh${*:+ $*}\` on $(date -u +%Y-%m-%d)."
 echo
 for script in bench_block bench_fc3 bench_conversion; do
     echo "### benchmarks/${script}.py"

@@ -2,9 +2,9 @@
 
 The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient.
 On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmarks.md``), a batched
-matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 7-10x faster than the
-grouped 1x1 conv and within a few percent of the fastest of the other layouts tried, so it is used on
-every device; no GPU was available to measure on (``bench_fc3.py --device cuda`` does). The
+matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 6-11x faster than the
+grouped 1x1 conv and within 9% of the fastest of the other layouts tried, so it is used on every
+device; no GPU was available to measure on (``bench_fc3.py --device cuda`` does). The
 grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
 """
 
