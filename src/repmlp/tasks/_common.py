@@ -220,6 +220,27 @@ def add_common_train_arguments(
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
 
 
+def save_run(
+    out: Path, trained: nn.Module, name: str, kwargs: dict[str, Any], meta: dict[str, Any], history: list
+) -> None:
+    """Write a task run: ``model.safetensors`` (training form), ``deploy.safetensors`` (converted,
+    loads into ``create_model(name, deploy=True, **kwargs)``) and ``train_log.json``."""
+    from ..checkpoint import save_model
+    from ..convert import reparameterize_model
+
+    trained = trained.eval()
+    save_model(out / "model.safetensors", trained, name=name, model_kwargs=kwargs, form="train", extra=meta)
+    deployed = reparameterize_model(trained)
+    save_model(
+        out / "deploy.safetensors", deployed, name=name, model_kwargs=kwargs, form="deploy", extra=meta
+    )
+    write_json(
+        out / "train_log.json",
+        {"task": meta.get("task"), "model": name, "model_kwargs": kwargs, "history": history},
+    )
+    log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
+
+
 def write_json(path: Path, obj: Any) -> None:
     from ..checkpoint import atomic_write_text
 

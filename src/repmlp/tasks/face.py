@@ -37,6 +37,7 @@ from ._common import (
     progress,
     require_task_model,
     resolve_img_size,
+    save_run,
     setup_processes,
     teardown_processes,
     unwrap,
@@ -176,8 +177,6 @@ def _param_groups(module: FaceTrainModule, wd: float, head_wd: float) -> list[di
 
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
-    from ..checkpoint import save_model
-    from ..convert import reparameterize_model
     from ..data.face import FaceFolder
     from ..data.loader import FolderLoader
     from ..losses import AMSoftmax
@@ -239,34 +238,12 @@ def train(args: argparse.Namespace) -> int:
             )
         history = _train_loop(net, optimizer, scheduler, loader, args.iterations, args.log_interval, procs)
         if procs.main:
-            trained = unwrap(net).model.eval()
             meta = {
                 "task": "face",
                 "identities": str(len(dataset.classes)),
                 "iterations": str(args.iterations),
             }
-            save_model(
-                out / "model.safetensors",
-                trained,
-                name=args.model,
-                model_kwargs=kwargs,
-                form="train",
-                extra=meta,
-            )
-            deployed = reparameterize_model(trained)
-            save_model(
-                out / "deploy.safetensors",
-                deployed,
-                name=args.model,
-                model_kwargs=kwargs,
-                form="deploy",
-                extra=meta,
-            )
-            write_json(
-                out / "train_log.json",
-                {"task": "face", "model": args.model, "model_kwargs": kwargs, "history": history},
-            )
-            log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
+            save_run(out, unwrap(net).model, args.model, kwargs, meta, history)
         return 0
     finally:
         teardown_processes(procs)

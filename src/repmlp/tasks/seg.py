@@ -42,6 +42,7 @@ from ._common import (
     progress,
     require_task_model,
     resolve_img_size,
+    save_run,
     setup_processes,
     teardown_processes,
     unwrap,
@@ -171,8 +172,6 @@ def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[st
 
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
-    from ..checkpoint import save_model
-    from ..convert import reparameterize_model
     from ..data.cityscapes import CityscapesSegmentation
     from ..data.loader import FolderLoader
     from ..models.pspnet import load_backbone_weights
@@ -244,29 +243,8 @@ def train(args: argparse.Namespace) -> int:
             )
         history = _train_loop(net, optimizer, loader, args, max_it, procs)
         if procs.main:
-            trained = unwrap(net).model.eval()
             meta = {"task": "seg", "epochs": args.epochs, "crop_size": crop}
-            save_model(
-                out / "model.safetensors",
-                trained,
-                name=args.model,
-                model_kwargs=kwargs,
-                form="train",
-                extra=meta,
-            )
-            save_model(
-                out / "deploy.safetensors",
-                reparameterize_model(trained),
-                name=args.model,
-                model_kwargs=kwargs,
-                form="deploy",
-                extra=meta,
-            )
-            write_json(
-                out / "train_log.json",
-                {"task": "seg", "model": args.model, "model_kwargs": kwargs, "history": history},
-            )
-            log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
+            save_run(out, unwrap(net).model, args.model, kwargs, meta, history)
         return 0
     finally:
         teardown_processes(procs)
