@@ -55,7 +55,40 @@ def pad_crop_flip(x: Tensor, pad: int, flip: bool, gen: torch.Generator) -> Tens
     return x
 
 
-class InMemoryLoader:
+class _ShardedBatches:
+    """What both loaders share: this process's shard of the examples, and how many batches it makes.
+
+    Subclasses set ``batch_size``, ``train``, ``seed``, ``rank``, ``world`` and define ``num_samples``.
+    """
+
+    batch_size: int
+    train: bool
+    seed: int
+    rank: int
+    world: int
+
+    @property
+    def num_samples(self) -> int:
+        raise NotImplementedError
+
+    def _indices(self, epoch: int) -> Tensor:
+        return rank_indices(
+            self.num_samples,
+            epoch=epoch,
+            seed=self.seed,
+            rank=self.rank,
+            world=self.world,
+            shuffle=self.train,
+            pad=self.train,
+        )
+
+    def __len__(self) -> int:
+        n = len(self._indices(0))
+        # Training drops the last partial batch (BatchNorm dislikes tiny batches); evaluation keeps it.
+        return max(1, n // self.batch_size) if self.train else math.ceil(n / self.batch_size)
+
+
+class InMemoryLoader(_ShardedBatches):
     """Batches from uint8 image tensors held in memory (Fashion-MNIST, CIFAR-10): no per-sample Python.
 
     ``images``: ``(N, C, H, W)`` uint8; ``labels``: ``(N,)`` int64. ``batch_size`` is per rank.
@@ -90,22 +123,6 @@ class InMemoryLoader:
     def num_samples(self) -> int:
         return len(self.labels)
 
-    def _indices(self, epoch: int) -> Tensor:
-        return rank_indices(
-            len(self.labels),
-            epoch=epoch,
-            seed=self.seed,
-            rank=self.rank,
-            world=self.world,
-            shuffle=self.train,
-            pad=self.train,
-        )
-
-    def __len__(self) -> int:
-        n = len(self._indices(0))
-        # Training drops the last partial batch (BatchNorm dislikes tiny batches); evaluation keeps it.
-        return max(1, n // self.batch_size) if self.train else math.ceil(n / self.batch_size)
-
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
         idx = self._indices(epoch)
         for step in range(start, len(self)):
@@ -132,7 +149,7 @@ class _EpochSampler(torch.utils.data.Sampler):
         return len(self.indices)
 
 
-class FolderLoader:
+class FolderLoader(_ShardedBatches):
     """Batches decoded from image files by a ``DataLoader`` (ImageFolder); same contract as above."""
 
     def __init__(
@@ -156,21 +173,6 @@ class FolderLoader:
     @property
     def num_samples(self) -> int:
         return len(self.dataset)
-
-    def _indices(self, epoch: int) -> Tensor:
-        return rank_indices(
-            len(self.dataset),
-            epoch=epoch,
-            seed=self.seed,
-            rank=self.rank,
-            world=self.world,
-            shuffle=self.train,
-            pad=self.train,
-        )
-
-    def __len__(self) -> int:
-        n = len(self._indices(0))
-        return max(1, n // self.batch_size) if self.train else math.ceil(n / self.batch_size)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
         idx = self._indices(epoch)[start * self.batch_size : len(self) * self.batch_size].tolist()
