@@ -130,7 +130,8 @@ def _seg_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     return own, kwargs
 
 
-@register_model(
+# timm pretrained_cfg of both PSPNets: Cityscapes' 19 classes, the paper's 713x713 crops, ImageNet stats.
+_PSPNET_CFG: dict[str, Any] = dict(
     input_size=(3, 713, 713),
     num_classes=19,
     classifier="head.2",
@@ -138,6 +139,9 @@ def _seg_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     mean=(0.485, 0.456, 0.406),
     std=(0.229, 0.224, 0.225),
 )
+
+
+@register_model(**_PSPNET_CFG)
 def pspnet_res50(
     pretrained: bool = False,
     *,
@@ -161,14 +165,7 @@ def pspnet_res50(
     return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
 
 
-@register_model(
-    input_size=(3, 713, 713),
-    num_classes=19,
-    classifier="head.2",
-    first_conv="backbone.stem.conv.conv",
-    mean=(0.485, 0.456, 0.406),
-    std=(0.229, 0.224, 0.225),
-)
+@register_model(**_PSPNET_CFG)
 def pspnet_repmlp_res50(
     pretrained: bool = False,
     *,
