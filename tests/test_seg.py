@@ -230,6 +230,9 @@ def test_seg_training_loss_falls(trained_seg):
     history = json.loads((trained_seg / "train_log.json").read_text())["history"]
     assert history[-1]["iteration"] == 12 and history[-1]["lr"] < 0.01
     assert history[-1]["loss"] < 0.7 * history[0]["loss"]
+    # Each logged lr is the poly lr of the step it was used for (iterations count from 1).
+    for entry in history:
+        assert entry["lr"] == pytest.approx(poly_lr(0.01, entry["iteration"] - 1, 12, 0.9), rel=1e-12)
 
 
 def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, capsys):

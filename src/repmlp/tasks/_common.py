@@ -185,6 +185,27 @@ class EpochSeeded(Dataset):
             return self.dataset[index]
 
 
+def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--data`` (alias ``--data-dir``, as classification calls it): the task's data folder."""
+    parser.add_argument("--data", "--data-dir", dest="data", required=True, help=help)
+
+
+def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every task's evaluation shares (conversion check, JSON output, processes)."""
+    from ..commands._common import int_at_least
+
+    parser.add_argument(
+        "--check-conversion",
+        action="store_true",
+        help="also evaluate the training-form model and report both (train-form checkpoints)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
+    parser.add_argument(
+        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+
+
 def add_common_train_arguments(
     parser: argparse.ArgumentParser, *, model: str, batch_size: int, lr: float, weight_decay: float
 ) -> None:
@@ -218,6 +239,82 @@ def add_common_train_arguments(
         help="log the mean loss every N iterations (default: 20)",
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+
+
+def training_loader(dataset: Dataset, args: argparse.Namespace, procs: Processes, batch_size: int):
+    """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``)."""
+    from ..data.loader import FolderLoader
+
+    return FolderLoader(
+        EpochSeeded(dataset, args.seed, train=True),
+        batch_size=batch_size,
+        train=True,
+        seed=args.seed,
+        rank=procs.rank,
+        world=procs.world,
+        workers=args.workers,
+        device=procs.device,
+    )
+
+
+def train_iterations(
+    net: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loader,
+    iterations: int,
+    log_interval: int,
+    procs: Processes,
+) -> list[dict[str, float]]:
+    """SGD for ``iterations`` steps over as many epochs of ``loader`` as that takes (the paper counts
+    iterations); ``net(images, labels)`` returns the loss. Returns the log: the mean loss over all
+    processes every ``log_interval`` steps, with the learning rate of the first parameter group."""
+    import time
+
+    history: list[dict[str, float]] = []
+    net.train()
+    step, epoch = 0, 0
+    running = torch.zeros(2, dtype=torch.float64, device=procs.device)  # (sum of losses, count)
+    one = torch.ones((), dtype=torch.float64, device=procs.device)
+    start = time.perf_counter()
+    with progress(range(iterations), iterations, "train", procs.main) as bar:
+        while step < iterations:
+            for images, labels in loader.batches(epoch):
+                lr = optimizer.param_groups[0]["lr"]
+                loss = net(images, labels)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                bar.update(1)
+                running += torch.stack([loss.detach().double(), one])
+                if step % log_interval == 0 or step == iterations:
+                    total = all_reduce_sum(running, procs)
+                    entry = {
+                        "iteration": step,
+                        "epoch": epoch,
+                        "loss": float(total[0] / total[1]),
+                        "lr": lr,
+                        "seconds": time.perf_counter() - start,
+                    }
+                    history.append(entry)
+                    if procs.main:
+                        log.info(
+                            "epoch %d iter %d/%d  loss %.4f  lr %.2e",
+                            epoch,
+                            step,
+                            iterations,
+                            entry["loss"],
+                            lr,
+                        )
+                    running.zero_()
+                if step >= iterations:
+                    break
+            epoch += 1
+    return history
 
 
 def save_run(

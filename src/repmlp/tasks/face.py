@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,10 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ._common import (
-    EpochSeeded,
     NonFiniteOutput,
-    Processes,
+    add_common_eval_arguments,
     add_common_train_arguments,
-    all_reduce_sum,
+    add_data_argument,
     build_model,
     check_finite,
     conversion_broke,
@@ -40,6 +38,8 @@ from ._common import (
     save_run,
     setup_processes,
     teardown_processes,
+    train_iterations,
+    training_loader,
     unwrap,
     write_json,
 )
@@ -72,13 +72,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task face``."""
     from ..commands._common import int_at_least, positive_float
 
-    parser.add_argument(
-        "--data",
-        "--data-dir",
-        dest="data",
-        required=True,
-        help="folder of aligned face crops, one sub-folder per identity",
-    )
+    add_data_argument(parser, "folder of aligned face crops, one sub-folder per identity")
     add_common_train_arguments(parser, model="repmlp_face_resnet", batch_size=512, lr=0.1, weight_decay=4e-5)
     parser.add_argument(
         "--head-weight-decay",
@@ -135,16 +129,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-size", type=int_at_least(1), default=256, help="embedding batch size (default: 256)"
     )
-    parser.add_argument(
-        "--check-conversion",
-        action="store_true",
-        help="also evaluate the training-form model and report both (train-form checkpoints)",
-    )
-    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
-    parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_common_eval_arguments(parser)
 
 
 class FaceTrainModule(nn.Module):
@@ -178,7 +163,6 @@ def _param_groups(module: FaceTrainModule, wd: float, head_wd: float) -> list[di
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
     from ..data.face import FaceFolder
-    from ..data.loader import FolderLoader
     from ..losses import AMSoftmax
 
     procs = setup_processes(args.device)
@@ -216,16 +200,7 @@ def train(args: argparse.Namespace) -> int:
             momentum=args.momentum,
         )
         scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [s for s in args.lr_steps], gamma=0.1)
-        loader = FolderLoader(
-            EpochSeeded(dataset, args.seed, train=True),
-            batch_size=per_process,
-            train=True,
-            seed=args.seed,
-            rank=procs.rank,
-            world=procs.world,
-            workers=args.workers,
-            device=procs.device,
-        )
+        loader = training_loader(dataset, args, procs, per_process)
         if procs.main:
             log.info(
                 "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
@@ -236,7 +211,9 @@ def train(args: argparse.Namespace) -> int:
                 args.iterations,
                 procs.world,
             )
-        history = _train_loop(net, optimizer, scheduler, loader, args.iterations, args.log_interval, procs)
+        history = train_iterations(
+            net, optimizer, scheduler, loader, args.iterations, args.log_interval, procs
+        )
         if procs.main:
             meta = {
                 "task": "face",
@@ -247,49 +224,6 @@ def train(args: argparse.Namespace) -> int:
         return 0
     finally:
         teardown_processes(procs)
-
-
-def _train_loop(
-    net, optimizer, scheduler, loader, iterations: int, log_interval: int, procs: Processes
-) -> list[dict[str, float]]:
-    """Iteration-based SGD loop (the paper counts iterations, not epochs); returns the loss log."""
-    history: list[dict[str, float]] = []
-    net.train()
-    step, epoch = 0, 0
-    running = torch.zeros(2, dtype=torch.float64, device=procs.device)  # (sum of losses, count)
-    start = time.perf_counter()
-    bar = progress(range(iterations), iterations, "train", procs.main)
-    while step < iterations:
-        for images, labels in loader.batches(epoch):
-            loss = net(images, labels)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            bar.update(1)
-            running += torch.stack(
-                [loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)]
-            )
-            if step % log_interval == 0 or step == iterations:
-                total = all_reduce_sum(running, procs)
-                entry = {
-                    "iteration": step,
-                    "loss": float(total[0] / total[1]),
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "seconds": time.perf_counter() - start,
-                }
-                history.append(entry)
-                if procs.main:
-                    log.info("iter %d  loss %.4f  lr %.2e", step, entry["loss"], entry["lr"])
-                running.zero_()
-            if step >= iterations:
-                break
-        epoch += 1
-    bar.close()
-    return history
 
 
 @torch.no_grad()

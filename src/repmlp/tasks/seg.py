@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,11 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ._common import (
-    EpochSeeded,
     NonFiniteOutput,
     Processes,
+    add_common_eval_arguments,
     add_common_train_arguments,
+    add_data_argument,
     all_reduce_sum,
     build_model,
     conversion_broke,
@@ -45,6 +45,8 @@ from ._common import (
     save_run,
     setup_processes,
     teardown_processes,
+    train_iterations,
+    training_loader,
     unwrap,
     write_json,
 )
@@ -72,13 +74,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task seg``."""
     from ..commands._common import int_at_least, positive_float
 
-    parser.add_argument(
-        "--data",
-        "--data-dir",
-        dest="data",
-        required=True,
-        help="Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)",
-    )
+    add_data_argument(parser, "Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)")
     add_common_train_arguments(parser, model="pspnet_repmlp_res50", batch_size=16, lr=0.01, weight_decay=1e-4)
     parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
     parser.add_argument("--power", type=positive_float, default=0.9, help="poly LR power (default: 0.9)")
@@ -117,7 +113,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least
 
     parser.add_argument("--checkpoint", required=True, help="model file written by `repmlp train --task seg`")
-    parser.add_argument("--data", "--data-dir", dest="data", required=True, help="Cityscapes root")
+    add_data_argument(parser, "Cityscapes root")
     parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
     parser.add_argument(
         "--mode",
@@ -131,16 +127,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=int_at_least(1), default=None, help="evaluate the first N images only"
     )
-    parser.add_argument(
-        "--check-conversion",
-        action="store_true",
-        help="also evaluate the training-form model and report both (train-form checkpoints)",
-    )
-    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
-    parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    add_common_eval_arguments(parser)
 
 
 class SegTrainModule(nn.Module):
@@ -173,7 +160,6 @@ def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[st
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
     from ..data.cityscapes import CityscapesSegmentation
-    from ..data.loader import FolderLoader
     from ..models.pspnet import load_backbone_weights
 
     if args.scale_min > args.scale_max:
@@ -219,17 +205,10 @@ def train(args: argparse.Namespace) -> int:
                 + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
             )
         groups = _param_groups(model, args.weight_decay, args.head_lr_mult)
+        for group in groups:
+            group["lr"] = args.lr * group["lr_mult"]
         optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
-        loader = FolderLoader(
-            EpochSeeded(dataset, args.seed, train=True),
-            batch_size=per_process,
-            train=True,
-            seed=args.seed,
-            rank=procs.rank,
-            world=procs.world,
-            workers=args.workers,
-            device=procs.device,
-        )
+        loader = training_loader(dataset, args, procs, per_process)
         max_it = args.epochs * len(loader)
         if procs.main:
             log.info(
@@ -241,57 +220,17 @@ def train(args: argparse.Namespace) -> int:
                 len(loader),
                 procs.world,
             )
-        history = _train_loop(net, optimizer, loader, args, max_it, procs)
+        # Poly policy as a function of the step, applied to each group's lr (head at --head-lr-mult).
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: poly_lr(1.0, step, max_it, args.power)
+        )
+        history = train_iterations(net, optimizer, scheduler, loader, max_it, args.log_interval, procs)
         if procs.main:
             meta = {"task": "seg", "epochs": args.epochs, "crop_size": crop}
             save_run(out, unwrap(net).model, args.model, kwargs, meta, history)
         return 0
     finally:
         teardown_processes(procs)
-
-
-def _train_loop(
-    net, optimizer, loader, args: argparse.Namespace, max_it: int, procs: Processes
-) -> list[dict[str, float]]:
-    history: list[dict[str, float]] = []
-    net.train()
-    step = 0
-    running = torch.zeros(2, dtype=torch.float64, device=procs.device)
-    start = time.perf_counter()
-    bar = progress(range(max_it), max_it, "train", procs.main)
-    for epoch in range(args.epochs):
-        for images, labels in loader.batches(epoch):
-            lr = poly_lr(args.lr, step, max_it, args.power)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group["lr_mult"]
-            loss = net(images, labels)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            bar.update(1)
-            running += torch.stack(
-                [loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)]
-            )
-            if step % args.log_interval == 0 or step == max_it:
-                total = all_reduce_sum(running, procs)
-                entry = {
-                    "iteration": step,
-                    "epoch": epoch,
-                    "loss": float(total[0] / total[1]),
-                    "lr": lr,
-                    "seconds": time.perf_counter() - start,
-                }
-                history.append(entry)
-                if procs.main:
-                    log.info(
-                        "epoch %d iter %d/%d  loss %.4f  lr %.2e", epoch, step, max_it, entry["loss"], lr
-                    )
-                running.zero_()
-    bar.close()
-    return history
 
 
 @torch.no_grad()
