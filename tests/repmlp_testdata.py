@@ -72,3 +72,19 @@ def make_image_folder(
                 arr = rng.integers(0, 256, (size, size + 4, 3)).astype(np.uint8)
                 Image.fromarray(arr).save(d / f"{i}.png")
     return root
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for ``python -m repmlp`` subprocesses: this checkout's ``src`` first, one OpenMP thread."""
+    import os
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", **extra}
+
+
+def user_error_line(err: str) -> str:
+    """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
+    assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
+    return last

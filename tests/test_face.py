@@ -1,7 +1,6 @@
 """Face recognition: models (paper's Table face counts), data, and the train/eval pipeline end to end."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,9 @@ from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
 from repmlp.models import create_model
 from repmlp.profile import profile_model
+from repmlp_testdata import subprocess_env, user_error_line
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: intra-op threads only add contention (measured 50x slower).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = {"widths": [16, 32, 64, 128], "embedding_dim": 32, "partition": 4, "kernel_sizes": [1, 3], "groups": 2}
@@ -228,7 +221,7 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
 
 
 def test_face_cli_errors_are_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "repmlp", "train", "--task", "face", "--data", str(tmp_path / "nope"),
          "--output", str(tmp_path / "o"), "--device", "cpu"],
@@ -241,11 +234,7 @@ def test_face_cli_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_face_training_with_torchrun(face_data, tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = subprocess_env()
     args = [a if a != "24" else "8" for a in TRAIN_ARGS]
     args[args.index("--lr-steps") + 1] = "6"
     proc = subprocess.run(
@@ -272,12 +261,7 @@ def test_mobilefacenet_checks_its_input_size():
 
 
 def _user_error(capsys) -> str:
-    """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
-    assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
-    return last
+    return user_error_line(capsys.readouterr().err)
 
 
 def test_face_eval_refuses_checkpoints_of_other_tasks(face_data, tmp_path, capsys):

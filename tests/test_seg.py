@@ -2,7 +2,6 @@
 sliding-window inference and the train/eval pipeline end to end."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +20,9 @@ from repmlp.models import create_model
 from repmlp.models.pspnet import load_backbone_weights
 from repmlp.profile import profile_model
 from repmlp.tasks.seg import poly_lr, sliding_window_logits
+from repmlp_testdata import subprocess_env, user_error_line
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: intra-op threads only add contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # A small RepMLP PSPNet: c3/c4 RepMLPs with 2x2 partitions at 64x64 input (global perceptron present).
@@ -259,11 +252,7 @@ def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, ca
 
 
 def test_seg_backbone_weights_error_through_cli(city, tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = subprocess_env()
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     proc = subprocess.run(
         [sys.executable, "-m", "repmlp", "train", "--task", "seg", "--data", str(city), "--output",
@@ -276,11 +265,7 @@ def test_seg_backbone_weights_error_through_cli(city, tmp_path):
 
 @pytest.mark.slow
 def test_seg_training_with_torchrun(city, tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = subprocess_env()
     args = list(TRAIN_ARGS)
     args[args.index("--epochs") + 1] = "2"
     args[args.index("--batch-size") + 1] = "4"  # 2 per process: BatchNorm needs more than one sample
@@ -298,12 +283,7 @@ def test_seg_training_with_torchrun(city, tmp_path):
 
 # ------------------------------------------------------------------------------ clear user errors
 def _user_error(capsys) -> str:
-    """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
-    assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
-    return last
+    return user_error_line(capsys.readouterr().err)
 
 
 def test_seg_eval_refuses_checkpoints_of_other_tasks(city, tmp_path, capsys):

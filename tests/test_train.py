@@ -48,14 +48,7 @@ RUN_FILES = {
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: intra-op threads only add contention. The subprocesses get
-    # --threads 1 too, so every run of the resume comparison computes with the same reduction order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(*args: object) -> tuple[int, str]:
