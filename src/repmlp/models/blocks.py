@@ -117,6 +117,18 @@ class Bottleneck(nn.Module):
         return F.relu(out + identity)
 
 
+def repmlp_options(
+    groups: int, kernel_sizes: Sequence[int], global_reduction: int, deploy: bool
+) -> dict[str, object]:
+    """The :class:`RepMLPBlock` keyword options the residual blocks pass through unchanged."""
+    return dict(groups=groups, kernel_sizes=kernel_sizes, global_reduction=global_reduction, deploy=deploy)
+
+
+def projection_shortcut(in_channels: int, out_channels: int, deploy: bool) -> ConvBN | None:
+    """1x1 conv-BN shortcut of a stride-1 residual block when the widths differ, else identity (None)."""
+    return ConvBN(in_channels, out_channels, 1, deploy=deploy) if in_channels != out_channels else None
+
+
 class RepMLPBottleneck(nn.Module):
     """RepMLP Bottleneck (paper Sec. 3.5): a ResNet bottleneck whose 3x3 conv becomes a RepMLP.
 
@@ -154,16 +166,11 @@ class RepMLPBottleneck(nn.Module):
             inner,
             resolution,
             partition,
-            groups=groups,
-            kernel_sizes=kernel_sizes,
-            global_reduction=global_reduction,
-            deploy=deploy,
+            **repmlp_options(groups, kernel_sizes, global_reduction, deploy),
         )
         self.conv3 = ConvBNReLU(inner, mid, 3, deploy=deploy)
         self.conv4 = ConvBN(mid, out_channels, 1, deploy=deploy)
-        self.downsample = (
-            ConvBN(in_channels, out_channels, 1, deploy=deploy) if in_channels != out_channels else None
-        )
+        self.downsample = projection_shortcut(in_channels, out_channels, deploy)
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -203,15 +210,10 @@ class RepMLPLightBlock(nn.Module):
             inner,
             resolution,
             partition,
-            groups=groups,
-            kernel_sizes=kernel_sizes,
-            global_reduction=global_reduction,
-            deploy=deploy,
+            **repmlp_options(groups, kernel_sizes, global_reduction, deploy),
         )
         self.conv2 = ConvBN(inner, out_channels, 1, deploy=deploy)
-        self.downsample = (
-            ConvBN(in_channels, out_channels, 1, deploy=deploy) if in_channels != out_channels else None
-        )
+        self.downsample = projection_shortcut(in_channels, out_channels, deploy)
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
