@@ -88,3 +88,23 @@ def user_error_line(err: str) -> str:
     last = err.splitlines()[-1]  # tqdm clears its line with '\r': a bar left open would come last
     assert last.startswith("repmlp: error: ") and err.endswith(last + "\n"), err
     return last
+
+
+def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> None:
+    """A task's ``eval`` on diverged weights: ``save_eval(name, *options)`` saves ``model`` under ``name``
+    and evaluates it (exit status); ``user_error()`` returns the UserError line it printed."""
+    import torch
+
+    # Finite weights, but so large that the outputs overflow: the training form is checked first.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.mul_(1e6)
+    assert save_eval("huge.safetensors", "--check-conversion") == 2
+    assert "the training-form model's outputs are NaN/inf (diverged weights?)" in user_error()
+    assert save_eval("huge.safetensors") == 2
+    assert "the converted model's outputs are NaN/inf (diverged weights?)" in user_error()
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert save_eval("nan.safetensors") == 2
+    assert "weight tensors hold NaN/inf" in user_error()

@@ -18,7 +18,7 @@ from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
 from repmlp.models import create_model
 from repmlp.profile import profile_model
-from repmlp_testdata import subprocess_env, user_error_line
+from repmlp_testdata import assert_diverged_weights_are_clear_errors, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -322,19 +322,7 @@ def test_face_eval_names_diverged_weights(face_data, trained_face, tmp_path, cap
                    extra=info["extra"])  # fmt: skip
         return cli_main(["eval", "--task", "face", "--checkpoint", str(tmp_path / name), *sets, *extra])
 
-    # Finite weights, but so large that the outputs overflow: the training form is checked first.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 4:
-                p.mul_(1e6)
-    assert save_eval("huge.safetensors", "--check-conversion") == 2
-    assert "the training-form model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
-    assert save_eval("huge.safetensors") == 2
-    assert "the converted model's outputs are NaN/inf (diverged weights?)" in _user_error(capsys)
-    with torch.no_grad():
-        next(model.parameters()).fill_(float("nan"))
-    assert save_eval("nan.safetensors") == 2
-    assert "weight tensors hold NaN/inf" in _user_error(capsys)
+    assert_diverged_weights_are_clear_errors(model, save_eval, lambda: _user_error(capsys))
 
     # A finite training form whose conversion gives NaN is the conversion's fault, and said so.
     class Broken(torch.nn.Module):

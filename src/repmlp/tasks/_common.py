@@ -317,6 +317,29 @@ def train_iterations(
     return history
 
 
+def evaluate_both_forms(
+    evaluate: Callable[[nn.Module, str], dict[str, Any]],
+    trained: nn.Module | None,
+    deployed: nn.Module,
+    check: bool,
+) -> dict[str, Any]:
+    """``evaluate(deployed)``'s metrics; with ``check``, also the training form's under ``"train_form"``.
+
+    The training form runs first, so that non-finite outputs there are blamed on the weights and
+    non-finite outputs of the converted model alone on the conversion.
+    """
+    reference = evaluate(trained, "the training-form model") if check else None
+    try:
+        metrics = evaluate(deployed, "the converted model")
+    except NonFiniteOutput:
+        if reference is None:
+            raise
+        raise conversion_broke("the converted model") from None
+    if reference is not None:
+        metrics["train_form"] = reference
+    return metrics
+
+
 def save_run(
     out: Path, trained: nn.Module, name: str, kwargs: dict[str, Any], meta: dict[str, Any], history: list
 ) -> None:

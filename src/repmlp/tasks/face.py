@@ -21,14 +21,13 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ._common import (
-    NonFiniteOutput,
     add_common_eval_arguments,
     add_common_train_arguments,
     add_data_argument,
     build_model,
     check_finite,
-    conversion_broke,
     ddp,
+    evaluate_both_forms,
     load_for_eval,
     parse_model_kwargs,
     per_process_batch,
@@ -332,18 +331,14 @@ def evaluate(args: argparse.Namespace) -> int:
         raise UserError("--check-conversion needs a training-form checkpoint (this one is already converted)")
     img_size = int(info["model_kwargs"].get("img_size", 96))
     metrics = {"checkpoint": str(args.checkpoint), "model": info["model"], "form_evaluated": "deploy"}
-    reference = None
-    if args.check_conversion:
-        # The training form first: non-finite outputs there are the weights' fault, not the conversion's.
-        reference = face_metrics(trained, sets, args, img_size, device, "the training-form model")
-    try:
-        metrics.update(face_metrics(deployed, sets, args, img_size, device, "the converted model"))
-    except NonFiniteOutput:
-        if reference is None:
-            raise
-        raise conversion_broke("the converted model") from None
-    if reference is not None:
-        metrics["train_form"] = reference
+    metrics.update(
+        evaluate_both_forms(
+            lambda model, what: face_metrics(model, sets, args, img_size, device, what),
+            trained,
+            deployed,
+            args.check_conversion,
+        )
+    )
     for key in ("verification_accuracy", "rank1_identification"):
         if key in metrics:
             line = f"{key}: {100 * metrics[key]:.2f}%"

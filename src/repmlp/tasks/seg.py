@@ -26,15 +26,14 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ._common import (
-    NonFiniteOutput,
     Processes,
     add_common_eval_arguments,
     add_common_train_arguments,
     add_data_argument,
     all_reduce_sum,
     build_model,
-    conversion_broke,
     ddp,
+    evaluate_both_forms,
     load_for_eval,
     non_finite,
     parse_model_kwargs,
@@ -367,18 +366,14 @@ def evaluate(args: argparse.Namespace) -> int:
             "mode": args.mode,
             "crop": list(crop),
         }
-        reference = None
-        if args.check_conversion:
-            # The training form first: non-finite outputs there are the weights' fault, not the conversion's.
-            reference = segmentation_metrics(trained, dataset, what="the training-form model", **common)
-        try:
-            metrics.update(segmentation_metrics(deployed, dataset, what="the converted model", **common))
-        except NonFiniteOutput:
-            if reference is None:
-                raise
-            raise conversion_broke("the converted model") from None
-        if reference is not None:
-            metrics["train_form"] = reference
+        metrics.update(
+            evaluate_both_forms(
+                lambda model, what: segmentation_metrics(model, dataset, what=what, **common),
+                trained,
+                deployed,
+                args.check_conversion,
+            )
+        )
         if procs.main:
             print(
                 f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
