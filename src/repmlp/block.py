@@ -65,7 +65,7 @@ class GlobalPerceptron(nn.Module):
         v = F.avg_pool2d(x, self.partition)
         if self.bn is not None:
             v = self.bn(v)
-        v = self.fc2(F.relu(self.fc1(v.flatten(1))))
+        v = self.fc2(F.relu(self.fc1(v.flatten(1)), inplace=True))
         return v.reshape(x.shape[0], self.channels, self.parts[0], self.parts[1])
 
     @torch.no_grad()
@@ -242,7 +242,9 @@ class RepMLPBlock(nn.Module):
                 v = self.global_perceptron(x)  # (N, C, Hp, Wp)
                 v = v.reshape(n, g, cg, hp, wp).permute(1, 0, 3, 4, 2).reshape(g, n * hp * wp, cg, 1)
                 rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
-            out = from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w)
+            # A channels_last input (the channels_last treatment) gets a channels_last output.
+            cl = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+            out = from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w, channels_last=cl)
         else:
             parts = partition(x, h, w)  # (N*Hp*Wp, C, h, w)
             if self.global_perceptron is not None:

@@ -54,11 +54,21 @@ def to_group_rows(x: Tensor, h: int, w: int, groups: int) -> Tensor:
     )
 
 
-def from_group_rows(y: Tensor, n: int, hp: int, wp: int, h: int, w: int) -> Tensor:
-    """Inverse of :func:`to_group_rows`: ``(g, N*hp*wp, O/g*h*w)`` -> ``(N, O, hp*h, wp*w)``."""
+def from_group_rows(
+    y: Tensor, n: int, hp: int, wp: int, h: int, w: int, *, channels_last: bool = False
+) -> Tensor:
+    """Inverse of :func:`to_group_rows`: ``(g, N*hp*wp, O/g*h*w)`` -> ``(N, O, hp*h, wp*w)``.
+
+    One copy either way; ``channels_last=True`` makes it write the result in channels_last memory
+    order, so a channels_last model stays channels_last (the next conv needs no layout change).
+    """
     g = y.shape[0]
     og = y.shape[2] // (h * w)
-    return y.reshape(g, n, hp, wp, og, h, w).permute(1, 0, 4, 2, 5, 3, 6).reshape(n, g * og, hp * h, wp * w)
+    y = y.reshape(g, n, hp, wp, og, h, w)
+    if channels_last:
+        nhwc = y.permute(1, 2, 5, 3, 6, 0, 4).reshape(n, hp * h, wp * w, g * og)
+        return nhwc.permute(0, 3, 1, 2)
+    return y.permute(1, 0, 4, 2, 5, 3, 6).reshape(n, g * og, hp * h, wp * w)
 
 
 def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -45,7 +45,8 @@ class ConvBNReLU(ConvBN):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.relu(super().forward(x))
+        # In place: the conv/BN output is a fresh tensor that nothing else holds.
+        return F.relu(super().forward(x), inplace=True)
 
 
 def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> int:
@@ -111,10 +112,20 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = self.conv3(F.relu(self.conv2(F.relu(self.conv1(x)))))
+        out = self.conv3(F.relu(self.conv2(F.relu(self.conv1(x), inplace=True)), inplace=True))
         if self.context is not None:
             out = self.context(out)
-        return F.relu(out + identity)
+        return _add_relu(out, identity)
+
+
+def _add_relu(out: Tensor, identity: Tensor) -> Tensor:
+    """``relu(out + identity)`` computed in ``out``'s memory (torchvision's ``out += identity``).
+
+    ``out`` must be a fresh tensor of the residual branch (a conv/BN output): no extra allocation
+    and one pass less than ``F.relu(out + identity)``.
+    """
+    out += identity
+    return F.relu(out, inplace=True)
 
 
 def repmlp_options(
@@ -174,8 +185,8 @@ class RepMLPBottleneck(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        out = F.relu(self.repmlp(self.conv2(self.conv1(x))))
-        return F.relu(self.conv4(self.conv3(out)) + identity)
+        out = F.relu(self.repmlp(self.conv2(self.conv1(x))), inplace=True)
+        return _add_relu(self.conv4(self.conv3(out)), identity)
 
 
 class RepMLPLightBlock(nn.Module):
@@ -217,7 +228,7 @@ class RepMLPLightBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
-        return F.relu(self.conv2(F.relu(self.repmlp(self.conv1(x)))) + identity)
+        return _add_relu(self.conv2(F.relu(self.repmlp(self.conv1(x)), inplace=True)), identity)
 
 
 class NonLocalBlock(nn.Module):
@@ -506,4 +517,4 @@ class _TorchvisionStem(nn.Module):
         return tuple(conv_out_size(conv_out_size(s, 7, 2, 3), 3, 2, 1) for s in size)  # type: ignore[return-value]
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.max_pool2d(F.relu(self.conv(x)), 3, 2, 1)
+        return F.max_pool2d(F.relu(self.conv(x), inplace=True), 3, 2, 1)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..block import GlobalPerceptron, RepMLPBlock
-from ..layers import ConvBN
+from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition as to_partitions
 from ..ops import unpartition
 from .blocks import ConvBNReLU
@@ -220,7 +220,7 @@ class PureMLP(nn.Module):
                 conv_kernel=conv_kernel,
                 deploy=deploy,
             )
-            layers: list[nn.Module] = [] if i == 0 else [nn.MaxPool2d(2)]
+            layers: list[nn.Module] = [] if i == 0 else [MaxPool2x2()]
             layers += [
                 _mixer(mixer, c, res, **opts),
                 ConvBNReLU(c, c, 1, deploy=deploy),

@@ -1,0 +1,67 @@
+"""The deployed models' fast paths compute what the plain PyTorch ops compute, in any memory format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from repmlp import RepMLPBlock, create_model, list_models, reparameterize_model
+from repmlp.layers import MaxPool2x2
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    c=st.integers(1, 5),
+    h=st.integers(2, 9),
+    w=st.integers(2, 9),
+    channels_last=st.booleans(),
+)
+def test_maxpool2x2_matches_max_pool2d(n: int, c: int, h: int, w: int, channels_last: bool) -> None:
+    x = torch.randn(n, c, h, w, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert torch.equal(MaxPool2x2()(x), F.max_pool2d(x, 2))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_deployed_block_keeps_channels_last(groups: int) -> None:
+    torch.manual_seed(0)
+    block = RepMLPBlock(4, 4, 6, 3, groups=groups, kernel_sizes=(1, 3)).double().eval()
+    block.reparameterize()
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    ref = block(x)
+    out = block(x.contiguous(memory_format=torch.channels_last))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert block(x).is_contiguous()
+
+
+# Small configurations of every family, so tracing them stays cheap.
+_SMALL = {
+    "repmlp_res50": dict(img_size=64, partition=2, kernel_sizes=(1,), num_classes=4),
+    "repmlp_res50_light": dict(img_size=64, partition=2, kernel_sizes=(1,), num_classes=4),
+}
+
+
+@pytest.mark.parametrize("name", ["repmlp_fmnist", "repmlp_cifar", "repmlp_res50", "repmlp_res50_light"])
+@pytest.mark.parametrize("form", ["train", "deploy"])
+def test_compiles_as_one_graph(name: str, form: str) -> None:
+    """``torch._dynamo.explain`` finds no graph break in either form."""
+    torch._dynamo.reset()
+    model = create_model(name, **_SMALL.get(name, {})).eval()
+    if form == "deploy":
+        model = reparameterize_model(model)
+    cfg = model.pretrained_cfg["input_size"] if hasattr(model, "pretrained_cfg") else None
+    size = (3, 64, 64) if name in _SMALL else tuple(cfg)
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(torch.randn(2, *size))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_all_registered_models_listed() -> None:
+    assert {"repmlp_fmnist", "repmlp_cifar", "repmlp_res50", "repmlp_res50_light"} <= set(list_models())
