@@ -111,8 +111,12 @@ def save_model(
     model_kwargs: dict[str, Any],
     form: Form,
     extra: dict[str, Any] | None = None,
+    precision: str = "fp32",
 ) -> None:
     """Save ``model.state_dict()`` to ``path`` (safetensors) with what :func:`load_model` needs.
+
+    ``precision`` (``repmlp.deploy.PRECISIONS``) is recorded for reduced-precision deployed models
+    (``bf16``/``fp16`` weights, or an int8 ONNX graph); float32 files carry no such key.
 
     ``model_kwargs`` (JSON-serialisable) are passed back to ``create_model(name, deploy=..., **kwargs)``;
     ``extra`` (JSON-serialisable) is stored under the ``"extra"`` metadata key.
@@ -130,6 +134,8 @@ def save_model(
     }
     if extra:
         metadata["extra"] = json.dumps(extra, sort_keys=True)
+    if precision != "fp32":
+        metadata["precision"] = precision
     atomic_write_bytes(path, st_save(_cpu_tensors(model.state_dict()), metadata=metadata))
 
 
@@ -213,16 +219,32 @@ def load_model(
         extra = json.loads(meta["extra"]) if "extra" in meta else {}
     except ValueError:
         raise CheckpointError(f"{path} has malformed JSON metadata") from None
-    from . import create_model
-
-    try:
-        model = create_model(name, deploy=file_form == "deploy", **model_kwargs)
-    except Exception as exc:  # noqa: BLE001 - unknown name, bad kwargs: the file does not fit this install
-        raise CheckpointError(f"{path}: cannot build model {name!r} ({exc})") from None
+    model = _build_for(path, name, model_kwargs, file_form, meta.get("precision", "fp32"), tensors)
     _load_strict(model, tensors, path, name, file_form)
     model.to(device).eval()
     info = {"model": name, "model_kwargs": model_kwargs, "form": file_form, "extra": extra, "path": str(path)}
+    info["precision"] = meta.get("precision", "fp32")
     return model, info
+
+
+def _build_for(
+    path: Path, name: str, model_kwargs: dict[str, Any], form: str, precision: str, tensors: dict[str, Tensor]
+) -> nn.Module:
+    """The empty model a file's weights load into: ``create_model`` in the file's form and precision."""
+    from . import create_model
+    from .deploy import PRECISIONS, Int8OnnxModel, to_precision
+
+    if precision not in PRECISIONS or (precision != "fp32" and form != "deploy"):
+        raise CheckpointError(f"{path} has unsupported precision {precision!r} for the {form!r} form")
+    if precision == "int8":
+        if "onnx" not in tensors:
+            raise CheckpointError(f"{path} is marked int8 but holds no ONNX graph")
+        return Int8OnnxModel(tensors["onnx"])
+    try:
+        model = create_model(name, deploy=form == "deploy", **model_kwargs)
+    except Exception as exc:  # noqa: BLE001 - unknown name, bad kwargs: the file does not fit this install
+        raise CheckpointError(f"{path}: cannot build model {name!r} ({exc})") from None
+    return model if precision == "fp32" else to_precision(model, precision)
 
 
 def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name: str, form: str) -> None:

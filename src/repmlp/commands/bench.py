@@ -56,6 +56,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--forms", nargs="+", choices=("train", "deploy"), default=["train", "deploy"], help="forms to time"
     )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "int8"),
+        default="fp32",
+        help="time the deployed form in this precision (int8: onnxruntime, calibrated on random inputs, "
+        "which is enough for speed); reduced-precision checkpoints are timed as stored",
+    )
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     p.set_defaults(func=run)
     return p
@@ -97,14 +104,36 @@ def _models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], tuple[int, 
     return models, input_size, forms
 
 
+def _in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
+    """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
+    import torch
+
+    from .. import reparameterize_model
+    from ..deploy import precision_of, to_precision
+
+    if precision_of(model) != "fp32":
+        return model
+    gen = torch.Generator().manual_seed(0)
+    calibration = [torch.randn(8, *input_size, generator=gen)] if precision == "int8" else None
+    try:
+        return to_precision(reparameterize_model(model), precision, calibration, input_size=input_size)
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench import benchmark, render_markdown
+    from ..deploy import precision_of
     from ..checkpoint import atomic_write_text
 
     check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)
     models, input_size, forms = _models(args)
     rows = []
+    if args.precision != "fp32":
+        models = {n: _in_precision(m, args.precision, input_size) for n, m in models.items()}
+        forms = dict.fromkeys(models, "deploy")
     for name, model in models.items():
         # A deployed checkpoint has no training-time form left to time.
         wanted = [f for f in args.forms if forms[name] == "train" or f == "deploy"]
@@ -121,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
             forms=wanted,
         )
     size = "x".join(str(s) for s in input_size)
+    precisions = "/".join(sorted({precision_of(m) for m in models.values()}))
     note = (
-        f"Batch {args.batch_size}, input {size}, {describe_device(device)}; speed is the median of "
+        f"Batch {args.batch_size}, input {size}, {precisions}, {describe_device(device)}; speed is the median of "
         f"{args.repeats} timed passes after {args.warmup} warm-up passes, the forms interleaved; spread is "
         "the interquartile range of the pass times relative to their median (`repmlp bench`)."
     )

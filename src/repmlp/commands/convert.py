@@ -10,6 +10,7 @@ otherwise random inputs.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import tempfile
@@ -53,6 +54,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=positive_float,
         default=1e-4,
         help="max allowed |deployed - training-time| relative to max(1, max |output|)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "int8"),
+        default="fp32",
+        help="precision of the deployed file; int8 is post-training static quantization with onnxruntime, "
+        "calibrated on the run's training images (see repmlp.deploy)",
+    )
+    p.add_argument(
+        "--calibration-examples",
+        type=int_at_least(1),
+        default=512,
+        help="training images that calibrate int8 activation ranges",
     )
     p.set_defaults(func=run)
     return p
@@ -121,6 +135,71 @@ def _max_error(reference: nn.Module, candidate: nn.Module, x: Tensor) -> tuple[f
     return (ref.double() - out.double()).abs().max().item(), ref.abs().max().item()
 
 
+def calibration_batches(
+    info: dict[str, Any],
+    input_size: tuple[int, int, int],
+    n: int,
+    *,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+) -> list[Tensor]:
+    """The first ``n`` training images of the run's data set (or ``dataset``) in batches of <= 64.
+
+    No data set known, or one that cannot be loaded, is a :class:`UserError`: int8 ranges calibrated
+    on noise would be wrong for real images.
+    """
+    from ..data import DataConfig, build_data
+
+    extra = info.get("extra") or {}
+    name = dataset or extra.get("dataset")
+    if not name:
+        raise UserError(
+            "--precision int8 needs calibration data: the checkpoint names no data set; pass --dataset "
+            "(and --data-dir) of the training data"
+        )
+    try:
+        data = build_data(
+            DataConfig(
+                dataset=name,
+                data_dir=data_dir or extra.get("data_dir"),
+                train_limit=n,
+                batch_size=min(n, 64),
+                img_size=input_size[1],
+                workers=0,
+            )
+        )
+    except UserError as exc:
+        raise UserError(f"--precision int8: cannot load calibration data ({exc})") from None
+    return [x.float() for x, _ in data.train.batches(0)]
+
+
+def _reduce_precision(
+    deployed: nn.Module, precision: str, x: Tensor, calibration: list[Tensor] | None
+) -> tuple[nn.Module, float, float]:
+    """``deployed`` (float32, verified) in ``precision``; its max abs logit change and changed-argmax share."""
+    from ..deploy import native_support, to_precision
+
+    reason = native_support(precision)
+    if reason:
+        log.warning("%s", reason)
+    with torch.inference_mode():
+        ref = deployed(x).float()
+    try:
+        reduced = to_precision(copy.deepcopy(deployed), precision, calibration, input_size=tuple(x.shape[1:]))
+        with torch.inference_mode():
+            out = reduced(x).float()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"--precision {precision}: this machine cannot run the model in {precision} ({first})"
+        ) from None
+    if not torch.isfinite(out).all():
+        raise UserError(f"--precision {precision}: the model's outputs overflow in {precision}")
+    err = (out - ref).abs().max().item()
+    changed = (out.argmax(1) != ref.argmax(1)).float().mean().item() if out.dim() == 2 else float("nan")
+    return reduced, err, changed
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import reparameterize_model
     from ..checkpoint import CheckpointError, load_model, save_model
@@ -137,6 +216,11 @@ def run(args: argparse.Namespace) -> int:
     x, source = check_inputs(
         info, input_size, args.num_examples, dataset=args.dataset, data_dir=args.data_dir
     )
+    calibration = None
+    if args.precision == "int8":
+        calibration = calibration_batches(
+            info, input_size, args.calibration_examples, dataset=args.dataset, data_dir=args.data_dir
+        )
 
     extra = dict(info.get("extra") or {})
     extra["converted_from"] = str(args.checkpoint)
@@ -177,14 +261,31 @@ def run(args: argparse.Namespace) -> int:
                 f"deployed model differs from the training-time model by {err:.3g} on {source} "
                 f"(allowed {allowed:.3g}); {output} not written"
             )
+        if args.precision != "fp32":
+            reduced, p_err, changed = _reduce_precision(reloaded, args.precision, x, calibration)
+            save_model(
+                tmp,
+                reduced,
+                name=info["model"],
+                model_kwargs=info["model_kwargs"],
+                form="deploy",
+                extra=extra,
+                precision=args.precision,
+            )
+            load_model(tmp, form="deploy")  # the file must load back
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
     n_train = sum(p.numel() for p in model.parameters())
     n_deploy = sum(p.numel() for p in reloaded.parameters())
     print(
-        f"wrote {output} ({info['model']}, deployed form, {n_deploy / 1e6:.3f}M params; training-time "
-        f"{n_train / 1e6:.3f}M)"
+        f"wrote {output} ({info['model']}, deployed form, {args.precision}, {n_deploy / 1e6:.3f}M params; "
+        f"training-time {n_train / 1e6:.3f}M)"
     )
     print(f"max abs error deployed vs training-time: {err:.3e} (max |output| {largest:.3g}) on {source}")
+    if args.precision != "fp32":
+        print(
+            f"{args.precision}: max abs logit change vs float32 deployed {p_err:.3e}, "
+            f"{100 * changed:.2f}% of predictions changed on {source}; file {output.stat().st_size} bytes"
+        )
     return 0

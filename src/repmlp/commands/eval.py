@@ -101,12 +101,18 @@ def run(args: argparse.Namespace) -> int:
             f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has {data.img_size}px"
         )
     res = evaluate(model, data.val, device)
-    res.update(model=info["model"], form=info["form"], dataset=dataset, checkpoint=str(args.checkpoint))
+    res.update(
+        model=info["model"],
+        form=info["form"],
+        precision=info.get("precision", "fp32"),
+        dataset=dataset,
+        checkpoint=str(args.checkpoint),
+    )
     if args.json:
         print(json.dumps(res, sort_keys=True))
     else:
         print(
-            f"{info['model']} ({info['form']} form) on {dataset}, {res['n']} examples: "
+            f"{info['model']} ({info['form']} form, {res['precision']}) on {dataset}, {res['n']} examples: "
             f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
         )
     return 0

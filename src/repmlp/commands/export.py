@@ -66,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--output {path} is a folder")
     model, info = load_checkpoint(args.checkpoint)
     input_size = checkpoint_input_size(model, info, args.img_size)
+    if info.get("precision") == "int8":
+        return _export_int8(model, info, paths, input_size)
+    if info.get("precision", "fp32") != "fp32":
+        log.warning("%s holds %s weights: they are exported as float32", args.checkpoint, info["precision"])
     if info["form"] == "train":
         log.info("converting the training-time model of %s to its deployed form", info["model"])
         model = reparameterize_model(model)
@@ -82,4 +86,27 @@ def run(args: argparse.Namespace) -> int:
         except ExportError as exc:
             raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
         print(f"wrote {path} ({info['model']}, deployed, input Nx{size}; {how})")
+    return 0
+
+
+def _export_int8(model, info: dict, paths: dict[str, Path], input_size: tuple[int, int, int]) -> int:  # noqa: ANN001
+    """An int8 file already holds its quantized ONNX graph: check it runs, then write it as is."""
+    import torch
+
+    from ..checkpoint import atomic_write_bytes
+
+    if "torchscript" in paths:
+        raise UserError(
+            "an int8 checkpoint holds an onnxruntime graph: it exports to ONNX only (--format onnx)"
+        )
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(2, *input_size))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise UserError(
+            f"the int8 graph does not run on {'x'.join(map(str, input_size))} inputs: {exc}"
+        ) from None
+    path = paths["onnx"]
+    atomic_write_bytes(path, model.onnx.numpy().tobytes())
+    print(f"wrote {path} ({info['model']}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
     return 0
