@@ -124,8 +124,8 @@ def _in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...])
 
 def run(args: argparse.Namespace) -> int:
     from ..bench import benchmark, render_markdown
-    from ..deploy import precision_of
     from ..checkpoint import atomic_write_text
+    from ..deploy import precision_of
 
     check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)
