@@ -263,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.precision != "fp32":
             reduced, p_err, changed = _reduce_precision(reloaded, args.precision, x, calibration)
+            # An int8 graph has no registry config left to tell its input size: record it.
+            extra.setdefault("input_size", list(input_size))
             save_model(
                 tmp,
                 reduced,
