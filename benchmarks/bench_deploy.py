@@ -1,0 +1,182 @@
+"""Deployed models under the standard inference treatments, against torchvision's ResNet-50.
+
+For each treatment and batch size, every model is timed interleaved with torchvision's ResNet-50 under
+the same treatment (same input size), and the table gives examples/s and the ratio to ResNet-50:
+
+* ``eager``: float32, NCHW;  ``channels_last``: float32, model and input channels_last;
+* ``compiled``: float32 ``torch.compile`` (inductor);  ``bf16``: bfloat16 weights and input, channels_last;
+* ``bf16_compiled``: the same compiled;  ``int8``: onnxruntime static int8 (``repmlp.deploy``, calibrated
+  on random inputs: enough for speed).
+
+Models: deployed RepMLP-Res50 and RepMLP-Res50-Light (224x224), deployed ``repmlp_cifar`` (32x32; its
+ResNet-50 reference runs at 32x32 too). It also measures this machine's matmul peak (a large square
+matmul, same dtype) and the fraction of it that deployed ``repmlp_cifar`` reaches (MACs / time).
+
+    python3 benchmarks/bench_deploy.py [--batch-sizes 1 8 32] [--treatments eager compiled ...] [--quick]
+
+Goals (issue 9, 2-core machines): Light >= 1.55x and RepMLP-Res50 >= 1.0x ResNet-50 under eager fp32,
+compiled fp32 and compiled bf16 (where the CPU has native bf16); repmlp_cifar >= 70% of fp32 matmul peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+from common import cpu_name, device_arg, table, time_interleaved
+from repmlp import create_model, reparameterize_model
+from repmlp.deploy import native_support, to_precision
+from repmlp.profile import count_macs
+
+TREATMENTS = ("eager", "channels_last", "compiled", "bf16", "bf16_compiled", "int8")
+MODELS = {"repmlp_res50": 224, "repmlp_res50_light": 224, "repmlp_cifar": 32}
+_GOALS = {"repmlp_res50": 1.0, "repmlp_res50_light": 1.55}
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    have = flags.split(":", 1)[1].split()
+    return ", ".join(f for f in _FLAGS if f in have) or "none of " + ", ".join(_FLAGS)
+
+
+def build(name: str) -> torch.nn.Module:
+    if name == "resnet50":
+        return torchvision.models.resnet50().eval()
+    return reparameterize_model(create_model(name).eval())
+
+
+def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) -> tuple[object, torch.dtype]:
+    """(callable taking a float32 NCHW batch, the dtype the input is fed in)."""
+    model = copy.deepcopy(model)
+    if treatment == "int8":
+        gen = torch.Generator().manual_seed(0)
+        return to_precision(
+            model, "int8", [torch.randn(4, *size, generator=gen)], input_size=size
+        ), torch.float32
+    dtype = torch.bfloat16 if treatment.startswith("bf16") else torch.float32
+    model = model.to(dtype)
+    if treatment != "eager":
+        model = model.to(memory_format=torch.channels_last)
+    if treatment.endswith("compiled"):
+        model = torch.compile(model)
+    return model, dtype
+
+
+def make_input(batch: int, size: tuple[int, int, int], dtype: torch.dtype, treatment: str) -> torch.Tensor:
+    x = torch.randn(batch, *size).to(dtype)
+    return x if treatment in ("eager", "int8") else x.contiguous(memory_format=torch.channels_last)
+
+
+def matmul_fn(dtype: torch.dtype, n: int = 2048):  # noqa: ANN201
+    """An ``n x n`` by ``n x n`` matmul in ``dtype`` (``n**3`` MACs) as a zero-argument callable."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return lambda: torch.mm(a, b)
+
+
+def run_treatment(treatment: str, batches: list[int], rounds: int) -> list[list[str]]:
+    rows = []
+    nets = {name: build(name) for name in ("resnet50", *MODELS)}
+    for name, res in MODELS.items():
+        size = (3, res, res)
+        ref, dtype = treated(nets["resnet50"], treatment, size)
+        net, _ = treated(nets[name], treatment, size)
+        for b in batches:
+            x = make_input(b, size, dtype, treatment)
+            with torch.inference_mode():
+                secs = time_interleaved(
+                    {"ref": lambda r=ref, x=x: r(x), "net": lambda n=net, x=x: n(x)},
+                    torch.device("cpu"),
+                    rounds=rounds,
+                    warmup=2,
+                )
+            ratio = secs["ref"] / secs["net"]
+            goal = ""
+            if name in _GOALS and treatment in ("eager", "compiled", "bf16_compiled"):
+                goal = f">= {_GOALS[name]}x: " + ("met" if ratio >= _GOALS[name] else "**not met**")
+            rows.append(
+                [
+                    treatment,
+                    name,
+                    f"{res}",
+                    str(b),
+                    f"{b / secs['net']:.1f}",
+                    f"{b / secs['ref']:.1f}",
+                    f"**{ratio:.2f}x**",
+                    goal,
+                ]
+            )
+            print(f"  {treatment} {name} batch {b}: {ratio:.2f}x", flush=True, file=sys.stderr)
+    return rows
+
+
+def cifar_peak_fraction(batch: int, rounds: int) -> list[list[str]]:
+    """Deployed repmlp_cifar's MAC rate as a fraction of the matmul peak, fp32 and bf16 (eager)."""
+    net = build("repmlp_cifar")
+    macs = count_macs(net, (3, 32, 32)) * batch
+    rows = []
+    n = 2048
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        model = copy.deepcopy(net).to(dtype)
+        x = torch.randn(batch, 3, 32, 32).to(dtype)
+        # Model and matmul interleaved: the machine's load hits both alike.
+        fns = {"net": lambda m=model, x=x: m(x), "mm": matmul_fn(dtype, n)}
+        with torch.inference_mode():
+            secs = time_interleaved(fns, torch.device("cpu"), rounds=rounds)
+        rate, peak = macs / secs["net"] / 1e9, n**3 / secs["mm"] / 1e9
+        goal = ">= 70%: " + ("met" if rate >= 0.7 * peak else "**not met**") if label == "fp32" else ""
+        rows.append(
+            [
+                label,
+                str(batch),
+                f"{macs / 1e9:.2f}",
+                f"{rate:.1f}",
+                f"{peak:.1f}",
+                f"**{100 * rate / peak:.0f}%**",
+                goal,
+            ]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = device_arg(__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--treatments", nargs="+", choices=TREATMENTS, default=list(TREATMENTS))
+    parser.add_argument("--cifar-batch", type=int, default=128, help="batch of the matmul-peak comparison")
+    args = parser.parse_args()
+    rounds = 2 if args.quick else args.rounds
+    batches = [1] if args.quick else args.batch_sizes
+    print("**bench_deploy: deployed models vs torchvision ResNet-50, per treatment**")
+    print(
+        f"CPU: {cpu_name()}, flags: {cpu_flags()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}"
+    )
+    reason = native_support("bf16")
+    if reason:
+        print(f"\nNote: {reason}.")
+    print()
+    rows = []
+    for treatment in args.treatments:
+        rows += run_treatment(treatment, batches, rounds)
+    header = ["treatment", "model", "input", "batch", "model ex/s", "ResNet-50 ex/s", "vs ResNet-50", "goal"]
+    print(table(header, rows))
+    print(
+        f"\nMedians of {rounds} interleaved rounds (model and ResNet-50 alternate); ResNet-50 at the same input size."
+    )
+    print(
+        "\n**Deployed repmlp_cifar vs this machine's matmul peak (2048x2048 matmul, same dtype, "
+        "interleaved with the model)**\n"
+    )
+    header = ["dtype", "batch", "GMAC/pass", "model GMAC/s", "matmul peak GMAC/s", "fraction", "goal"]
+    print(table(header, cifar_peak_fraction(args.cifar_batch, rounds)))
+
+
+if __name__ == "__main__":
+    main()
