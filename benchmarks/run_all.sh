@@ -17,3 +17,13 @@ echo "### repmlp bench: whole models, training-time vs deployed form (batch 8, 2
 echo
 python3 -m repmlp -q bench --model torchvision:resnet50 repmlp_res50 repmlp_res50_light --batch-size 8 \
     "${device_args[@]}"
+echo
+echo "### benchmarks/bench_deploy.py: deployed models vs ResNet-50 per treatment (add --treatments compiled bf16_compiled where compiling is affordable)"
+echo
+python3 benchmarks/bench_deploy.py --treatments eager channels_last bf16 int8  # CPU only
+if [ -f runs/fmnist/model.safetensors ]; then
+    echo
+    echo "### benchmarks/bench_precision.py: reduced-precision deployment of runs/fmnist"
+    echo
+    python3 benchmarks/bench_precision.py --run runs/fmnist  # CPU only
+fi
