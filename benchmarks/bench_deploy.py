@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--treatments", nargs="+", choices=TREATMENTS, default=list(TREATMENTS))
     parser.add_argument("--cifar-batch", type=int, default=128, help="batch of the matmul-peak comparison")
     args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error("this benchmark measures CPU deployment only (--device cpu)")
     rounds = 2 if args.quick else args.rounds
     batches = [1] if args.quick else args.batch_sizes
     print("**bench_deploy: deployed models vs torchvision ResNet-50, per treatment**")

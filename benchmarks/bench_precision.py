@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp16", "int8"])
     parser.add_argument("--batch-size", type=int, default=256, help="batch of the throughput timing")
     args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error("this benchmark measures CPU deployment only (--device cpu)")
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as tmp:
         files = {"fp32": Path(tmp) / "deploy-fp32.safetensors"}
         files.update({p: Path(tmp) / f"deploy-{p}.safetensors" for p in args.precisions})
