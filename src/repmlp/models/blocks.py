@@ -252,11 +252,22 @@ class NonLocalBlock(nn.Module):
         n, _, h, w = x.shape
         q = self.theta(x).flatten(2)  # (N, C', HW)
         k, v = self.phi(x), self.g(x)
-        if self.subsample and h > 1 and w > 1:
-            k, v = F.max_pool2d(k, 2, ceil_mode=True), F.max_pool2d(v, 2, ceil_mode=True)
+        if self.subsample:
+            k, v = _subsample(k), _subsample(v)
         attn = torch.softmax(q.transpose(1, 2) @ k.flatten(2), dim=-1)  # (N, HW, HW')
         y = (attn @ v.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(n, -1, h, w)
         return x + self.W(y)
+
+
+@torch.fx.wrap
+def _subsample(x: Tensor) -> Tensor:
+    """2x2 max pool (ceil mode) of ``(N, C, H, W)`` unless ``H`` or ``W`` is 1 (then ``x`` unchanged).
+
+    A ``torch.fx`` leaf: the branch depends on the input's size, which fx cannot evaluate on proxies.
+    """
+    if x.shape[-2] > 1 and x.shape[-1] > 1:
+        return F.max_pool2d(x, 2, ceil_mode=True)
+    return x
 
 
 class GlobalContextBlock(nn.Module):
@@ -447,18 +458,11 @@ class ResNet(nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (RepMLPs fix the size)."""
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (N, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        if self.repmlp_stages and tuple(x.shape[2:]) != self.img_size:
-            raise ValueError(
-                f"this model's RepMLP layers are built for {self.img_size[0]}x{self.img_size[1]} inputs, "
-                f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
-            )
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Outputs of c2, c3, c4, c5: ``[(N, widths[i], H_i, W_i)]`` (``stage_resolutions``)."""
-        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-            self.check_input(x)
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
         x = self.stem(x)
         outs = []
         for stage in self.stages:
@@ -483,6 +487,24 @@ class ResNet(nn.Module):
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+
+@torch.fx.wrap
+def _check_resnet_input(x: Tensor, in_chans: int, img_size: tuple[int, int] | None) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)`` with ``(H, W) == img_size`` (if given).
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"expected input (N, {in_chans}, H, W), got {tuple(x.shape)}")
+    if img_size is not None and tuple(x.shape[2:]) != img_size:
+        raise ValueError(
+            f"this model's RepMLP layers are built for {img_size[0]}x{img_size[1]} inputs, "
+            f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
+        )
 
 
 def _is_per_stage(value: Any, n: int) -> bool:

@@ -45,6 +45,22 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
+@torch.fx.wrap
+def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message.
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    if x.dim() != 4 or tuple(x.shape[1:]) != (chans, size, size):
+        raise ValueError(
+            f"{what} (N, {chans}, {size}, {size}), got {tuple(x.shape)}; "
+            "build it with img_size/in_chans matching the data"
+        )
+
+
 class PartitionConvBlock(nn.Module):
     """Row D of the paper's ablation: a RepMLP whose FC3 is replaced by a groupwise ``K x K`` conv + BN.
 
@@ -89,12 +105,8 @@ class PartitionConvBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
-        if (c, h, w) != (self.in_channels, self.resolution, self.resolution):
-            raise ValueError(
-                f"block built for input (N, {self.in_channels}, {self.resolution}, {self.resolution}), "
-                f"got {tuple(x.shape)}"
-            )
+        _check_fixed_input(x, self.in_channels, self.resolution, "block built for input")
+        n, c = x.shape[0], self.in_channels
         parts = to_partitions(x, self.partition, self.partition)
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
@@ -235,11 +247,7 @@ class PureMLP(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> ``(N, widths[-1], S / 2**(n-1), ...)``."""
-        if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_chans, self.img_size, self.img_size):
-            raise ValueError(
-                f"model built for inputs (N, {self.in_chans}, {self.img_size}, {self.img_size}), got "
-                f"{tuple(x.shape)}; build it with img_size/in_chans matching the data"
-            )
+        _check_fixed_input(x, self.in_chans, self.img_size, "model built for inputs")
         return self.stages(self.stem(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

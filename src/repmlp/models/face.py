@@ -33,6 +33,23 @@ __all__ = [
 ]
 
 
+@torch.fx.wrap
+def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    s = img_size
+    if x.dim() != 4 or x.shape[1] != in_chans or tuple(x.shape[2:]) != (s, s):
+        raise ValueError(
+            f"{model} built for {s}x{s} inputs (img_size={s}) takes (N, {in_chans}, {s}, {s}), got "
+            f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
+        )
+
+
 class _ConvBNAct(nn.Sequential):
     """ConvBN followed by PReLU (MobileFaceNet's activation) or nothing (a linear layer)."""
 
@@ -121,16 +138,10 @@ class MobileFaceNet(nn.Module):
         The GDConv's kernel is the last map's size: other inputs would not be reduced to 1x1, and the
         "embedding" would silently be a flattened map of another width.
         """
-        s = self.img_size
-        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != (s, s):
-            raise ValueError(
-                f"MobileFaceNet built with img_size={s} takes (N, {self.in_chans}, {s}, {s}) inputs, got "
-                f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
-            )
+        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-            self.check_input(x)
+        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
         return self.features(x).flatten(1)
 
 
@@ -282,11 +293,7 @@ class FaceResNet(nn.Module):
         self.head = EmbeddingHead(widths[-1], h, embedding_dim, deploy)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.repmlp_stages and tuple(x.shape[-2:]) != (self.img_size, self.img_size):
-            raise ValueError(
-                f"this model's RepMLPs are built for {self.img_size}x{self.img_size} faces, got "
-                f"{x.shape[-2]}x{x.shape[-1]}; build it with img_size={x.shape[-1]}"
-            )
+        _check_face_input(x, "FaceResNet", self.in_chans, self.img_size)
         return self.head(self.trunk.forward_features(x))
 
 
