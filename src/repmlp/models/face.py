@@ -45,7 +45,7 @@ def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> No
     s = img_size
     if x.dim() != 4 or x.shape[1] != in_chans or tuple(x.shape[2:]) != (s, s):
         raise ValueError(
-            f"{model} built for {s}x{s} inputs (img_size={s}) takes (N, {in_chans}, {s}, {s}), got "
+            f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got "
             f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
         )
 
