@@ -1,20 +1,33 @@
-"""timm's model contract on every registered model, generated over the registry (new models are covered).
+"""timm's model contract on every registered model, generated over the registries (new models are covered).
 
-Modelled on timm's own ``tests/test_models.py``: forward/backward, torch.fx symbolic tracing forward and
-backward, ... Full-size models run on the meta device (shapes only, nothing computed, so every check
-is cheap at the paper's resolutions); numerical checks use small configurations.
+Modelled on timm's own ``tests/test_models.py``: forward/backward, default cfg, forward_features /
+forward_head(pre_logits) / reset_classifier, features_only + feature_info, torch.fx symbolic tracing
+forward and backward. Full-size models run on the meta device (shapes only, nothing computed, so every
+check is cheap at the paper's resolutions); numerical checks use small configurations.
 """
 
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 import torch.fx
 from torch import Tensor, nn
 
 from repmlp import create_model, list_models
 
-ALL = list_models()
+
+def _timm_models() -> list[str]:
+    """Models registered with timm by repmlp's modules (whichever registry helper they used)."""
+    return sorted(
+        n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("repmlp.")
+    )
+
+
+TIMM = _timm_models()
+ALL = sorted(set(list_models()) | set(TIMM))
+# Heads that do not globally pool (timm's EXCLUDE_GLOBAL_POOL): the face models' embedding layers.
+NO_GLOBAL_POOL = ("mobilefacenet", "face_resnet", "repmlp_face_resnet")
 
 
 def _first(out: object) -> Tensor:
@@ -23,7 +36,7 @@ def _first(out: object) -> Tensor:
 
 def _meta_model(name: str, **kwargs: object) -> nn.Module:
     with torch.device("meta"):
-        return create_model(name, **kwargs)
+        return timm.create_model(name, **kwargs) if name in TIMM else create_model(name, **kwargs)
 
 
 def _meta_input(model: nn.Module, batch: int = 2) -> Tensor:
@@ -53,3 +66,101 @@ def test_fx_traced_model_matches_eager_and_keeps_its_input_check(one_thread: Non
     torch.testing.assert_close(traced(x), model(x))
     with pytest.raises(ValueError, match=r"\(N, 1, 28, 28\), got \(2, 1, 32, 32\)"):
         traced(torch.randn(2, 1, 32, 32))
+
+
+def test_registries_agree() -> None:
+    """Every timm-registered repmlp model is in repmlp's registry; only PSPNet stays out of timm's."""
+    assert set(TIMM) <= set(list_models())
+    assert set(list_models()) - set(TIMM) == {"pspnet_res50", "pspnet_repmlp_res50"}
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_default_cfg(name: str) -> None:
+    """timm's test_model_default_cfgs: cfg fields, names of first conv / classifier, pool_size."""
+    model = _meta_model(name).eval()
+    cfg = model.pretrained_cfg
+    assert model.default_cfg is cfg and cfg["architecture"] == name
+    assert cfg == timm.get_pretrained_cfg(name).to_dict() | {"num_classes": model.num_classes}
+    c, h, w = cfg["input_size"]
+    assert len(cfg["mean"]) == len(cfg["std"]) == c == model.pretrained_cfg["input_size"][0]
+    assert 0 < cfg["crop_pct"] <= 1 and cfg["interpolation"] in ("bilinear", "bicubic")
+    keys = model.state_dict().keys()
+    assert cfg["first_conv"] + ".weight" in keys and cfg["classifier"] + ".weight" in keys
+    feats = model.forward_features(_meta_input(model))
+    assert feats.shape[1] == model.num_features and tuple(feats.shape[2:]) == cfg["pool_size"]
+    if cfg["fixed_input_size"]:  # generic code must not feed other sizes: the model refuses them
+        with pytest.raises(ValueError):
+            model(torch.randn(2, c, h + 32, w + 32, device="meta"))
+    else:
+        assert model(torch.randn(2, c, h + 32, w + 32, device="meta")).shape == (2, model.num_classes)
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_forward_backward_head_and_reset_classifier(name: str) -> None:
+    """Forward + backward, forward_head(pre_logits), reset_classifier (timm's forward/default-cfg tests)."""
+    model = _meta_model(name, num_classes=3).train()
+    x = _meta_input(model)
+    out = model(x)
+    assert out.shape == (2, 3) and model.num_classes == 3
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.eval()
+    feats = model.forward_features(x)
+    assert model.forward_head(feats, pre_logits=True).shape == (2, model.head_hidden_size)
+    assert model.forward_head(feats).shape == (2, 3)
+    with torch.device("meta"):  # the new classifier is created on the default device
+        model.reset_classifier(5)
+        assert model(x).shape == (2, 5) and model.num_classes == 5
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.head_hidden_size) and model.num_classes == 0
+        if name not in NO_GLOBAL_POOL:
+            model.reset_classifier(0, "")
+            assert model(x).shape == feats.shape
+    if name not in NO_GLOBAL_POOL:
+        unpooled = _meta_model(name, num_classes=0, global_pool="").eval()
+        assert unpooled(x).shape == feats.shape
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_features_only(name: str) -> None:
+    """timm's test_model_forward_features: features_only=True, feature_info channels and reductions."""
+    full = _meta_model(name)
+    n = len(full.feature_info)
+    model = _meta_model(name, features_only=True).eval()
+    x = _meta_input(full)
+    outs = model(x)
+    info = model.feature_info
+    assert len(outs) == len(info.channels()) == n
+    for out, chans, red in zip(outs, info.channels(), info.reduction(), strict=True):
+        assert out.shape[1] == chans and tuple(out.shape[2:]) == (x.shape[2] // red, x.shape[3] // red)
+    last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1)).eval()
+    assert [o.shape for o in last(x)] == [o.shape for o in outs[-2:]]
+    assert last.feature_info.channels() == info.channels()[-2:]
+
+
+def test_res50_backbone_example() -> None:
+    """The README's backbone example: c2..c5 of RepMLP-Res50 like timm's resnet50 (same channels)."""
+    with torch.device("meta"):
+        ours = timm.create_model("repmlp_res50", features_only=True, out_indices=(1, 2, 3, 4))
+        ref = timm.create_model("resnet50", features_only=True, out_indices=(1, 2, 3, 4))
+    assert ours.feature_info.channels() == ref.feature_info.channels() == [256, 512, 1024, 2048]
+    assert ours.feature_info.reduction() == ref.feature_info.reduction() == [4, 8, 16, 32]
+    outs = ours(torch.randn(2, 3, 224, 224, device="meta"))
+    assert [tuple(o.shape) for o in outs] == [
+        (2, 256, 56, 56),
+        (2, 512, 28, 28),
+        (2, 1024, 14, 14),
+        (2, 2048, 7, 7),
+    ]
+
+
+def test_features_only_matches_the_models_own_stages(one_thread: None) -> None:
+    """The features are the model's own maps (same weights), not a copy's: values, not only shapes."""
+    torch.manual_seed(0)
+    model = timm.create_model("repmlp_fmnist").eval()
+    feats = timm.create_model("repmlp_fmnist", features_only=True).eval()
+    # FeatureListNet with flatten_sequential names the stages "stages_<i>" (timm's convention).
+    state = {k.replace("stages.", "stages_", 1): v for k, v in model.state_dict().items()}
+    feats.load_state_dict({k: v for k, v in state.items() if not k.startswith("head.")})
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(feats(x)[-1], model.forward_features(x))

@@ -315,6 +315,8 @@ class ResNet(nn.Module):
         widths: output channels per stage.
         mid_channels: bottleneck (3x3 conv) width per stage; default ``widths/4``.
         num_classes: classifier outputs; 0 for no classifier (``forward`` returns pooled features).
+        global_pool: ``"avg"`` (global average pooling before the classifier) or ``""`` (none: with
+            ``num_classes=0`` ``forward`` returns the c5 map), as timm's models.
         in_chans: input channels.
         img_size: input resolution the RepMLPs are built for (int or ``(H, W)``).
         stem: replacement stem module (default: torchvision's 7x7/2 conv-BN-ReLU + 3x3/2 max pool);
@@ -340,6 +342,7 @@ class ResNet(nn.Module):
         widths: Sequence[int] = (256, 512, 1024, 2048),
         mid_channels: Sequence[int] | None = None,
         num_classes: int = 1000,
+        global_pool: str = "avg",
         in_chans: int = 3,
         img_size: int | Sequence[int] = 224,
         stem: nn.Module | None = None,
@@ -390,6 +393,9 @@ class ResNet(nn.Module):
             res = stem_size(self.img_size)
         if self.repmlp_stages and min(res) < 1:
             raise ValueError(f"img_size={img_size} is too small for this network")
+        # timm's feature_info: module, channels and reduction (input size / map size) of each feature.
+        scale = max(1, round(self.img_size[0] / max(res[0], 1)))
+        self.feature_info = [dict(num_chs=stem_channels, reduction=scale, module="stem")]
 
         self.stage_resolutions: list[tuple[int, int]] = []
         stages: list[nn.Module] = []
@@ -448,9 +454,11 @@ class ResNet(nn.Module):
             prev_dilation = dilations[i]
             self.stage_resolutions.append(res)
             stages.append(nn.Sequential(*blocks))
+            scale *= strides[i]
+            self.feature_info.append(dict(num_chs=widths[i], reduction=scale, module=f"layer{i + 1}"))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.num_features = c_in
-        self.fc: nn.Module = nn.Linear(c_in, num_classes) if num_classes > 0 else nn.Identity()
+        self.num_features = self.head_hidden_size = c_in
+        self.reset_classifier(num_classes, global_pool)
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -474,8 +482,38 @@ class ResNet(nn.Module):
         """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)``."""
         return self.forward_stages(x)[-1]
 
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's intermediate-feature API: the ``feature_info`` maps (stem, c2..c5) picked by ``indices``.
+
+        ``indices``: an int takes the last n, a sequence the listed ones (negative from the end).
+        Returns the list, or ``(forward_features(x), list)`` unless ``intermediates_only``.
+        """
+        from timm.models._features import feature_take_indices
+
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        take, last = feature_take_indices(len(self.feature_info), indices)
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
+        x = self.stem(x)
+        outs = [x] if 0 in take else []
+        for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
+            x = stage(x)
+            if i in take:
+                outs.append(x)
+        return outs if intermediates_only else (x, outs)
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        """``(N, num_features, h, w)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
+        if self.global_pool == "avg":
+            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
         return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -484,7 +522,12 @@ class ResNet(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.fc
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh ``num_classes``-way classifier (none for 0); ``global_pool`` ``"avg"`` or ``""``."""
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
+            self.global_pool = global_pool
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 

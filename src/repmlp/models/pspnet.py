@@ -141,7 +141,7 @@ _PSPNET_CFG: dict[str, Any] = dict(
 )
 
 
-@register_model(**_PSPNET_CFG)
+@register_model(timm=False, **_PSPNET_CFG)
 def pspnet_res50(
     pretrained: bool = False,
     *,
@@ -165,7 +165,7 @@ def pspnet_res50(
     return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
 
 
-@register_model(**_PSPNET_CFG)
+@register_model(timm=False, **_PSPNET_CFG)
 def pspnet_repmlp_res50(
     pretrained: bool = False,
     *,
