@@ -164,3 +164,13 @@ def test_features_only_matches_the_models_own_stages(one_thread: None) -> None:
     feats.load_state_dict({k: v for k, v in state.items() if not k.startswith("head.")})
     x = torch.randn(2, 1, 28, 28)
     torch.testing.assert_close(feats(x)[-1], model.forward_features(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_torch_export_deployed(name: str) -> None:
+    """``torch.export.export`` of every deployed model with a dynamic batch (meta tensors: shapes only)."""
+    model = _meta_model(name, deploy=True).eval()
+    x = _meta_input(model)
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    assert program.module()(_meta_input(model, batch=3)).shape == model(_meta_input(model, batch=3)).shape
