@@ -68,10 +68,10 @@ def test_fx_traced_model_matches_eager_and_keeps_its_input_check(one_thread: Non
         traced(torch.randn(2, 1, 32, 32))
 
 
-def test_registries_agree() -> None:
-    """Every timm-registered repmlp model is in repmlp's registry; only PSPNet stays out of timm's."""
-    assert set(TIMM) <= set(list_models())
+def test_only_pspnet_stays_out_of_timms_registry() -> None:
+    """Every model of repmlp's registry is a timm model too, except the PSPNets (see docs/models.md)."""
     assert set(list_models()) - set(TIMM) == {"pspnet_res50", "pspnet_repmlp_res50"}
+    assert {"repmlp_res50", "repmlp_cifar", "mobilefacenet", "face_resnet"} <= set(TIMM)
 
 
 @pytest.mark.parametrize("name", TIMM)
@@ -136,6 +136,15 @@ def test_features_only(name: str) -> None:
     last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1)).eval()
     assert [o.shape for o in last(x)] == [o.shape for o in outs[-2:]]
     assert last.feature_info.channels() == info.channels()[-2:]
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_features_through_timms_fx_extractor(name: str) -> None:
+    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based) gives the same maps as features_only."""
+    model = _meta_model(name, features_only=True, feature_cls="fx").eval()
+    ref = _meta_model(name, features_only=True).eval()
+    x = _meta_input(_meta_model(name))
+    assert [o.shape for o in model(x)] == [o.shape for o in ref(x)]
 
 
 def test_res50_backbone_example() -> None:
