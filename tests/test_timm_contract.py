@@ -147,6 +147,20 @@ def test_features_through_timms_fx_extractor(name: str) -> None:
     assert [o.shape for o in model(x)] == [o.shape for o in ref(x)]
 
 
+@pytest.mark.parametrize("name", TIMM)
+def test_forward_intermediates(name: str) -> None:
+    """timm's test_model_forward_intermediates: the final map is forward_features', the rest feature_info's."""
+    model = _meta_model(name).eval()
+    if not hasattr(model, "forward_intermediates"):
+        pytest.skip("optional in timm's contract: features_only uses FeatureListNet on feature_info")
+    x = _meta_input(model)
+    final, inter = model.forward_intermediates(x)
+    assert final.shape == model.forward_features(x).shape
+    assert [o.shape[1] for o in inter] == [f["num_chs"] for f in model.feature_info]
+    last_two = model.forward_intermediates(x, indices=2, intermediates_only=True)
+    assert [o.shape for o in last_two] == [o.shape for o in inter[-2:]]
+
+
 def test_res50_backbone_example() -> None:
     """The README's backbone example: c2..c5 of RepMLP-Res50 like timm's resnet50 (same channels)."""
     with torch.device("meta"):
