@@ -239,6 +239,23 @@ def test_sample_fc3_picks_the_papers_entry_and_normalises_by_the_minimum():
     )
 
 
+def test_export_exported_program_pt2(run_dir, tmp_path):
+    """``--format exported-program`` writes a ``torch.export`` program: loadable, dynamic batch, deployed."""
+    out = tmp_path / "m.pt2"
+    res = repmlp_cli("export", "--checkpoint", run_dir / "model.safetensors", "--format", "exported-program")
+    assert res.returncode == 0, res.stderr
+    default = (run_dir / "model.safetensors").with_suffix(".pt2")
+    assert "torch.export.load vs PyTorch max abs diff" in res.stdout and default.is_file()
+    default.replace(out)
+    train, _ = load_model(run_dir / "model.safetensors")
+    x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw
+    program = torch.export.load(str(out))
+    with torch.inference_mode():
+        torch.testing.assert_close(program.module()(x), train(x), rtol=1e-4, atol=1e-5)
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("batch_norm" in t for t in targets), targets  # deployed: BN folded
+
+
 def test_failed_onnx_export_keeps_the_earlier_file(tmp_path):
     from repmlp.export import ExportError, export_onnx
 

@@ -45,8 +45,10 @@ def test_backbone_set_up_as_the_paper():
     with torch.device("meta"):
         res = create_model("pspnet_res50")
         rep = create_model("pspnet_repmlp_res50")
-    assert res.backbone.stage_resolutions == [(179, 179), (90, 90), (90, 90), (90, 90)]
-    assert rep.backbone.stage_resolutions == [(179, 179), (90, 90), (90, 90), (90, 90)]
+    x = torch.randn(1, 3, 713, 713, device="meta")
+    for model in (res, rep):  # timm's features: c2..c5 maps and their feature_info
+        assert [tuple(c.shape[2:]) for c in model.backbone(x)] == [(179, 179)] + [(90, 90)] * 3
+        assert model.backbone.feature_info.channels() == [256, 512, 1024, 2048]
     assert res.backbone.layer3[1].conv2.conv.dilation == (2, 2) and res.backbone.layer4[
         1
     ].conv2.conv.dilation == (4, 4)

@@ -126,6 +126,24 @@ class LocalPerceptron(nn.Module):
         return out
 
 
+@torch.fx.wrap
+def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int]) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_channels, *resolution)``.
+
+    A leaf for ``torch.fx`` (``torch.fx.wrap``): symbolic tracing records the call instead of
+    evaluating the shape comparison on proxies, and the traced module still runs the check. Skipped
+    under ``torch.jit.trace`` and ``torch.compile``/``torch.export``, whose shapes are fixed or guarded.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    expected = (in_channels, *resolution)
+    if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+        raise ValueError(
+            f"RepMLPBlock expected input of shape (N, {expected[0]}, {expected[1]}, {expected[2]}), "
+            f"got {tuple(x.shape)}"
+        )
+
+
 class RepMLPBlock(nn.Module):
     """RepMLP: Global, Partition and Local Perceptron, re-parameterizable into three FC layers.
 
@@ -217,16 +235,10 @@ class RepMLPBlock(nn.Module):
         )
 
     def _check_input(self, x: Tensor) -> None:
-        expected = (self.in_channels, *self.resolution)
-        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-            raise ValueError(
-                f"RepMLPBlock expected input of shape (N, {expected[0]}, {expected[1]}, {expected[2]}), "
-                f"got {tuple(x.shape)}"
-            )
+        _check_block_input(x, self.in_channels, self.resolution)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-            self._check_input(x)
+        _check_block_input(x, self.in_channels, self.resolution)
         n = x.shape[0]
         h, w = self.partition
         hp, wp = self.parts

@@ -1,6 +1,6 @@
-"""Export a (deployed) model to ONNX and TorchScript, checked against PyTorch.
+"""Export a (deployed) model to ONNX, TorchScript or a ``torch.export`` program, checked against PyTorch.
 
-Both exporters write into a private temporary folder next to the destination, check the written
+The exporters write into a private temporary folder next to the destination, check the written
 file there (ONNX with onnxruntime, TorchScript by loading it back) and only then move it into place
 with ``os.replace``: an existing file at the destination is never left half-written or replaced by
 a file that failed its check.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ExportError", "export_onnx", "export_torchscript", "DEFAULT_RTOL"]
+__all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "DEFAULT_RTOL"]
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,49 @@ def export_torchscript(
             ) from exc
         diff = _check_close("TorchScript", got, _first_tensor(net(x)), rtol)
     log.debug("wrote %s (TorchScript max abs diff %.3g)", path, diff)
+    return diff
+
+
+def export_program(
+    model: nn.Module,
+    path: str | os.PathLike,
+    input_size: Sequence[int],
+    *,
+    rtol: float = DEFAULT_RTOL,
+) -> float:
+    """``torch.export.export`` ``model`` (dynamic batch), save the program (``.pt2``), load it back, check.
+
+    ``torch.export`` is TorchScript's successor (and what the ONNX exporter builds on): a graph of ATen
+    operators, loadable with ``torch.export.load`` and compilable ahead of time (AOTInductor).
+
+    Args:
+        model: any module taking one ``(N, *input_size)`` tensor; exported from an eval-mode float32
+            CPU copy.
+        path: destination ``.pt2`` file; written atomically.
+        input_size: ``(C, H, W)``, without the batch.
+        rtol: allowed max abs difference relative to ``max(1, max |output|)``.
+
+    Returns:
+        Max abs difference between the reloaded program and PyTorch on a fresh input of another batch size.
+
+    Raises:
+        ExportError: export failed or the reloaded program does not reproduce PyTorch.
+    """
+    path = Path(path)
+    net = _cpu_eval_copy(model)
+    example = _example(input_size, _TRACE_BATCH, seed=0)
+    x = _example(input_size, _CHECK_BATCH, seed=1)
+    batch = torch.export.Dim("batch", min=1)
+    with _staging(path) as staged, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.export.export(net, (example,), dynamic_shapes=({0: batch},))
+            torch.export.save(program, str(staged))
+            got = _first_tensor(torch.export.load(str(staged)).module()(x))
+        except Exception as exc:  # noqa: BLE001 - export errors are many types
+            raise ExportError(f"torch.export of {type(model).__name__} failed: {_first_line(exc)}") from exc
+        diff = _check_close("ExportedProgram", got, _first_tensor(net(x)), rtol)
+    log.debug("wrote %s (ExportedProgram max abs diff %.3g)", path, diff)
     return diff
 
 

@@ -1,4 +1,5 @@
-"""``repmlp export``: a checkpoint's deployed model as ONNX (checked with onnxruntime) and/or TorchScript.
+"""``repmlp export``: a checkpoint's deployed model as ONNX (checked with onnxruntime), TorchScript and/or a
+``torch.export`` program (``.pt2``, loaded back with ``torch.export.load`` and checked).
 
 A training-time checkpoint is converted first (the file is not changed); the exported graph is always
 the deployed one: FC1, FC2 and FC3 per RepMLP block, no BatchNorm, no Local Perceptron.
@@ -15,7 +16,7 @@ from ._common import check_forward, checkpoint_input_size, int_at_least, load_ch
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
+_SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,20 +24,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = subparsers.add_parser(
         "export",
-        help="export a checkpoint's deployed model to ONNX / TorchScript, checked against PyTorch",
+        help="export a checkpoint's deployed model to ONNX / TorchScript / .pt2, checked against PyTorch",
         description=__doc__,
         formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--checkpoint", required=True, type=Path, help="model checkpoint (.safetensors), either form"
     )
-    p.add_argument("--format", choices=("onnx", "torchscript", "both"), default="onnx", help="what to write")
+    p.add_argument(
+        "--format",
+        choices=("onnx", "torchscript", "exported-program", "both"),
+        default="onnx",
+        help="what to write (both: onnx and torchscript; exported-program: torch.export's .pt2)",
+    )
     p.add_argument(
         "--output",
         type=Path,
         default=None,
         help="output file (its suffix is replaced per format with --format both); "
-        "default: the checkpoint's path with .onnx / .pt",
+        "default: the checkpoint's path with .onnx / .pt / .pt2",
     )
     p.add_argument("--img-size", type=int_at_least(1), default=None, help="input size (default: the run's)")
     p.add_argument("--opset", type=int_at_least(7), default=None, help="ONNX opset (default: the exporter's)")
@@ -56,7 +62,7 @@ def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, P
 
 def run(args: argparse.Namespace) -> int:
     from .. import reparameterize_model
-    from ..export import ExportError, export_onnx, export_torchscript
+    from ..export import ExportError, export_onnx, export_program, export_torchscript
 
     paths = output_paths(args.checkpoint, args.output, args.format)
     for path in paths.values():
@@ -80,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
             if fmt == "onnx":
                 diff = export_onnx(model, path, input_size, check=not args.no_check, opset_version=args.opset)
                 how = "not checked" if args.no_check else f"onnxruntime vs PyTorch max abs diff {diff:.2e}"
+            elif fmt == "exported-program":
+                diff = export_program(model, path, input_size)
+                how = f"torch.export.load vs PyTorch max abs diff {diff:.2e}"
             else:
                 diff = export_torchscript(model, path, input_size)
                 how = f"TorchScript vs PyTorch max abs diff {diff:.2e}"

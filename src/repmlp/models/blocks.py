@@ -263,11 +263,22 @@ class NonLocalBlock(nn.Module):
         n, _, h, w = x.shape
         q = self.theta(x).flatten(2)  # (N, C', HW)
         k, v = self.phi(x), self.g(x)
-        if self.subsample and h > 1 and w > 1:
-            k, v = F.max_pool2d(k, 2, ceil_mode=True), F.max_pool2d(v, 2, ceil_mode=True)
+        if self.subsample:
+            k, v = _subsample(k), _subsample(v)
         attn = torch.softmax(q.transpose(1, 2) @ k.flatten(2), dim=-1)  # (N, HW, HW')
         y = (attn @ v.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(n, -1, h, w)
         return x + self.W(y)
+
+
+@torch.fx.wrap
+def _subsample(x: Tensor) -> Tensor:
+    """2x2 max pool (ceil mode) of ``(N, C, H, W)`` unless ``H`` or ``W`` is 1 (then ``x`` unchanged).
+
+    A ``torch.fx`` leaf: the branch depends on the input's size, which fx cannot evaluate on proxies.
+    """
+    if x.shape[-2] > 1 and x.shape[-1] > 1:
+        return F.max_pool2d(x, 2, ceil_mode=True)
+    return x
 
 
 class GlobalContextBlock(nn.Module):
@@ -315,6 +326,8 @@ class ResNet(nn.Module):
         widths: output channels per stage.
         mid_channels: bottleneck (3x3 conv) width per stage; default ``widths/4``.
         num_classes: classifier outputs; 0 for no classifier (``forward`` returns pooled features).
+        global_pool: ``"avg"`` (global average pooling before the classifier) or ``""`` (none: with
+            ``num_classes=0`` ``forward`` returns the c5 map), as timm's models.
         in_chans: input channels.
         img_size: input resolution the RepMLPs are built for (int or ``(H, W)``).
         stem: replacement stem module (default: torchvision's 7x7/2 conv-BN-ReLU + 3x3/2 max pool);
@@ -340,6 +353,7 @@ class ResNet(nn.Module):
         widths: Sequence[int] = (256, 512, 1024, 2048),
         mid_channels: Sequence[int] | None = None,
         num_classes: int = 1000,
+        global_pool: str = "avg",
         in_chans: int = 3,
         img_size: int | Sequence[int] = 224,
         stem: nn.Module | None = None,
@@ -390,6 +404,9 @@ class ResNet(nn.Module):
             res = stem_size(self.img_size)
         if self.repmlp_stages and min(res) < 1:
             raise ValueError(f"img_size={img_size} is too small for this network")
+        # timm's feature_info: module, channels and reduction (input size / map size) of each feature.
+        scale = max(1, round(self.img_size[0] / max(res[0], 1)))
+        self.feature_info = [dict(num_chs=stem_channels, reduction=scale, module="stem")]
 
         self.stage_resolutions: list[tuple[int, int]] = []
         stages: list[nn.Module] = []
@@ -448,9 +465,11 @@ class ResNet(nn.Module):
             prev_dilation = dilations[i]
             self.stage_resolutions.append(res)
             stages.append(nn.Sequential(*blocks))
+            scale *= strides[i]
+            self.feature_info.append(dict(num_chs=widths[i], reduction=scale, module=f"layer{i + 1}"))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.num_features = c_in
-        self.fc: nn.Module = nn.Linear(c_in, num_classes) if num_classes > 0 else nn.Identity()
+        self.num_features = self.head_hidden_size = c_in
+        self.reset_classifier(num_classes, global_pool)
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -458,18 +477,11 @@ class ResNet(nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (RepMLPs fix the size)."""
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected input (N, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        if self.repmlp_stages and tuple(x.shape[2:]) != self.img_size:
-            raise ValueError(
-                f"this model's RepMLP layers are built for {self.img_size[0]}x{self.img_size[1]} inputs, "
-                f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
-            )
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Outputs of c2, c3, c4, c5: ``[(N, widths[i], H_i, W_i)]`` (``stage_resolutions``)."""
-        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-            self.check_input(x)
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
         x = self.stem(x)
         outs = []
         for stage in self.stages:
@@ -481,8 +493,38 @@ class ResNet(nn.Module):
         """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)``."""
         return self.forward_stages(x)[-1]
 
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: int | Sequence[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Tensor] | tuple[Tensor, list[Tensor]]:
+        """timm's intermediate-feature API: the ``feature_info`` maps (stem, c2..c5) picked by ``indices``.
+
+        ``indices``: an int takes the last n, a sequence the listed ones (negative from the end).
+        Returns the list, or ``(forward_features(x), list)`` unless ``intermediates_only``.
+        """
+        from timm.models._features import feature_take_indices
+
+        if output_fmt != "NCHW":
+            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        take, last = feature_take_indices(len(self.feature_info), indices)
+        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
+        x = self.stem(x)
+        outs = [x] if 0 in take else []
+        for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
+            x = stage(x)
+            if i in take:
+                outs.append(x)
+        return outs if intermediates_only else (x, outs)
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        """``(N, num_features, h, w)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
+        if self.global_pool == "avg":
+            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
         return x if pre_logits else self.fc(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -491,9 +533,32 @@ class ResNet(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.fc
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh ``num_classes``-way classifier (none for 0); ``global_pool`` ``"avg"`` or ``""``."""
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
+            self.global_pool = global_pool
         self.num_classes = num_classes
         self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+
+@torch.fx.wrap
+def _check_resnet_input(x: Tensor, in_chans: int, img_size: tuple[int, int] | None) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)`` with ``(H, W) == img_size`` (if given).
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"expected input (N, {in_chans}, H, W), got {tuple(x.shape)}")
+    if img_size is not None and tuple(x.shape[2:]) != img_size:
+        raise ValueError(
+            f"this model's RepMLP layers are built for {img_size[0]}x{img_size[1]} inputs, "
+            f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
+        )
 
 
 def _is_per_stage(value: Any, n: int) -> bool:

@@ -45,6 +45,22 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
+@torch.fx.wrap
+def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message.
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    if x.dim() != 4 or tuple(x.shape[1:]) != (chans, size, size):
+        raise ValueError(
+            f"{what} (N, {chans}, {size}, {size}), got {tuple(x.shape)}; "
+            "build it with img_size/in_chans matching the data"
+        )
+
+
 class PartitionConvBlock(nn.Module):
     """Row D of the paper's ablation: a RepMLP whose FC3 is replaced by a groupwise ``K x K`` conv + BN.
 
@@ -89,12 +105,8 @@ class PartitionConvBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
-        if (c, h, w) != (self.in_channels, self.resolution, self.resolution):
-            raise ValueError(
-                f"block built for input (N, {self.in_channels}, {self.resolution}, {self.resolution}), "
-                f"got {tuple(x.shape)}"
-            )
+        _check_fixed_input(x, self.in_channels, self.resolution, "block built for input")
+        n, c = x.shape[0], self.in_channels
         parts = to_partitions(x, self.partition, self.partition)
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
@@ -181,6 +193,7 @@ class PureMLP(nn.Module):
         global_perceptron: keep FC1/FC2.
         conv_kernel: ``K`` of the conv mixers.
         num_classes, in_chans, deploy: as everywhere.
+        global_pool: ``"avg"`` or ``""`` (no pooling), as timm's models.
 
     Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, num_classes)``.
     """
@@ -197,6 +210,7 @@ class PureMLP(nn.Module):
         global_perceptron: bool = True,
         conv_kernel: int = 9,
         num_classes: int = 10,
+        global_pool: str = "avg",
         in_chans: int = 3,
         deploy: bool = False,
     ) -> None:
@@ -210,6 +224,7 @@ class PureMLP(nn.Module):
         self.stem = ConvBNReLU(in_chans, widths[0], 1, deploy=deploy)
         stages = []
         res = img_size
+        self.feature_info: list[dict[str, Any]] = []  # timm's: module, channels, reduction
         for i, c in enumerate(widths):
             c_next = widths[i + 1] if i + 1 < n else c
             opts: dict[str, Any] = dict(
@@ -228,22 +243,21 @@ class PureMLP(nn.Module):
                 ConvBNReLU(c, c_next, 1, deploy=deploy),
             ]
             stages.append(nn.Sequential(*layers))
+            self.feature_info.append(dict(num_chs=c_next, reduction=2**i, module=f"stages.{i}"))
             res //= 2
         self.stages = nn.Sequential(*stages)
-        self.num_features = widths[-1]
-        self.head = nn.Linear(self.num_features, num_classes)
+        self.num_features = self.head_hidden_size = widths[-1]
+        self.reset_classifier(num_classes, global_pool)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> ``(N, widths[-1], S / 2**(n-1), ...)``."""
-        if x.dim() != 4 or tuple(x.shape[1:]) != (self.in_chans, self.img_size, self.img_size):
-            raise ValueError(
-                f"model built for inputs (N, {self.in_chans}, {self.img_size}, {self.img_size}), got "
-                f"{tuple(x.shape)}; build it with img_size/in_chans matching the data"
-            )
+        _check_fixed_input(x, self.in_chans, self.img_size, "model built for inputs")
         return self.stages(self.stem(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        """``(N, num_features, s, s)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
+        if self.global_pool == "avg":
+            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -252,7 +266,12 @@ class PureMLP(nn.Module):
     def get_classifier(self) -> nn.Module:
         return self.head
 
-    def reset_classifier(self, num_classes: int) -> None:
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh ``num_classes``-way classifier (none for 0); ``global_pool`` ``"avg"`` or ``""``."""
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
+            self.global_pool = global_pool
         self.num_classes = num_classes
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
@@ -265,6 +284,9 @@ _CIFAR_CFG: dict[str, Any] = dict(
     crop_pct=1.0,
     classifier="head",
     first_conv="stem.conv",
+    pool_size=(8, 8),
+    fixed_input_size=True,
+    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
 )
 
 
@@ -312,6 +334,9 @@ def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     crop_pct=1.0,
     classifier="head",
     first_conv="stem.conv",
+    pool_size=(7, 7),
+    fixed_input_size=True,
+    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
 )
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes.

@@ -33,6 +33,23 @@ __all__ = [
 ]
 
 
+@torch.fx.wrap
+def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
+
+    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
+    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
+    """
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return
+    s = img_size
+    if x.dim() != 4 or x.shape[1] != in_chans or tuple(x.shape[2:]) != (s, s):
+        raise ValueError(
+            f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got "
+            f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
+        )
+
+
 class _ConvBNAct(nn.Sequential):
     """ConvBN followed by PReLU (MobileFaceNet's activation) or nothing (a linear layer)."""
 
@@ -98,22 +115,37 @@ class MobileFaceNet(nn.Module):
             _ConvBNAct(in_chans, width, 3, 2, act=True, deploy=deploy),
             _ConvBNAct(width, width, 3, groups=width, act=True, deploy=deploy),
         ]
-        cin = width
+        # timm's feature_info: the last layer at each resolution (module, channels, reduction).
+        self.feature_info: list[dict[str, Any]] = []
+        cin, reduction = width, 2
         for t, c, n, s in self.SETTINGS:
+            if s != 1:
+                self.feature_info.append(
+                    dict(num_chs=cin, reduction=reduction, module=f"features.{len(layers) - 1}")
+                )
+                reduction *= s
             cout = max(1, round(c * scale))
             for i in range(n):
                 layers.append(_InvertedResidual(cin, cout, s if i == 0 else 1, t, deploy))
                 cin = cout
         last = max(1, round(512 * scale))
         k = img_size // 16
+        layers.append(_ConvBNAct(cin, last, 1, act=True, deploy=deploy))
+        self.feature_info.append(
+            dict(num_chs=last, reduction=reduction, module=f"features.{len(layers) - 1}")
+        )
         layers += [
-            _ConvBNAct(cin, last, 1, act=True, deploy=deploy),
             _ConvBNAct(last, last, k, groups=last, act=False, deploy=deploy),  # GDConv: k x k -> 1 x 1
             _ConvBNAct(last, embedding_dim, 1, act=False, deploy=deploy),
         ]
         # ConvBN's default "same" padding would keep the GDConv's output k x k; it must be valid.
         layers[-2][0].conv.padding = (0, 0)
         self.features = nn.Sequential(*layers)
+        # timm's contract: forward_features ends before the GDConv (the "global pool"), the head is
+        # GDConv + the embedding layer (the "classifier"), whose width is num_classes.
+        self.num_features = self.head_hidden_size = last
+        self.num_classes = embedding_dim
+        self._deploy = deploy
 
     def check_input(self, x: Tensor) -> None:
         """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
@@ -121,17 +153,36 @@ class MobileFaceNet(nn.Module):
         The GDConv's kernel is the last map's size: other inputs would not be reduced to 1x1, and the
         "embedding" would silently be a flattened map of another width.
         """
-        s = self.img_size
-        if x.dim() != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != (s, s):
-            raise ValueError(
-                f"MobileFaceNet built with img_size={s} takes (N, {self.in_chans}, {s}, {s}) inputs, got "
-                f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
-            )
+        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(N, in_chans, S, S)`` -> the last map before the GDConv ``(N, num_features, S/16, S/16)``."""
+        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
+        for layer in list(self.features)[:-2]:
+            x = layer(x)
+        return x
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """GDConv (``pre_logits``: ``(N, num_features)``), then the embedding layer: ``(N, embedding_dim)``."""
+        x = self.features[-2](x)
+        return x.flatten(1) if pre_logits else self.features[-1](x).flatten(1)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not torch.jit.is_tracing() and not torch.compiler.is_compiling():
-            self.check_input(x)
-        return self.features(x).flatten(1)
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.features[-1]
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh ``num_classes``-wide embedding layer (none for 0); the GDConv is the only pooling."""
+        if global_pool is not None:
+            raise ValueError("MobileFaceNet's pooling is its GDConv; global_pool cannot be changed")
+        self.num_classes = self.embedding_dim = num_classes
+        self.features[-1] = (
+            _ConvBNAct(self.num_features, num_classes, 1, act=False, deploy=self._deploy)
+            if num_classes > 0
+            else nn.Identity()
+        )
 
 
 class EmbeddingHead(nn.Module):
@@ -280,48 +331,90 @@ class FaceResNet(nn.Module):
                 )
         h, w = self.trunk.stage_resolutions[-1]
         self.head = EmbeddingHead(widths[-1], h, embedding_dim, deploy)
+        # timm's contract: the embedding FC is the "classifier", the flattened c5 map its input.
+        self.num_features, self.head_hidden_size = widths[-1], widths[-1] * h * w
+        self.feature_info = [{**f, "module": f"trunk.{f['module']}"} for f in self.trunk.feature_info]
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``(N, in_chans, S, S)`` -> c5 map ``(N, num_features, S/32, S/32)``."""
+        _check_face_input(x, "FaceResNet", self.in_chans, self.img_size)
+        return self.trunk.forward_features(x)
+
+    def forward_intermediates(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """timm's intermediate-feature API (:meth:`ResNet.forward_intermediates` of the trunk)."""
+        _check_face_input(x, "FaceResNet", self.in_chans, self.img_size)
+        return self.trunk.forward_intermediates(x, *args, **kwargs)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """``(N, C, k, k)`` -> embedding ``(N, embedding_dim)``; ``pre_logits``: the flattened map."""
+        return self.head.bn_in(x).flatten(1) if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.repmlp_stages and tuple(x.shape[-2:]) != (self.img_size, self.img_size):
-            raise ValueError(
-                f"this model's RepMLPs are built for {self.img_size}x{self.img_size} faces, got "
-                f"{x.shape[-2]}x{x.shape[-1]}; build it with img_size={x.shape[-1]}"
-            )
-        return self.head(self.trunk.forward_features(x))
+        return self.forward_head(self.forward_features(x))
+
+    def get_classifier(self) -> nn.Module:
+        return self.head.fc
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        """A fresh ``num_classes``-wide embedding FC (+ BN in the training form); none for 0."""
+        if global_pool is not None:
+            raise ValueError("FaceResNet flattens its c5 map (no global pooling); global_pool cannot be set")
+        self.num_classes = self.embedding_dim = num_classes
+        train_form = not isinstance(self.head.bn_out, nn.Identity)
+        self.head.fc = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
+        self.head.bn_out = nn.BatchNorm1d(num_classes) if num_classes > 0 and train_form else nn.Identity()
 
 
-def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """timm's ``num_classes`` (the output width) is the embedding width of these models."""
-    if num_classes is not None:
-        if "embedding_dim" in kwargs and kwargs["embedding_dim"] != num_classes:
-            raise ValueError("give embedding_dim or num_classes (the same thing for a face model), not both")
-        kwargs["embedding_dim"] = num_classes
+def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any], default: int) -> dict[str, Any]:
+    """timm's ``num_classes`` (the output width) is the embedding width of these models.
+
+    timm's builder passes the cfg's ``num_classes`` (``default``) to every model, so that value next
+    to an explicit ``embedding_dim`` defers to it; any other disagreement is an error.
+    """
+    if num_classes is None or (num_classes == default and "embedding_dim" in kwargs):
+        return kwargs
+    if kwargs.get("embedding_dim", num_classes) != num_classes:
+        raise ValueError("give embedding_dim or num_classes (the same thing for a face model), not both")
+    kwargs["embedding_dim"] = num_classes
     return kwargs
 
 
-_FACE_CFG = dict(
-    input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), classifier="", crop_pct=1.0
+_FACE_CFG: dict[str, Any] = dict(
+    input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, fixed_input_size=True
+)
+_FACE_RESNET_CFG: dict[str, Any] = dict(
+    classifier="head.fc",
+    pool_size=(3, 3),
+    feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3, 4)),
+    **_FACE_CFG,
 )
 
 
-@register_model(num_classes=128, first_conv="features.0.0.conv", **_FACE_CFG)
+@register_model(
+    num_classes=128,
+    first_conv="features.0.0.conv",
+    classifier="features.19.0.conv",
+    pool_size=(6, 6),
+    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)),
+    **_FACE_CFG,
+)
 def mobilefacenet(
     pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
 ) -> MobileFaceNet:
     """MobileFaceNet at 96x96 (paper's Table face: 0.98M params, 162M MACs), 128-d embedding."""
-    return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs))
+    return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs, 128))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_CFG)
+@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_RESNET_CFG)
 def face_resnet(pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any) -> FaceResNet:
     """FaceResNet (paper Sec. 4.3): blocks 3,2,2,2, widths 128..1024, 1024-d embedding, 96x96."""
-    return FaceResNet(**_embedding_kwargs(num_classes, kwargs))
+    return FaceResNet(**_embedding_kwargs(num_classes, kwargs, 1024))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_CFG)
+@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_RESNET_CFG)
 def repmlp_face_resnet(
     pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
 ) -> FaceResNet:
     """RepMLP-FaceRes (paper Sec. 4.3): FaceResNet with RepMLP Bottlenecks (h=w=6, r=2, g=4) in c2, c3, c4."""
     kwargs.setdefault("repmlp_stages", ("c2", "c3", "c4"))
-    return FaceResNet(**_embedding_kwargs(num_classes, kwargs))
+    return FaceResNet(**_embedding_kwargs(num_classes, kwargs, 1024))

@@ -26,9 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import Bottleneck, ConvBNReLU, ResNet
+from .blocks import Bottleneck, ConvBNReLU, ResNet, _check_resnet_input
 from .registry import register_model
 from .resnet import repmlp_res50, repmlp_res50_g4_8
+
+# torch.fx patches a wrapped function per module namespace: keep the imported check a leaf here too.
+torch.fx.wrap("_check_resnet_input")
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
 
@@ -73,6 +76,11 @@ class PSPNet(nn.Module):
     """PSPNet on a :class:`~repmlp.models.blocks.ResNet` backbone (``num_classes=0``) whose c4 and c5
     outputs have ``c4_channels`` and ``c5_channels`` channels.
 
+    The backbone is used through timm's feature interface: ``self.backbone`` is timm's
+    ``FeatureListNet`` over the ResNet's ``feature_info`` with ``out_indices=(1, 2, 3, 4)`` (c2..c5),
+    what ``timm.create_model(name, features_only=True, out_indices=(1, 2, 3, 4))`` builds; its
+    submodules (``stem``, ``layer1`` .. ``layer4``) and so the state-dict keys are the ResNet's.
+
     ``forward`` returns logits ``(N, num_classes, H, W)`` upsampled to the input size; in training mode,
     with the auxiliary head present, it returns ``(main, aux)`` (both at the input size).
     """
@@ -92,8 +100,12 @@ class PSPNet(nn.Module):
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        self.backbone = backbone
+        from timm.models import FeatureListNet
+
         self.num_classes, self.in_chans, self.img_size = num_classes, backbone.in_chans, backbone.img_size
+        # The features skip the ResNet's own forward (and its input check): PSPNet checks the input.
+        self._fixed_size = backbone.img_size if backbone.repmlp_stages else None
+        self.backbone = FeatureListNet(backbone, out_indices=(1, 2, 3, 4))
         self.ppm = PyramidPooling(c5_channels, bins, deploy=deploy)
         self.head = _SegHead(self.ppm.out_channels, head_channels, num_classes, dropout, deploy)
         # The auxiliary head is training-only: the inference form (deploy) has none.
@@ -102,8 +114,9 @@ class PSPNet(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        _check_resnet_input(x, self.in_chans, self._fixed_size)
         size = x.shape[-2:]
-        c2, c3, c4, c5 = self.backbone.forward_stages(x)
+        c2, c3, c4, c5 = self.backbone(x)
         out = F.interpolate(self.head(self.ppm(c5)), size=size, mode="bilinear", align_corners=True)
         if self.training and self.aux_head is not None:
             aux = F.interpolate(self.aux_head(c4), size=size, mode="bilinear", align_corners=True)
@@ -141,7 +154,7 @@ _PSPNET_CFG: dict[str, Any] = dict(
 )
 
 
-@register_model(**_PSPNET_CFG)
+@register_model(timm=False, **_PSPNET_CFG)
 def pspnet_res50(
     pretrained: bool = False,
     *,
@@ -165,7 +178,7 @@ def pspnet_res50(
     return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
 
 
-@register_model(**_PSPNET_CFG)
+@register_model(timm=False, **_PSPNET_CFG)
 def pspnet_repmlp_res50(
     pretrained: bool = False,
     *,

@@ -27,8 +27,10 @@ _CFGS: dict[str, dict[str, Any]] = {}
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 
+_FEATURE_CFGS: dict[str, dict[str, Any]] = {}  # timm-registered models: their feature_cfg
+
 # Keyword arguments timm's factory passes to every entrypoint; our builders do not use them.
-_TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+_TIMM_ONLY_KWARGS = ("pretrained_cfg", "cache_dir")
 
 
 def _default_cfg(name: str, **overrides: Any) -> dict[str, Any]:
@@ -60,28 +62,38 @@ def _no_pretrained(name: str, pretrained: bool) -> None:
         )
 
 
-def register_model(fn: ModelFn | None = None, **cfg: Any) -> Any:
+def register_model(
+    fn: ModelFn | None = None, *, feature_cfg: dict[str, Any] | None = None, timm: bool = True, **cfg: Any
+) -> Any:
     """Register a model builder under its ``__name__`` (usable bare or as ``@register_model(**cfg)``).
 
-    ``cfg`` overrides the timm ``pretrained_cfg`` fields (``input_size``, ``num_classes``, ``mean``, ...);
-    ``num_classes`` and ``input_size`` there should be the builder's defaults.
+    ``cfg`` overrides the timm ``pretrained_cfg`` fields (``input_size``, ``num_classes``, ``mean``,
+    ``pool_size``, ``fixed_input_size``, ...); ``num_classes`` and ``input_size`` there should be the
+    builder's defaults. With ``timm=True`` the model is registered with timm as well and built through
+    timm's ``build_model_with_cfg``: ``features_only=True`` (with ``out_indices``) then wraps it in
+    timm's feature extractor chosen by ``feature_cfg`` (``FeatureListNet`` on the model's
+    ``feature_info`` by default; ``feature_cls="getter"`` for models with ``forward_intermediates``).
+    ``timm=False`` keeps it in repmlp's registry only (models outside timm's classifier contract).
     """
 
     def wrap(fn: ModelFn) -> ModelFn:
         name = fn.__name__
         _MODELS[name] = fn
         _CFGS[name] = _default_cfg(name, **cfg)
-        _register_with_timm(name, fn)
+        if timm and _register_with_timm(name, fn):
+            _FEATURE_CFGS[name] = dict(feature_cfg or {})
         return fn
 
     return wrap(fn) if fn is not None else wrap
 
 
-def _register_with_timm(name: str, fn: ModelFn) -> None:
+def _register_with_timm(name: str, fn: ModelFn) -> bool:
+    """Register ``fn``'s timm entrypoint and its default cfg; False when timm is not installed."""
     try:
         import timm.models as tm
+        from timm.models import generate_default_cfgs
     except ImportError:  # timm is a dependency, but the registry works without it
-        return
+        return False
 
     @functools.wraps(fn)
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
@@ -93,15 +105,44 @@ def _register_with_timm(name: str, fn: ModelFn) -> None:
     module = sys.modules[fn.__module__]
     if not hasattr(module, "default_cfgs"):
         module.default_cfgs = {}
-    module.default_cfgs[name] = dict(_CFGS[name])
+    module.default_cfgs.update(generate_default_cfgs({name: dict(_CFGS[name])}))
     tm.register_model(entrypoint)
+    return True
 
 
-def _build(name: str, *, pretrained: bool = False, **kwargs: Any) -> nn.Module:
+def _call_builder(fn: ModelFn, **kwargs: Any) -> nn.Module:
+    """Call a builder as timm's ``build_model_with_cfg`` does; a square ``img_size`` pair becomes an int.
+
+    timm passes ``img_size=input_size[-2:]`` to fixed-size models; ours take an int (square inputs).
+    """
+    size = kwargs.get("img_size")
+    if isinstance(size, (tuple, list)) and len(size) == 2 and size[0] == size[1]:
+        kwargs["img_size"] = int(size[0])
+    return fn(pretrained=False, **kwargs)
+
+
+def _build(
+    name: str, *, pretrained: bool = False, pretrained_cfg_overlay: dict | None = None, **kwargs: Any
+) -> nn.Module:
     _no_pretrained(name, pretrained)
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
-    model = _MODELS[name](pretrained=False, **kwargs)
-    cfg = dict(_CFGS[name])
+    if name in _FEATURE_CFGS:
+        from timm.models import build_model_with_cfg
+
+        model = build_model_with_cfg(
+            functools.partial(_call_builder, _MODELS[name]),
+            name,
+            pretrained=False,
+            pretrained_cfg_overlay=pretrained_cfg_overlay,
+            feature_cfg=dict(_FEATURE_CFGS[name]),
+            **kwargs,
+        )
+        if kwargs.get("features_only"):
+            return model if device is None and dtype is None else model.to(device=device, dtype=dtype)
+        cfg = {**model.pretrained_cfg}
+    else:
+        model = _MODELS[name](pretrained=False, **kwargs)
+        cfg = {**_CFGS[name], **(pretrained_cfg_overlay or {})}
     if getattr(model, "num_classes", None) is not None:
         cfg["num_classes"] = model.num_classes
     if getattr(model, "img_size", None) is not None:

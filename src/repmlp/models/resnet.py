@@ -24,7 +24,19 @@ __all__ = [
 _LAYERS_50 = (3, 4, 6, 3)
 
 
-@register_model(input_size=(3, 224, 224), classifier="fc", first_conv="stem.conv.conv")
+def _cfg(size: int, fixed: bool = True) -> dict[str, Any]:
+    """timm pretrained cfg at ``size`` x ``size``; ``fixed``: the RepMLP layers fix the input size."""
+    return dict(
+        input_size=(3, size, size),
+        pool_size=(size // 32, size // 32),
+        fixed_input_size=fixed,
+        classifier="fc",
+        first_conv="stem.conv.conv",
+        feature_cfg=dict(out_indices=(0, 1, 2, 3, 4)),
+    )
+
+
+@register_model(**_cfg(224))
 def repmlp_res50(
     pretrained: bool = False,
     *,
@@ -78,25 +90,25 @@ def _res50_320(c3_groups: int, c4_groups: int, **kwargs: Any) -> ResNet:
     return repmlp_res50(**opts)
 
 
-@register_model(input_size=(3, 320, 320), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(320))
 def repmlp_res50_g8_16(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/16 (320x320): ``g = 8`` in c3, 16 in c4."""
     return _res50_320(8, 16, **kwargs)
 
 
-@register_model(input_size=(3, 320, 320), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(320))
 def repmlp_res50_g8_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/8 (320x320): ``g = 8`` in c3 and c4."""
     return _res50_320(8, 8, **kwargs)
 
 
-@register_model(input_size=(3, 320, 320), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(320))
 def repmlp_res50_g4_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g4/8 (320x320): ``g = 4`` in c3, 8 in c4 (the PSPNet backbone of Sec. 4.4)."""
     return _res50_320(4, 8, **kwargs)
 
 
-@register_model(input_size=(3, 224, 224), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(224))
 def repmlp_res50_light(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """ResNet-50 with RepMLP Light Blocks in c3+c4 (paper Appendix A).
 
@@ -107,7 +119,7 @@ def repmlp_res50_light(pretrained: bool = False, **kwargs: Any) -> ResNet:
     return repmlp_res50(**opts)
 
 
-@register_model(input_size=(3, 320, 320), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(320, fixed=False))
 def nl_res50(
     pretrained: bool = False,
     *,
@@ -131,7 +143,7 @@ def nl_res50(
     )
 
 
-@register_model(input_size=(3, 320, 320), classifier="fc", first_conv="stem.conv.conv")
+@register_model(**_cfg(320, fixed=False))
 def gc_res50(
     pretrained: bool = False,
     *,

@@ -1,0 +1,199 @@
+"""timm's model contract on every registered model, generated over the registries (new models are covered).
+
+Modelled on timm's own ``tests/test_models.py``: forward/backward, default cfg, forward_features /
+forward_head(pre_logits) / reset_classifier, features_only + feature_info, torch.fx symbolic tracing
+forward and backward. Full-size models run on the meta device (shapes only, nothing computed, so every
+check is cheap at the paper's resolutions); numerical checks use small configurations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.fx
+from torch import Tensor, nn
+
+from repmlp import create_model, list_models
+
+
+def _timm_models() -> list[str]:
+    """Models registered with timm by repmlp's modules (whichever registry helper they used)."""
+    return sorted(
+        n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("repmlp.")
+    )
+
+
+TIMM = _timm_models()
+ALL = sorted(set(list_models()) | set(TIMM))
+# Heads that do not globally pool (timm's EXCLUDE_GLOBAL_POOL): the face models' embedding layers.
+NO_GLOBAL_POOL = ("mobilefacenet", "face_resnet", "repmlp_face_resnet")
+
+
+def _first(out: object) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out  # type: ignore[return-value]
+
+
+def _meta_model(name: str, **kwargs: object) -> nn.Module:
+    with torch.device("meta"):
+        return timm.create_model(name, **kwargs) if name in TIMM else create_model(name, **kwargs)
+
+
+def _meta_input(model: nn.Module, batch: int = 2) -> Tensor:
+    c, h, w = model.pretrained_cfg["input_size"]
+    return torch.randn(batch, c, h, w, device="meta")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fx_trace_forward_backward(name: str) -> None:
+    """``torch.fx.symbolic_trace`` of every model; the traced module runs forward and backward."""
+    model = _meta_model(name).train()
+    traced = torch.fx.symbolic_trace(model)
+    x = _meta_input(model)
+    outs, refs = traced(x), model(x)
+    outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))  # PSPNet: (main, aux)
+    assert [o.shape for o in outs] == [r.shape for r in refs]
+    sum(o.sum() for o in outs).backward()
+    grads = [p.grad for p in traced.parameters() if p.requires_grad]
+    assert grads and all(g is not None for g in grads)
+
+
+def test_fx_traced_model_matches_eager_and_keeps_its_input_check(one_thread: None) -> None:
+    torch.manual_seed(0)
+    model = create_model("repmlp_fmnist").eval()
+    traced = torch.fx.symbolic_trace(model)
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(traced(x), model(x))
+    with pytest.raises(ValueError, match=r"\(N, 1, 28, 28\), got \(2, 1, 32, 32\)"):
+        traced(torch.randn(2, 1, 32, 32))
+
+
+def test_only_pspnet_stays_out_of_timms_registry() -> None:
+    """Every model of repmlp's registry is a timm model too, except the PSPNets (see docs/models.md)."""
+    assert set(list_models()) - set(TIMM) == {"pspnet_res50", "pspnet_repmlp_res50"}
+    assert {"repmlp_res50", "repmlp_cifar", "mobilefacenet", "face_resnet"} <= set(TIMM)
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_default_cfg(name: str) -> None:
+    """timm's test_model_default_cfgs: cfg fields, names of first conv / classifier, pool_size."""
+    model = _meta_model(name).eval()
+    cfg = model.pretrained_cfg
+    assert model.default_cfg is cfg and cfg["architecture"] == name
+    assert cfg == timm.get_pretrained_cfg(name).to_dict() | {"num_classes": model.num_classes}
+    c, h, w = cfg["input_size"]
+    assert len(cfg["mean"]) == len(cfg["std"]) == c == model.pretrained_cfg["input_size"][0]
+    assert 0 < cfg["crop_pct"] <= 1 and cfg["interpolation"] in ("bilinear", "bicubic")
+    keys = model.state_dict().keys()
+    assert cfg["first_conv"] + ".weight" in keys and cfg["classifier"] + ".weight" in keys
+    feats = model.forward_features(_meta_input(model))
+    assert feats.shape[1] == model.num_features and tuple(feats.shape[2:]) == cfg["pool_size"]
+    if cfg["fixed_input_size"]:  # generic code must not feed other sizes: the model refuses them
+        with pytest.raises(ValueError):
+            model(torch.randn(2, c, h + 32, w + 32, device="meta"))
+    else:
+        assert model(torch.randn(2, c, h + 32, w + 32, device="meta")).shape == (2, model.num_classes)
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_forward_backward_head_and_reset_classifier(name: str) -> None:
+    """Forward + backward, forward_head(pre_logits), reset_classifier (timm's forward/default-cfg tests)."""
+    model = _meta_model(name, num_classes=3).train()
+    x = _meta_input(model)
+    out = model(x)
+    assert out.shape == (2, 3) and model.num_classes == 3
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.eval()
+    feats = model.forward_features(x)
+    assert model.forward_head(feats, pre_logits=True).shape == (2, model.head_hidden_size)
+    assert model.forward_head(feats).shape == (2, 3)
+    with torch.device("meta"):  # the new classifier is created on the default device
+        model.reset_classifier(5)
+        assert model(x).shape == (2, 5) and model.num_classes == 5
+        model.reset_classifier(0)
+        assert model(x).shape == (2, model.head_hidden_size) and model.num_classes == 0
+        if name not in NO_GLOBAL_POOL:
+            model.reset_classifier(0, "")
+            assert model(x).shape == feats.shape
+    if name not in NO_GLOBAL_POOL:
+        unpooled = _meta_model(name, num_classes=0, global_pool="").eval()
+        assert unpooled(x).shape == feats.shape
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_features_only(name: str) -> None:
+    """timm's test_model_forward_features: features_only=True, feature_info channels and reductions."""
+    full = _meta_model(name)
+    n = len(full.feature_info)
+    model = _meta_model(name, features_only=True).eval()
+    x = _meta_input(full)
+    outs = model(x)
+    info = model.feature_info
+    assert len(outs) == len(info.channels()) == n
+    for out, chans, red in zip(outs, info.channels(), info.reduction(), strict=True):
+        assert out.shape[1] == chans and tuple(out.shape[2:]) == (x.shape[2] // red, x.shape[3] // red)
+    last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1)).eval()
+    assert [o.shape for o in last(x)] == [o.shape for o in outs[-2:]]
+    assert last.feature_info.channels() == info.channels()[-2:]
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_features_through_timms_fx_extractor(name: str) -> None:
+    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based) gives the same maps as features_only."""
+    model = _meta_model(name, features_only=True, feature_cls="fx").eval()
+    ref = _meta_model(name, features_only=True).eval()
+    x = _meta_input(_meta_model(name))
+    assert [o.shape for o in model(x)] == [o.shape for o in ref(x)]
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_forward_intermediates(name: str) -> None:
+    """timm's test_model_forward_intermediates: the final map is forward_features', the rest feature_info's."""
+    model = _meta_model(name).eval()
+    if not hasattr(model, "forward_intermediates"):
+        pytest.skip("optional in timm's contract: features_only uses FeatureListNet on feature_info")
+    x = _meta_input(model)
+    final, inter = model.forward_intermediates(x)
+    assert final.shape == model.forward_features(x).shape
+    assert [o.shape[1] for o in inter] == [f["num_chs"] for f in model.feature_info]
+    last_two = model.forward_intermediates(x, indices=2, intermediates_only=True)
+    assert [o.shape for o in last_two] == [o.shape for o in inter[-2:]]
+
+
+def test_res50_backbone_example() -> None:
+    """The README's backbone example: c2..c5 of RepMLP-Res50 like timm's resnet50 (same channels)."""
+    with torch.device("meta"):
+        ours = timm.create_model("repmlp_res50", features_only=True, out_indices=(1, 2, 3, 4))
+        ref = timm.create_model("resnet50", features_only=True, out_indices=(1, 2, 3, 4))
+    assert ours.feature_info.channels() == ref.feature_info.channels() == [256, 512, 1024, 2048]
+    assert ours.feature_info.reduction() == ref.feature_info.reduction() == [4, 8, 16, 32]
+    outs = ours(torch.randn(2, 3, 224, 224, device="meta"))
+    assert [tuple(o.shape) for o in outs] == [
+        (2, 256, 56, 56),
+        (2, 512, 28, 28),
+        (2, 1024, 14, 14),
+        (2, 2048, 7, 7),
+    ]
+
+
+def test_features_only_matches_the_models_own_stages(one_thread: None) -> None:
+    """The features are the model's own maps (same weights), not a copy's: values, not only shapes."""
+    torch.manual_seed(0)
+    model = timm.create_model("repmlp_fmnist").eval()
+    feats = timm.create_model("repmlp_fmnist", features_only=True).eval()
+    # FeatureListNet with flatten_sequential names the stages "stages_<i>" (timm's convention).
+    state = {k.replace("stages.", "stages_", 1): v for k, v in model.state_dict().items()}
+    feats.load_state_dict({k: v for k, v in state.items() if not k.startswith("head.")})
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(feats(x)[-1], model.forward_features(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_torch_export_deployed(name: str) -> None:
+    """``torch.export.export`` of every deployed model with a dynamic batch (meta tensors: shapes only)."""
+    model = _meta_model(name, deploy=True).eval()
+    x = _meta_input(model)
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
+    assert program.module()(_meta_input(model, batch=3)).shape == model(_meta_input(model, batch=3)).shape
