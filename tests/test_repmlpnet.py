@@ -123,7 +123,8 @@ def test_timm_contract_and_features():
     model.reset_classifier(7)
     assert model(x).shape == (2, 7) and model.get_classifier().out_features == 7
     cfg = model.pretrained_cfg
-    assert cfg["interpolation"] == "bicubic" and cfg["fixed_input_size"] and cfg["classifier"] == "head"
+    assert (cfg["interpolation"], cfg["crop_mode"], cfg["crop_pct"]) == ("bilinear", "squash", 0.875)
+    assert cfg["fixed_input_size"] and cfg["classifier"] == "head"
     extractor = timm.create_model("repmlpnet_t224", features_only=True, **SMALL).eval()
     shapes = [tuple(t.shape) for t in extractor(x)]
     assert shapes == [(2, 8, 16, 16), (2, 16, 8, 8), (2, 16, 4, 4), (2, 32, 2, 2)]

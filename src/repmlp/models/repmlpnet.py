@@ -376,8 +376,9 @@ class RepMLPNet(nn.Module):
 
 # ------------------------------------------------------------------------------- registered models
 def _cfg(size: int, **kwargs: Any) -> dict[str, Any]:
-    # Evaluation as in the authors' test script (data/build.py): resize the short side to
-    # size * 256 / 224, centre crop, bicubic, ImageNet mean/std (timm's constants).
+    # Evaluation as in the authors' test.py: bilinear; at 224 resize to 256x256 (a square "squash")
+    # then centre-crop 224; above 224 resize the short side to 256 * size // 224, centre-crop size.
+    # Both are crop_pct 0.875 (timm: scale = floor(size / crop_pct)); ImageNet mean/std.
     cfg = dict(
         url="",
         num_classes=1000,
@@ -385,7 +386,8 @@ def _cfg(size: int, **kwargs: Any) -> dict[str, Any]:
         fixed_input_size=True,
         pool_size=(size // 32, size // 32),
         crop_pct=0.875,
-        interpolation="bicubic",
+        crop_mode="squash" if size <= 224 else "center",
+        interpolation="bilinear",
         mean=(0.485, 0.456, 0.406),
         std=(0.229, 0.224, 0.225),
         first_conv="stem.conv",
@@ -402,7 +404,7 @@ _TIMM_CFGS = generate_default_cfgs(
     | {f"repmlpnet_{a}256": _cfg(256) for a in ("d", "l")}
 )
 
-_REGISTRY_KEYS = ("input_size", "fixed_input_size", "crop_pct", "interpolation", "mean", "std")
+_REGISTRY_KEYS = ("input_size", "fixed_input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
 
 
 def _build(name: str, arch: str, size: int, **kwargs: Any) -> RepMLPNet:
