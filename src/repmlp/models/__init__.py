@@ -1,6 +1,6 @@
 """repmlp's model zoo: the paper's models by name (``repmlp.create_model``), also registered with timm."""
 
-from . import cifar, face, pspnet, resnet
+from . import cifar, face, pspnet, repmlpnet, resnet
 from .blocks import (
     Bottleneck,
     ConvBNReLU,
@@ -29,4 +29,5 @@ __all__ = [
     "resnet",
     "face",
     "pspnet",
+    "repmlpnet",
 ]
