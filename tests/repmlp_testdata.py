@@ -108,3 +108,39 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
         next(model.parameters()).fill_(float("nan"))
     assert save_eval("nan.safetensors") == 2
     assert "weight tensors hold NaN/inf" in user_error()
+
+
+def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) -> None:
+    """``python -m repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after
+    ``stop`` steps (``REPMLP_STOP_AFTER_STEPS``) and continued with ``--resume``: both runs must end with
+    bitwise identical weights. Also checks the run files and that a finished run is not overwritten."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    def run(out: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "repmlp", *argv, "--output", str(out), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(**env), timeout=600)
+
+    full, cut = root / "full", root / "cut"
+    assert run(full).returncode == 0
+    killed = run(cut, REPMLP_STOP_AFTER_STEPS=str(stop))
+    assert killed.returncode == 3, killed.stderr
+    assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
+    resumed = run(cut, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def losses(out: Path) -> list[list[str]]:  # the loss log without its timings
+        return [line.split(",")[:4] for line in (out / "metrics.csv").read_text().splitlines()]
+
+    assert losses(full) == losses(cut) and len(losses(full)) > 2
+    for name in ("report.md", "curves.png", "deploy.safetensors"):
+        assert (cut / name).is_file(), name
+    again = run(full)
+    assert again.returncode == 2 and "already holds a run" in user_error_line(again.stderr)

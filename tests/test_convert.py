@@ -185,3 +185,25 @@ def test_timm_reparameterize_model_converts_repmlp_blocks():
     # timm's conversion gives exactly the state dict a deploy=True block expects.
     fresh = RepMLPBlock(8, 8, 12, 6, groups=2, kernel_sizes=(1, 3), deploy=True)
     fresh.load_state_dict(converted.block1.float().state_dict(), strict=True)
+
+
+def test_reparameterize_model_accepts_syncbatchnorm():
+    """A model trained multi-GPU holds SyncBatchNorm; in eval mode it is a plain BN and must convert."""
+    from repmlp import create_model, reparameterize_model
+
+    torch.manual_seed(0)
+    model = create_model("repmlp_fmnist", num_classes=10).double()
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    syncs = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    assert syncs
+    for bn in syncs:  # randomised statistics, so a wrong fold shows
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 2)
+        bn.bias.data.uniform_(-1, 1)
+    model.eval()
+    x = torch.randn(2, 1, 28, 28, dtype=torch.float64)
+    ref = model(x)
+    deployed = reparameterize_model(model)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in deployed.modules())
+    torch.testing.assert_close(deployed(x), ref, rtol=1e-9, atol=1e-9)

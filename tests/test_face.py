@@ -18,7 +18,12 @@ from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
 from repmlp.models import create_model
 from repmlp.profile import profile_model
-from repmlp_testdata import assert_diverged_weights_are_clear_errors, subprocess_env, user_error_line
+from repmlp_testdata import (
+    assert_diverged_weights_are_clear_errors,
+    assert_kill_and_resume_is_bitwise,
+    subprocess_env,
+    user_error_line,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,6 +197,29 @@ def test_face_training_loss_falls(trained_face):
     history = json.loads((trained_face / "train_log.json").read_text())["history"]
     assert len(history) == 6 and history[-1]["lr"] == pytest.approx(0.005)
     assert history[-1]["loss"] < 0.7 * history[0]["loss"]
+
+
+def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
+    args = ["train", "--task", "face", "--data", str(face_data / "train"), *TRAIN_ARGS]
+    args[args.index("--iterations") + 1] = "7"
+    args[args.index("--lr-steps") + 1] = "5"  # the resumed run crosses an LR step
+    assert_kill_and_resume_is_bitwise([*args, "--ckpt-every", "3"], tmp_path, stop=4)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+        (["--head-weight-decay", "-1"], "--head-weight-decay: must be a number >= 0"),
+        (["--weight-decay", "-1"], "--weight-decay: must be a number >= 0"),
+        (["--lr-steps", "30"], "--lr-steps 30 is past --iterations 24"),
+    ],
+)
+def test_face_bad_options_are_one_line(face_data, tmp_path, capsys, option, message):
+    args = ["train", "--task", "face", "--data", str(face_data / "train"), "--output", str(tmp_path / "o")]
+    assert cli_main([*args, *TRAIN_ARGS, *option]) == 2
+    assert message in user_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
 
 
 def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, capsys):

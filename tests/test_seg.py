@@ -20,7 +20,12 @@ from repmlp.models import create_model
 from repmlp.models.pspnet import load_backbone_weights
 from repmlp.profile import profile_model
 from repmlp.tasks.seg import poly_lr, sliding_window_logits
-from repmlp_testdata import assert_diverged_weights_are_clear_errors, subprocess_env, user_error_line
+from repmlp_testdata import (
+    assert_diverged_weights_are_clear_errors,
+    assert_kill_and_resume_is_bitwise,
+    subprocess_env,
+    user_error_line,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,6 +224,38 @@ def test_seg_batch_of_one_is_a_clear_error(city, capsys):
     args[args.index("--batch-size") + 1] = "1"
     assert cli_main(["train", "--task", "seg", "--data", str(city), "--output", str(city / "b1"), *args]) == 2
     assert "BatchNorm batches of 1" in capsys.readouterr().err
+
+
+def test_seg_kill_and_resume_gives_the_same_weights(city, tmp_path):
+    args = [
+        "train",
+        "--task",
+        "seg",
+        "--data",
+        str(city),
+        *TRAIN_ARGS,
+        "--iterations",
+        "5",
+        "--ckpt-every",
+        "2",
+    ]
+    assert_kill_and_resume_is_bitwise(args, tmp_path, stop=3)
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
+        (["--aux-weight", "-1"], "--aux-weight: must be a number >= 0"),
+        (["--weight-decay", "-0.1"], "--weight-decay: must be a number >= 0"),
+        (["--train-limit", "1"], "1 training image(s) are fewer than --batch-size 2"),
+    ],
+)
+def test_seg_bad_options_are_one_line(city, tmp_path, capsys, option, message):
+    args = ["train", "--task", "seg", "--data", str(city), "--output", str(tmp_path / "o"), *TRAIN_ARGS]
+    assert cli_main([*args, *option]) == 2
+    assert message in user_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()
 
 
 def test_seg_training_loss_falls(trained_seg):

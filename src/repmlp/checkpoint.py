@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
@@ -187,7 +187,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
     header, _ = _read_header(path)
     try:
-        tensors = st_load(path.read_bytes())
+        # Memory-mapped: a large checkpoint is not read whole into memory first.
+        tensors = st_load_file(path)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise CheckpointError(
             f"{path} is corrupted: {str(exc).splitlines()[0] if str(exc) else exc}"

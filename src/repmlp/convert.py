@@ -14,7 +14,11 @@ __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
 
 log = logging.getLogger(__name__)
 
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# Every BatchNorm flavour (1d/2d/3d, SyncBatchNorm after multi-GPU training, LazyBatchNorm): eval-mode
+# maths is the same affine map of the running statistics.
+_BN = (nn.modules.batchnorm._BatchNorm,)
+# The flavours whose forward only normalises (a fold leaves nothing behind).
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _FUSABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
@@ -40,7 +44,7 @@ def _after_fold(bn: nn.Module) -> nn.Module | None:
     batch norm, then ``drop``, then ``act``) the ``drop`` and ``act`` it applies after normalising.
     ``None`` for other BatchNorm subclasses, whose forward may do more than normalise.
     """
-    if type(bn) in _BN:
+    if type(bn) in _PLAIN_BN:
         return nn.Identity()
     drop, act = getattr(bn, "drop", None), getattr(bn, "act", None)
     if type(bn).__name__ == "BatchNormAct2d" and isinstance(drop, nn.Module) and isinstance(act, nn.Module):

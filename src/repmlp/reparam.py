@@ -26,7 +26,9 @@ __all__ = [
     "pair",
 ]
 
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# Every BatchNorm flavour (1d/2d/3d, SyncBatchNorm after multi-GPU training, LazyBatchNorm): eval-mode
+# maths is the same affine map of the running statistics.
+_BN = (nn.modules.batchnorm._BatchNorm,)
 
 
 def pair(value: int | Sequence[int], name: str = "value") -> tuple[int, int]:

@@ -10,14 +10,13 @@ segmentation pipeline instead (their options: ``repmlp train --task face --help`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 
 from ..errors import UserError
-from ._common import int_at_least, positive_float
+from ._common import int_at_least, model_arg, nonneg_float, positive_float
 
 log = logging.getLogger(__name__)
 
@@ -26,27 +25,6 @@ TASKS = ("cls", "face", "seg")
 
 def _nonneg_int(text: str) -> int:
     return int_at_least(0)(text)
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def _model_arg(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE parsed as JSON when it is JSON (``kernel_sizes=[3]``), else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
 
 
 def add_task_option(p: argparse.ArgumentParser) -> None:
@@ -164,7 +142,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     g.add_argument(
         "--model-arg",
-        type=_model_arg,
+        type=model_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -178,15 +156,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
     g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
     g.add_argument(
-        "--min-lr", type=_nonneg_float, default=None, help="final learning rate of the cosine schedule"
+        "--min-lr", type=nonneg_float, default=None, help="final learning rate of the cosine schedule"
     )
-    g.add_argument("--momentum", type=_nonneg_float, default=None)
+    g.add_argument("--momentum", type=nonneg_float, default=None)
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--weight-decay", type=_nonneg_float, default=None)
+    g.add_argument("--weight-decay", type=nonneg_float, default=None)
     g.add_argument("--schedule", choices=("cosine", "constant"), default=None)
-    g.add_argument("--warmup-epochs", type=_nonneg_float, default=None)
-    g.add_argument("--label-smoothing", type=_nonneg_float, default=None)
-    g.add_argument("--mixup", type=_nonneg_float, default=None, help="mixup Beta(a, a) parameter; 0 disables")
+    g.add_argument("--warmup-epochs", type=nonneg_float, default=None)
+    g.add_argument("--label-smoothing", type=nonneg_float, default=None)
+    g.add_argument("--mixup", type=nonneg_float, default=None, help="mixup Beta(a, a) parameter; 0 disables")
     g.add_argument(
         "--pad", type=_nonneg_int, default=None, help="random-crop padding in pixels (in-memory data)"
     )

@@ -185,6 +185,9 @@ class FolderLoader(_ShardedBatches):
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
             drop_last=False,
+            # Its own generator: a DataLoader iterator otherwise draws its base seed from the global torch
+            # RNG, so starting mid-epoch (--resume) would shift dropout's random numbers.
+            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch),
         )
         for x, y in loader:
             if self.channels_last:

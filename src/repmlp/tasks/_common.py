@@ -6,63 +6,25 @@ import argparse
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from ..engine import (  # noqa: F401 - re-exported for the tasks
+    Processes,
+    all_reduce_sum,
+    progress,
+    setup_processes,
+    teardown_processes,
+    unwrap,
+)
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Processes:
-    """This process's place in a (possibly single-process) run: ``rank`` of ``world``, its device."""
-
-    rank: int
-    world: int
-    device: torch.device
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def setup_processes(device_text: str) -> Processes:
-    """Join the torchrun process group when launched by torchrun (``WORLD_SIZE`` > 1), else one process.
-
-    Uses the classification engine's :func:`repmlp.train.setup_distributed` (NCCL with ``cuda:LOCAL_RANK``
-    on GPUs, gloo on CPUs), so all tasks start processes the same way.
-    """
-    from ..train import setup_distributed
-
-    info = setup_distributed(device_text)
-    return Processes(info.rank, info.world, info.device)
-
-
-def teardown_processes(procs: Processes) -> None:
-    from ..train import cleanup_distributed
-
-    if procs.distributed:
-        cleanup_distributed()
-
-
-def all_reduce_sum(t: torch.Tensor, procs: Processes) -> torch.Tensor:
-    """Sum ``t`` over processes (identity for one process)."""
-    if procs.distributed:
-        t = t.clone()
-        dist.all_reduce(t)
-    return t
 
 
 def per_process_batch(global_batch: int, procs: Processes, flag: str = "--batch-size") -> int:
@@ -199,7 +161,13 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also evaluate the training-form model and report both (train-form checkpoints)",
     )
-    parser.add_argument("--output-json", default=None, help="write the metrics to this JSON file")
+    parser.add_argument(
+        "--json",
+        "--output-json",
+        dest="output_json",
+        default=None,
+        help="write the metrics to this JSON file",
+    )
     parser.add_argument(
         "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
     )
@@ -209,14 +177,21 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def add_common_train_arguments(
     parser: argparse.ArgumentParser, *, model: str, batch_size: int, lr: float, weight_decay: float
 ) -> None:
-    """Options every task's training shares (model, output, schedule basics, processes)."""
-    from ..commands._common import int_at_least, positive_float
+    """The flags every task's training shares, spelt as classification spells them (model, output,
+    schedule basics, processes, checkpoints)."""
+    from ..commands._common import int_at_least, model_arg, nonneg_float, positive_float
 
     parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
     parser.add_argument(
-        "--model-kwargs", default=None, help="JSON object of extra model options, e.g. '{\"img_size\": 64}'"
+        "--model-arg",
+        type=model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra model option, VALUE as JSON (e.g. --model-arg img_size=64); repeatable",
     )
-    parser.add_argument("--output", required=True, help="folder for checkpoints and the training log")
+    parser.add_argument("--model-kwargs", default=None, help="(old spelling) JSON object of model options")
+    parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
     parser.add_argument(
         "--batch-size",
         type=int_at_least(1),
@@ -224,13 +199,26 @@ def add_common_train_arguments(
         help=f"global batch size, split over torchrun processes (default: {batch_size})",
     )
     parser.add_argument("--lr", type=positive_float, default=lr, help=f"base learning rate (default: {lr})")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
     parser.add_argument(
-        "--weight-decay", type=float, default=weight_decay, help=f"weight decay (default: {weight_decay})"
+        "--weight-decay",
+        type=nonneg_float,
+        default=weight_decay,
+        help=f"weight decay (default: {weight_decay})",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument(
+        "--train-limit",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="train on the first N images only",
+    )
+    parser.add_argument(
         "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+    )
+    parser.add_argument(
+        "--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)"
     )
     parser.add_argument(
         "--log-interval",
@@ -238,13 +226,72 @@ def add_common_train_arguments(
         default=20,
         help="log the mean loss every N iterations (default: 20)",
     )
+    parser.add_argument(
+        "--ckpt-every",
+        type=int_at_least(0),
+        default=200,
+        metavar="STEPS",
+        help="checkpoint every STEPS iterations, and at the end (0: only at the end; default: 200)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --output from its last checkpoint (repeat the run's options)",
+    )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mixed precision (default: on CUDA); changes the maths, so a resume keeps it",
+    )
+
+
+# Options that do not change the maths: a resumed run may change them.
+RUNTIME_OPTIONS = {
+    "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every", "data",
+    "verbose", "quiet", "task", "show_help",
+}  # fmt: skip
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's options: ``--model-kwargs`` JSON (the old spelling) updated by ``--model-arg K=V``."""
+    return {**parse_model_kwargs(args.model_kwargs), **dict(args.model_arg)}
+
+
+def check_train_options(args: argparse.Namespace) -> None:
+    """Range checks argparse cannot do alone; each bad option is one :class:`UserError`."""
+    if not 0 <= args.momentum < 1:
+        raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
+
+
+def start_run(args: argparse.Namespace, procs: Processes, iterations: int, lr_at, config: dict[str, Any]):
+    """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
+    the state to resume. Returns ``(options, state or None)``."""
+    from ..engine import LoopOptions, check_output
+
+    amp = args.amp if args.amp is not None else procs.device.type == "cuda"
+    maths = {k: v for k, v in vars(args).items() if k not in RUNTIME_OPTIONS and k != "parser"}
+    opts = LoopOptions(
+        output=Path(args.output),
+        iterations=iterations,
+        config={**json.loads(json.dumps({**maths, **config}, default=str)), "amp": amp},
+        ckpt_every=args.ckpt_every,
+        log_interval=args.log_interval,
+        resume=args.resume,
+        amp=amp,
+        lr_at=lr_at,
+    )
+    return opts, check_output(opts.output, args.resume, procs)
 
 
 def training_loader(dataset: Dataset, args: argparse.Namespace, procs: Processes, batch_size: int):
-    """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``)."""
+    """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``,
+    ``--train-limit``)."""
     from ..data.loader import FolderLoader
 
+    if args.train_limit is not None and args.train_limit < len(dataset):  # type: ignore[arg-type]
+        dataset = torch.utils.data.Subset(dataset, range(args.train_limit))
     return FolderLoader(
         EpochSeeded(dataset, args.seed, train=True),
         batch_size=batch_size,
@@ -255,66 +302,6 @@ def training_loader(dataset: Dataset, args: argparse.Namespace, procs: Processes
         workers=args.workers,
         device=procs.device,
     )
-
-
-def train_iterations(
-    net: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loader,
-    iterations: int,
-    log_interval: int,
-    procs: Processes,
-) -> list[dict[str, float]]:
-    """SGD for ``iterations`` steps over as many epochs of ``loader`` as that takes (the paper counts
-    iterations); ``net(images, labels)`` returns the loss. Returns the log: the mean loss over all
-    processes every ``log_interval`` steps, with the learning rate of the first parameter group."""
-    import time
-
-    history: list[dict[str, float]] = []
-    net.train()
-    step, epoch = 0, 0
-    running = torch.zeros(2, dtype=torch.float64, device=procs.device)  # (sum of losses, count)
-    one = torch.ones((), dtype=torch.float64, device=procs.device)
-    start = time.perf_counter()
-    with progress(range(iterations), iterations, "train", procs.main) as bar:
-        while step < iterations:
-            for images, labels in loader.batches(epoch):
-                lr = optimizer.param_groups[0]["lr"]
-                loss = net(images, labels)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss.item()} at iteration {step}; lower --lr")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                bar.update(1)
-                running += torch.stack([loss.detach().double(), one])
-                if step % log_interval == 0 or step == iterations:
-                    total = all_reduce_sum(running, procs)
-                    entry = {
-                        "iteration": step,
-                        "epoch": epoch,
-                        "loss": float(total[0] / total[1]),
-                        "lr": lr,
-                        "seconds": time.perf_counter() - start,
-                    }
-                    history.append(entry)
-                    if procs.main:
-                        log.info(
-                            "epoch %d iter %d/%d  loss %.4f  lr %.2e",
-                            epoch,
-                            step,
-                            iterations,
-                            entry["loss"],
-                            lr,
-                        )
-                    running.zero_()
-                if step >= iterations:
-                    break
-            epoch += 1
-    return history
 
 
 def evaluate_both_forms(
@@ -365,24 +352,6 @@ def write_json(path: Path, obj: Any) -> None:
     from ..checkpoint import atomic_write_text
 
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
-def progress(iterable, total: int, desc: str, enabled: bool) -> Any:
-    """tqdm progress bar on the main process only; use it in a ``with`` so that an error clears it."""
-    from tqdm import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, disable=not enabled, leave=False)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def ddp(model: nn.Module, procs: Processes) -> nn.Module:
-    if not procs.distributed:
-        return model
-    ids = [procs.device.index] if procs.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
 def load_for_eval(

@@ -26,18 +26,18 @@ from ._common import (
     add_data_argument,
     build_model,
     check_finite,
-    ddp,
+    check_train_options,
     evaluate_both_forms,
     load_for_eval,
-    parse_model_kwargs,
+    model_options,
     per_process_batch,
     progress,
     require_task_model,
     resolve_img_size,
     save_run,
     setup_processes,
+    start_run,
     teardown_processes,
-    train_iterations,
     training_loader,
     unwrap,
     write_json,
@@ -55,6 +55,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PAPER_LR_STEPS = (252_000, 364_000, 406_000)
+PAPER_ITERATIONS = 420_000
 
 
 def _int_list(text: str) -> list[int]:
@@ -69,13 +70,13 @@ def _int_list(text: str) -> list[int]:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task face``."""
-    from ..commands._common import int_at_least, positive_float
+    from ..commands._common import int_at_least, nonneg_float, positive_float
 
     add_data_argument(parser, "folder of aligned face crops, one sub-folder per identity")
     add_common_train_arguments(parser, model="repmlp_face_resnet", batch_size=512, lr=0.1, weight_decay=4e-5)
     parser.add_argument(
         "--head-weight-decay",
-        type=float,
+        type=nonneg_float,
         default=4e-4,
         help="weight decay of the embedding layer and AM-Softmax class weights (default: 4e-4)",
     )
@@ -88,8 +89,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr-steps",
         type=_int_list,
-        default=list(PAPER_LR_STEPS),
-        help="iterations at which the LR is divided by 10 (default: 252000,364000,406000)",
+        default=None,
+        help="iterations at which the LR is divided by 10 (default: the paper's 252000,364000,406000 "
+        "of 420000, scaled to --iterations)",
     )
     parser.add_argument(
         "--am-scale", type=positive_float, default=30.0, help="AM-Softmax scale s (default: 30)"
@@ -159,70 +161,91 @@ def _param_groups(module: FaceTrainModule, wd: float, head_wd: float) -> list[di
     return [{"params": base, "weight_decay": wd}, {"params": heads, "weight_decay": head_wd}]
 
 
+def face_lr(args: argparse.Namespace, step: int) -> list[float]:
+    """Learning rate of both parameter groups at ``step``: ``--lr`` divided by 10 at each ``--lr-steps``."""
+    lr = args.lr * 0.1 ** sum(step >= s for s in lr_steps(args))
+    return [lr, lr]
+
+
+def lr_steps(args: argparse.Namespace) -> list[int]:
+    """``--lr-steps``, by default the paper's (252k, 364k, 406k of 420k) scaled to ``--iterations``."""
+    if args.lr_steps is not None:
+        return list(args.lr_steps)
+    return [max(1, round(s * args.iterations / PAPER_ITERATIONS)) for s in PAPER_LR_STEPS]
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Option checks of a face run (one :class:`UserError` each), before anything is loaded."""
+    check_train_options(args)
+    if not 0 <= args.am_margin < 2:
+        raise UserError(f"--am-margin must be in [0, 2), got {args.am_margin}")
+    if args.lr_steps and args.lr_steps[-1] > args.iterations:
+        raise UserError(f"--lr-steps {args.lr_steps[-1]} is past --iterations {args.iterations}")
+
+
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
-    from ..data.face import FaceFolder
-    from ..losses import AMSoftmax
-
+    check_options(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     procs = setup_processes(args.device)
     try:
-        out = Path(args.output)
-        torch.manual_seed(args.seed)
-        kwargs = parse_model_kwargs(args.model_kwargs)
-        size = resolve_img_size(kwargs, "--img-size", args.img_size, 96)
-        dataset = FaceFolder(args.data, train=True, size=size)
-        if len(dataset.classes) < 2:
-            # One class makes the AM-Softmax loss 0 whatever the embedding: nothing would be learnt.
-            raise UserError(
-                f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2"
-            )
-        model = build_model(args.model, kwargs)
-        require_task_model(model, "face", args.model)
-        dim = model.embedding_dim
-        if not 0 <= args.am_margin < 2:
-            raise UserError(f"--am-margin must be in [0, 2), got {args.am_margin}")
-        loss = AMSoftmax(dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
-        module = FaceTrainModule(model, loss).to(procs.device)
-        if procs.distributed:
-            module = (
-                nn.SyncBatchNorm.convert_sync_batchnorm(module) if procs.device.type == "cuda" else module
-            )
-        per_process = per_process_batch(args.batch_size, procs)
-        if per_process < 2:
-            raise UserError(
-                f"--batch-size {args.batch_size} leaves BatchNorm one sample per process; use more"
-            )
-        net = ddp(module, procs)
-        optimizer = torch.optim.SGD(
-            _param_groups(unwrap(net), args.weight_decay, args.head_weight_decay),
-            lr=args.lr,
-            momentum=args.momentum,
-        )
-        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [s for s in args.lr_steps], gamma=0.1)
-        loader = training_loader(dataset, args, procs, per_process)
-        if procs.main:
-            log.info(
-                "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
-                len(dataset),
-                len(dataset.classes),
-                args.model,
-                sum(p.numel() for p in model.parameters()),
-                args.iterations,
-                procs.world,
-            )
-        history = train_iterations(
-            net, optimizer, scheduler, loader, args.iterations, args.log_interval, procs
-        )
-        if procs.main:
-            meta = {
-                "task": "face",
-                "identities": str(len(dataset.classes)),
-                "iterations": str(args.iterations),
-            }
-            save_run(out, unwrap(net).model, args.model, kwargs, meta, history)
+        _train(args, procs)
         return 0
     finally:
         teardown_processes(procs)
+
+
+def _train(args: argparse.Namespace, procs) -> None:
+    from ..data.face import FaceFolder
+    from ..engine import prepare_module, train_loop, write_run_report
+    from ..losses import AMSoftmax
+
+    torch.manual_seed(args.seed)
+    kwargs = model_options(args)
+    size = resolve_img_size(kwargs, "--img-size", args.img_size, 96)
+    dataset = FaceFolder(args.data, train=True, size=size)
+    if len(dataset.classes) < 2:
+        # One class makes the AM-Softmax loss 0 whatever the embedding: nothing would be learnt.
+        raise UserError(f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2")
+    model = build_model(args.model, kwargs)
+    require_task_model(model, "face", args.model)
+    loss = AMSoftmax(model.embedding_dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
+    per_process = per_process_batch(args.batch_size, procs)
+    if per_process < 2:
+        raise UserError(f"--batch-size {args.batch_size} leaves BatchNorm one sample per process; use more")
+    opts, state = start_run(args, procs, args.iterations, lambda step: face_lr(args, step), {"model": kwargs})
+    net = prepare_module(FaceTrainModule(model, loss), procs)
+    optimizer = torch.optim.SGD(
+        _param_groups(unwrap(net), args.weight_decay, args.head_weight_decay),
+        lr=args.lr,
+        momentum=args.momentum,
+    )
+    loader = training_loader(dataset, args, procs, per_process)
+    if procs.main:
+        log.info(
+            "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
+            loader.num_samples,
+            len(dataset.classes),
+            args.model,
+            sum(p.numel() for p in model.parameters()),
+            args.iterations,
+            procs.world,
+        )
+    history = train_loop(net, optimizer, loader, opts, procs, state)
+    if procs.main:
+        meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
+        save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
+        section = [
+            f"- Data: {loader.num_samples} face crops of {len(dataset.classes)} identities ({args.data})",
+            f"- Model: `{args.model}` {kwargs}, AM-Softmax s={args.am_scale:g} m={args.am_margin:g}",
+            f"- Recipe: {args.iterations} iterations, batch {args.batch_size}, SGD lr {args.lr:g} "
+            f"(/10 at {lr_steps(args)}), momentum {args.momentum:g}, weight decay {args.weight_decay:g} "
+            f"(head {args.head_weight_decay:g}), seed {args.seed}, {procs.world} process(es)",
+            "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
+            "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task face`",
+        ]
+        write_run_report(opts.output, f"repmlp face run: {args.model}", history, section)
 
 
 @torch.no_grad()

@@ -32,19 +32,19 @@ from ._common import (
     add_data_argument,
     all_reduce_sum,
     build_model,
-    ddp,
+    check_train_options,
     evaluate_both_forms,
     load_for_eval,
+    model_options,
     non_finite,
-    parse_model_kwargs,
     per_process_batch,
     progress,
     require_task_model,
     resolve_img_size,
     save_run,
     setup_processes,
+    start_run,
     teardown_processes,
-    train_iterations,
     training_loader,
     unwrap,
     write_json,
@@ -71,11 +71,17 @@ def poly_lr(base: float, iteration: int, max_iterations: int, power: float = 0.9
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task seg``."""
-    from ..commands._common import int_at_least, positive_float
+    from ..commands._common import int_at_least, nonneg_float, positive_float
 
     add_data_argument(parser, "Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)")
     add_common_train_arguments(parser, model="pspnet_repmlp_res50", batch_size=16, lr=0.01, weight_decay=1e-4)
     parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
+    parser.add_argument(
+        "--iterations",
+        type=int_at_least(1),
+        default=None,
+        help="training iterations (default: from --epochs)",
+    )
     parser.add_argument("--power", type=positive_float, default=0.9, help="poly LR power (default: 0.9)")
     parser.add_argument(
         "--head-lr-mult",
@@ -95,7 +101,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scale-max", type=positive_float, default=2.0, help="random scale upper bound (2.0)"
     )
-    parser.add_argument("--aux-weight", type=float, default=0.4, help="auxiliary loss weight (default: 0.4)")
+    parser.add_argument(
+        "--aux-weight", type=nonneg_float, default=0.4, help="auxiliary loss weight (default: 0.4)"
+    )
     parser.add_argument(
         "--backbone-weights",
         default=None,
@@ -156,80 +164,110 @@ def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[st
     ]
 
 
-def train(args: argparse.Namespace) -> int:
-    """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
-    from ..data.cityscapes import CityscapesSegmentation
-    from ..models.pspnet import load_backbone_weights
-
+def check_options(args: argparse.Namespace) -> None:
+    """Option checks of a segmentation run (one :class:`UserError` each), before anything is loaded."""
+    check_train_options(args)
     if args.scale_min > args.scale_max:
         raise UserError(f"--scale-min {args.scale_min} is larger than --scale-max {args.scale_max}")
+
+
+def train(args: argparse.Namespace) -> int:
+    """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
+    check_options(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     procs = setup_processes(args.device)
     try:
-        out = Path(args.output)
-        torch.manual_seed(args.seed)
-        kwargs = parse_model_kwargs(args.model_kwargs)
-        # The crops are the model's inputs: its RepMLPs are built for exactly that size.
-        crop = resolve_img_size(kwargs, "--crop-size", args.crop_size, 713)
-        dataset = CityscapesSegmentation(
-            args.data,
-            args.train_split,
-            crop_size=crop,
-            scale_range=(args.scale_min, args.scale_max),
-        )
-        model = build_model(args.model, kwargs)
-        require_task_model(model, "seg", args.model)
-        if args.backbone_weights:
-            report = load_backbone_weights(model, args.backbone_weights)
-            if procs.main:
-                log.info(
-                    "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
-                    len(report["loaded"]),
-                    args.backbone_weights,
-                    len(report["reinitialised"]),
-                )
-        model = model.to(procs.device)
-        if procs.distributed and procs.device.type == "cuda":
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(
-                model
-            )  # batch 2 per GPU: BN needs the global batch
-        module = SegTrainModule(model, args.aux_weight)
-        net = ddp(module, procs)
-        per_process = per_process_batch(args.batch_size, procs)
-        sync_bn = procs.distributed and procs.device.type == "cuda"
-        if (args.batch_size if sync_bn else per_process) < 2:
-            # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
-            raise UserError(
-                f"--batch-size {args.batch_size} gives BatchNorm batches of 1 "
-                f"({'global' if sync_bn else 'per process'}); use at least 2"
-                + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
-            )
-        groups = _param_groups(model, args.weight_decay, args.head_lr_mult)
-        for group in groups:
-            group["lr"] = args.lr * group["lr_mult"]
-        optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
-        loader = training_loader(dataset, args, procs, per_process)
-        max_it = args.epochs * len(loader)
-        if procs.main:
-            log.info(
-                "seg: %d images, %s (%d params), %d epochs x %d iterations on %d process(es)",
-                len(dataset),
-                args.model,
-                sum(p.numel() for p in model.parameters()),
-                args.epochs,
-                len(loader),
-                procs.world,
-            )
-        # Poly policy as a function of the step, applied to each group's lr (head at --head-lr-mult).
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: poly_lr(1.0, step, max_it, args.power)
-        )
-        history = train_iterations(net, optimizer, scheduler, loader, max_it, args.log_interval, procs)
-        if procs.main:
-            meta = {"task": "seg", "epochs": args.epochs, "crop_size": crop}
-            save_run(out, unwrap(net).model, args.model, kwargs, meta, history)
+        _train(args, procs)
         return 0
     finally:
         teardown_processes(procs)
+
+
+def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: Processes) -> nn.Module:
+    """The PSPNet of ``args``, with ``--backbone-weights`` loaded."""
+    from ..models.pspnet import load_backbone_weights
+
+    model = build_model(args.model, kwargs)
+    require_task_model(model, "seg", args.model)
+    if args.backbone_weights:
+        report = load_backbone_weights(model, args.backbone_weights)
+        if procs.main:
+            log.info(
+                "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
+                len(report["loaded"]),
+                args.backbone_weights,
+                len(report["reinitialised"]),
+            )
+    return model
+
+
+def _check_batches(args: argparse.Namespace, procs: Processes, images: int) -> int:
+    """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
+    per_process = per_process_batch(args.batch_size, procs)
+    sync_bn = procs.distributed and procs.device.type == "cuda"
+    if (args.batch_size if sync_bn else per_process) < 2:
+        # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
+        raise UserError(
+            f"--batch-size {args.batch_size} gives BatchNorm batches of 1 "
+            f"({'global' if sync_bn else 'per process'}); use at least 2"
+            + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
+        )
+    if images < args.batch_size:
+        raise UserError(f"{images} training image(s) are fewer than --batch-size {args.batch_size}")
+    return per_process
+
+
+def _train(args: argparse.Namespace, procs: Processes) -> None:
+    from ..data.cityscapes import CityscapesSegmentation
+    from ..engine import prepare_module, train_loop, write_run_report
+
+    torch.manual_seed(args.seed)
+    kwargs = model_options(args)
+    # The crops are the model's inputs: its RepMLPs are built for exactly that size.
+    crop = resolve_img_size(kwargs, "--crop-size", args.crop_size, 713)
+    dataset = CityscapesSegmentation(
+        args.data, args.train_split, crop_size=crop, scale_range=(args.scale_min, args.scale_max)
+    )
+    per_process = _check_batches(args, procs, min(len(dataset), args.train_limit or len(dataset)))
+    model = _build(args, kwargs, procs)
+    loader = training_loader(dataset, args, procs, per_process)
+    max_it = args.iterations or args.epochs * len(loader)
+    mults = [1.0, args.head_lr_mult]  # the groups of _param_groups: backbone, heads
+    # Poly policy as a function of the step, each group at its multiple of --lr (head: --head-lr-mult).
+    opts, state = start_run(
+        args, procs, max_it, lambda step: [args.lr * m * poly_lr(1.0, step, max_it, args.power) for m in mults],
+        {"model": kwargs},
+    )  # fmt: skip
+    net = prepare_module(SegTrainModule(model, args.aux_weight), procs)
+    model = unwrap(net).model
+    optimizer = torch.optim.SGD(_param_groups(model, args.weight_decay, args.head_lr_mult), lr=args.lr,
+                                momentum=args.momentum)  # fmt: skip
+    if procs.main:
+        log.info(
+            "seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
+            loader.num_samples,
+            args.model,
+            sum(p.numel() for p in model.parameters()),
+            max_it,
+            len(loader),
+            procs.world,
+        )
+    history = train_loop(net, optimizer, loader, opts, procs, state)
+    if procs.main:
+        meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
+        save_run(opts.output, model, args.model, kwargs, meta, history)
+        section = [
+            f"- Data: {loader.num_samples} images of {args.data} ({args.train_split}), crops {crop}x{crop}, "
+            f"scale {args.scale_min:g}-{args.scale_max:g}",
+            f"- Model: `{args.model}` {kwargs}, auxiliary loss weight {args.aux_weight:g}",
+            f"- Recipe: {max_it} iterations, batch {args.batch_size}, SGD poly lr {args.lr:g} (power "
+            f"{args.power:g}, heads x{args.head_lr_mult:g}), momentum {args.momentum:g}, weight decay "
+            f"{args.weight_decay:g}, seed {args.seed}, {procs.world} process(es)",
+            "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
+            "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task seg`",
+        ]
+        write_run_report(opts.output, f"repmlp segmentation run: {args.model}", history, section)
 
 
 @torch.no_grad()
