@@ -144,6 +144,18 @@ def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int])
         )
 
 
+@torch.fx.wrap
+def _from_group_rows_like(x: Tensor, y: Tensor, n: int, hp: int, wp: int, h: int, w: int) -> Tensor:
+    """:func:`~repmlp.ops.from_group_rows` in ``x``'s memory format: a channels_last input (the
+    channels_last treatment) gets a channels_last output, so the next conv needs no layout change.
+
+    A ``torch.fx`` leaf, since it branches on the input's layout. Shapes: ``y`` ``(g, N*hp*wp, O/g*h*w)``
+    -> ``(N, O, hp*h, wp*w)``.
+    """
+    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    return from_group_rows(y, n, hp, wp, h, w, channels_last=channels_last)
+
+
 class RepMLPBlock(nn.Module):
     """RepMLP: Global, Partition and Local Perceptron, re-parameterizable into three FC layers.
 
@@ -254,9 +266,7 @@ class RepMLPBlock(nn.Module):
                 v = self.global_perceptron(x)  # (N, C, Hp, Wp)
                 v = v.reshape(n, g, cg, hp, wp).permute(1, 0, 3, 4, 2).reshape(g, n * hp * wp, cg, 1)
                 rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
-            # A channels_last input (the channels_last treatment) gets a channels_last output.
-            cl = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-            out = from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w, channels_last=cl)
+            out = _from_group_rows_like(x, self.partition_perceptron(rows), n, hp, wp, h, w)
         else:
             parts = partition(x, h, w)  # (N*Hp*Wp, C, h, w)
             if self.global_perceptron is not None:

@@ -114,9 +114,18 @@ class MaxPool2x2(nn.Module):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
-        if x.device.type != "cpu" or h % 2 or w % 2 or not x.is_contiguous():
-            return F.max_pool2d(x, 2)
-        rows = x.view(n, c, h // 2, 2, w)
-        pairs = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1]).view(n, c, h // 2, w // 2, 2)
-        return torch.maximum(pairs[..., 0], pairs[..., 1])
+        return max_pool_2x2(x)
+
+
+@torch.fx.wrap
+def max_pool_2x2(x: Tensor) -> Tensor:
+    """:class:`MaxPool2x2` as a function; a ``torch.fx`` leaf, since it branches on shape and layout.
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, C, H//2, W//2)``.
+    """
+    n, c, h, w = x.shape
+    if x.device.type != "cpu" or h % 2 or w % 2 or not x.is_contiguous():
+        return F.max_pool2d(x, 2)
+    rows = x.view(n, c, h // 2, 2, w)
+    pairs = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1]).view(n, c, h // 2, w // 2, 2)
+    return torch.maximum(pairs[..., 0], pairs[..., 1])
