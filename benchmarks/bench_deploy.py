@@ -151,7 +151,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--treatments", nargs="+", choices=TREATMENTS, default=list(TREATMENTS))
     parser.add_argument("--cifar-batch", type=int, default=128, help="batch of the matmul-peak comparison")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's; 1 on a shared machine)",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device != "cpu":
         parser.error("this benchmark measures CPU deployment only (--device cpu)")
     rounds = 2 if args.quick else args.rounds

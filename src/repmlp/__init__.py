@@ -2,6 +2,7 @@
 
 from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock
 from .convert import fuse_conv_bn, reparameterize_model
+from .deploy import PRECISIONS, to_precision
 from .layers import ConvBN, GroupwiseLinear
 from .models import create_model, list_models, register_model
 from .profile import profile
@@ -22,6 +23,8 @@ __all__ = [
     "absorb_bn_into_fc",
     "reparameterize_model",
     "fuse_conv_bn",
+    "to_precision",
+    "PRECISIONS",
     "create_model",
     "list_models",
     "register_model",
