@@ -1,0 +1,219 @@
+"""``repmlp import``: RepMLPNet checkpoints in the authors' and mmpretrain's key layouts, written as those
+projects publish them (``torch.save`` of a dict), imported and compared output for output."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from repmlp_testdata import subprocess_env, user_error_line
+from test_repmlpnet import randomize
+from torch import Tensor
+
+from repmlp import create_model
+from repmlp.checkpoint import load_model, read_metadata
+from repmlp.importer import ImportError_, import_checkpoint
+from repmlp.models.repmlpnet import RepMLPNetBlock
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "repmlpnet_b224"
+ARCH = dict(img_size=48, patch_size=2, channels=[8, 16, 16, 32], depths=[1, 1, 2, 1], sharesets=[2, 4, 4, 8])
+MODEL_ARGS = [f"{k}={json.dumps(v)}" for k, v in ARCH.items()]
+KERNELS = (1, 3)
+
+
+def ours(num_classes: int = 5) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return randomize(create_model(NAME, num_classes=num_classes, **ARCH), seed=3).float().eval()
+
+
+def _rename(sd: dict[str, Tensor], rules: list[tuple[str, object]]) -> dict[str, Tensor]:
+    out = {}
+    for key, value in sd.items():
+        for pattern, repl in rules:
+            m = re.fullmatch(pattern, key)
+            if m:
+                new = repl(m) if callable(repl) else m.expand(repl)
+                if new.endswith("repmlp_block.fc3.weight"):
+                    value = value.reshape(*value.shape, 1, 1)
+                out[new] = value.clone()
+                break
+        else:
+            raise AssertionError(f"test mapping misses {key}")
+    return out
+
+
+_BLOCK = r"stages\.(\d+)\.blocks\.(\d+)\."
+
+
+def to_authors(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our names -> the authors' repmlpnet.py names (conv_embedding, prebn1, repconvK, embeds, head_norm)."""
+    return _rename(
+        sd,
+        [
+            (r"stem\.(.+)", r"conv_embedding.\1"),
+            (r"stages\.(\d+)\.downsample\.(.+)", lambda m: f"embeds.{int(m[1]) - 1}.{m[2]}"),
+            (_BLOCK + r"norm([12])\.(.+)", r"stages.\1.\2.prebn\3.\4"),
+            (
+                _BLOCK + r"repmlp\.local\.branches\.(\d+)\.(.+)",
+                lambda m: f"stages.{m[1]}.{m[2]}.repmlp_block.repconv{KERNELS[int(m[3])]}.{m[4]}",
+            ),  # noqa: E501
+            (_BLOCK + r"repmlp\.(.+)", r"stages.\1.\2.repmlp_block.\3"),
+            (_BLOCK + r"ffn\.fc([12])\.(.+)", r"stages.\1.\2.ffn_block.ffn_fc\3.\4"),
+            (r"norm\.(.+)", r"head_norm.\1"),
+            (r"head\.(.+)", r"head.\1"),
+        ],
+    )
+
+
+def to_mmpretrain(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our names -> mmpretrain's RepMLPNet backbone + LinearClsHead names."""
+    return _rename(
+        sd,
+        [
+            (r"stem\.conv\.(.+)", r"backbone.patch_embed.projection.\1"),
+            (r"stem\.bn\.(.+)", r"backbone.patch_embed.norm.\1"),
+            (
+                r"stages\.(\d+)\.downsample\.(.+)",
+                lambda m: f"backbone.downsample_layers.{int(m[1]) - 1}.{m[2]}",
+            ),
+            (_BLOCK + r"norm([12])\.(.+)", r"backbone.stages.\1.\2.norm\3.\4"),
+            (_BLOCK + r"repmlp\.gp\.fc([12])\.(.+)", r"backbone.stages.\1.\2.repmlp_block.gp.conv\3.conv.\4"),
+            (
+                _BLOCK + r"repmlp\.local\.branches\.(\d+)\.(.+)",
+                lambda m: f"backbone.stages.{m[1]}.{m[2]}.repmlp_block.repconv{KERNELS[int(m[3])]}.{m[4]}",
+            ),  # noqa: E501
+            (_BLOCK + r"repmlp\.(.+)", r"backbone.stages.\1.\2.repmlp_block.\3"),
+            (_BLOCK + r"ffn\.fc([12])\.(.+)", r"backbone.stages.\1.\2.ffn_block.ffn_fc\3.\4"),
+            (r"norm\.(.+)", r"backbone.final_norm.\1"),
+            (r"head\.(.+)", r"head.fc.\1"),
+        ],
+    )
+
+
+def injected(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The authors' locality_injection(): only the RepMLP blocks convert; conv+BN pairs stay."""
+    import copy
+
+    m = copy.deepcopy(model)
+    for block in m.modules():
+        if isinstance(block, RepMLPNetBlock):
+            block.reparameterize()
+    return m.state_dict()
+
+
+def _x() -> Tensor:
+    return torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+
+
+def _same(a: Tensor, b: Tensor, tol: float) -> bool:
+    return ((a - b).abs().max() / b.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize(
+    "wrap, layout_fn, form",
+    [
+        (lambda sd: sd, to_authors, "train"),
+        (lambda sd: {"model": {f"module.{k}": v for k, v in sd.items()}}, to_authors, "train"),
+        (lambda sd: {"model": {f"module.{k}": v for k, v in sd.items()}}, to_authors, "deploy"),
+        (
+            lambda sd: {"meta": {"epoch": 300, "CLASSES": ["a", "b"]}, "state_dict": sd},
+            to_mmpretrain,
+            "train",
+        ),
+        (lambda sd: {"state_dict": sd}, to_mmpretrain, "deploy"),
+    ],
+    ids=[
+        "authors-train",
+        "authors-ddp-nested",
+        "authors-injected",
+        "mmpretrain-train",
+        "mmpretrain-injected",
+    ],
+)
+def test_import_round_trip(tmp_path, wrap, layout_fn, form):
+    model = ours()
+    sd = model.state_dict() if form == "train" else injected(model)
+    path = tmp_path / "released.pth"
+    torch.save(wrap(layout_fn(sd)), path)
+    res = import_checkpoint(path, NAME, dict(ARCH))
+    assert res["form"] == form and res["model_kwargs"]["num_classes"] == 5
+    with torch.no_grad():
+        ref, out = model(_x()), res["model"](_x())
+    assert _same(out, ref, 1e-5 if form == "deploy" else 1e-7)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "repmlp", *args], capture_output=True, text=True, env=subprocess_env(), cwd=cwd
+    )
+
+
+def test_cli_import_then_convert(tmp_path):
+    model = ours()
+    torch.save(to_authors(model.state_dict()), tmp_path / "RepMLPNet-train.pth")
+    args = [part for arg in MODEL_ARGS for part in ("--model-arg", arg)]
+    res = _cli(
+        "import", "RepMLPNet-train.pth", "--model", NAME, "--output", "m.safetensors", *args, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    assert "authors layout, train form" in res.stdout
+    meta = read_metadata(tmp_path / "m.safetensors")
+    assert meta["form"] == "train" and json.loads(meta["extra"])["eval_preprocessing"]["crop_pct"] == 0.875
+    loaded, _ = load_model(tmp_path / "m.safetensors")
+    with torch.no_grad():
+        assert torch.equal(loaded(_x()), model(_x()))
+    res = _cli("convert", "--checkpoint", "m.safetensors", "--output", "d.safetensors", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    deployed, info = load_model(tmp_path / "d.safetensors")
+    assert info["form"] == "deploy"
+    with torch.no_grad():
+        assert _same(deployed(_x()), model(_x()), 1e-5)
+
+
+class _RunsCode:
+    """A pickled object whose loading would call os.system (what weights_only=True refuses)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_file_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "code-ran"
+    sd = to_authors(ours().state_dict())
+    torch.save({"model": sd, "extra": _RunsCode(marker)}, tmp_path / "evil.pth")
+    res = _cli("import", "evil.pth", "--model", NAME, "--output", "out.safetensors", cwd=tmp_path)
+    assert res.returncode == 2
+    line = user_error_line(res.stderr)
+    assert "refusing to load" in line and "could run code" in line
+    assert not marker.exists() and not (tmp_path / "out.safetensors").exists()
+
+
+def test_missing_unused_and_wrong_model_are_errors(tmp_path):
+    sd = to_authors(ours().state_dict())
+    extra = dict(sd, **{"stages.0.0.extra_layer.weight": torch.zeros(1)})
+    torch.save(extra, tmp_path / "extra.pth")
+    with pytest.raises(
+        ImportError_, match=r"fit no authors RepMLPNet key: stages\.0\.0\.extra_layer\.weight"
+    ):
+        import_checkpoint(tmp_path / "extra.pth", NAME, dict(ARCH))
+    missing = {k: v for k, v in sd.items() if k != "stages.1.0.ffn_block.ffn_fc2.bn.weight"}
+    torch.save(missing, tmp_path / "missing.pth")
+    with pytest.raises(ImportError_, match=r"missing: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"):
+        import_checkpoint(tmp_path / "missing.pth", NAME, dict(ARCH))
+    torch.save(sd, tmp_path / "ok.pth")
+    with pytest.raises(ImportError_, match=r"not a repmlpnet_b224: its channels \(8, 16, 16, 32\)"):
+        import_checkpoint(tmp_path / "ok.pth", NAME)
+    torch.save({"weights": [1, 2]}, tmp_path / "odd.pth")
+    with pytest.raises(ImportError_, match="not tensors"):
+        import_checkpoint(tmp_path / "odd.pth", NAME)
