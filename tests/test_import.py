@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from repmlp_testdata import subprocess_env, user_error_line
-from test_repmlpnet import randomize
 from torch import Tensor
 
 from repmlp import create_model
 from repmlp.checkpoint import load_model, read_metadata
 from repmlp.importer import ImportError_, import_checkpoint
 from repmlp.models.repmlpnet import RepMLPNetBlock
+from repmlp_testdata import subprocess_env, user_error_line
+from test_repmlpnet import randomize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
