@@ -217,3 +217,35 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
     torch.save({"weights": [1, 2]}, tmp_path / "odd.pth")
     with pytest.raises(ImportError_, match="not tensors"):
         import_checkpoint(tmp_path / "odd.pth", NAME)
+
+
+def test_eval_transform_is_the_published_preprocessing():
+    from PIL import Image
+
+    from repmlp.commands.import_ import eval_preprocessing
+    from repmlp.data import eval_transform
+
+    pp = eval_preprocessing("repmlpnet_b224")
+    assert (pp["crop_pct"], pp["crop_mode"], pp["interpolation"]) == (0.875, "squash", "bilinear")
+    resize = eval_transform(224, pp).transforms[0]
+    assert tuple(resize.size) == (256, 256)  # the authors' test.py: 256x256, then centre crop 224
+    tf = eval_transform(256, eval_preprocessing("repmlpnet_l256"))
+    assert tf.transforms[0].size in (292, [292], (292,))  # short side 256 * 256 // 224
+    assert tuple(tf(Image.new("RGB", (400, 300))).shape) == (3, 256, 256)
+
+
+def test_cli_eval_of_imported_model_on_an_image_folder(tmp_path):
+    from repmlp_testdata import make_image_folder
+
+    make_image_folder(tmp_path / "data", classes=3, per_class=2, size=52)
+    torch.save({"state_dict": to_mmpretrain(ours(num_classes=3).state_dict())}, tmp_path / "mm.pth")
+    args = [part for arg in MODEL_ARGS for part in ("--model-arg", arg)]
+    res = _cli("import", "mm.pth", "--model", NAME, "--output", "m.safetensors", *args, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    res = _cli(
+        "eval", "--checkpoint", "m.safetensors", "--dataset", "imagefolder", "--data-dir", "data",
+        "--device", "cpu", "--workers", "0", "--json", cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["n"] == 6 and out["form"] == "train"
