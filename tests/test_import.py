@@ -249,3 +249,83 @@ def test_cli_eval_of_imported_model_on_an_image_folder(tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["n"] == 6 and out["form"] == "train"
+
+
+# ------------------------------------------------------------------------------------ RepMLP-Res50
+RES_ARGS = dict(widths=[64, 128, 256, 512], img_size=112)
+RES_KERNELS = (1, 3, 5)
+
+
+def to_authors_res50(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our ResNet names -> the authors' repmlp_resnet.py names (stage0..4, btnk_*/light_*, linear)."""
+    btnk = {"conv1": "btnk_conv1", "conv2": "btnk_conv2", "conv3": "btnk_conv4", "conv4": "btnk_conv5"}
+    light = {"conv1": "light_conv1", "conv2": "light_conv3"}
+    rep = {
+        "global_perceptron.fc1": "fc1_fc2.fc1",
+        "global_perceptron.fc2": "fc1_fc2.fc2",
+        "global_perceptron.bn": "avg.bn",
+        "partition_perceptron.fc3": "fc3",
+        "partition_perceptron.bn": "fc3_bn",
+    }
+
+    def block(m: re.Match) -> str:
+        s, j, rest = m[1], m[2], m[3]
+        prefix = f"layer{s}.{j}."
+        kind = (
+            "btnk"
+            if f"{prefix}conv4.conv.weight" in sd
+            else "light"
+            if f"{prefix}repmlp.partition_perceptron.fc3.weight" in sd
+            else ""
+        )  # noqa: E501
+        head, _, tail = rest.partition(".")
+        if head == "downsample":
+            return f"stage{s}.{j}.shortcut.{tail}"
+        if head == "repmlp":
+            for ours_, theirs in rep.items():
+                if tail.startswith(ours_ + "."):
+                    return f"stage{s}.{j}.{kind}_repmlp.{theirs}{tail[len(ours_) :]}"
+            b, _, x = tail[len("local_perceptron.branches.") :].partition(".")
+            return f"stage{s}.{j}.{kind}_repmlp.repconv{RES_KERNELS[int(b)]}.{x}"
+        names = btnk if kind == "btnk" else light if kind == "light" else {}
+        return f"stage{s}.{j}.{names.get(head, head)}.{tail}"
+
+    out = _rename(
+        sd,
+        [
+            (r"stem\.conv\.(.+)", r"stage0.0.\1"),
+            (r"layer(\d)\.(\d+)\.(.+)", block),
+            (r"fc\.(.+)", r"linear.\1"),
+        ],
+    )
+    return {k: v.reshape(*v.shape, 1, 1) if k.endswith("_repmlp.fc3.weight") else v for k, v in out.items()}
+
+
+def res50(name: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return randomize(create_model(name, num_classes=7, **RES_ARGS, **kw), seed=5).float().eval()
+
+
+def _same_res(a: torch.nn.Module, b: torch.nn.Module, tol: float) -> bool:
+    x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return _same(b(x), a(x), tol)
+
+
+@pytest.mark.parametrize(
+    "name, groups, form",
+    [("repmlp_res50", 8, "train"), ("repmlp_res50_light", 4, "train"), ("repmlp_res50_light", 4, "deploy")],
+)
+def test_import_authors_res50(tmp_path, name, groups, form):
+    from repmlp import reparameterize_model
+
+    model = res50(name, groups=[8, groups, groups, 8])
+    sd = model.state_dict() if form == "train" else reparameterize_model(model).state_dict()
+    torch.save({"model": to_authors_res50(sd)}, tmp_path / "res50.pth")
+    res = import_checkpoint(tmp_path / "res50.pth", name, dict(RES_ARGS))
+    assert res["form"] == form and res["layout"] == "authors-res50"
+    assert res["model_kwargs"].get("groups", [8] * 4) == [8, groups, groups, 8]  # FC3 groups from the shapes
+    assert _same_res(model, res["model"], 1e-5 if form == "deploy" else 1e-7)
+    other = "repmlp_res50" if name == "repmlp_res50_light" else "repmlp_res50_light"
+    with pytest.raises(ImportError_, match=f"not a {other}"):
+        import_checkpoint(tmp_path / "res50.pth", other, dict(RES_ARGS))

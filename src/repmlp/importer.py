@@ -1,4 +1,5 @@
-"""Import released RepMLPNet checkpoints (the authors' and mmpretrain's ``.pth`` files) as repmlp model files.
+"""Import released checkpoints as repmlp model files: the authors' RepMLP-Res50 (Bottleneck and Light) and
+RepMLPNet ``.pth`` files, and mmpretrain's RepMLPNet.
 
 Reading is safe: ``torch.load(weights_only=True)`` unpickles only tensors and plain containers, so a file
 that would run code is refused. The state dict may sit under ``"model"`` or ``"state_dict"`` and carry
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from .errors import UserError
 from .reparam import fuse_bn
 
-__all__ = ["ImportError_", "read_state_dict", "import_checkpoint", "ImportResult"]
+__all__ = ["ImportError_", "read_state_dict", "import_checkpoint", "ImportResult", "detect_layout"]
 
 
 class ImportError_(UserError, ValueError):
@@ -102,6 +103,25 @@ _MMPRETRAIN_RULES: list[tuple[str, str]] = [
     (r"head\.fc\.(weight|bias)$", r"head.\1"),
 ]
 
+_RES = r"stage([1-4])\.(\d+)\."
+_REP = _RES + r"(?:btnk|light)_repmlp\."
+_RES50_RULES: list[tuple[str, str]] = [
+    (r"stage0\.0\.(conv|bn)\.(.+)$", r"stem.conv.\1.\2"),
+    (_RES + r"shortcut\.(.+)$", r"layer\1.\2.downsample.\3"),
+    (_RES + r"(conv[123])\.(.+)$", r"layer\1.\2.\3.\4"),
+    (_RES + r"(?:btnk|light)_conv1\.(.+)$", r"layer\1.\2.conv1.\3"),
+    (_RES + r"btnk_conv2\.(.+)$", r"layer\1.\2.conv2.\3"),
+    (_RES + r"btnk_conv4\.(.+)$", r"layer\1.\2.conv3.\3"),
+    (_RES + r"btnk_conv5\.(.+)$", r"layer\1.\2.conv4.\3"),
+    (_RES + r"light_conv3\.(.+)$", r"layer\1.\2.conv2.\3"),
+    (_REP + r"fc1_fc2\.(fc[12])\.(weight|bias)$", r"layer\1.\2.repmlp.global_perceptron.\3.\4"),
+    (_REP + r"avg\.bn\.(.+)$", r"layer\1.\2.repmlp.global_perceptron.bn.\3"),
+    (_REP + r"fc3\.(weight|bias)$", r"layer\1.\2.repmlp.partition_perceptron.fc3.\3"),
+    (_REP + r"fc3_bn\.(.+)$", r"layer\1.\2.repmlp.partition_perceptron.bn.\3"),
+    (_REP + r"repconv(\d+)\.(conv|bn)\.(.+)$", r"layer\1.\2.repmlp.local_perceptron.{k\3}.\4.\5"),
+    (r"linear\.(weight|bias)$", r"fc.\1"),
+]
+
 LAYOUTS: dict[str, tuple[Callable[[dict[str, Tensor]], bool], list[tuple[str, str]], str]] = {
     "authors": (lambda sd: any(k.startswith("conv_embedding.") for k in sd), _AUTHORS_RULES, ""),
     "mmpretrain": (
@@ -109,25 +129,28 @@ LAYOUTS: dict[str, tuple[Callable[[dict[str, Tensor]], bool], list[tuple[str, st
         _MMPRETRAIN_RULES,
         "backbone.",
     ),
+    "authors-res50": (lambda sd: any(k.startswith("stage0.0.") for k in sd), _RES50_RULES, "-"),
 }
 
 
 def detect_layout(sd: Mapping[str, Tensor]) -> str:
-    """``"authors"`` or ``"mmpretrain"`` (RepMLPNet key names); a :class:`ImportError_` otherwise."""
+    """``"authors"``, ``"mmpretrain"`` (RepMLPNet) or ``"authors-res50"``; a :class:`ImportError_` otherwise."""
     for name, (test, _, _) in LAYOUTS.items():
         if test(sd):
             return name
     shown = ", ".join(list(sd)[:4])
     raise ImportError_(
         f"unrecognised checkpoint layout (first keys: {shown}); expected the authors' RepMLPNet "
-        "(conv_embedding.*, stages.*) or mmpretrain's RepMLPNet (backbone.patch_embed.*, head.fc.*)"
+        "(conv_embedding.*, stages.*), mmpretrain's RepMLPNet (backbone.patch_embed.*, head.fc.*) or the "
+        "authors' RepMLP-Res50 (stage0.*, stage1.* ... linear.*)"
     )
 
 
 def _map_keys(sd: Mapping[str, Tensor], layout: str) -> tuple[dict[str, Tensor], list[str]]:
     """Rename every key to ours; returns the mapped dict and the keys no rule matched."""
     _, rules, prefix = LAYOUTS[layout]
-    common = [((r"backbone\." if prefix else "") + p, r) for p, r in _COMMON_RULES]
+    # The RepMLPNet layouts share their block keys; "-" marks a layout with no shared rules.
+    common = [] if prefix == "-" else [((r"backbone\." if prefix else "") + p, r) for p, r in _COMMON_RULES]
     compiled = [(re.compile(p), r) for p, r in (*rules, *common)]
     kernels = sorted({int(m.group(1)) for k in sd if (m := re.search(r"\.repconv(\d+)\.", k))})
     out: dict[str, Tensor] = {}
@@ -140,7 +163,7 @@ def _map_keys(sd: Mapping[str, Tensor], layout: str) -> tuple[dict[str, Tensor],
             new = m.expand(repl)
             new = re.sub(r"\{next(\d+)\}", lambda g: str(int(g.group(1)) + 1), new)
             new = re.sub(r"\{k(\d+)\}", lambda g: f"branches.{kernels.index(int(g.group(1)))}", new)
-            if new.endswith("repmlp.fc3.weight") and value.dim() == 4:
+            if new.endswith("fc3.weight") and value.dim() == 4:
                 value = value.reshape(value.shape[0], value.shape[1])  # 1x1 grouped conv -> GroupwiseLinear
             out[new] = value
             break
@@ -240,38 +263,84 @@ def _check_structure(name: str, inferred: dict[str, Any], model_args: dict[str, 
         )
 
 
+def infer_res50(sd: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Options of a RepMLP-Res50 fixed by its shapes: FC3 groups per stage, Local kernels, classes."""
+    groups: list[int] = [8, 8, 8, 8]
+    for s in range(1, 5):
+        key = next(
+            (k for k in sd if re.fullmatch(rf"layer{s}\.\d+\.repmlp\.partition_perceptron\.fc3\.weight", k)),
+            None,
+        )
+        if key is None:
+            continue
+        w = sd[key]
+        block = key[: -len(".repmlp.partition_perceptron.fc3.weight")]
+        c = int(sd[f"{block}.conv1.conv.weight"].shape[0])  # the block's first conv feeds the RepMLP width
+        if f"{block}.conv4.conv.weight" in sd:  # Bottleneck: conv2 (3x3) sets the RepMLP width
+            c = int(sd[f"{block}.conv2.conv.weight"].shape[0])
+        hw = int(w.shape[0]) // c
+        groups[s - 1] = c * hw // int(w.shape[1])
+    kernels = sorted(
+        {int(sd[k].shape[-1]) for k in sd if re.search(r"local_perceptron\.branches\.\d+\.conv\.weight$", k)}
+    )
+    return dict(groups=groups, kernel_sizes=kernels, num_classes=int(sd["fc.weight"].shape[0]))
+
+
+# Which registered models each layout can hold.
+_FAMILIES = {
+    "authors": ("repmlpnet_",),
+    "mmpretrain": ("repmlpnet_",),
+    "authors-res50": ("repmlp_res50", "repmlp_res50_light"),
+}
+
+
 def import_checkpoint(
     path: str | os.PathLike, name: str, model_args: dict[str, Any] | None = None
 ) -> ImportResult:
-    """Read ``path`` (a released RepMLPNet ``.pth``) into the registered model ``name``.
+    """Read ``path`` (a released RepMLPNet or RepMLP-Res50 ``.pth``) into the registered model ``name``.
 
     Returns the model (eval mode, weights loaded strictly), ``model_kwargs`` that rebuild it with
-    :func:`repmlp.create_model`, its ``form`` (``"train"``, or ``"deploy"`` for a locality-injected
-    file) and the detected ``layout``.
+    :func:`repmlp.create_model`, its ``form`` (``"train"``, or ``"deploy"`` for a converted /
+    locality-injected file) and the detected ``layout``.
     """
     from .models import create_model, is_model
 
-    if not is_model(name) or not name.startswith("repmlpnet_"):
-        raise ImportError_(f"--model {name!r}: import reads RepMLPNet checkpoints (repmlpnet_t224 ... _l256)")
+    if not is_model(name):
+        raise ImportError_(f"--model {name!r} is not a registered repmlp model")
     args = dict(model_args or {})
     raw = read_state_dict(path)
     layout = detect_layout(raw)
+    family = _FAMILIES[layout]
+    if not (name in family or any(name.startswith(f) and f.endswith("_") for f in family)):
+        names = ", ".join(f + "*" if f.endswith("_") else f for f in family)
+        raise ImportError_(f"{path} holds {layout} weights; --model must be one of {names}")
+    if layout == "authors-res50" and (name == "repmlp_res50_light") != any("light_repmlp" in k for k in raw):
+        kind = "RepMLP Light Blocks" if any("light_repmlp" in k for k in raw) else "RepMLP Bottlenecks"
+        raise ImportError_(f"{path} holds a RepMLP-Res50 with {kind}, not a {name}")
     mapped, unused = _map_keys(raw, layout)
     if unused:
-        raise ImportError_(
-            f"{path}: {len(unused)} key(s) fit no {layout} RepMLPNet key: {', '.join(unused[:5])}"
-        )
-    form = "train" if any(".repmlp.fc3_bn." in k for k in mapped) else "deploy"
-    inferred = infer_repmlpnet(mapped)
-    _check_structure(name, inferred, args)
+        raise ImportError_(f"{path}: {len(unused)} key(s) fit no {layout} key: {', '.join(unused[:5])}")
+    form = "train" if any(".fc3_bn." in k for k in raw) else "deploy"
     kwargs = dict(args)
+    if layout == "authors-res50":
+        inferred = infer_res50(mapped)
+        if inferred["groups"] != [8, 8, 8, 8]:
+            kwargs.setdefault("groups", inferred["groups"])
+        default_k = [1, 3, 5]
+    else:
+        inferred = infer_repmlpnet(mapped)
+        _check_structure(name, inferred, args)
+        default_k = [1, 3]
     if inferred["num_classes"] != 1000:
-        kwargs["num_classes"] = inferred["num_classes"]
-    if form == "train" and inferred["kernel_sizes"] != (1, 3):
-        kwargs["kernel_sizes"] = list(inferred["kernel_sizes"])
+        kwargs.setdefault("num_classes", inferred["num_classes"])
+    if form == "train" and list(inferred["kernel_sizes"]) != default_k:
+        kwargs.setdefault("kernel_sizes", list(inferred["kernel_sizes"]))
     if form == "deploy":
         mapped = _fuse_conv_bn_pairs(mapped)
-    model = create_model(name, deploy=form == "deploy", **kwargs)
+    try:
+        model = create_model(name, deploy=form == "deploy", **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ImportError_(f"cannot build {name} with {kwargs}: {exc}") from None
     _load_exact(model, mapped, path)
     return ImportResult(model=model.eval(), name=name, model_kwargs=kwargs, form=form, layout=layout)
 
