@@ -172,6 +172,8 @@ def test_cli_import_then_convert(tmp_path):
         assert torch.equal(loaded(_x()), model(_x()))
     res = _cli("convert", "--checkpoint", "m.safetensors", "--output", "d.safetensors", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+    res = _cli("viz", "--checkpoint", "m.safetensors", "--output", "fc3.png", cwd=tmp_path)
+    assert res.returncode == 0 and (tmp_path / "fc3.png").stat().st_size > 0, res.stderr
     deployed, info = load_model(tmp_path / "d.safetensors")
     assert info["form"] == "deploy"
     with torch.no_grad():

@@ -1,7 +1,8 @@
-"""``repmlp import``: a released RepMLPNet checkpoint (.pth) -> a repmlp model file (.safetensors).
+"""``repmlp import``: a released checkpoint (.pth) -> a repmlp model file (.safetensors).
 
-Reads the authors' RepMLPNet files (training-time or locality-injected) and mmpretrain's (``backbone.``
-and ``head.fc.`` keys under ``state_dict``), nested under ``model``/``state_dict`` or not, with or without
+Reads the authors' RepMLP-Res50 files (Bottleneck or Light; training-time or converted), the authors'
+RepMLPNet files (training-time or locality-injected) and mmpretrain's RepMLPNet (``backbone.`` and
+``head.fc.`` keys under ``state_dict``), nested under ``model``/``state_dict`` or not, with or without
 DDP's ``module.`` prefix. Only tensors and plain containers are unpickled (``weights_only=True``): a file
 that would run code is refused and nothing is written. Every key must map onto the model and every
 weight of the model must come from the file. The output takes ``eval``, ``convert``, ``export``,
@@ -26,12 +27,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
     p = subparsers.add_parser(
         "import",
-        help="import a released RepMLPNet checkpoint (.pth) as a repmlp model file",
+        help="import a released RepMLP-Res50 / RepMLPNet checkpoint (.pth) as a repmlp model file",
         description=__doc__,
         formatter_class=HelpFormatter,
     )
     p.add_argument("checkpoint", type=Path, help="the .pth file (authors' or mmpretrain's)")
-    p.add_argument("--model", required=True, help="registered model it holds, e.g. repmlpnet_b256")
+    p.add_argument(
+        "--model", required=True, help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ..."
+    )
     p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
     p.add_argument(
         "--model-arg",
