@@ -206,7 +206,7 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
     extra = dict(sd, **{"stages.0.0.extra_layer.weight": torch.zeros(1)})
     torch.save(extra, tmp_path / "extra.pth")
     with pytest.raises(
-        ImportError_, match=r"fit no authors RepMLPNet key: stages\.0\.0\.extra_layer\.weight"
+        ImportError_, match=r"fit no key of the authors layout: stages\.0\.0\.extra_layer\.weight"
     ):
         import_checkpoint(tmp_path / "extra.pth", NAME, dict(ARCH))
     missing = {k: v for k, v in sd.items() if k != "stages.1.0.ffn_block.ffn_fc2.bn.weight"}

@@ -319,7 +319,9 @@ def import_checkpoint(
         raise ImportError_(f"{path} holds a RepMLP-Res50 with {kind}, not a {name}")
     mapped, unused = _map_keys(raw, layout)
     if unused:
-        raise ImportError_(f"{path}: {len(unused)} key(s) fit no {layout} key: {', '.join(unused[:5])}")
+        raise ImportError_(
+            f"{path}: {len(unused)} key(s) fit no key of the {layout} layout: {', '.join(unused[:5])}"
+        )
     form = "train" if any(".fc3_bn." in k for k in raw) else "deploy"
     kwargs = dict(args)
     if layout == "authors-res50":
