@@ -20,6 +20,7 @@ COMMANDS: list[str] = [
     "train",
     "eval",
     "convert",
+    "import_",
     "export",
     "bench",
     "viz",

@@ -40,20 +40,38 @@ class FC3Sample:
     merged: np.ndarray  # the same for FC3 merged with the Local Perceptron, (h, w)
 
 
-def find_repmlp_blocks(model: nn.Module) -> list[tuple[str, RepMLPBlock]]:
-    """All RepMLP blocks of ``model`` as ``(qualified name, block)``, in module order."""
-    if isinstance(model, RepMLPBlock):
+def _block_types() -> tuple[type, ...]:
+    from .models.repmlpnet import RepMLPNetBlock
+
+    return (RepMLPBlock, RepMLPNetBlock)
+
+
+def find_repmlp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """All RepMLP blocks (RepMLP-Res50's and RepMLPNet's) of ``model`` as ``(name, block)``, in module order."""
+    if isinstance(model, _block_types()):
         return [("", model)]
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, RepMLPBlock)]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _block_types())]
 
 
-def _select_block(model: nn.Module, block_name: str | None) -> tuple[str, RepMLPBlock]:
+def _fc3_layout(block: nn.Module) -> tuple[Tensor, int, int, bool, tuple[tuple[int, int], ...]]:
+    """``(FC3 kernel, output channels, groups, has Local Perceptron, kernels)`` of either block kind.
+
+    RepMLPNet's FC3 maps each of its ``S`` parameter sets on its own: ``S`` channels in ``S`` groups.
+    """
+    if isinstance(block, RepMLPBlock):
+        fc3 = block.partition_perceptron.fc3.weight
+        return fc3, block.out_channels, block.groups, block.local_perceptron is not None, block.kernel_sizes
+    kernels = tuple((k, k) for k in block.kernel_sizes) if block.local is not None else ()
+    return block.fc3.weight, block.sharesets, block.sharesets, block.local is not None, kernels
+
+
+def _select_block(model: nn.Module, block_name: str | None) -> tuple[str, nn.Module]:
     blocks = find_repmlp_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no RepMLP block to visualise")
     if block_name is None:
         # The paper samples a block that has a Local Perceptron; prefer the first such block.
-        with_local = [(n, b) for n, b in blocks if b.local_perceptron is not None]
+        with_local = [(n, b) for n, b in blocks if _fc3_layout(b)[3]]
         if not with_local:
             logging.getLogger(__name__).warning(
                 "no RepMLP block has a Local Perceptron: both panels will show the same FC3"
@@ -112,8 +130,8 @@ def sample_fc3(
             "FC3 with the merged one, so it needs the training-time model"
         )
     h, w = block.partition
-    out_c, groups = block.out_channels, block.groups
-    cg = block.in_channels // groups
+    fc3, out_c, groups, _, kernels = _fc3_layout(block)
+    cg = fc3.shape[1] // (h * w)
     if point is None:
         point = (h // 2, w // 2)
     if len(point) != 2:
@@ -129,9 +147,8 @@ def sample_fc3(
     def pick(weight: Tensor) -> Tensor:
         return weight.reshape(out_c, h, w, cg, h, w)[out_channel, y, x, in_channel]
 
-    train = pick(block.partition_perceptron.fc3.weight.detach())
+    train = pick(fc3.detach())
     merged = pick(block.merged_fc3()[0])
-    kernels = block.kernel_sizes
     largest = max(kernels, key=lambda k: k[0] * k[1]) if kernels else None
     return FC3Sample(
         block_name=name,

@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     # The training run's data folder (recorded in the checkpoint) unless another is given.
     data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
     kwargs = info["model_kwargs"]
+    # An imported model records its input size and the preprocessing its weights were evaluated with.
+    recorded = extra.get("input_size")
+    img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
     data = build_data(
         DataConfig(
             dataset=dataset,
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             download=args.download,
             eval_batch_size=args.batch_size,
             val_limit=args.val_limit,
-            img_size=args.img_size or kwargs.get("img_size"),
+            img_size=img_size,
+            eval_preprocessing=None if args.img_size else extra.get("eval_preprocessing"),
             workers=args.workers,
             need_train=False,
         ),

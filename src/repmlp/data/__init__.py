@@ -7,7 +7,9 @@ what a model needs to know (classes, channels, resolution).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +49,10 @@ class DataConfig:
     flip: bool = False
     autoaugment: bool = False  # image folders only
     img_size: int | None = None  # image folders: train crop / eval centre crop
+    # image folders: the evaluation preprocessing published weights were measured with (timm cfg keys
+    # crop_pct, crop_mode, interpolation, mean, std); None: resize to size/0.875, centre crop, ImageNet
+    # mean/std (bilinear).
+    eval_preprocessing: dict[str, Any] | None = None
     workers: int = 2
     channels_last: bool = False
     need_train: bool = True
@@ -122,6 +128,19 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
     return Data(train, val, len(classes), images.shape[1], images.shape[2], list(classes))
 
 
+def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
+    """PIL image -> normalised ``(3, size, size)`` tensor as ``preprocessing`` (timm cfg keys) says.
+
+    timm's eval transform: resize to ``floor(size / crop_pct)`` (the short side; both sides when
+    ``crop_mode="squash"``), centre crop ``size``, ``interpolation``, ``mean``/``std``.
+    """
+    from timm.data import create_transform
+
+    keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in preprocessing.items() if k in keys}
+    return create_transform((3, size, size), is_training=False, **opts)
+
+
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
     from torchvision import transforms as T
 
@@ -136,8 +155,11 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     if cfg.autoaugment:
         aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
     to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
-    # Single centre crop at the usual 0.875 ratio (224 of 256).
-    eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), *to_tensor])
+    if cfg.eval_preprocessing:
+        eval_tf = eval_transform(size, cfg.eval_preprocessing)
+    else:
+        # Single centre crop at the usual 0.875 ratio (224 of 256).
+        eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), *to_tensor])
     common = dict(
         seed=cfg.seed,
         rank=rank,

@@ -1,0 +1,88 @@
+"""``repmlp import``: a released checkpoint (.pth) -> a repmlp model file (.safetensors).
+
+Reads the authors' RepMLP-Res50 files (Bottleneck or Light; training-time or converted), the authors'
+RepMLPNet files (training-time or locality-injected) and mmpretrain's RepMLPNet (``backbone.`` and
+``head.fc.`` keys under ``state_dict``), nested under ``model``/``state_dict`` or not, with or without
+DDP's ``module.`` prefix. Only tensors and plain containers are unpickled (``weights_only=True``): a file
+that would run code is refused and nothing is written. Every key must map onto the model and every
+weight of the model must come from the file. The output takes ``eval``, ``convert``, ``export``,
+``bench`` and ``viz`` like a file ``repmlp train`` wrote; it records the evaluation preprocessing the
+weights were published with (resize, crop, interpolation, mean/std).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+    from .train import _model_arg
+
+    p = subparsers.add_parser(
+        "import",
+        help="import a released RepMLP-Res50 / RepMLPNet checkpoint (.pth) as a repmlp model file",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("checkpoint", type=Path, help="the .pth file (authors' or mmpretrain's)")
+    p.add_argument(
+        "--model", required=True, help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ..."
+    )
+    p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
+    p.add_argument(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model option the file was built with, VALUE as JSON (e.g. --model-arg img_size=320); repeatable",
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def eval_preprocessing(name: str) -> dict[str, object]:
+    """How the published top-1 of ``name`` was measured: the model's default cfg (resize/crop/mean/std)."""
+    from ..models import model_default_cfg
+
+    cfg = model_default_cfg(name)
+    keys = ("input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
+    return {k: list(cfg[k]) if isinstance(cfg.get(k), tuple) else cfg.get(k) for k in keys if k in cfg}
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import save_model
+    from ..importer import import_checkpoint
+
+    out: Path = args.output
+    if out.suffix != ".safetensors":
+        raise UserError(f"--output {out}: repmlp model files end in .safetensors")
+    if out.is_dir():
+        raise UserError(f"--output {out} is a folder")
+    if out.exists() and args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
+        raise UserError(f"--output {out} would overwrite the checkpoint being read")
+    result = import_checkpoint(args.checkpoint, args.model, dict(args.model_arg))
+    model = result["model"]
+    img = getattr(model, "img_size", (224, 224))
+    extra = {
+        "imported_from": args.checkpoint.name,
+        "layout": result["layout"],
+        "input_size": [int(getattr(model, "in_chans", 3)), int(img[0]), int(img[1])],
+        "eval_preprocessing": eval_preprocessing(args.model),
+    }
+    save_model(
+        out, model, name=args.model, model_kwargs=result["model_kwargs"], form=result["form"], extra=extra
+    )
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"imported {args.checkpoint.name} ({result['layout']} layout, {result['form']} form) as "
+        f"{args.model}: {params / 1e6:.2f}M parameters -> {out}"
+    )
+    return 0
