@@ -235,7 +235,6 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
     assert m["probes"] == 8 and m["gallery"] == 7 and m["distractors"] == 3 and m["verification_pairs"] == 8
     for key in ("verification_accuracy", "rank1_identification"):
         assert m[key] == m["train_form"][key]
-        assert 0.0 <= m[key] <= 1.0
     # The identities are easy: the trained embedding identifies most probes among the distractors.
     assert m["rank1_identification"] >= 0.75
     assert "rank1_identification" in capsys.readouterr().out

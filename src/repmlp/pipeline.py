@@ -110,6 +110,12 @@ def hardware_summary(device: torch.device) -> str:
     return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
+def _missing_export_packages() -> list[str]:
+    from .export import missing_onnx_packages
+
+    return missing_onnx_packages()
+
+
 def _step(name: str, fn, notes: list[str]):
     """Run an optional final step; a failure is logged and noted in the report instead of aborting."""
     try:
@@ -202,7 +208,12 @@ def finish_run(
 
     bench_out = _step("benchmark", run_bench, notes) if bench else None
     onnx_diff = None
-    if export:
+    missing = _missing_export_packages() if export else []
+    if missing:
+        # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
+        log.warning("ONNX export skipped: %s not installed (pip install 'repmlp[export]')", ", ".join(missing))
+        notes.append(f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')")
+    elif export:
         from .export import export_onnx
 
         onnx_diff = _step(

@@ -59,7 +59,10 @@ METRIC_FIELDS = [
 
 @dataclass
 class TrainConfig:
-    """Every option of a classification run (JSON-serialisable; stored in the checkpoint)."""
+    """Every option of a classification run (JSON-serialisable; stored in the checkpoint).
+
+    The defaults are the ``fmnist`` preset (:data:`repmlp.recipes.PRESETS`), the main job's recipe.
+    """
 
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
@@ -67,7 +70,7 @@ class TrainConfig:
     preset: str = "fmnist"
     model: str = "repmlp_fmnist"
     model_args: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 12
+    epochs: int = 5
     batch_size: int = 256  # global, split over the processes
     eval_batch_size: int = 512
     optimizer: str = "sgd"
@@ -77,8 +80,8 @@ class TrainConfig:
     nesterov: bool = True
     weight_decay: float = 5e-5
     schedule: str = "cosine"
-    warmup_epochs: float = 0.0
-    label_smoothing: float = 0.0
+    warmup_epochs: float = 0.5
+    label_smoothing: float = 0.1
     mixup: float = 0.0
     pad: int = 0
     flip: bool = True
@@ -87,15 +90,16 @@ class TrainConfig:
     train_limit: int | None = None
     val_limit: int | None = None
     seed: int = 0
+    # Mixed precision changes the maths: a resumed run keeps it (None: on for CUDA, fixed at the start).
+    amp: bool | None = None
     # Runtime options: they do not change the maths, so a resumed run may change them.
     device: str = "auto"
-    amp: bool | None = None  # None: on for CUDA
-    channels_last: bool | None = None  # None: on for CUDA
+    channels_last: bool | None = True  # None: on for CUDA
     workers: int = 2
     ckpt_every: int = 0
     output: str = "runs/latest"
 
-    RUNTIME = ("device", "amp", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
+    RUNTIME = ("device", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -436,6 +440,7 @@ def run_training(
 
     device = di.device
     amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
+    cfg.amp = amp  # saved resolved, so that a resume on another device keeps it
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
     seed_everything(cfg.seed)
     data = build_data(

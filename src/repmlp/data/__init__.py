@@ -132,7 +132,7 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
-    aug = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    aug = [T.RandomResizedCrop(size), *([T.RandomHorizontalFlip()] if cfg.flip else [])]
     if cfg.autoaugment:
         aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
     to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
