@@ -38,6 +38,7 @@ def missing_onnx_packages() -> list[str]:
 
     return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
 
+
 #: Relative tolerance of the checks: max |exported - PyTorch| <= DEFAULT_RTOL * max(1, max |PyTorch|).
 DEFAULT_RTOL = 1e-4
 # Batch sizes used to trace and, different on purpose, to check.

@@ -211,8 +211,12 @@ def finish_run(
     missing = _missing_export_packages() if export else []
     if missing:
         # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
-        log.warning("ONNX export skipped: %s not installed (pip install 'repmlp[export]')", ", ".join(missing))
-        notes.append(f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')")
+        log.warning(
+            "ONNX export skipped: %s not installed (pip install 'repmlp[export]')", ", ".join(missing)
+        )
+        notes.append(
+            f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
+        )
     elif export:
         from .export import export_onnx
 
