@@ -41,6 +41,9 @@ __all__ = [
     "train_loop",
     "write_run_report",
     "STATE_FILE",
+    "resolve_device",
+    "build_model",
+    "cpu_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,70 @@ STATE_FILE = "checkpoint.safetensors"
 METRICS_FILE = "metrics.csv"
 # Set by tests to simulate a crash after N optimizer steps (no cleanup, no final checkpoint).
 STOP_ENV = "REPMLP_STOP_AFTER_STEPS"
+
+
+def resolve_device(text: str) -> torch.device:
+    """``--device`` -> ``torch.device`` (``auto``: CUDA when available); a device this machine lacks is a
+    :class:`UserError`."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "mps"):
+        raise UserError(f"--device {text}: only cpu and cuda are supported")
+    return device
+
+
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def build_model(
+    name: str,
+    model_args: dict[str, Any] | None = None,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    img_size: int | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """``create_model(name, **model_args)`` sized for the data; returns ``(model, kwargs used)``.
+
+    ``img_size`` is passed only to models that take it (repmlp's do; most timm/torchvision CNNs take any
+    input size without it). An unknown name or a bad option is a :class:`UserError`.
+    """
+    from .models import create_model
+
+    kwargs = dict(model_args or {})
+    kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
+    attempts = [{"img_size": img_size, **kwargs}, kwargs] if img_size is not None else [kwargs]
+    for i, attempt in enumerate(attempts):
+        try:
+            return create_model(name, **attempt), attempt
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unknown name / bad kwargs surface as many types
+            if isinstance(exc, TypeError) and "img_size" in str(exc) and i + 1 < len(attempts):
+                continue  # the model does not take img_size: retry without it
+            first = str(exc).strip("'\" \n").splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot build model {name!r}: {first}") from None
+    raise AssertionError("unreachable")
 
 
 @dataclass

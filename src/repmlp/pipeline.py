@@ -98,15 +98,9 @@ def hardware_summary(device: torch.device) -> str:
     if device.type == "cuda":
         hw = torch.cuda.get_device_name(device)
     else:
-        hw = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    hw = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        hw += f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        from .engine import cpu_name
+
+        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
 
 

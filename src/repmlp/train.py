@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, atomic_write_text, load_state, save_state
 from .data import Data, DataConfig, build_data
 from .data.loader import batch_generator
+from .engine import build_model, resolve_device
 from .errors import UserError
 
 __all__ = ["TrainConfig", "DistInfo", "lr_at", "evaluate", "run_training", "build_model", "setup_distributed"]
@@ -168,21 +169,6 @@ class DistInfo:
         return self.world > 1
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU; other names are checked."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 def setup_distributed(device_name: str) -> DistInfo:
     """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -228,28 +214,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def build_model(name: str, *, num_classes: int, in_chans: int, img_size: int, model_args: dict[str, Any]):
-    """``create_model`` with the data's shape; returns ``(model, model_kwargs)`` for the checkpoint.
-
-    ``img_size`` is passed only to models that take it (repmlp's do; most timm/torchvision CNNs do not).
-    """
-    from . import create_model
-
-    kwargs = {"num_classes": num_classes, "in_chans": in_chans, **model_args}
-    try:
-        try:
-            return create_model(name, img_size=img_size, **kwargs), {"img_size": img_size, **kwargs}
-        except TypeError as exc:
-            if "img_size" not in str(exc):
-                raise
-            return create_model(name, **kwargs), kwargs
-    except UserError:
-        raise
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        msg = str(exc).strip("'\"").splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"cannot build model {name!r}: {msg}") from None
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainConfig, steps_per_epoch: int) -> float:

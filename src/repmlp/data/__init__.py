@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
 from .cifar import load_cifar10
 from .fashion_mnist import CLASSES as FMNIST_CLASSES
 from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
@@ -27,7 +28,7 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 NORMALIZATION = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
 }
 
 

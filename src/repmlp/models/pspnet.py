@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .blocks import Bottleneck, ConvBNReLU, ResNet
-from .registry import register_model
+from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
 from .resnet import repmlp_res50, repmlp_res50_g4_8
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
@@ -136,8 +136,8 @@ _PSPNET_CFG: dict[str, Any] = dict(
     num_classes=19,
     classifier="head.2",
     first_conv="backbone.stem.conv.conv",
-    mean=(0.485, 0.456, 0.406),
-    std=(0.229, 0.224, 0.225),
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
 )
 
 

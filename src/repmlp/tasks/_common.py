@@ -48,13 +48,10 @@ def parse_model_kwargs(text: str | None) -> dict[str, Any]:
 
 
 def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
-    """``create_model(name, **kwargs)`` with a bad name or option reported as a :class:`UserError`."""
-    from ..models import create_model
+    """:func:`repmlp.engine.build_model` with the task's options as they are (``img_size`` included)."""
+    from ..engine import build_model as build
 
-    try:
-        return create_model(name, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"cannot build model {name!r} with {kwargs}: {exc}") from None
+    return build(name, kwargs)[0]
 
 
 def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, default: int) -> int:

@@ -346,7 +346,7 @@ def read_face_sets(args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``repmlp eval --task face``: metrics on the converted model's embeddings."""
-    from ..commands._common import resolve_device
+    from ..engine import resolve_device
 
     sets = read_face_sets(args)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(args.device)
