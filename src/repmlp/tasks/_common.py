@@ -159,12 +159,9 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="also evaluate the training-form model and report both (train-form checkpoints)",
     )
     parser.add_argument(
-        "--json",
-        "--output-json",
-        dest="output_json",
-        default=None,
-        help="write the metrics to this JSON file",
+        "--json", action="store_true", help="print the metrics as JSON (as for classification)"
     )
+    parser.add_argument("--output-json", default=None, help="also write the metrics to this JSON file")
     parser.add_argument(
         "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
     )

@@ -10,6 +10,7 @@ MobileFaceNets' weight decay (4e-5, 4e-4 on the embedding layer and the class we
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from pathlib import Path
@@ -363,8 +364,10 @@ def evaluate(args: argparse.Namespace) -> int:
             args.check_conversion,
         )
     )
+    if args.json:
+        print(json.dumps(metrics, sort_keys=True))
     for key in ("verification_accuracy", "rank1_identification"):
-        if key in metrics:
+        if key in metrics and not args.json:
             line = f"{key}: {100 * metrics[key]:.2f}%"
             if "train_form" in metrics:
                 line += f" (training form: {100 * metrics['train_form'][key]:.2f}%)"

@@ -15,6 +15,7 @@ without RepMLPs only).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from pathlib import Path
@@ -412,7 +413,9 @@ def evaluate(args: argparse.Namespace) -> int:
                 args.check_conversion,
             )
         )
-        if procs.main:
+        if procs.main and args.json:
+            print(json.dumps(metrics, sort_keys=True))
+        elif procs.main:
             print(
                 f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
                 f"({args.mode}, crop {crop[0]})"
@@ -421,8 +424,8 @@ def evaluate(args: argparse.Namespace) -> int:
                 print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
             if "train_form" in metrics:
                 print(f"training form mIoU: {100 * metrics['train_form']['miou']:.2f}%")
-            if args.output_json:
-                write_json(Path(args.output_json), metrics)
+        if procs.main and args.output_json:
+            write_json(Path(args.output_json), metrics)
         return 0
     finally:
         teardown_processes(procs)
