@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, atomic_write_text, load_state, save_state
 from .data import Data, DataConfig, build_data
 from .data.loader import batch_generator
-from .engine import build_model, resolve_device
+from .engine import DistInfo, build_model, optimizer_step, setup_distributed
 from .errors import UserError
 
 __all__ = ["TrainConfig", "DistInfo", "lr_at", "evaluate", "run_training", "build_model", "setup_distributed"]
@@ -153,42 +153,6 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------- distributed
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def setup_distributed(device_name: str) -> DistInfo:
-    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(device_name)
-    if world <= 1:
-        return DistInfo(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistInfo(rank, world, local_rank, device)
-
-
-def cleanup_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------- pieces
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -544,12 +508,7 @@ def run_training(
                     loss = lam * loss + (1 - lam) * F.cross_entropy(
                         logits.float(), target2, label_smoothing=cfg.label_smoothing
                     )
-            if not torch.isfinite(loss):
-                raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            optimizer_step(loss, optimizer, scaler, step)
             step += 1
             batch_in_epoch += 1
             acc["loss"] += loss.item() * len(y)

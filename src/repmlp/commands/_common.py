@@ -86,6 +86,34 @@ def model_arg(text: str) -> tuple[str, object]:
         return key, value
 
 
+def add_limit_argument(group, flag: str, what: str) -> None:
+    """``--train-limit`` / ``--val-limit N``: use the first N examples of ``what`` only."""
+    group.add_argument(
+        flag, type=int_at_least(1), default=None, metavar="N", help=f"use the first N {what} only"
+    )
+
+
+def add_run_arguments(group, *, resume_help: str, step: str) -> None:
+    """The run flags every task's training shares: ``--resume``, ``--ckpt-every``, ``--device``, ``--amp``,
+    ``--threads``; ``step`` names a training step in the help (optimizer step, iteration)."""
+    group.add_argument("--resume", action="store_true", help=resume_help)
+    group.add_argument(
+        "--ckpt-every",
+        type=int_at_least(0),
+        default=200,
+        metavar="STEPS",
+        help=f"checkpoint every STEPS {step}s as well (0: only at the usual points; default: 200)",
+    )
+    group.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    group.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mixed precision (default: on CUDA); it changes the maths, so a resumed run keeps it",
+    )
+    group.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
     parser.add_argument(
         "--device",

@@ -36,9 +36,7 @@ from ._common import (
     require_task_model,
     resolve_img_size,
     save_run,
-    setup_processes,
     start_run,
-    teardown_processes,
     training_loader,
     unwrap,
     write_json,
@@ -186,15 +184,10 @@ def check_options(args: argparse.Namespace) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
+    from ..engine import run_in_processes
+
     check_options(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    procs = setup_processes(args.device)
-    try:
-        _train(args, procs)
-        return 0
-    finally:
-        teardown_processes(procs)
+    return run_in_processes(args, _train)
 
 
 def _train(args: argparse.Namespace, procs) -> None:
@@ -223,7 +216,7 @@ def _train(args: argparse.Namespace, procs) -> None:
         momentum=args.momentum,
     )
     loader = training_loader(dataset, args, procs, per_process)
-    if procs.main:
+    if procs.is_main:
         log.info(
             "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
             loader.num_samples,
@@ -234,7 +227,7 @@ def _train(args: argparse.Namespace, procs) -> None:
             procs.world,
         )
     history = train_loop(net, optimizer, loader, opts, procs, state)
-    if procs.main:
+    if procs.is_main:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
         save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
         section = [
