@@ -290,7 +290,8 @@ def _restore(state: dict[str, Any], net: nn.Module, optimizer, scaler, opts: Loo
     return pos
 
 
-def _amp_dtype(device: torch.device) -> torch.dtype:
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The autocast dtype: bfloat16, or float16 on GPUs without bfloat16 (which then need a GradScaler)."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
@@ -304,7 +305,7 @@ def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: Dist
     rate of the first parameter group.
     """
     scaler = torch.amp.GradScaler(
-        procs.device.type, enabled=opts.amp and _amp_dtype(procs.device) == torch.float16
+        procs.device.type, enabled=opts.amp and amp_dtype(procs.device) == torch.float16
     )
     pos = _restore(state, net, optimizer, scaler, opts, procs) if state is not None else _Position()
     if procs.is_main:
@@ -341,7 +342,7 @@ def _step(net, optimizer, scaler, images, labels, opts: LoopOptions, pos: _Posit
     for group, lr in zip(optimizer.param_groups, opts.lr_at(pos.step), strict=True):
         group["lr"] = lr
     device = images.device
-    with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=opts.amp):
+    with torch.autocast(device.type, dtype=amp_dtype(device), enabled=opts.amp):
         loss = net(images, labels).float()
     optimizer_step(loss, optimizer, scaler, pos.step)
     return loss.detach()

@@ -145,8 +145,8 @@ class EpochSeeded(Dataset):
 
 
 def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--data`` (alias ``--data-dir``, as classification calls it): the task's data folder."""
-    parser.add_argument("--data", "--data-dir", dest="data", required=True, help=help)
+    """``--data-dir`` (as classification calls it; ``--data``, the old spelling, still works)."""
+    parser.add_argument("--data-dir", "--data", dest="data", required=True, help=help)
 
 
 def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:

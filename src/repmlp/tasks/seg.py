@@ -133,7 +133,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--crop-size", type=int_at_least(8), default=None, help="window size (default: the model's img_size)"
     )
     parser.add_argument(
-        "--limit", type=int_at_least(1), default=None, help="evaluate the first N images only"
+        "--val-limit",
+        "--limit",
+        dest="limit",
+        type=int_at_least(1),
+        default=None,
+        help="evaluate the first N images only",
     )
     add_common_eval_arguments(parser)
 
