@@ -284,6 +284,10 @@ def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, ca
     counted = [v for v in m["per_class_iou"].values() if v is not None]
     assert m["miou"] == pytest.approx(sum(counted) / len(counted))
     assert "mIoU" in capsys.readouterr().out
+    # --json prints the same metrics, as for classification.
+    rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
+                   "--data", str(city), "--device", "cpu", "--workers", "0", "--json"])  # fmt: skip
+    assert rc == 0 and json.loads(capsys.readouterr().out)["confusion_matrix"] == m["confusion_matrix"]
     # A RepMLP model cannot predict whole 80x112 images in one pass: clear error.
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
                    "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip

@@ -29,10 +29,10 @@ from torch import nn
 from .errors import UserError
 
 __all__ = [
-    "Processes",
+    "DistInfo",
     "LoopOptions",
-    "setup_processes",
-    "teardown_processes",
+    "setup_distributed",
+    "cleanup_distributed",
     "all_reduce_sum",
     "prepare_module",
     "unwrap",
@@ -41,6 +41,11 @@ __all__ = [
     "train_loop",
     "write_run_report",
     "STATE_FILE",
+    "resolve_device",
+    "build_model",
+    "cpu_name",
+    "optimizer_step",
+    "run_in_processes",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,45 +56,124 @@ METRICS_FILE = "metrics.csv"
 STOP_ENV = "REPMLP_STOP_AFTER_STEPS"
 
 
+def resolve_device(text: str) -> torch.device:
+    """``--device`` -> ``torch.device`` (``auto``: CUDA when available); a device this machine lacks is a
+    :class:`UserError`."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type not in ("cpu", "mps"):
+        raise UserError(f"--device {text}: only cpu and cuda are supported")
+    return device
+
+
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def build_model(
+    name: str,
+    model_args: dict[str, Any] | None = None,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    img_size: int | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """``create_model(name, **model_args)`` sized for the data; returns ``(model, kwargs used)``.
+
+    ``img_size`` is passed only to models that take it (repmlp's do; most timm/torchvision CNNs take any
+    input size without it). An unknown name or a bad option is a :class:`UserError`.
+    """
+    from .models import create_model
+
+    kwargs = dict(model_args or {})
+    kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
+    attempts = [{"img_size": img_size, **kwargs}, kwargs] if img_size is not None else [kwargs]
+    for i, attempt in enumerate(attempts):
+        try:
+            return create_model(name, **attempt), attempt
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unknown name / bad kwargs surface as many types
+            if isinstance(exc, TypeError) and "img_size" in str(exc) and i + 1 < len(attempts):
+                continue  # the model does not take img_size: retry without it
+            first = str(exc).strip("'\" \n").splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot build model {name!r}: {first}") from None
+    raise AssertionError("unreachable")
+
+
 @dataclass
-class Processes:
+class DistInfo:
     """This process's place in a (possibly single-process) run: ``rank`` of ``world``, its device."""
 
-    rank: int
-    world: int
-    device: torch.device
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
-    def main(self) -> bool:
+    def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def distributed(self) -> bool:
+    def enabled(self) -> bool:
         return self.world > 1
 
 
-def setup_processes(device_text: str) -> Processes:
-    """Join the torchrun process group when launched by torchrun (``WORLD_SIZE`` > 1), else one process.
+def setup_distributed(device_name: str) -> DistInfo:
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_name)
+    if world <= 1:
+        return DistInfo(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local_rank, device)
 
-    Uses :func:`repmlp.train.setup_distributed` (NCCL with ``cuda:LOCAL_RANK`` on GPUs, gloo on CPUs), so
-    all tasks start processes the same way.
-    """
-    from .train import setup_distributed
 
-    info = setup_distributed(device_text)
-    return Processes(info.rank, info.world, info.device)
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def teardown_processes(procs: Processes) -> None:
-    from .train import cleanup_distributed
-
-    if procs.distributed:
+def run_in_processes(args, body: Callable[[Any, DistInfo], None]) -> int:
+    """``body(args, procs)`` with ``--threads`` applied, in the torchrun process group when there is one
+    (left again whatever happens). Returns exit status 0."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    procs = setup_distributed(args.device)
+    try:
+        body(args, procs)
+        return 0
+    finally:
         cleanup_distributed()
 
 
-def all_reduce_sum(t: torch.Tensor, procs: Processes) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, procs: DistInfo) -> torch.Tensor:
     """Sum ``t`` over processes (identity for one process)."""
-    if procs.distributed:
+    if procs.enabled:
         t = t.clone()
         dist.all_reduce(t)
     return t
@@ -99,14 +183,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def prepare_module(module: nn.Module, procs: Processes) -> nn.Module:
+def prepare_module(module: nn.Module, procs: DistInfo) -> nn.Module:
     """``module`` on the run's device; for multi-GPU runs with ``SyncBatchNorm`` and wrapped in DDP.
 
     SyncBatchNorm because the paper's per-GPU batches are small (2 images for PSPNet): BatchNorm needs
     the global batch. The converted model takes it (``reparameterize_model`` folds any BatchNorm).
     """
     module = module.to(procs.device)
-    if not procs.distributed:
+    if not procs.enabled:
         return module
     if procs.device.type == "cuda":
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
@@ -135,7 +219,7 @@ class LoopOptions:
     lr_at: Callable[[int], list[float]] = field(default=lambda step: [])
 
 
-def check_output(out: Path, resume: bool, procs: Processes) -> dict[str, Any] | None:
+def check_output(out: Path, resume: bool, procs: DistInfo) -> dict[str, Any] | None:
     """The saved state to resume from (``None`` for a new run); refuses to overwrite a run in ``out``."""
     from .checkpoint import load_state
 
@@ -144,7 +228,7 @@ def check_output(out: Path, resume: bool, procs: Processes) -> dict[str, Any] | 
         if not state_path.is_file():
             raise UserError(f"nothing to resume: {state_path} does not exist")
         return load_state(state_path)
-    if procs.main and (state_path.exists() or (out / "model.safetensors").exists()):
+    if procs.is_main and (state_path.exists() or (out / "model.safetensors").exists()):
         raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
     return None
 
@@ -171,7 +255,7 @@ class _Position:
 def _save(path: Path, net: nn.Module, optimizer, scaler, pos: _Position, opts: LoopOptions, procs) -> None:
     from .checkpoint import save_state
 
-    if not procs.main:
+    if not procs.is_main:
         return
     state = {
         "config": opts.config,
@@ -201,18 +285,19 @@ def _restore(state: dict[str, Any], net: nn.Module, optimizer, scaler, opts: Loo
             torch.cuda.set_rng_state(state["rng"]["cuda"], procs.device)
     except (KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{opts.output / STATE_FILE} does not fit this run: {exc}") from None
-    if procs.main:
+    if procs.is_main:
         log.info("resuming %s at iteration %d (epoch %d)", opts.output, pos.step, pos.epoch)
     return pos
 
 
-def _amp_dtype(device: torch.device) -> torch.dtype:
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The autocast dtype: bfloat16, or float16 on GPUs without bfloat16 (which then need a GradScaler)."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
 
 
-def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: Processes, state=None) -> list:
+def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo, state=None) -> list:
     """Train ``net`` (``net(images, labels)`` -> loss) for ``opts.iterations`` steps over as many epochs
     of ``loader`` as that takes; continue from ``state`` (:func:`check_output`) if given.
 
@@ -220,16 +305,16 @@ def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: Proc
     rate of the first parameter group.
     """
     scaler = torch.amp.GradScaler(
-        procs.device.type, enabled=opts.amp and _amp_dtype(procs.device) == torch.float16
+        procs.device.type, enabled=opts.amp and amp_dtype(procs.device) == torch.float16
     )
     pos = _restore(state, net, optimizer, scaler, opts, procs) if state is not None else _Position()
-    if procs.main:
+    if procs.is_main:
         opts.output.mkdir(parents=True, exist_ok=True)
     path = opts.output / STATE_FILE
     stop = int(os.environ.get(STOP_ENV, "0"))
     net.train()
     start = time.perf_counter()
-    with progress(None, opts.iterations, "train", procs.main, initial=pos.step) as bar:
+    with progress(None, opts.iterations, "train", procs.is_main, initial=pos.step) as bar:
         while pos.step < opts.iterations:
             for images, labels in loader.batches(pos.epoch, pos.batch):
                 loss = _step(net, optimizer, scaler, images, labels, opts, pos)
@@ -257,18 +342,23 @@ def _step(net, optimizer, scaler, images, labels, opts: LoopOptions, pos: _Posit
     for group, lr in zip(optimizer.param_groups, opts.lr_at(pos.step), strict=True):
         group["lr"] = lr
     device = images.device
-    with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=opts.amp):
+    with torch.autocast(device.type, dtype=amp_dtype(device), enabled=opts.amp):
         loss = net(images, labels).float()
+    optimizer_step(loss, optimizer, scaler, pos.step)
+    return loss.detach()
+
+
+def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
+    """Backward and one (gradient-scaled) optimizer step; a non-finite loss is a :class:`UserError`."""
     if not torch.isfinite(loss):
-        raise UserError(f"the loss became {loss.item()} at iteration {pos.step} (try a smaller --lr)")
+        raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    return loss.detach()
 
 
-def _log(pos: _Position, opts: LoopOptions, procs: Processes, seconds: float) -> None:
+def _log(pos: _Position, opts: LoopOptions, procs: DistInfo, seconds: float) -> None:
     total = all_reduce_sum(torch.tensor(pos.running, dtype=torch.float64, device=procs.device), procs)
     entry = {
         "iteration": pos.step,
@@ -279,7 +369,7 @@ def _log(pos: _Position, opts: LoopOptions, procs: Processes, seconds: float) ->
     }
     pos.history.append(entry)
     pos.running = [0.0, 0.0]
-    if procs.main:
+    if procs.is_main:
         log.info(
             "epoch %d iter %d/%d  loss %.4f  lr %.2e",
             pos.epoch,

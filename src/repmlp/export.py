@@ -24,9 +24,27 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "DEFAULT_RTOL"]
+__all__ = [
+    "ExportError",
+    "export_onnx",
+    "export_torchscript",
+    "export_program",
+    "missing_onnx_packages",
+    "DEFAULT_RTOL",
+]
 
 log = logging.getLogger(__name__)
+
+# What ONNX export and its check import: the optional `repmlp[export]` extra.
+ONNX_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
+
+
+def missing_onnx_packages() -> list[str]:
+    """The packages of the ``repmlp[export]`` extra that are not installed."""
+    import importlib.util
+
+    return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
+
 
 #: Relative tolerance of the checks: max |exported - PyTorch| <= DEFAULT_RTOL * max(1, max |PyTorch|).
 DEFAULT_RTOL = 1e-4

@@ -98,16 +98,16 @@ def hardware_summary(device: torch.device) -> str:
     if device.type == "cuda":
         hw = torch.cuda.get_device_name(device)
     else:
-        hw = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    hw = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        hw += f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+        from .engine import cpu_name
+
+        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _missing_export_packages() -> list[str]:
+    from .export import missing_onnx_packages
+
+    return missing_onnx_packages()
 
 
 def _step(name: str, fn, notes: list[str]):
@@ -202,7 +202,16 @@ def finish_run(
 
     bench_out = _step("benchmark", run_bench, notes) if bench else None
     onnx_diff = None
-    if export:
+    missing = _missing_export_packages() if export else []
+    if missing:
+        # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
+        log.warning(
+            "ONNX export skipped: %s not installed (pip install 'repmlp[export]')", ", ".join(missing)
+        )
+        notes.append(
+            f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
+        )
+    elif export:
         from .export import export_onnx
 
         onnx_diff = _step(

@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from .checkpoint import CheckpointError, atomic_write_text, load_state, save_state
 from .data import Data, DataConfig, build_data
 from .data.loader import batch_generator
+from .engine import DistInfo, build_model, optimizer_step, prepare_module, setup_distributed
+from .engine import amp_dtype as _amp_dtype
 from .errors import UserError
 
 __all__ = ["TrainConfig", "DistInfo", "lr_at", "evaluate", "run_training", "build_model", "setup_distributed"]
@@ -59,7 +61,10 @@ METRIC_FIELDS = [
 
 @dataclass
 class TrainConfig:
-    """Every option of a classification run (JSON-serialisable; stored in the checkpoint)."""
+    """Every option of a classification run (JSON-serialisable; stored in the checkpoint).
+
+    The defaults are the ``fmnist`` preset (:data:`repmlp.recipes.PRESETS`), the main job's recipe.
+    """
 
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
@@ -67,7 +72,7 @@ class TrainConfig:
     preset: str = "fmnist"
     model: str = "repmlp_fmnist"
     model_args: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 12
+    epochs: int = 5
     batch_size: int = 256  # global, split over the processes
     eval_batch_size: int = 512
     optimizer: str = "sgd"
@@ -77,8 +82,8 @@ class TrainConfig:
     nesterov: bool = True
     weight_decay: float = 5e-5
     schedule: str = "cosine"
-    warmup_epochs: float = 0.0
-    label_smoothing: float = 0.0
+    warmup_epochs: float = 0.5
+    label_smoothing: float = 0.1
     mixup: float = 0.0
     pad: int = 0
     flip: bool = True
@@ -87,15 +92,16 @@ class TrainConfig:
     train_limit: int | None = None
     val_limit: int | None = None
     seed: int = 0
+    # Mixed precision changes the maths: a resumed run keeps it (None: on for CUDA, fixed at the start).
+    amp: bool | None = None
     # Runtime options: they do not change the maths, so a resumed run may change them.
     device: str = "auto"
-    amp: bool | None = None  # None: on for CUDA
-    channels_last: bool | None = None  # None: on for CUDA
+    channels_last: bool | None = True  # None: on for CUDA
     workers: int = 2
     ckpt_every: int = 0
     output: str = "runs/latest"
 
-    RUNTIME = ("device", "amp", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
+    RUNTIME = ("device", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,57 +154,6 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------- distributed
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU; other names are checked."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def setup_distributed(device_name: str) -> DistInfo:
-    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(device_name)
-    if world <= 1:
-        return DistInfo(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistInfo(rank, world, local_rank, device)
-
-
-def cleanup_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------- pieces
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -224,28 +179,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def build_model(name: str, *, num_classes: int, in_chans: int, img_size: int, model_args: dict[str, Any]):
-    """``create_model`` with the data's shape; returns ``(model, model_kwargs)`` for the checkpoint.
-
-    ``img_size`` is passed only to models that take it (repmlp's do; most timm/torchvision CNNs do not).
-    """
-    from . import create_model
-
-    kwargs = {"num_classes": num_classes, "in_chans": in_chans, **model_args}
-    try:
-        try:
-            return create_model(name, img_size=img_size, **kwargs), {"img_size": img_size, **kwargs}
-        except TypeError as exc:
-            if "img_size" not in str(exc):
-                raise
-            return create_model(name, **kwargs), kwargs
-    except UserError:
-        raise
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        msg = str(exc).strip("'\"").splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"cannot build model {name!r}: {msg}") from None
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
@@ -316,12 +249,6 @@ def evaluate(
         "top5": 100 * sums[2].item() / n,
         "n": int(n),
     }
-
-
-def _amp_dtype(device: torch.device) -> torch.dtype:
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
 
 
 def state_hash(model: nn.Module) -> str:
@@ -399,27 +326,13 @@ def resumed_config(
     return saved
 
 
-def run_training(
-    cfg: TrainConfig,
-    *,
-    resume: bool = False,
-    stop_after_steps: int | None = None,
-    given: Collection[str] | None = None,
-) -> TrainResult:
-    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group.
-
-    With ``resume``, the run continues from ``cfg.output``'s checkpoint with the saved configuration;
-    ``given`` names the options the user set explicitly (see :func:`resumed_config`).
-    """
-    from tqdm import tqdm
-
-    cfg.validate()
-    di = setup_distributed(cfg.device)
-    if cfg.batch_size % di.world:
-        raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
+def _open_run(
+    cfg: TrainConfig, resume: bool, given: Collection[str] | None, di: DistInfo
+) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """The run's configuration and the state to resume from (``None`` for a new run); refuses to
+    overwrite a run in ``cfg.output``."""
     out = Path(cfg.output)
     state_path = out / STATE_FILE
-    state: dict[str, Any] | None = None
     if resume:
         if not state_path.is_file():
             raise UserError(f"nothing to resume: {state_path} does not exist")
@@ -428,14 +341,17 @@ def run_training(
             saved = TrainConfig.from_dict(state["config"])
         except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{state_path} has no usable config ({exc})") from None
-        cfg = resumed_config(saved, cfg, given, out)
-    elif di.is_main and state_path.exists():
+        return resumed_config(saved, cfg, given, out), state
+    if di.is_main and state_path.exists():
         raise UserError(
             f"{out} already holds a run ({STATE_FILE}); use --resume to continue it or another --output"
         )
+    return cfg, None
 
+
+def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Module, dict[str, Any]]:
+    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``."""
     device = di.device
-    amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
     seed_everything(cfg.seed)
     data = build_data(
@@ -469,6 +385,122 @@ def run_training(
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
+    return data, model, model_kwargs
+
+
+def _restore(state: dict[str, Any], model: nn.Module, optimizer, scaler, di: DistInfo, state_path: Path):
+    """Load a saved training state; returns ``(epoch, batch_in_epoch, step, history, epoch_acc)``."""
+    try:
+        model.load_state_dict(state["model"], strict=True)
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        epoch, batch_in_epoch, step = int(state["epoch"]), int(state["batch"]), int(state["step"])
+        history, acc = list(state["history"]), dict(state["epoch_acc"])
+        set_rng_state(
+            state["rng"][str(di.rank)] if str(di.rank) in state["rng"] else state["rng"]["0"], di.device
+        )
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{state_path} does not fit this run: {str(exc).splitlines()[0]}") from None
+    if di.is_main:
+        log.info(
+            "resuming %s at epoch %d, batch %d (step %d)", state_path.parent, epoch + 1, batch_in_epoch, step
+        )
+    return epoch, batch_in_epoch, step, history, acc
+
+
+def _log_start(cfg: TrainConfig, model: nn.Module, data: Data, di: DistInfo) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "training %s (%.2fM params) on %s: %d train / %d val examples, %d epochs x %d steps, batch %d, "
+        "%s, device %s%s",
+        cfg.model,
+        n_params / 1e6,
+        cfg.dataset,
+        data.train.num_samples,
+        data.val.num_samples,
+        cfg.epochs,
+        len(data.train),
+        cfg.batch_size,
+        cfg.optimizer,
+        di.device,
+        f", {di.world} processes" if di.enabled else "",
+    )
+
+
+def _replica_hashes(model: nn.Module, di: DistInfo) -> list[str]:
+    """Every process's :func:`state_hash` of ``model`` (rank order), logged: the check that DDP kept the
+    processes in step (also in report.md)."""
+    _broadcast_buffers(model, di)
+    hashes = [state_hash(model)]
+    if di.enabled:
+        gathered: list[Any] = [None] * di.world
+        dist.all_gather_object(gathered, hashes[0])
+        hashes = gathered
+        if len(set(hashes)) != 1:
+            log.error("replicas differ after training: %s", hashes)
+        elif di.is_main:
+            log.info("final weights identical on all %d processes (sha256 %s)", di.world, hashes[0][:16])
+    return hashes
+
+
+def _epoch_row(cfg: TrainConfig, epoch: int, step: int, lr: float, acc, val, di: DistInfo) -> dict[str, Any]:
+    """The metrics.csv row of a finished epoch (logged by rank 0)."""
+    # Train-loss/accuracy sums are per rank; average them too so the metrics describe the whole run.
+    sums = torch.tensor([acc["loss"], acc["correct"], acc["n"]], dtype=torch.float64)
+    if di.enabled:
+        dist.all_reduce(sums)
+    row = {
+        "epoch": epoch + 1,
+        "step": step,
+        "lr": lr,
+        "train_loss": sums[0].item() / max(1, sums[2].item()),
+        "train_acc": 100 * sums[1].item() / max(1, sums[2].item()),
+        "val_loss": val["loss"],
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "epoch_s": acc["seconds"],
+    }
+    if di.is_main:
+        log.info(
+            "epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | %.0f s",
+            epoch + 1,
+            cfg.epochs,
+            row["train_loss"],
+            row["train_acc"],
+            val["loss"],
+            val["top1"],
+            val["top5"],
+            row["epoch_s"],
+        )
+    return row
+
+
+def run_training(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    stop_after_steps: int | None = None,
+    given: Collection[str] | None = None,
+) -> TrainResult:
+    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group.
+
+    With ``resume``, the run continues from ``cfg.output``'s checkpoint with the saved configuration;
+    ``given`` names the options the user set explicitly (see :func:`resumed_config`).
+    """
+    from tqdm import tqdm
+
+    cfg.validate()
+    di = setup_distributed(cfg.device)
+    if cfg.batch_size % di.world:
+        raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
+    cfg, state = _open_run(cfg, resume, given, di)
+    out = Path(cfg.output)
+    state_path = out / STATE_FILE
+    device = di.device
+    amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
+    cfg.amp = amp  # saved resolved, so that a resume on another device keeps it
+    data, model, model_kwargs = _build_data_and_model(cfg, di)
     optimizer = make_optimizer(model, cfg)
     scaler = torch.amp.GradScaler(device.type, enabled=amp and _amp_dtype(device) == torch.float16)
     steps_per_epoch = len(data.train)
@@ -477,43 +509,12 @@ def run_training(
     history: list[dict[str, Any]] = []
     acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
     if state is not None:
-        try:
-            model.load_state_dict(state["model"], strict=True)
-            optimizer.load_state_dict(state["optimizer"])
-            if state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            epoch, batch_in_epoch, step = int(state["epoch"]), int(state["batch"]), int(state["step"])
-            history, acc = list(state["history"]), dict(state["epoch_acc"])
-            set_rng_state(
-                state["rng"][str(di.rank)] if str(di.rank) in state["rng"] else state["rng"]["0"], device
-            )
-        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{state_path} does not fit this run: {str(exc).splitlines()[0]}") from None
-        if di.is_main:
-            log.info("resuming %s at epoch %d, batch %d (step %d)", out, epoch + 1, batch_in_epoch, step)
+        epoch, batch_in_epoch, step, history, acc = _restore(state, model, optimizer, scaler, di, state_path)
     if di.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        n_params = sum(p.numel() for p in model.parameters())
-        log.info(
-            "training %s (%.2fM params) on %s: %d train / %d val examples, %d epochs x %d steps, batch %d, "
-            "%s, device %s%s",
-            cfg.model,
-            n_params / 1e6,
-            cfg.dataset,
-            data.train.num_samples,
-            data.val.num_samples,
-            cfg.epochs,
-            steps_per_epoch,
-            cfg.batch_size,
-            cfg.optimizer,
-            device,
-            f", {di.world} processes" if di.enabled else "",
-        )
-    ddp = model
-    if di.enabled:
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
+        _log_start(cfg, model, data, di)
+    # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
+    ddp = prepare_module(model, di)
 
     def save_checkpoint() -> None:
         rngs = [rng_state(device)]
@@ -575,12 +576,7 @@ def run_training(
                     loss = lam * loss + (1 - lam) * F.cross_entropy(
                         logits.float(), target2, label_smoothing=cfg.label_smoothing
                     )
-            if not torch.isfinite(loss):
-                raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            optimizer_step(loss, optimizer, scaler, step)
             step += 1
             batch_in_epoch += 1
             acc["loss"] += loss.item() * len(y)
@@ -607,34 +603,8 @@ def run_training(
         acc["seconds"] += time.perf_counter() - t_epoch
         _broadcast_buffers(model, di)
         val = evaluate(model, data.val, device, amp=amp, dist_info=di, desc=f"eval {epoch + 1}")
-        # Train-loss/accuracy sums are per rank; average them too so the metrics describe the whole run.
-        sums = torch.tensor([acc["loss"], acc["correct"], acc["n"]], dtype=torch.float64)
-        if di.enabled:
-            dist.all_reduce(sums)
-        row = {
-            "epoch": epoch + 1,
-            "step": step,
-            "lr": lr_at(step - 1, total_steps, cfg, steps_per_epoch),
-            "train_loss": sums[0].item() / max(1, sums[2].item()),
-            "train_acc": 100 * sums[1].item() / max(1, sums[2].item()),
-            "val_loss": val["loss"],
-            "val_top1": val["top1"],
-            "val_top5": val["top5"],
-            "epoch_s": acc["seconds"],
-        }
-        history.append(row)
-        if di.is_main:
-            log.info(
-                "epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | %.0f s",
-                epoch + 1,
-                cfg.epochs,
-                row["train_loss"],
-                row["train_acc"],
-                val["loss"],
-                val["top1"],
-                val["top5"],
-                row["epoch_s"],
-            )
+        lr_end = lr_at(step - 1, total_steps, cfg, steps_per_epoch)
+        history.append(_epoch_row(cfg, epoch, step, lr_end, acc, val, di))
         epoch, batch_in_epoch = epoch + 1, 0
         acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
         save_checkpoint()
@@ -644,17 +614,7 @@ def run_training(
     if di.is_main:
         # Again after the loop: a run killed between its last checkpoint and this file resumes past the loop.
         write_metrics_csv(out / METRICS_FILE, history)
-    _broadcast_buffers(model, di)
-    hashes = [state_hash(model)]
-    if di.enabled:
-        gathered: list[Any] = [None] * di.world
-        dist.all_gather_object(gathered, hashes[0])
-        hashes = gathered
-        if len(set(hashes)) != 1:
-            log.error("replicas differ after training: %s", hashes)
-        elif di.is_main:
-            # The check that DDP kept the processes in step (also in report.md).
-            log.info("final weights identical on all %d processes (sha256 %s)", di.world, hashes[0][:16])
+    hashes = _replica_hashes(model, di)
     model.eval()
     return TrainResult(model, model_kwargs, data, history, cfg, train_seconds, hashes, di)
 

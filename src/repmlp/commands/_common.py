@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine import cpu_name, resolve_device  # noqa: F401 - resolve_device: the commands' import
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,34 @@ def model_arg(text: str) -> tuple[str, object]:
         return key, value
 
 
+def add_limit_argument(group, flag: str, what: str) -> None:
+    """``--train-limit`` / ``--val-limit N``: use the first N examples of ``what`` only."""
+    group.add_argument(
+        flag, type=int_at_least(1), default=None, metavar="N", help=f"use the first N {what} only"
+    )
+
+
+def add_run_arguments(group, *, resume_help: str, step: str) -> None:
+    """The run flags every task's training shares: ``--resume``, ``--ckpt-every``, ``--device``, ``--amp``,
+    ``--threads``; ``step`` names a training step in the help (optimizer step, iteration)."""
+    group.add_argument("--resume", action="store_true", help=resume_help)
+    group.add_argument(
+        "--ckpt-every",
+        type=int_at_least(0),
+        default=200,
+        metavar="STEPS",
+        help=f"checkpoint every STEPS {step}s as well (0: only at the usual points; default: 200)",
+    )
+    group.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
+    group.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mixed precision (default: on CUDA); it changes the maths, so a resumed run keeps it",
+    )
+    group.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
     parser.add_argument(
         "--device",
@@ -93,38 +122,11 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -
     )
 
 
-def resolve_device(text: str) -> torch.device:
-    """``--device`` -> ``torch.device``; a device this machine lacks is a :class:`UserError`."""
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N or auto)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {text}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type not in ("cpu", "mps"):
-        raise UserError(f"--device {text}: only cpu and cuda are supported")
-    return device
-
-
 def describe_device(device: torch.device) -> str:
     """Human-readable hardware of ``device`` for report lines (GPU name, or CPU model and threads)."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    cpu = "CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads"
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
 
 
 def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
@@ -176,25 +178,7 @@ def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> Non
 def build_model(
     name: str, *, num_classes: int | None, in_chans: int | None, img_size: int | None
 ) -> nn.Module:
-    """``repmlp.create_model`` with the given options; an unknown name or bad option is a UserError.
+    """:func:`repmlp.engine.build_model` in eval mode (the commands measure and export models)."""
+    from ..engine import build_model as build
 
-    ``img_size`` is passed only to models that take it (timm's CNNs take any input size without it).
-    """
-    from .. import create_model
-
-    kwargs: dict[str, Any] = {}
-    if num_classes is not None:
-        kwargs["num_classes"] = num_classes
-    if in_chans is not None:
-        kwargs["in_chans"] = in_chans
-    attempts = [{**kwargs, "img_size": img_size}, kwargs] if img_size is not None else [kwargs]
-    last: Exception | None = None
-    for attempt in attempts:
-        try:
-            return create_model(name, **attempt).eval()
-        except TypeError as exc:  # the model does not take img_size: retry without it
-            last = exc
-        except Exception as exc:  # noqa: BLE001 - unknown name / bad kwargs surface as many types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"cannot build model {name!r}: {first}") from None
-    raise UserError(f"cannot build model {name!r}: {last}")
+    return build(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)[0].eval()

@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     from ..checkpoint import CheckpointError, load_model
     from ..data import DataConfig, build_data
-    from ..train import evaluate, resolve_device
+    from ..engine import resolve_device
+    from ..train import evaluate
 
     device = resolve_device(args.device)
     model, info = load_model(args.checkpoint, device=device)

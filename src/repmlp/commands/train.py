@@ -16,7 +16,14 @@ import sys
 import time
 
 from ..errors import UserError
-from ._common import int_at_least, model_arg, nonneg_float, positive_float
+from ._common import (
+    add_limit_argument,
+    add_run_arguments,
+    int_at_least,
+    model_arg,
+    nonneg_float,
+    positive_float,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "cifar10: folder holding cifar-10-batches-py; imagefolder: folder with train/ and val/",
     )
     g.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
-    g.add_argument(
-        "--train-limit",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="train on the first N training examples only",
-    )
-    g.add_argument(
-        "--val-limit",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="evaluate on the first N validation examples only",
-    )
+    add_limit_argument(g, "--train-limit", "training examples")
+    add_limit_argument(g, "--val-limit", "validation examples")
     g.add_argument(
         "--workers", type=_nonneg_int, default=2, help="image decoding processes (imagefolder; default: 2)"
     )
@@ -176,25 +171,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--seed", type=int, default=0, help="(default: 0)")
     g = p.add_argument_group("run")
     g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --output from its last checkpoint, with its saved settings (options "
+    add_run_arguments(
+        g,
+        resume_help="continue the run in --output from its last checkpoint, with its saved settings (options "
         "that would change them are refused; --device, --workers, --data-dir, ... may change)",
-    )
-    g.add_argument(
-        "--ckpt-every",
-        type=_nonneg_int,
-        default=200,
-        metavar="STEPS",
-        help="also checkpoint every STEPS optimizer steps (0: only at epoch ends; default: 200)",
-    )
-    g.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
-    g.add_argument(
-        "--amp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="mixed precision (default: on CUDA)",
+        step="optimizer step",
     )
     g.add_argument(
         "--channels-last",
@@ -202,7 +183,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="channels-last memory format (default: on CUDA)",
     )
-    g.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
     g.add_argument("--bench-batch-size", type=int_at_least(1), default=128)
     g.add_argument("--no-export", action="store_true", help="skip the ONNX export")
     g.add_argument("--no-bench", action="store_true", help="skip the speed benchmark")
@@ -271,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from ..engine import cleanup_distributed
     from ..pipeline import finish_run
-    from ..train import cleanup_distributed, run_training
+    from ..train import run_training
 
     cfg = resolve_config(args)
     try:

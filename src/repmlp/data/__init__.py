@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import UserError
+from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
 from .cifar import load_cifar10
 from .fashion_mnist import CLASSES as FMNIST_CLASSES
 from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
@@ -29,7 +30,7 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 NORMALIZATION = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "imagefolder": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
 }
 
 
@@ -151,7 +152,7 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
-    aug = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()]
+    aug = [T.RandomResizedCrop(size), *([T.RandomHorizontalFlip()] if cfg.flip else [])]
     if cfg.autoaugment:
         aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
     to_tensor = [T.ToTensor(), T.Normalize(mean, std)]

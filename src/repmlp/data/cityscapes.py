@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..errors import UserError
+from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "NUM_CLASSES",
@@ -43,8 +44,6 @@ CLASS_NAMES = (
     "road", "sidewalk", "building", "wall", "fence", "pole", "traffic light", "traffic sign", "vegetation",
     "terrain", "sky", "person", "rider", "car", "truck", "bus", "train", "motorcycle", "bicycle",
 )  # fmt: skip
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 _IMAGE_SUFFIX = "_leftImg8bit.png"
 _LABEL_SUFFIX = "_gtFine_labelTrainIds.png"
 

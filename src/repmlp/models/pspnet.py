@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .blocks import Bottleneck, ConvBNReLU, ResNet, _check_resnet_input
-from .registry import register_model
+from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
 from .resnet import repmlp_res50, repmlp_res50_g4_8
 
 # torch.fx patches a wrapped function per module namespace: keep the imported check a leaf here too.
@@ -149,8 +149,8 @@ _PSPNET_CFG: dict[str, Any] = dict(
     num_classes=19,
     classifier="head.2",
     first_conv="backbone.stem.conv.conv",
-    mean=(0.485, 0.456, 0.406),
-    std=(0.229, 0.224, 0.225),
+    mean=IMAGENET_MEAN,
+    std=IMAGENET_STD,
 )
 
 

@@ -24,8 +24,9 @@ ModelFn = Callable[..., nn.Module]
 _MODELS: dict[str, ModelFn] = {}
 _CFGS: dict[str, dict[str, Any]] = {}
 
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
+# ImageNet's per-channel statistics, the one copy (models' cfgs, ImageNet folders, Cityscapes).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _FEATURE_CFGS: dict[str, dict[str, Any]] = {}  # timm-registered models: their feature_cfg
 
@@ -44,8 +45,8 @@ def _default_cfg(name: str, **overrides: Any) -> dict[str, Any]:
         "pool_size": None,
         "crop_pct": 0.875,
         "interpolation": "bilinear",
-        "mean": _IMAGENET_MEAN,
-        "std": _IMAGENET_STD,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
         "first_conv": "",
         "classifier": "head.fc",
         "license": "mit",

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from ..engine import (  # noqa: F401 - re-exported for the tasks
-    Processes,
+    DistInfo,
     all_reduce_sum,
+    cleanup_distributed,
     progress,
-    setup_processes,
-    teardown_processes,
+    setup_distributed,
     unwrap,
 )
 from ..errors import UserError
@@ -27,7 +27,7 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 
-def per_process_batch(global_batch: int, procs: Processes, flag: str = "--batch-size") -> int:
+def per_process_batch(global_batch: int, procs: DistInfo, flag: str = "--batch-size") -> int:
     """Split the global batch size (the paper's numbers are global) evenly over the processes."""
     if global_batch % procs.world:
         raise UserError(f"{flag} {global_batch} is not divisible by the {procs.world} processes")
@@ -48,13 +48,10 @@ def parse_model_kwargs(text: str | None) -> dict[str, Any]:
 
 
 def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
-    """``create_model(name, **kwargs)`` with a bad name or option reported as a :class:`UserError`."""
-    from ..models import create_model
+    """:func:`repmlp.engine.build_model` with the task's options as they are (``img_size`` included)."""
+    from ..engine import build_model as build
 
-    try:
-        return create_model(name, **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"cannot build model {name!r} with {kwargs}: {exc}") from None
+    return build(name, kwargs)[0]
 
 
 def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, default: int) -> int:
@@ -148,8 +145,8 @@ class EpochSeeded(Dataset):
 
 
 def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--data`` (alias ``--data-dir``, as classification calls it): the task's data folder."""
-    parser.add_argument("--data", "--data-dir", dest="data", required=True, help=help)
+    """``--data-dir`` (as classification calls it; ``--data``, the old spelling, still works)."""
+    parser.add_argument("--data-dir", "--data", dest="data", required=True, help=help)
 
 
 def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,12 +159,9 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="also evaluate the training-form model and report both (train-form checkpoints)",
     )
     parser.add_argument(
-        "--json",
-        "--output-json",
-        dest="output_json",
-        default=None,
-        help="write the metrics to this JSON file",
+        "--json", action="store_true", help="print the metrics as JSON (as for classification)"
     )
+    parser.add_argument("--output-json", default=None, help="also write the metrics to this JSON file")
     parser.add_argument(
         "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
     )
@@ -179,12 +173,12 @@ def add_common_train_arguments(
 ) -> None:
     """The flags every task's training shares, spelt as classification spells them (model, output,
     schedule basics, processes, checkpoints)."""
-    from ..commands._common import int_at_least, model_arg, nonneg_float, positive_float
+    from ..commands import _common as flags
 
     parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
     parser.add_argument(
         "--model-arg",
-        type=model_arg,
+        type=flags.model_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -194,56 +188,35 @@ def add_common_train_arguments(
     parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
     parser.add_argument(
         "--batch-size",
-        type=int_at_least(1),
+        type=flags.int_at_least(1),
         default=batch_size,
         help=f"global batch size, split over torchrun processes (default: {batch_size})",
     )
-    parser.add_argument("--lr", type=positive_float, default=lr, help=f"base learning rate (default: {lr})")
+    parser.add_argument(
+        "--lr", type=flags.positive_float, default=lr, help=f"base learning rate (default: {lr})"
+    )
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
     parser.add_argument(
         "--weight-decay",
-        type=nonneg_float,
+        type=flags.nonneg_float,
         default=weight_decay,
         help=f"weight decay (default: {weight_decay})",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    flags.add_limit_argument(parser, "--train-limit", "training images")
     parser.add_argument(
-        "--train-limit",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="train on the first N images only",
-    )
-    parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
-    )
-    parser.add_argument(
-        "--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)"
+        "--workers", type=flags.int_at_least(0), default=2, help="data loading processes (default: 2)"
     )
     parser.add_argument(
         "--log-interval",
-        type=int_at_least(1),
+        type=flags.int_at_least(1),
         default=20,
         help="log the mean loss every N iterations (default: 20)",
     )
-    parser.add_argument(
-        "--ckpt-every",
-        type=int_at_least(0),
-        default=200,
-        metavar="STEPS",
-        help="checkpoint every STEPS iterations, and at the end (0: only at the end; default: 200)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in --output from its last checkpoint (repeat the run's options)",
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument(
-        "--amp",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="mixed precision (default: on CUDA); changes the maths, so a resume keeps it",
+    flags.add_run_arguments(
+        parser,
+        resume_help="continue the run in --output from its last checkpoint (repeat the run's options)",
+        step="iteration",
     )
 
 
@@ -265,7 +238,7 @@ def check_train_options(args: argparse.Namespace) -> None:
         raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
 
 
-def start_run(args: argparse.Namespace, procs: Processes, iterations: int, lr_at, config: dict[str, Any]):
+def start_run(args: argparse.Namespace, procs: DistInfo, iterations: int, lr_at, config: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
     from ..engine import LoopOptions, check_output
@@ -285,7 +258,7 @@ def start_run(args: argparse.Namespace, procs: Processes, iterations: int, lr_at
     return opts, check_output(opts.output, args.resume, procs)
 
 
-def training_loader(dataset: Dataset, args: argparse.Namespace, procs: Processes, batch_size: int):
+def training_loader(dataset: Dataset, args: argparse.Namespace, procs: DistInfo, batch_size: int):
     """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``,
     ``--train-limit``)."""
     from ..data.loader import FolderLoader

@@ -10,6 +10,7 @@ MobileFaceNets' weight decay (4e-5, 4e-4 on the embedding layer and the class we
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from pathlib import Path
@@ -35,9 +36,7 @@ from ._common import (
     require_task_model,
     resolve_img_size,
     save_run,
-    setup_processes,
     start_run,
-    teardown_processes,
     training_loader,
     unwrap,
     write_json,
@@ -185,15 +184,10 @@ def check_options(args: argparse.Namespace) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
+    from ..engine import run_in_processes
+
     check_options(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    procs = setup_processes(args.device)
-    try:
-        _train(args, procs)
-        return 0
-    finally:
-        teardown_processes(procs)
+    return run_in_processes(args, _train)
 
 
 def _train(args: argparse.Namespace, procs) -> None:
@@ -222,7 +216,7 @@ def _train(args: argparse.Namespace, procs) -> None:
         momentum=args.momentum,
     )
     loader = training_loader(dataset, args, procs, per_process)
-    if procs.main:
+    if procs.is_main:
         log.info(
             "face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
             loader.num_samples,
@@ -233,7 +227,7 @@ def _train(args: argparse.Namespace, procs) -> None:
             procs.world,
         )
     history = train_loop(net, optimizer, loader, opts, procs, state)
-    if procs.main:
+    if procs.is_main:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
         save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
         section = [
@@ -311,7 +305,8 @@ def face_metrics(
         result["rank1_identification"] = rank1_identification(pe, probe.identities, ge, gallery.identities)
         result["probes"] = len(probe)
         result["gallery"] = len(gallery)
-        result["distractors"] = sum(1 for c in gallery.identities if c not in set(probe.classes))
+        mates = set(probe.classes)  # built once: a set per gallery image is slow at MegaFace scale
+        result["distractors"] = sum(1 for c in gallery.identities if c not in mates)
     return result
 
 
@@ -345,7 +340,7 @@ def read_face_sets(args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
 
 def evaluate(args: argparse.Namespace) -> int:
     """``repmlp eval --task face``: metrics on the converted model's embeddings."""
-    from ..commands._common import resolve_device
+    from ..engine import resolve_device
 
     sets = read_face_sets(args)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(args.device)
@@ -362,8 +357,10 @@ def evaluate(args: argparse.Namespace) -> int:
             args.check_conversion,
         )
     )
+    if args.json:
+        print(json.dumps(metrics, sort_keys=True))
     for key in ("verification_accuracy", "rank1_identification"):
-        if key in metrics:
+        if key in metrics and not args.json:
             line = f"{key}: {100 * metrics[key]:.2f}%"
             if "train_form" in metrics:
                 line += f" (training form: {100 * metrics['train_form'][key]:.2f}%)"

@@ -15,6 +15,7 @@ without RepMLPs only).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from pathlib import Path
@@ -26,13 +27,14 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ._common import (
-    Processes,
+    DistInfo,
     add_common_eval_arguments,
     add_common_train_arguments,
     add_data_argument,
     all_reduce_sum,
     build_model,
     check_train_options,
+    cleanup_distributed,
     evaluate_both_forms,
     load_for_eval,
     model_options,
@@ -42,9 +44,8 @@ from ._common import (
     require_task_model,
     resolve_img_size,
     save_run,
-    setup_processes,
+    setup_distributed,
     start_run,
-    teardown_processes,
     training_loader,
     unwrap,
     write_json,
@@ -132,7 +133,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--crop-size", type=int_at_least(8), default=None, help="window size (default: the model's img_size)"
     )
     parser.add_argument(
-        "--limit", type=int_at_least(1), default=None, help="evaluate the first N images only"
+        "--val-limit",
+        "--limit",
+        dest="limit",
+        type=int_at_least(1),
+        default=None,
+        help="evaluate the first N images only",
     )
     add_common_eval_arguments(parser)
 
@@ -173,18 +179,13 @@ def check_options(args: argparse.Namespace) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
+    from ..engine import run_in_processes
+
     check_options(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    procs = setup_processes(args.device)
-    try:
-        _train(args, procs)
-        return 0
-    finally:
-        teardown_processes(procs)
+    return run_in_processes(args, _train)
 
 
-def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: Processes) -> nn.Module:
+def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: DistInfo) -> nn.Module:
     """The PSPNet of ``args``, with ``--backbone-weights`` loaded."""
     from ..models.pspnet import load_backbone_weights
 
@@ -192,7 +193,7 @@ def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: Processes) -
     require_task_model(model, "seg", args.model)
     if args.backbone_weights:
         report = load_backbone_weights(model, args.backbone_weights)
-        if procs.main:
+        if procs.is_main:
             log.info(
                 "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
                 len(report["loaded"]),
@@ -202,10 +203,10 @@ def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: Processes) -
     return model
 
 
-def _check_batches(args: argparse.Namespace, procs: Processes, images: int) -> int:
+def _check_batches(args: argparse.Namespace, procs: DistInfo, images: int) -> int:
     """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
     per_process = per_process_batch(args.batch_size, procs)
-    sync_bn = procs.distributed and procs.device.type == "cuda"
+    sync_bn = procs.enabled and procs.device.type == "cuda"
     if (args.batch_size if sync_bn else per_process) < 2:
         # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
         raise UserError(
@@ -218,7 +219,7 @@ def _check_batches(args: argparse.Namespace, procs: Processes, images: int) -> i
     return per_process
 
 
-def _train(args: argparse.Namespace, procs: Processes) -> None:
+def _train(args: argparse.Namespace, procs: DistInfo) -> None:
     from ..data.cityscapes import CityscapesSegmentation
     from ..engine import prepare_module, train_loop, write_run_report
 
@@ -243,7 +244,7 @@ def _train(args: argparse.Namespace, procs: Processes) -> None:
     model = unwrap(net).model
     optimizer = torch.optim.SGD(_param_groups(model, args.weight_decay, args.head_lr_mult), lr=args.lr,
                                 momentum=args.momentum)  # fmt: skip
-    if procs.main:
+    if procs.is_main:
         log.info(
             "seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
             loader.num_samples,
@@ -254,7 +255,7 @@ def _train(args: argparse.Namespace, procs: Processes) -> None:
             procs.world,
         )
     history = train_loop(net, optimizer, loader, opts, procs, state)
-    if procs.main:
+    if procs.is_main:
         meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
         save_run(opts.output, model, args.model, kwargs, meta, history)
         section = [
@@ -324,7 +325,7 @@ def segmentation_metrics(
     mode: str,
     crop: tuple[int, int],
     device: torch.device,
-    procs: Processes | None = None,
+    procs: DistInfo | None = None,
     workers: int = 0,
     what: str = "the model",
 ) -> dict[str, Any]:
@@ -336,13 +337,13 @@ def segmentation_metrics(
     from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
     from ..metrics import confusion_matrix, iou_from_confusion
 
-    procs = procs or Processes(0, 1, device)
+    procs = procs or DistInfo(device=device)
     indices = list(range(procs.rank, len(dataset), procs.world))
     subset = torch.utils.data.Subset(dataset, indices)
     loader = torch.utils.data.DataLoader(subset, batch_size=1, num_workers=workers)
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long, device=device)
     non_finite_images = torch.zeros((), dtype=torch.long, device=device)
-    with progress(loader, len(loader), "eval", procs.main) as bar:  # closed (line cleared) on errors too
+    with progress(loader, len(loader), "eval", procs.is_main) as bar:  # closed (line cleared) on errors too
         for image, label in bar:
             logits = _logits(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
             non_finite_images += (~torch.isfinite(logits)).any().long()
@@ -379,7 +380,7 @@ def evaluate(args: argparse.Namespace) -> int:
     """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
     from ..data.cityscapes import CityscapesSegmentation
 
-    procs = setup_processes(args.device)
+    procs = setup_distributed(args.device)
     try:
         trained, deployed, info = load_for_eval(args.checkpoint, procs.device, "seg")
         if args.check_conversion and trained is None:
@@ -412,7 +413,9 @@ def evaluate(args: argparse.Namespace) -> int:
                 args.check_conversion,
             )
         )
-        if procs.main:
+        if procs.is_main and args.json:
+            print(json.dumps(metrics, sort_keys=True))
+        elif procs.is_main:
             print(
                 f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
                 f"({args.mode}, crop {crop[0]})"
@@ -421,8 +424,8 @@ def evaluate(args: argparse.Namespace) -> int:
                 print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
             if "train_form" in metrics:
                 print(f"training form mIoU: {100 * metrics['train_form']['miou']:.2f}%")
-            if args.output_json:
-                write_json(Path(args.output_json), metrics)
+        if procs.is_main and args.output_json:
+            write_json(Path(args.output_json), metrics)
         return 0
     finally:
-        teardown_processes(procs)
+        cleanup_distributed()
