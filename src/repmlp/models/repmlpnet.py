@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from timm.models import build_model_with_cfg, generate_default_cfgs
 from torch import Tensor, nn
 
 from ..block import LocalPerceptron
@@ -399,64 +398,47 @@ def _cfg(size: int, **kwargs: Any) -> dict[str, Any]:
     return cfg
 
 
-_TIMM_CFGS = generate_default_cfgs(
-    {f"repmlpnet_{a}{s}": _cfg(s) for a, s in (("t", 224), ("t", 256), ("b", 224), ("b", 256))}
-    | {f"repmlpnet_{a}256": _cfg(256) for a in ("d", "l")}
-)
-
-_REGISTRY_KEYS = ("input_size", "fixed_input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
+# features_only: timm's FeatureListNet over the four stages (``feature_info``), strides 4..32.
+_FEATURES = dict(feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True))
 
 
-def _build(name: str, arch: str, size: int, **kwargs: Any) -> RepMLPNet:
-    cfg = _TIMM_CFGS[name].default.to_dict()
+def _build(arch: str, size: int, **kwargs: Any) -> RepMLPNet:
     opts: dict[str, Any] = dict(REPMLPNET_ARCHS[arch], img_size=size)
     opts.update(kwargs)
-    return build_model_with_cfg(
-        RepMLPNet,
-        name,
-        pretrained=False,
-        pretrained_cfg=cfg,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True),
-        **opts,
-    )
+    return RepMLPNet(**opts)
 
 
-def _registry_cfg(size: int) -> dict[str, Any]:
-    cfg = _cfg(size)
-    return {k: cfg[k] for k in (*_REGISTRY_KEYS, "first_conv", "classifier")}
-
-
-@register_model(**_registry_cfg(224))
+@register_model(**_cfg(224), **_FEATURES)
 def repmlpnet_t224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 224x224: channels 64-512, depths 2,2,6,2, sharesets 1,4,16,128."""
-    return _build("repmlpnet_t224", "t", 224, **kwargs)
+    return _build("t", 224, **kwargs)
 
 
-@register_model(**_registry_cfg(256))
+@register_model(**_cfg(256), **_FEATURES)
 def repmlpnet_t256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 256x256."""
-    return _build("repmlpnet_t256", "t", 256, **kwargs)
+    return _build("t", 256, **kwargs)
 
 
-@register_model(**_registry_cfg(224))
+@register_model(**_cfg(224), **_FEATURES)
 def repmlpnet_b224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 224x224: channels 96-768, depths 2,2,12,2, sharesets 1,4,32,128."""
-    return _build("repmlpnet_b224", "b", 224, **kwargs)
+    return _build("b", 224, **kwargs)
 
 
-@register_model(**_registry_cfg(256))
+@register_model(**_cfg(256), **_FEATURES)
 def repmlpnet_b256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 256x256."""
-    return _build("repmlpnet_b256", "b", 256, **kwargs)
+    return _build("b", 256, **kwargs)
 
 
-@register_model(**_registry_cfg(256))
+@register_model(**_cfg(256), **_FEATURES)
 def repmlpnet_d256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-D at 256x256: channels 80-640, depths 2,2,18,2, sharesets 1,4,16,128."""
-    return _build("repmlpnet_d256", "d", 256, **kwargs)
+    return _build("d", 256, **kwargs)
 
 
-@register_model(**_registry_cfg(256))
+@register_model(**_cfg(256), **_FEATURES)
 def repmlpnet_l256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-L at 256x256: channels 96-768, depths 2,2,18,2, sharesets 1,4,32,256."""
-    return _build("repmlpnet_l256", "l", 256, **kwargs)
+    return _build("l", 256, **kwargs)
