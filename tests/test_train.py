@@ -507,6 +507,8 @@ def run_and_expect_error(capsys, argv: list[str], *fragments: str) -> None:
             ["--resume", "--dataset", "cifar10", "--data-dir", "x"],
             ["--dataset 'fashion-mnist', not 'cifar10'"],
         ),
+        # Mixed precision changes the maths: a CPU run (amp off) cannot continue with it.
+        (["--resume", "--amp"], ["--amp False, not True"]),
         # Without --resume a run folder is never overwritten.
         ([], ["already holds a run", "--resume"]),
     ],
@@ -546,3 +548,17 @@ def test_resume_with_a_checkpoint_that_does_not_fit_or_is_damaged(finished_run, 
     assert snapshot(finished_run) == before
     # --resume needs the run folder.
     run_and_expect_error(capsys, ["--resume"], "--resume needs --output")
+
+
+@pytest.mark.parametrize("flip", [True, False])
+def test_image_folder_flip_follows_the_option(data, flip):
+    """``--no-flip`` must reach image folders too (the report states the flip setting)."""
+    from torchvision import transforms as T
+
+    from repmlp.data import DataConfig, build_data
+
+    built = build_data(
+        DataConfig(dataset="imagefolder", data_dir=str(data["folder"]), flip=flip, img_size=32)
+    )
+    steps = built.train.dataset.transform.transforms
+    assert any(isinstance(t, T.RandomHorizontalFlip) for t in steps) == flip
