@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
-    from .train import _model_arg
+    from ._common import model_arg
 
     p = subparsers.add_parser(
         "import",
@@ -38,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
     p.add_argument(
         "--model-arg",
-        type=_model_arg,
+        type=model_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
