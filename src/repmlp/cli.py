@@ -24,6 +24,7 @@ COMMANDS: list[str] = [
     "bench",
     "viz",
     "tables",
+    "study",
     "selfcheck",
 ]
 

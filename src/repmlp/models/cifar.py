@@ -180,6 +180,8 @@ class PureMLP(nn.Module):
         kernel_sizes: Local Perceptron kernels.
         global_perceptron: keep FC1/FC2.
         conv_kernel: ``K`` of the conv mixers.
+        width_multiplier: scales ``widths`` (each rounded to a multiple of ``groups``, at least
+            ``groups``): the ablation study's knob for a cheaper run of the same architectures.
         num_classes, in_chans, deploy: as everywhere.
 
     Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, num_classes)``.
@@ -198,9 +200,14 @@ class PureMLP(nn.Module):
         conv_kernel: int = 9,
         num_classes: int = 10,
         in_chans: int = 3,
+        width_multiplier: float = 1.0,
         deploy: bool = False,
     ) -> None:
         super().__init__()
+        if not width_multiplier > 0:
+            raise ValueError(f"width_multiplier must be positive, got {width_multiplier}")
+        if width_multiplier != 1.0:
+            widths = [max(groups, round(c * width_multiplier / groups) * groups) for c in widths]
         if not isinstance(img_size, int):
             raise ValueError(f"img_size must be an int (square inputs), got {img_size!r}")
         n = len(widths)

@@ -1,0 +1,1 @@
+"""study.md and study.png of ``repmlp study ablation`` (placeholder filled below)."""
