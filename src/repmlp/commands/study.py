@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     a.add_argument("--val-limit", type=int_at_least(1), default=None, metavar="N", help="first N validation examples only")
     a.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     a.add_argument(
-        "--bench-batch-size", type=int_at_least(1), default=64, help="batch of the side-by-side speed measurement"
+        "--bench-batch-size", type=int_at_least(1), default=32, help="batch of the side-by-side speed measurement"
     )
     a.set_defaults(func=run)
     return p

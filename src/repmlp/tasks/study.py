@@ -82,7 +82,7 @@ class StudyOptions:
     train_limit: int | None = None
     val_limit: int | None = None
     device: str = "auto"
-    bench_batch_size: int = 64
+    bench_batch_size: int = 32
 
     def validate(self) -> None:
         checks = [
