@@ -38,8 +38,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__,
         formatter_class=HelpFormatter,
     )
-    a.add_argument("--output", required=True, metavar="DIR", help="study folder (one run folder per row/seed)")
-    a.add_argument("--dataset", choices=("fashion-mnist", "cifar10"), default="fashion-mnist", help="(default: fashion-mnist)")
+    a.add_argument(
+        "--output", required=True, metavar="DIR", help="study folder (one run folder per row/seed)"
+    )
+    a.add_argument(
+        "--dataset",
+        choices=("fashion-mnist", "cifar10"),
+        default="fashion-mnist",
+        help="(default: fashion-mnist)",
+    )
     a.add_argument(
         "--data-dir",
         default=None,
@@ -55,11 +62,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="W",
         help="scale every row's channel widths (rounded to a multiple of the groups)",
     )
-    a.add_argument("--train-limit", type=int_at_least(1), default=None, metavar="N", help="first N training examples only")
-    a.add_argument("--val-limit", type=int_at_least(1), default=None, metavar="N", help="first N validation examples only")
+    a.add_argument(
+        "--train-limit",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="first N training examples only",
+    )
+    a.add_argument(
+        "--val-limit",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="first N validation examples only",
+    )
     a.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     a.add_argument(
-        "--bench-batch-size", type=int_at_least(1), default=32, help="batch of the side-by-side speed measurement"
+        "--bench-batch-size",
+        type=int_at_least(1),
+        default=32,
+        help="batch of the side-by-side speed measurement",
     )
     a.set_defaults(func=run)
     return p

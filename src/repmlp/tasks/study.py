@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +85,10 @@ class StudyOptions:
 
     def validate(self) -> None:
         checks = [
-            (self.dataset in DATASETS, f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}"),
+            (
+                self.dataset in DATASETS,
+                f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
+            ),
             (self.seeds >= 1, f"--seeds must be at least 1, got {self.seeds}"),
             (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
             (
@@ -97,7 +99,10 @@ class StudyOptions:
                 self.train_limit is None or self.train_limit >= 1,
                 f"--train-limit must be >= 1, got {self.train_limit}",
             ),
-            (self.val_limit is None or self.val_limit >= 1, f"--val-limit must be >= 1, got {self.val_limit}"),
+            (
+                self.val_limit is None or self.val_limit >= 1,
+                f"--val-limit must be >= 1, got {self.val_limit}",
+            ),
             (self.bench_batch_size >= 1, f"--bench-batch-size must be >= 1, got {self.bench_batch_size}"),
         ]
         for ok, msg in checks:
@@ -204,7 +209,11 @@ def run_study(opts: StudyOptions, *, progress: bool = True) -> Path:
         results[row.key].append(train_one(row.model, seed, opts, out / row.key / f"seed{seed}"))
         bar.update(1)
     bar.close()
-    log.info("all %d runs done in %.0f s; measuring the rows' sizes and speed ...", len(jobs), time.perf_counter() - started)
+    log.info(
+        "all %d runs done in %.0f s; measuring the rows' sizes and speed ...",
+        len(jobs),
+        time.perf_counter() - started,
+    )
     from .study_report import write_report
 
     write_report(opts, results, out)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import atomic_write_bytes, atomic_write_text
-from .study import CLAIMS, IMG_SIZE, ROWS, Row, StudyOptions, trained_rows
+from .study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
 __all__ = ["write_report", "summarize", "check_claims", "measure_rows", "plot_study"]
 
@@ -93,7 +93,12 @@ def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None
         xs = [i - 0.12 + 0.24 * k / max(1, n - 1) for k in range(n)] if n > 1 else [i]
         ax.scatter(xs, s["top1"], color="tab:blue", alpha=0.6, s=18, label="one run" if i == 0 else None)
         ax.errorbar(
-            i + 0.25, s["mean"], yerr=s["std"], fmt="o", color="tab:red", capsize=4,
+            i + 0.25,
+            s["mean"],
+            yerr=s["std"],
+            fmt="o",
+            color="tab:red",
+            capsize=4,
             label="mean ± std" if i == 0 else None,
         )
         ax.scatter(i, row.paper_top1, marker="x", color="black", label="paper, CIFAR-10" if i == 0 else None)
@@ -110,7 +115,9 @@ def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None
 
 
 def _device(name: str) -> torch.device:
-    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+    return torch.device(
+        "cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name
+    )
 
 
 def _table(stats: dict[str, dict[str, Any]], measured: dict[tuple[str, bool], Any]) -> list[str]:
@@ -165,7 +172,11 @@ def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], o
         "- Recipe: the paper's CIFAR recipe (preset `cifar`: SGD momentum 0.9, batch 128, cosine lr 0.2 -> 0, "
         f"weight decay 1e-4, 4-pixel pad + random crop + flip) for {opts.epochs} epochs; "
         f"{first['train_examples']} training / {first['val_examples']} validation examples"
-        + ("; 28x28 images zero-padded to 32x32, one input channel" if opts.dataset == "fashion-mnist" else ""),
+        + (
+            "; 28x28 images zero-padded to 32x32, one input channel"
+            if opts.dataset == "fashion-mnist"
+            else ""
+        ),
         f"- Channel widths x{opts.width_multiplier:g} of the paper's (16/32/64, Wide ConvNet 32/64/128)",
         f"- Hardware: {hardware_summary(device)}",
         f"- Training time, all {sum(len(s['top1']) for s in stats.values())} runs: {total:.0f} s "
