@@ -113,12 +113,9 @@ def test_reusing_runs_of_other_options_is_refused(studied):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--seeds", "0"], "--seeds"),
-        (["--width-multiplier", "-1"], "--width-multiplier"),
-        (["--width-multiplier", "nan"], "--width-multiplier"),
-        (["--dataset", "cifar10"], "needs --data-dir"),
-        (["--dataset", "mnist"], "--dataset"),
-        (["--data-dir", "/nonexistent/fmnist"], "not found"),
+        (["--width-multiplier", "nan"], "--width-multiplier"),  # argparse
+        (["--dataset", "cifar10"], "needs --data-dir"),  # StudyOptions.validate
+        (["--data-dir", "/nonexistent/fmnist"], "not found"),  # the first run's data loading
     ],
 )
 def test_bad_options_are_one_error_line(tmp_path, args, message):
@@ -126,3 +123,33 @@ def test_bad_options_are_one_error_line(tmp_path, args, message):
     assert res.returncode == 2, res.stderr
     assert message in user_error_line(res.stderr)
     assert not list((tmp_path / "s").rglob("result.json"))
+
+
+def test_pad_to_centres_the_images_and_refuses_to_crop():
+    import torch
+
+    from repmlp.data import pad_to
+    from repmlp.errors import UserError
+
+    images = torch.randint(1, 256, (2, 1, 28, 28), dtype=torch.uint8)
+    padded = pad_to(images, 32)
+    assert padded.shape == (2, 1, 32, 32) and padded.dtype == torch.uint8
+    assert torch.equal(padded[:, :, 2:30, 2:30], images)
+    assert int(padded.sum()) == int(images.sum())  # the border is zero
+    assert pad_to(images, None) is images
+    with pytest.raises(UserError, match="smaller"):
+        pad_to(images, 24)
+
+
+@pytest.mark.parametrize("name", sorted({row.model for row in ROWS}))
+def test_width_multiplier_scales_every_rows_widths(name):
+    import torch
+
+    from repmlp import create_model
+
+    with torch.device("meta"):
+        full = create_model(name, in_chans=1, img_size=32)
+        half = create_model(name, in_chans=1, img_size=32, width_multiplier=0.5)
+        same = create_model(name, in_chans=1, img_size=32, width_multiplier=1.0)
+    assert half.num_features * 2 == full.num_features == same.num_features
+    assert half.stem.conv.out_channels * 2 == full.stem.conv.out_channels
