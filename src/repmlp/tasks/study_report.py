@@ -86,7 +86,7 @@ def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None
     import matplotlib.pyplot as plt
 
     rows = trained_rows()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for i, row in enumerate(rows):
         s = stats[row.key]
         n = len(s["top1"])
@@ -106,7 +106,7 @@ def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None
     ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right")
     ax.set(ylabel="top-1 accuracy (%)", title=title)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # outside: never hides a run
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
