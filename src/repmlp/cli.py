@@ -25,6 +25,7 @@ COMMANDS: list[str] = [
     "bench",
     "viz",
     "tables",
+    "study",
     "selfcheck",
 ]
 

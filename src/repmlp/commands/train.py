@@ -167,7 +167,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--flip", action=argparse.BooleanOptionalAction, default=None, help="random left-right flips"
     )
     g.add_argument("--autoaugment", action=argparse.BooleanOptionalAction, default=None, help="(imagefolder)")
-    g.add_argument("--img-size", type=int_at_least(8), default=None, help="crop size (imagefolder)")
+    g.add_argument(
+        "--img-size",
+        type=int_at_least(8),
+        default=None,
+        help="crop size (imagefolder); zero-pad to it (fashion-mnist, cifar10)",
+    )
     g.add_argument("--seed", type=int, default=0, help="(default: 0)")
     g = p.add_argument_group("run")
     g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")

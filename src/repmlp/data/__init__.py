@@ -49,7 +49,7 @@ class DataConfig:
     pad: int = 0  # random-crop padding (in-memory data sets)
     flip: bool = False
     autoaugment: bool = False  # image folders only
-    img_size: int | None = None  # image folders: train crop / eval centre crop
+    img_size: int | None = None  # image folders: train crop / eval centre crop; in memory: zero-pad to it
     # image folders: the evaluation preprocessing published weights were measured with (timm cfg keys
     # crop_pct, crop_mode, interpolation, mean, std); None: resize to size/0.875, centre crop, ImageNet
     # mean/std (bilinear).
@@ -114,7 +114,7 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
         images, labels = splits[train]
         n = _limit(limit, what, len(labels))
         return InMemoryLoader(
-            torch.from_numpy(images[:n].copy()),
+            pad_to(torch.from_numpy(images[:n].copy()), cfg.img_size),
             torch.from_numpy(labels[:n].copy()),
             batch_size=batch,
             train=train,
@@ -125,7 +125,7 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
 
     train = loader(True, cfg.train_limit, "--train-limit", cfg.batch_size) if cfg.need_train else None
     val = loader(False, cfg.val_limit, "--val-limit", cfg.eval_batch_size)
-    images = splits[False][0]
+    images = val.images
     return Data(train, val, len(classes), images.shape[1], images.shape[2], list(classes))
 
 
@@ -140,6 +140,21 @@ def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
     keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in preprocessing.items() if k in keys}
     return create_transform((3, size, size), is_training=False, **opts)
+
+
+def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
+    """Zero-pad ``(N, C, H, W)`` images evenly on all sides to ``size x size`` (``None``: unchanged).
+
+    Lets a model built for 32x32 inputs (the paper's CIFAR models) run on 28x28 Fashion-MNIST, whose
+    background is black (0), so the border adds no content.
+    """
+    if size is None:
+        return images
+    h, w = images.shape[-2:]
+    if size < max(h, w):
+        raise UserError(f"--img-size {size} is smaller than the data set's {h}x{w} images (it only pads)")
+    top, left = (size - h) // 2, (size - w) // 2
+    return torch.nn.functional.pad(images, (left, size - w - left, top, size - h - top))
 
 
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:

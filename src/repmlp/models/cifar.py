@@ -192,6 +192,8 @@ class PureMLP(nn.Module):
         kernel_sizes: Local Perceptron kernels.
         global_perceptron: keep FC1/FC2.
         conv_kernel: ``K`` of the conv mixers.
+        width_multiplier: scales ``widths`` (each rounded to a multiple of ``groups``, at least
+            ``groups``): the ablation study's knob for a cheaper run of the same architectures.
         num_classes, in_chans, deploy: as everywhere.
         global_pool: ``"avg"`` or ``""`` (no pooling), as timm's models.
 
@@ -212,9 +214,14 @@ class PureMLP(nn.Module):
         num_classes: int = 10,
         global_pool: str = "avg",
         in_chans: int = 3,
+        width_multiplier: float = 1.0,
         deploy: bool = False,
     ) -> None:
         super().__init__()
+        if not width_multiplier > 0:
+            raise ValueError(f"width_multiplier must be positive, got {width_multiplier}")
+        if width_multiplier != 1.0:
+            widths = [max(groups, round(c * width_multiplier / groups) * groups) for c in widths]
         if not isinstance(img_size, int):
             raise ValueError(f"img_size must be an int (square inputs), got {img_size!r}")
         n = len(widths)

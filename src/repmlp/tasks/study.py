@@ -1,0 +1,220 @@
+"""The paper's pure-MLP ablation study (its Table 1) as one resumable job: ``repmlp study ablation``.
+
+Every row of the table is trained for several seeds with the paper's CIFAR recipe (the ``cifar`` preset)
+scaled by the study's options, each run in its own folder ``OUTPUT/<row>/seed<k>`` through the normal
+classification training code; then ``OUTPUT/study.md`` compares the rows (mean and spread of top-1,
+deployed parameters, MACs and speed, the paper's CIFAR-10 figures beside) and ``OUTPUT/study.png`` plots
+every run's accuracy.
+
+Rows "Pure MLP" and "A) before conversion" are one trained network in its two forms (converted /
+training-time): they share their runs and their accuracy, and differ in parameters, MACs and speed.
+
+A second call reuses finished runs (a run folder holding ``result.json``), resumes a killed one from its
+checkpoint, and trains the missing ones; a run trained with other options is refused, not overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import atomic_write_text
+from ..errors import UserError
+
+__all__ = ["Row", "ROWS", "StudyOptions", "run_study", "train_config", "train_one"]
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+DATASETS = ("fashion-mnist", "cifar10")
+IMG_SIZE = 32  # the paper's CIFAR resolution; Fashion-MNIST's 28x28 images are zero-padded to it
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the paper's Table 1 and the network that reproduces it."""
+
+    key: str  # folder name
+    label: str  # as in the paper
+    model: str  # registered model name (the trained network)
+    deployed: bool  # profiled / timed in converted form
+    paper_top1: float  # CIFAR-10 top-1 (%), paper Table 1
+    paper_macs_m: float  # the paper's "FLOPs (M)" (multiply-accumulates)
+    paper_params_m: float
+
+
+ROWS: tuple[Row, ...] = (
+    Row("pure_mlp", "Pure MLP", "repmlp_cifar", True, 91.11, 52.8, 22.41),
+    Row("pure_mlp", "A) before conversion", "repmlp_cifar", False, 91.11, 118.9, 22.91),
+    Row("no_local", "B) w/o Local", "repmlp_cifar_no_local", True, 82.64, 52.8, 22.41),
+    Row("no_global", "C) w/o Global", "repmlp_cifar_no_global", True, 89.61, 52.5, 22.08),
+    Row("fc3_conv9", "D) FC3 as conv9", "repmlp_cifar_fc3_conv9", True, 87.64, 66.2, 0.81),
+    Row("conv9", "E) RepMLP as conv9", "repmlp_cifar_conv9", True, 87.29, 65.8, 0.48),
+    Row("wide_convnet", "Wide ConvNet", "wide_convnet_cifar", True, 91.99, 65.1, 0.50),
+)
+
+# The paper's conclusions from Table 1, as (claim, better row key, worse row key).
+CLAIMS: tuple[tuple[str, str, str], ...] = (
+    ("Local Perceptron helps (Pure MLP > B w/o Local)", "pure_mlp", "no_local"),
+    ("Global Perceptron helps (Pure MLP > C w/o Global)", "pure_mlp", "no_global"),
+    ("FC3 beats a 9x9 conv (Pure MLP > D FC3 as conv9)", "pure_mlp", "fc3_conv9"),
+    ("Global Perceptron helps the conv9 too (D > E RepMLP as conv9)", "fc3_conv9", "conv9"),
+    ("Wide ConvNet beats the pure MLP (Wide ConvNet > Pure MLP)", "wide_convnet", "pure_mlp"),
+)
+
+
+@dataclass
+class StudyOptions:
+    """The command's options; :meth:`validate` raises :class:`UserError` for bad ones."""
+
+    output: str
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    seeds: int = 3
+    epochs: int = 100
+    width_multiplier: float = 1.0
+    train_limit: int | None = None
+    val_limit: int | None = None
+    device: str = "auto"
+    bench_batch_size: int = 32
+
+    def validate(self) -> None:
+        checks = [
+            (
+                self.dataset in DATASETS,
+                f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
+            ),
+            (self.seeds >= 1, f"--seeds must be at least 1, got {self.seeds}"),
+            (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
+            (
+                math.isfinite(self.width_multiplier) and self.width_multiplier > 0,
+                f"--width-multiplier must be positive, got {self.width_multiplier}",
+            ),
+            (
+                self.train_limit is None or self.train_limit >= 1,
+                f"--train-limit must be >= 1, got {self.train_limit}",
+            ),
+            (
+                self.val_limit is None or self.val_limit >= 1,
+                f"--val-limit must be >= 1, got {self.val_limit}",
+            ),
+            (self.bench_batch_size >= 1, f"--bench-batch-size must be >= 1, got {self.bench_batch_size}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+        if self.dataset == "cifar10" and self.data_dir is None:
+            raise UserError("--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)")
+
+    def model_args(self) -> dict[str, Any]:
+        return {"width_multiplier": self.width_multiplier} if self.width_multiplier != 1.0 else {}
+
+
+def trained_rows() -> list[Row]:
+    """One row per trained network (Pure MLP and A share theirs)."""
+    seen: dict[str, Row] = {}
+    for row in ROWS:
+        seen.setdefault(row.key, row)
+    return list(seen.values())
+
+
+# ------------------------------------------------------------------- the one coupling to training
+def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
+    """The classification :class:`~repmlp.train.TrainConfig` of one run: the ``cifar`` preset, scaled.
+
+    Fashion-MNIST goes through ``img_size=32`` (zero-padded to the paper's resolution, one channel).
+    """
+    from ..recipes import PRESETS
+    from ..train import TrainConfig
+
+    recipe = {k: v for k, v in PRESETS["cifar"].items() if k in TrainConfig.__dataclass_fields__}
+    recipe.update(
+        model=model,
+        model_args=opts.model_args(),
+        epochs=opts.epochs,
+        img_size=IMG_SIZE if opts.dataset == "fashion-mnist" else None,
+        train_limit=opts.train_limit,
+        val_limit=opts.val_limit,
+    )
+    return TrainConfig(
+        **recipe,
+        dataset=opts.dataset,
+        data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None,
+        preset="cifar",
+        seed=seed,
+        device=opts.device,
+        output=str(run_dir),
+    )
+
+
+def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[str, Any]:
+    """Train (or resume, or reuse) one run into ``run_dir``; returns its ``result.json`` content.
+
+    The only place that calls the training code: :func:`repmlp.train.run_training` with ``resume`` when
+    the folder holds a checkpoint (a killed run, or a finished one whose final steps did not complete),
+    then :func:`repmlp.pipeline.finish_run` (conversion, equivalence check, report) without ONNX export
+    and benchmark (the study times all rows side by side instead).
+    """
+    from ..checkpoint import load_state
+    from ..pipeline import finish_run
+    from ..train import STATE_FILE, TrainConfig, resumed_config, run_training
+
+    cfg = train_config(model, seed, opts, run_dir)
+    result_path = run_dir / RESULT_FILE
+    if result_path.is_file():
+        # Reuse only a run of these very options: resumed_config refuses a different recipe or model.
+        resumed_config(TrainConfig.from_dict(load_state(run_dir / STATE_FILE)["config"]), cfg, None, run_dir)
+        return json.loads(result_path.read_text())
+    started = time.perf_counter()
+    resume = (run_dir / STATE_FILE).is_file()
+    result = run_training(cfg, resume=resume, given=None)
+    equivalent = finish_run(
+        result, command=["repmlp", "study", "ablation"], started=started, export=False, bench=False
+    )
+    last = result.history[-1]
+    out = {
+        "model": model,
+        "seed": seed,
+        "top1": last["val_top1"],
+        "top5": last["val_top5"],
+        "train_seconds": sum(r["epoch_s"] for r in result.history),
+        "equivalent": bool(equivalent),
+        "val_examples": result.data.val.num_samples,
+        "train_examples": result.data.train.num_samples,
+    }
+    atomic_write_text(result_path, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the study
+def run_study(opts: StudyOptions, *, progress: bool = True) -> Path:
+    """Train every row for every seed (reusing finished runs), then write study.md and study.png."""
+    from tqdm import tqdm
+
+    opts.validate()
+    out = Path(opts.output)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = trained_rows()
+    jobs = [(row, seed) for seed in range(opts.seeds) for row in rows]
+    results: dict[str, list[dict[str, Any]]] = {row.key: [] for row in rows}
+    started = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="study", unit="run", disable=None if progress else True)
+    for row, seed in jobs:
+        bar.set_postfix_str(f"{row.key} seed {seed}")
+        results[row.key].append(train_one(row.model, seed, opts, out / row.key / f"seed{seed}"))
+        bar.update(1)
+    bar.close()
+    log.info(
+        "all %d runs done in %.0f s; measuring the rows' sizes and speed ...",
+        len(jobs),
+        time.perf_counter() - started,
+    )
+    from .study_report import write_report
+
+    write_report(opts, results, out)
+    return out / "study.md"

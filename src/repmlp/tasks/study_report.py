@@ -1,0 +1,204 @@
+"""study.md and study.png of ``repmlp study ablation``: accuracies over seeds, sizes, speed, the paper beside."""
+
+from __future__ import annotations
+
+import io
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import atomic_write_bytes, atomic_write_text
+from .study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
+
+__all__ = ["write_report", "summarize", "check_claims", "measure_rows", "plot_study"]
+
+log = logging.getLogger(__name__)
+
+
+def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per trained row: its runs' top-1 (%), their mean and sample standard deviation (0 for one run)."""
+    out = {}
+    for key, runs in results.items():
+        top1 = [float(r["top1"]) for r in runs]
+        out[key] = {
+            "top1": top1,
+            "mean": statistics.fmean(top1),
+            "std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
+            "equivalent": all(r.get("equivalent", False) for r in runs),
+            "train_seconds": sum(float(r.get("train_seconds", 0.0)) for r in runs),
+        }
+    return out
+
+
+def check_claims(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each of the paper's orderings: does our mean agree, and is the gap larger than the spread?
+
+    "clear" when both rows have at least two runs and the gap exceeds the sum of their standard
+    deviations (``None`` with a single run: no spread to compare with); with few seeds a rough guide, not
+    a significance test.
+    """
+    paper = {row.key: row.paper_top1 for row in ROWS}
+    checks = []
+    for claim, better, worse in CLAIMS:
+        gap = stats[better]["mean"] - stats[worse]["mean"]
+        spread = stats[better]["std"] + stats[worse]["std"]
+        checks.append(
+            {
+                "claim": claim,
+                "gap": gap,
+                "paper_gap": paper[better] - paper[worse],
+                "holds": gap > 0,
+                "clear": abs(gap) > spread
+                if min(len(stats[better]["top1"]), len(stats[worse]["top1"])) > 1
+                else None,
+            }
+        )
+    return checks
+
+
+def measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dict[tuple[str, bool], Any]:
+    """Params, MACs and speed of every row's network, training-time and deployed, timed side by side.
+
+    Speed does not depend on the weights, so freshly built networks are timed (interleaved rounds, see
+    :func:`repmlp.bench.benchmark`); keys are ``(model name, deployed)``.
+    """
+    from .. import create_model
+    from ..bench import benchmark
+
+    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
+    torch.manual_seed(0)
+    models = {row.model: create_model(row.model, **kwargs) for row in trained_rows()}
+    rows = benchmark(
+        models, (in_chans, IMG_SIZE, IMG_SIZE), opts.bench_batch_size, device=device, warmup=1, repeats=5
+    )
+    return {(r.model, r.form == "deploy"): r for r in rows}
+
+
+def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """Every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10 (x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = trained_rows()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, row in enumerate(rows):
+        s = stats[row.key]
+        n = len(s["top1"])
+        xs = [i - 0.12 + 0.24 * k / max(1, n - 1) for k in range(n)] if n > 1 else [i]
+        ax.scatter(xs, s["top1"], color="tab:blue", alpha=0.6, s=18, label="one run" if i == 0 else None)
+        ax.errorbar(
+            i + 0.25,
+            s["mean"],
+            yerr=s["std"],
+            fmt="o",
+            color="tab:red",
+            capsize=4,
+            label="mean ± std" if i == 0 else None,
+        )
+        ax.scatter(i, row.paper_top1, marker="x", color="black", label="paper, CIFAR-10" if i == 0 else None)
+    labels = ["Pure MLP (=A)" if r.key == "pure_mlp" else r.label for r in rows]
+    ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right")
+    ax.set(ylabel="top-1 accuracy (%)", title=title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # outside: never hides a run
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _device(name: str) -> torch.device:
+    return torch.device(
+        "cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name
+    )
+
+
+def _table(stats: dict[str, dict[str, Any]], measured: dict[tuple[str, bool], Any]) -> list[str]:
+    lines = [
+        "| row | top-1 (%) mean ± std | runs' top-1 (%) | params (M) | MACs (M) | speed (examples/s) "
+        "| paper top-1 (%) | paper MACs (M) | paper params (M) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        s, m = stats[row.key], measured[(row.model, row.deployed)]
+        runs = ", ".join(f"{a:.2f}" for a in s["top1"])
+        lines.append(
+            f"| {row.label} | {s['mean']:.2f} ± {s['std']:.2f} | {runs} | {m.params / 1e6:.3f} | "
+            f"{m.macs / 1e6:.2f} | {m.throughput:.0f} | {row.paper_top1:.2f} | {row.paper_macs_m:g} | "
+            f"{row.paper_params_m:g} |"
+        )
+    return lines
+
+
+def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        "| the paper's finding | our gap (points) | paper's gap (points) | holds here? |",
+        "|---|---|---|---|",
+    ]
+    for c in check_claims(stats):
+        spread = {True: " (gap > spread)", False: " (within spread)", None: " (one run: no spread)"}
+        verdict = ("yes" if c["holds"] else "no") + spread[c["clear"]]
+        lines.append(f"| {c['claim']} | {c['gap']:+.2f} | {c['paper_gap']:+.2f} | {verdict} |")
+    return lines
+
+
+def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> None:
+    """Measure the rows, then write ``out/study.md`` and ``out/study.png``."""
+    from ..pipeline import hardware_summary
+
+    stats = summarize(results)
+    in_chans = 1 if opts.dataset == "fashion-mnist" else 3
+    device = _device(opts.device)
+    measured = measure_rows(opts, in_chans, device)
+    plot_study(stats, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)")
+    first = next(iter(results.values()))[0]
+    total = sum(s["train_seconds"] for s in stats.values())
+    lines = [
+        f"# Pure-MLP ablation (paper Table 1) on {opts.dataset}",
+        "",
+        f"- Command: `repmlp study ablation --output {opts.output} --dataset {opts.dataset}"
+        + (f" --data-dir {opts.data_dir}" if opts.data_dir else "")
+        + f" --seeds {opts.seeds} --epochs {opts.epochs} --width-multiplier {opts.width_multiplier:g}"
+        + (f" --train-limit {opts.train_limit}" if opts.train_limit else "")
+        + (f" --val-limit {opts.val_limit}" if opts.val_limit else "")
+        + "`",
+        "- Recipe: the paper's CIFAR recipe (preset `cifar`: SGD momentum 0.9, batch 128, cosine lr 0.2 -> 0, "
+        f"weight decay 1e-4, 4-pixel pad + random crop + flip) for {opts.epochs} epochs; "
+        f"{first['train_examples']} training / {first['val_examples']} validation examples"
+        + (
+            "; 28x28 images zero-padded to 32x32, one input channel"
+            if opts.dataset == "fashion-mnist"
+            else ""
+        ),
+        f"- Channel widths x{opts.width_multiplier:g} of the paper's (16/32/64, Wide ConvNet 32/64/128)",
+        f"- Hardware: {hardware_summary(device)}",
+        f"- Training time, all {sum(len(s['top1']) for s in stats.values())} runs: {total:.0f} s "
+        f"(report written {time.strftime('%Y-%m-%d %H:%M:%S %Z')})",
+        "- Converted models equal the training-time ones (logits within 1e-4 relative) in every run: "
+        + ("yes" if all(s["equivalent"] for s in stats.values()) else "**NO** (see the runs' report.md)"),
+        "",
+        "Top-1 is on the validation split after the last epoch; params and MACs (one image) of the deployed "
+        "network (A: before conversion), speed of a forward pass at batch "
+        f"{opts.bench_batch_size} on {device}, all rows timed side by side in interleaved rounds (compare ratios). "
+        "Paper figures: CIFAR-10, full widths, 100 epochs.",
+        "",
+        *_table(stats, measured),
+        "",
+        "## The paper's orderings",
+        "",
+        "'gap > spread': the difference of the means exceeds the sum of the two standard deviations.",
+        "",
+        *_claims(stats),
+        "",
+        "![accuracies](study.png)",
+        "",
+    ]
+    atomic_write_text(out / "study.md", "\n".join(lines))
+    log.info("wrote %s and %s", out / "study.md", out / "study.png")

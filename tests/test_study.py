@@ -1,0 +1,155 @@
+"""``repmlp study ablation`` through the real entry point, on tiny synthetic Fashion-MNIST and tiny models.
+
+One study folder is shared (module fixture): it starts with a killed run (``repmlp train
+--stop-after-steps``) that the first study call must resume; a second call must reuse
+every finished run and train nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from repmlp.tasks.study import ROWS, trained_rows
+from repmlp_testdata import make_fashion_mnist, subprocess_env, user_error_line
+
+TINY = ["--epochs", "2", "--train-limit", "16", "--val-limit", "16"]
+
+
+def repmlp(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "repmlp", *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=600,
+    )
+
+
+def study(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return repmlp(
+        "study",
+        "ablation",
+        "--output",
+        str(out),
+        "--data-dir",
+        str(data),
+        *TINY,
+        "--width-multiplier",
+        "0.125",
+        "--bench-batch-size",
+        "2",
+        *extra,
+    )
+
+
+def mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def studied(tmp_path_factory):
+    """A study folder after (1) a killed run of the Pure MLP's seed 0 and (2) a one-seed study call."""
+    root = tmp_path_factory.mktemp("study")
+    data = make_fashion_mnist(root / "fmnist", n_train=32, n_test=16)
+    out = root / "study"
+    # 16 examples = one step per epoch: stopping at step 2 leaves the checkpoint of epoch 1.
+    killed = repmlp(
+        "train", "--data-dir", str(data), "--preset", "cifar", "--model", "repmlp_cifar",
+        "--model-arg", "width_multiplier=0.125", "--img-size", "32", "--seed", "0",
+        "--output", str(out / "pure_mlp" / "seed0"), "--stop-after-steps", "2", *TINY,
+    )  # fmt: skip
+    assert killed.returncode == 3, killed.stderr
+    assert not (out / "pure_mlp" / "seed0" / "result.json").exists()
+    first = study(out, data, "--seeds", "1")
+    assert first.returncode == 0, first.stderr
+    return data, out, first
+
+
+def test_study_writes_every_row_and_resumes_the_killed_run(studied):
+    _, out, first = studied
+    assert "resuming" in first.stderr and "at epoch 2" in first.stderr
+    text = (out / "study.md").read_text()
+    for row in ROWS:
+        assert f"| {row.label} | " in text, row.label
+        assert f"{row.paper_top1:.2f}" in text
+    assert "Local Perceptron helps" in text and "FC3 beats a 9x9 conv" in text
+    assert (out / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for row in trained_rows():
+        result = json.loads((out / row.key / "seed0" / "result.json").read_text())
+        assert result["model"] == row.model and result["equivalent"] is True
+        history = (out / row.key / "seed0" / "metrics.csv").read_text().splitlines()
+        assert len(history) == 1 + 2, history  # header + both epochs, the resumed run included
+    assert first.stderr.count("resuming") == 1
+
+
+def test_second_call_reuses_finished_runs(studied):
+    data, out, _ = studied
+    before = {row.key: mtimes(out / row.key) for row in trained_rows()}
+    (out / "study.md").unlink()
+    second = study(out, data, "--seeds", "1")
+    assert second.returncode == 0, second.stderr
+    assert not [line for line in second.stderr.splitlines() if line.startswith(("training ", "resuming "))]
+    for row in trained_rows():
+        assert mtimes(out / row.key) == before[row.key], row.key
+    text = (out / "study.md").read_text()  # written again from the reused results
+    assert "one run: no spread" in text and "| Pure MLP | " in text
+
+
+def test_reusing_runs_of_other_options_is_refused(studied):
+    data, out, _ = studied
+    args = ["study", "ablation", "--output", str(out), "--data-dir", str(data), "--seeds", "1"]
+    res = repmlp(
+        *args, "--epochs", "3", "--width-multiplier", "0.125", "--train-limit", "16", "--val-limit", "16"
+    )
+    assert res.returncode == 2
+    assert "cannot resume" in user_error_line(res.stderr) and "--epochs 2" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--width-multiplier", "nan"], "--width-multiplier"),  # argparse
+        (["--dataset", "cifar10"], "needs --data-dir"),  # StudyOptions.validate
+        (["--data-dir", "/nonexistent/fmnist"], "not found"),  # the first run's data loading
+    ],
+)
+def test_bad_options_are_one_error_line(tmp_path, args, message):
+    res = repmlp("study", "ablation", "--output", str(tmp_path / "s"), "--epochs", "1", *args)
+    assert res.returncode == 2, res.stderr
+    assert message in user_error_line(res.stderr)
+    assert not list((tmp_path / "s").rglob("result.json"))
+
+
+def test_pad_to_centres_the_images_and_refuses_to_crop():
+    import torch
+
+    from repmlp.data import pad_to
+    from repmlp.errors import UserError
+
+    images = torch.randint(1, 256, (2, 1, 28, 28), dtype=torch.uint8)
+    padded = pad_to(images, 32)
+    assert padded.shape == (2, 1, 32, 32) and padded.dtype == torch.uint8
+    assert torch.equal(padded[:, :, 2:30, 2:30], images)
+    assert int(padded.sum()) == int(images.sum())  # the border is zero
+    assert pad_to(images, None) is images
+    with pytest.raises(UserError, match="smaller"):
+        pad_to(images, 24)
+
+
+@pytest.mark.parametrize("name", sorted({row.model for row in ROWS}))
+def test_width_multiplier_scales_every_rows_widths(name):
+    import torch
+
+    from repmlp import create_model
+
+    with torch.device("meta"):
+        full = create_model(name, in_chans=1, img_size=32)
+        half = create_model(name, in_chans=1, img_size=32, width_multiplier=0.5)
+        same = create_model(name, in_chans=1, img_size=32, width_multiplier=1.0)
+    assert half.num_features * 2 == full.num_features == same.num_features
+    assert half.stem.conv.out_channels * 2 == full.stem.conv.out_channels
