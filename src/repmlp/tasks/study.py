@@ -129,6 +129,7 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
 
     Fashion-MNIST goes through ``img_size=32`` (zero-padded to the paper's resolution, one channel).
     """
+    from ..engine import resolve_device
     from ..recipes import PRESETS
     from ..train import TrainConfig
 
@@ -148,6 +149,8 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
         preset="cifar",
         seed=seed,
         device=opts.device,
+        # Resolved as run_training saves it (AMP on CUDA), so a run killed under `repmlp train` compares equal.
+        amp=resolve_device(opts.device).type == "cuda",
         output=str(run_dir),
     )
 
