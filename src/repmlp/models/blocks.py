@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..block import RepMLPBlock
 from ..layers import ConvBN
+from .head import PooledClassifierMixin
 
 __all__ = [
     "ConvBNReLU",
@@ -314,7 +315,7 @@ class GlobalContextBlock(nn.Module):
 BlockFactory = Callable[..., nn.Module]
 
 
-class ResNet(nn.Module):
+class ResNet(PooledClassifierMixin, nn.Module):
     """A ResNet-50-style network whose stages can use RepMLP Bottlenecks or RepMLP Light Blocks.
 
     With the defaults it is torchvision's ``resnet50`` (same parameters in the same order). In every
@@ -345,6 +346,8 @@ class ResNet(nn.Module):
 
     Shapes: ``(N, in_chans, H, W)`` -> ``(N, num_classes)``.
     """
+
+    classifier_attr = "fc"
 
     def __init__(
         self,
@@ -529,18 +532,6 @@ class ResNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A fresh ``num_classes``-way classifier (none for 0); ``global_pool`` ``"avg"`` or ``""``."""
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.fc = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
 
 @torch.fx.wrap

@@ -25,6 +25,7 @@ from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition as to_partitions
 from ..ops import unpartition
 from .blocks import ConvBNReLU
+from .head import PooledClassifierMixin
 from .registry import register_model
 
 __all__ = [
@@ -180,7 +181,7 @@ def _mixer(
     return nn.Sequential(block, nn.ReLU(inplace=True))
 
 
-class PureMLP(nn.Module):
+class PureMLP(PooledClassifierMixin, nn.Module):
     """Configurable pure MLP / ConvNet counterpart of paper Fig. "pure MLP" (see the module docstring).
 
     Args:
@@ -269,18 +270,6 @@ class PureMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A fresh ``num_classes``-way classifier (none for 0); ``global_pool`` ``"avg"`` or ``""``."""
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '' (none), got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
 
 _CIFAR_CFG: dict[str, Any] = dict(

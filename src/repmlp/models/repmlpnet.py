@@ -36,6 +36,7 @@ from ..block import LocalPerceptron
 from ..layers import ConvBN, GroupwiseLinear
 from ..reparam import conv_to_fc, fuse_bn, pair
 from .blocks import ConvBNReLU
+from .head import PooledClassifierMixin
 from .registry import register_model
 
 __all__ = [
@@ -262,7 +263,7 @@ class RepMLPNetStage(nn.Module):
         return self.blocks(self.downsample(x))
 
 
-class RepMLPNet(nn.Module):
+class RepMLPNet(PooledClassifierMixin, nn.Module):
     """Hierarchical vision MLP built of RepMLP blocks (timm model contract).
 
     Args:
@@ -304,10 +305,8 @@ class RepMLPNet(nn.Module):
         n = len(channels)
         if not (len(depths) == len(sharesets) == n) or (partitions is not None and len(partitions) != n):
             raise ValueError("channels, depths, sharesets (and partitions) need one value per stage")
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.img_size = pair(img_size, "img_size")
-        self.in_chans, self.num_classes, self.global_pool = in_chans, num_classes, global_pool
+        self.in_chans = in_chans
         res = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         if res[0] * patch_size != self.img_size[0] or res[1] * patch_size != self.img_size[1]:
             raise ValueError(f"img_size {self.img_size} must be a multiple of patch_size={patch_size}")
@@ -344,7 +343,7 @@ class RepMLPNet(nn.Module):
         self.num_features = self.head_hidden_size = channels[-1]
         self.drop_rate = drop_rate
         self.head_drop = nn.Dropout(drop_rate)
-        self.head: nn.Module = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.reset_classifier(num_classes, global_pool)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> normalised last-stage map ``(N, num_features, H/32, W/32)``."""
@@ -360,17 +359,6 @@ class RepMLPNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
-
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
 
 
 # ------------------------------------------------------------------------------- registered models
