@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
+    from ..deploy import PRECISIONS
 
     p = subparsers.add_parser(
         "bench",
@@ -58,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16", "int8"),
+        choices=PRECISIONS,
         default="fp32",
         help="time the deployed form in this precision (int8: onnxruntime, calibrated on random inputs, "
         "which is enough for speed); reduced-precision checkpoints are timed as stored",

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
+    from ..deploy import PRECISIONS
 
     p = subparsers.add_parser(
         "convert",
@@ -57,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16", "int8"),
+        choices=PRECISIONS,
         default="fp32",
         help="precision of the deployed file; int8 is post-training static quantization with onnxruntime, "
         "calibrated on the run's training images (see repmlp.deploy)",
