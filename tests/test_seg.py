@@ -19,7 +19,7 @@ from repmlp.errors import UserError
 from repmlp.models import create_model
 from repmlp.models.pspnet import load_backbone_weights
 from repmlp.profile import profile_model
-from repmlp.tasks.seg import poly_lr, sliding_window_logits
+from repmlp.tasks.segmentation import poly_lr, sliding_window_logits
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
@@ -385,9 +385,9 @@ def test_seg_eval_names_diverged_weights(city, trained_seg, tmp_path, capsys):
 
 @pytest.mark.parametrize("phase", ["train", "eval"])
 def test_seg_help_description_is_a_whole_sentence(phase, capsys):
-    import repmlp.tasks.seg
+    import repmlp.tasks.segmentation
 
-    first = repmlp.tasks.seg.__doc__.splitlines()[0]  # what `repmlp train/eval --task seg -h` shows
+    first = repmlp.tasks.segmentation.__doc__.splitlines()[0]  # what `repmlp train/eval --task seg -h` shows
     assert first.endswith(".")
     assert cli_main([phase, "--task", "seg", "--help"]) == 0
     assert first in " ".join(capsys.readouterr().out.split())

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint import CheckpointError, load_model
     from ..data import DataConfig, build_data
     from ..engine import resolve_device
-    from ..train import evaluate
+    from ..tasks.classification import evaluate
 
     device = resolve_device(args.device)
     model, info = load_model(args.checkpoint, device=device)

@@ -80,8 +80,9 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     import importlib
 
     from ..cli import ArgumentParser
+    from ..tasks import TASK_MODULES
 
-    module = importlib.import_module(f"repmlp.tasks.{args.task}")
+    module = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[args.task]}")
     parser = ArgumentParser(
         prog=f"repmlp {command} --task {args.task}",
         description=(module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else None,
@@ -199,7 +200,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def resolve_config(args: argparse.Namespace):
     """Preset values for every option not given on the command line -> :class:`TrainConfig`."""
     from ..recipes import DEFAULT_PRESET, PRESETS
-    from ..train import TrainConfig
+    from ..tasks.classification import TrainConfig
 
     preset = args.preset or DEFAULT_PRESET[args.dataset]
     values = dict(PRESETS[preset])
@@ -231,7 +232,7 @@ def resolve_config(args: argparse.Namespace):
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
-    """The :class:`~repmlp.train.TrainConfig` fields the user typed (``--resume`` keeps the others' saved values).
+    """The :class:`~repmlp.tasks.classification.TrainConfig` fields typed (``--resume`` keeps the others' saved values).
 
     Re-parses the command's own options into a namespace pre-filled with a marker: ``argparse`` fills in
     defaults only for attributes that are missing, so whatever still holds the marker was not typed. The
@@ -257,8 +258,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from ..engine import cleanup_distributed
-    from ..pipeline import finish_run
-    from ..train import run_training
+    from ..tasks.classification import finish_run, run_training
 
     cfg = resolve_config(args)
     try:
