@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import checks
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, partition, to_group_rows, unpartition
 from .reparam import absorb_bn_into_fc, conv_to_fc, fuse_bn, pair
@@ -126,22 +127,14 @@ class LocalPerceptron(nn.Module):
         return out
 
 
-@torch.fx.wrap
 def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int]) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_channels, *resolution)``.
-
-    A leaf for ``torch.fx`` (``torch.fx.wrap``): symbolic tracing records the call instead of
-    evaluating the shape comparison on proxies, and the traced module still runs the check. Skipped
-    under ``torch.jit.trace`` and ``torch.compile``/``torch.export``, whose shapes are fixed or guarded.
-    """
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return
-    expected = (in_channels, *resolution)
-    if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-        raise ValueError(
-            f"RepMLPBlock expected input of shape (N, {expected[0]}, {expected[1]}, {expected[2]}), "
-            f"got {tuple(x.shape)}"
-        )
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_channels, *resolution)`` (see :mod:`repmlp.checks`)."""
+    checks.check_input_shape(
+        x,
+        (in_channels, *resolution),
+        f"RepMLPBlock expected input of shape (N, {in_channels}, {resolution[0]}, {resolution[1]}), "
+        "got {shape}",
+    )
 
 
 @torch.fx.wrap

@@ -11,22 +11,11 @@ OUTPUT/study.png.
 from __future__ import annotations
 
 import argparse
-import math
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, HelpFormatter
-    from ._common import int_at_least
+    from ._common import add_device_argument, add_limit_argument, int_at_least, positive_float
 
     p = subparsers.add_parser(
         "study", help="reproduce the paper's studies (ablation: Table 1)", description=__doc__
@@ -57,26 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     a.add_argument("--epochs", type=int_at_least(1), default=100, help="epochs per run (the paper: 100)")
     a.add_argument(
         "--width-multiplier",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="W",
         help="scale every row's channel widths (rounded to a multiple of the groups)",
     )
-    a.add_argument(
-        "--train-limit",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="first N training examples only",
-    )
-    a.add_argument(
-        "--val-limit",
-        type=int_at_least(1),
-        default=None,
-        metavar="N",
-        help="first N validation examples only",
-    )
-    a.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_limit_argument(a, "--train-limit", "training examples")
+    add_limit_argument(a, "--val-limit", "validation examples")
+    add_device_argument(a, default="auto")
     a.add_argument(
         "--bench-batch-size",
         type=int_at_least(1),

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import checks
 from ..block import RepMLPBlock
 from ..layers import ConvBN
 from .head import PooledClassifierMixin
@@ -534,21 +535,18 @@ class ResNet(PooledClassifierMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-@torch.fx.wrap
 def _check_resnet_input(x: Tensor, in_chans: int, img_size: tuple[int, int] | None) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)`` with ``(H, W) == img_size`` (if given).
-
-    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
-    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
-    """
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return
-    if x.dim() != 4 or x.shape[1] != in_chans:
-        raise ValueError(f"expected input (N, {in_chans}, H, W), got {tuple(x.shape)}")
-    if img_size is not None and tuple(x.shape[2:]) != img_size:
-        raise ValueError(
-            f"this model's RepMLP layers are built for {img_size[0]}x{img_size[1]} inputs, "
-            f"got {x.shape[2]}x{x.shape[3]}; build it with img_size={x.shape[2]} for that resolution"
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)`` with ``(H, W) == img_size`` (if given;
+    see :mod:`repmlp.checks`)."""
+    checks.check_input_shape(
+        x, (in_chans, None, None), f"expected input (N, {in_chans}, H, W), got {{shape}}"
+    )
+    if img_size is not None:
+        checks.check_input_shape(
+            x,
+            (in_chans, *img_size),
+            f"this model's RepMLP layers are built for {img_size[0]}x{img_size[1]} inputs, got {{h}}x{{w}}; "
+            "build it with img_size={h} for that resolution",
         )
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import checks
 from ..block import GlobalPerceptron, RepMLPBlock
 from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition as to_partitions
@@ -46,20 +47,14 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
-@torch.fx.wrap
 def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message.
-
-    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
-    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
-    """
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return
-    if x.dim() != 4 or tuple(x.shape[1:]) != (chans, size, size):
-        raise ValueError(
-            f"{what} (N, {chans}, {size}, {size}), got {tuple(x.shape)}; "
-            "build it with img_size/in_chans matching the data"
-        )
+    """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message
+    (see :mod:`repmlp.checks`)."""
+    checks.check_input_shape(
+        x,
+        (chans, size, size),
+        f"{what} (N, {chans}, {size}, {size}), got {{shape}}; build it with img_size/in_chans matching the data",
+    )
 
 
 class PartitionConvBlock(nn.Module):

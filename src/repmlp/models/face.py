@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import checks
 from ..layers import ConvBN
 from .registry import register_model
 
@@ -33,21 +34,15 @@ __all__ = [
 ]
 
 
-@torch.fx.wrap
 def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
-
-    A ``torch.fx`` leaf (see :func:`repmlp.block._check_block_input`): checked in eager mode and in
-    fx-traced modules, skipped under ``torch.jit.trace``/``torch.compile``/``torch.export``.
-    """
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)`` (see :mod:`repmlp.checks`)."""
     s = img_size
-    if x.dim() != 4 or x.shape[1] != in_chans or tuple(x.shape[2:]) != (s, s):
-        raise ValueError(
-            f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got "
-            f"{tuple(x.shape)}; build it with img_size={x.shape[-1]} for that resolution"
-        )
+    checks.check_input_shape(
+        x,
+        (in_chans, s, s),
+        f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got {{shape}}; "
+        "build it with img_size={w} for that resolution",
+    )
 
 
 class _ConvBNAct(nn.Sequential):

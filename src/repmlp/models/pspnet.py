@@ -30,9 +30,6 @@ from .blocks import Bottleneck, ConvBNReLU, ResNet, _check_resnet_input
 from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
 from .resnet import repmlp_res50, repmlp_res50_g4_8
 
-# torch.fx patches a wrapped function per module namespace: keep the imported check a leaf here too.
-torch.fx.wrap("_check_resnet_input")
-
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
 
 

@@ -32,6 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import checks
 from ..block import LocalPerceptron
 from ..layers import ConvBN, GroupwiseLinear
 from ..reparam import conv_to_fc, fuse_bn, pair
@@ -63,15 +64,14 @@ REPMLPNET_ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-@torch.fx.wrap
-def _check_input(x: Tensor, in_chans: int, img_size: tuple[int, int]) -> Tensor:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)``; a leaf in torch.fx graphs."""
-    if x.dim() != 4 or x.shape[1] != in_chans or tuple(x.shape[2:]) != img_size:
-        raise ValueError(
-            f"RepMLPNet built for (N, {in_chans}, {img_size[0]}, {img_size[1]}) inputs got {tuple(x.shape)}; "
-            "its FC layers fix the resolution (build it with img_size= for another)"
-        )
-    return x
+def _check_input(x: Tensor, in_chans: int, img_size: tuple[int, int]) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (see :mod:`repmlp.checks`)."""
+    checks.check_input_shape(
+        x,
+        (in_chans, *img_size),
+        f"RepMLPNet built for (N, {in_chans}, {img_size[0]}, {img_size[1]}) inputs got {{shape}}; "
+        "its FC layers fix the resolution (build it with img_size= for another)",
+    )
 
 
 class ChannelGate(nn.Module):
@@ -347,7 +347,8 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> normalised last-stage map ``(N, num_features, H/32, W/32)``."""
-        x = self.stem(_check_input(x, self.in_chans, self.img_size))
+        _check_input(x, self.in_chans, self.img_size)
+        x = self.stem(x)
         return self.norm(self.stages(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
