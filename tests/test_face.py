@@ -233,8 +233,20 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
     assert rc == 0
     m = json.loads(out_json.read_text())
     assert m["probes"] == 8 and m["gallery"] == 7 and m["distractors"] == 3 and m["verification_pairs"] == 8
-    for key in ("verification_accuracy", "rank1_identification"):
-        assert m[key] == m["train_form"][key]
+    assert m["rank1_identification"] == m["train_form"]["rank1_identification"]
+    # Verification picks a threshold between neighbouring pair scores: a float32 rounding difference
+    # between the forms may move it past a near-tie, so compare the embeddings themselves, and allow
+    # the accuracy one pair of a fold (4 pairs per fold here).
+    assert abs(m["verification_accuracy"] - m["train_form"]["verification_accuracy"]) <= 0.25
+    trained = load_model(trained_face / "model.safetensors")[0].eval()
+    deployed = reparameterize_model(trained)
+    images = sorted((face_data / "probe").rglob("*.png"))
+    assert images
+    kw = dict(img_size=int(trained.img_size), batch_size=8, device=torch.device("cpu"))
+    from repmlp.tasks.face import embed_images
+
+    torch.testing.assert_close(embed_images(deployed, images, **kw), embed_images(trained, images, **kw),
+                               atol=1e-5, rtol=0)  # fmt: skip
     # The identities are easy: the trained embedding identifies most probes among the distractors.
     assert m["rank1_identification"] >= 0.75
     assert "rank1_identification" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from .ops import groupwise_fc
 from .reparam import fuse_bn, pair
 
-__all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2"]
+__all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2", "cpu_channels_last"]
 
 
 class ConvBN(nn.Module):
@@ -129,3 +129,18 @@ def max_pool_2x2(x: Tensor) -> Tensor:
     rows = x.view(n, c, h // 2, 2, w)
     pairs = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1]).view(n, c, h // 2, w // 2, 2)
     return torch.maximum(pairs[..., 0], pairs[..., 1])
+
+
+@torch.fx.wrap
+def cpu_channels_last(x: Tensor) -> Tensor:
+    """``x`` in channels_last memory when it is a 4-d CPU tensor, else ``x`` itself; values unchanged.
+
+    oneDNN's CPU convolutions run their native layout on channels_last tensors; on NCHW tensors PyTorch
+    reorders input and output around every conv (2-9x slower for the 1x1 convs of a ResNet stage, see
+    docs/benchmarks.md). A convolutional trunk that calls this once on its input runs every later conv in
+    that layout (conv outputs keep their input's layout). A ``torch.fx`` leaf, since it branches on the
+    device: call it as ``layers.cpu_channels_last`` (see :mod:`repmlp.checks`). Shapes: ``(N, C, H, W)`` -> the same.
+    """
+    if x.device.type == "cpu" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks
+from .. import checks, layers
 from ..block import RepMLPBlock
 from ..layers import ConvBN
 from .head import PooledClassifierMixin
@@ -494,8 +494,10 @@ class ResNet(PooledClassifierMixin, nn.Module):
         return outs
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)``."""
-        return self.forward_stages(x)[-1]
+        """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)`` (channels_last
+        memory on CPU: the trunk runs in oneDNN's native layout, see :func:`repmlp.layers.cpu_channels_last`).
+        """
+        return self.forward_stages(layers.cpu_channels_last(x))[-1]
 
     def forward_intermediates(
         self,
