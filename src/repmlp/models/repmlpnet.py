@@ -32,7 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks
+from .. import checks, layers
 from ..block import LocalPerceptron
 from ..layers import ConvBN, GroupwiseLinear
 from ..reparam import conv_to_fc, fuse_bn, pair
@@ -91,8 +91,12 @@ class ChannelGate(nn.Module):
         self.fc2 = nn.Conv2d(hidden, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        v = F.adaptive_avg_pool2d(x, 1)
-        return torch.sigmoid(self.fc2(F.relu(self.fc1(v))))
+        # The 1x1 convs (the checkpoints' layout) act on a vector: as FC layers they skip the conv
+        # kernel's per-call set-up, which dominates at 1x1 spatial size on CPU.
+        v = x.mean((2, 3))
+        v = F.relu(F.linear(v, self.fc1.weight.flatten(1), self.fc1.bias))
+        v = F.linear(v, self.fc2.weight.flatten(1), self.fc2.bias)
+        return torch.sigmoid(v)[:, :, None, None]
 
 
 class RepMLPNetBlock(nn.Module):
@@ -348,7 +352,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> normalised last-stage map ``(N, num_features, H/32, W/32)``."""
         _check_input(x, self.in_chans, self.img_size)
-        x = self.stem(x)
+        x = self.stem(layers.cpu_channels_last(x))
         return self.norm(self.stages(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
