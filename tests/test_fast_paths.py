@@ -63,5 +63,20 @@ def test_compiles_as_one_graph(name: str, form: str) -> None:
     assert explanation.graph_count == 1
 
 
+@pytest.mark.parametrize("name", list_models())
+@pytest.mark.parametrize("deploy", [False, True], ids=["train", "deploy"])
+def test_every_registered_model_compiles_as_one_graph(name: str, deploy: bool) -> None:
+    """No graph break anywhere in the zoo: dynamo traces each model whole on the meta device (shapes
+    only, so the paper's resolutions stay cheap); the CPU branches are traced by the test above."""
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = create_model(name, deploy=deploy).eval()
+    x = torch.randn(2, *model.pretrained_cfg["input_size"], device="meta")
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
 def test_all_registered_models_listed() -> None:
     assert {"repmlp_fmnist", "repmlp_cifar", "repmlp_res50", "repmlp_res50_light"} <= set(list_models())
