@@ -9,8 +9,10 @@ the same treatment (same input size), and the table gives examples/s and the rat
   on random inputs: enough for speed).
 
 Models: deployed RepMLP-Res50 and RepMLP-Res50-Light (224x224), deployed ``repmlp_cifar`` (32x32; its
-ResNet-50 reference runs at 32x32 too). It also measures this machine's matmul peak (a large square
-matmul, same dtype) and the fraction of it that deployed ``repmlp_cifar`` reaches (MACs / time).
+ResNet-50 reference runs at 32x32 too); each also against *our* deployed ResNet-50 (same structure, built
+by repmlp: BN fused, same kernels and layout), which isolates the RepMLP blocks' own gain. It also
+measures this machine's matmul peak (a large square matmul, same dtype) and the fraction of it that
+deployed ``repmlp_cifar`` reaches (MACs / time).
 
     python3 benchmarks/bench_deploy.py [--batch-sizes 1 8 32] [--treatments eager compiled ...] [--quick]
 
@@ -21,6 +23,7 @@ compiled fp32 and compiled bf16 (where the CPU has native bf16); repmlp_cifar >=
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +53,15 @@ def cpu_flags() -> str:
 def build(name: str) -> torch.nn.Module:
     if name == "resnet50":
         return torchvision.models.resnet50().eval()
+    if name == "our_resnet50":  # torchvision's ResNet-50 structure in repmlp's code, BN fused
+        return reparameterize_model(create_model("repmlp_res50", stages=(), num_classes=1000).eval())
     return reparameterize_model(create_model(name).eval())
+
+
+def allocator() -> str:
+    """The memory allocator settings in effect (they change CPU timings: see docs/benchmarks.md)."""
+    tuned = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    return ", ".join(f"{k}={v}" for k, v in sorted(tuned.items())) or "glibc malloc, default settings"
 
 
 def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) -> tuple[object, torch.dtype]:
@@ -83,20 +94,26 @@ def matmul_fn(dtype: torch.dtype, n: int = 2048):  # noqa: ANN201
 
 def run_treatment(treatment: str, batches: list[int], rounds: int) -> list[list[str]]:
     rows = []
-    nets = {name: build(name) for name in ("resnet50", *MODELS)}
+    nets = {name: build(name) for name in ("resnet50", "our_resnet50", *MODELS)}
+    refs: dict[int, tuple] = {}  # the references per input size, treated (compiled) once
     for name, res in MODELS.items():
         size = (3, res, res)
-        ref, dtype = treated(nets["resnet50"], treatment, size)
+        if res not in refs:
+            refs[res] = (
+                *treated(nets["resnet50"], treatment, size),
+                treated(nets["our_resnet50"], treatment, size)[0],
+            )
+        ref, dtype, ours = refs[res]
         net, _ = treated(nets[name], treatment, size)
         for b in batches:
             x = make_input(b, size, dtype, treatment)
+            fns = {
+                "ref": lambda r=ref, x=x: r(x),
+                "ours": lambda o=ours, x=x: o(x),
+                "net": lambda n=net, x=x: n(x),
+            }
             with torch.inference_mode():
-                secs = time_interleaved(
-                    {"ref": lambda r=ref, x=x: r(x), "net": lambda n=net, x=x: n(x)},
-                    torch.device("cpu"),
-                    rounds=rounds,
-                    warmup=2,
-                )
+                secs = time_interleaved(fns, torch.device("cpu"), rounds=rounds, warmup=2)
             ratio = secs["ref"] / secs["net"]
             goal = ""
             if name in _GOALS and treatment in ("eager", "compiled", "bf16_compiled"):
@@ -110,6 +127,7 @@ def run_treatment(treatment: str, batches: list[int], rounds: int) -> list[list[
                     f"{b / secs['net']:.1f}",
                     f"{b / secs['ref']:.1f}",
                     f"**{ratio:.2f}x**",
+                    f"{secs['ours'] / secs['net']:.2f}x",
                     goal,
                 ]
             )
@@ -166,7 +184,8 @@ def main() -> None:
     batches = [1] if args.quick else args.batch_sizes
     print("**bench_deploy: deployed models vs torchvision ResNet-50, per treatment**")
     print(
-        f"CPU: {cpu_name()}, flags: {cpu_flags()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}"
+        f"CPU: {cpu_name()}, flags: {cpu_flags()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
+        f"allocator: {allocator()}"
     )
     reason = native_support("bf16")
     if reason:
@@ -175,10 +194,23 @@ def main() -> None:
     rows = []
     for treatment in args.treatments:
         rows += run_treatment(treatment, batches, rounds)
-    header = ["treatment", "model", "input", "batch", "model ex/s", "ResNet-50 ex/s", "vs ResNet-50", "goal"]
+    header = [
+        "treatment",
+        "model",
+        "input",
+        "batch",
+        "model ex/s",
+        "ResNet-50 ex/s",
+        "vs ResNet-50",
+        "vs our ResNet-50",
+        "goal",
+    ]
     print(table(header, rows))
     print(
-        f"\nMedians of {rounds} interleaved rounds (model and ResNet-50 alternate); ResNet-50 at the same input size."
+        f"\nMedians of {rounds} interleaved rounds (model, torchvision's ResNet-50 and ours alternate); ResNet-50 "
+        "at the same input size. *Our ResNet-50* is torchvision's structure built by repmlp "
+        "(`repmlp_res50` with `stages=()`), deployed: BN fused, the same kernels and memory layout as the "
+        "RepMLP models, so that column isolates what the RepMLP blocks themselves gain."
     )
     print(
         "\n**Deployed repmlp_cifar vs this machine's matmul peak (2048x2048 matmul, same dtype, "

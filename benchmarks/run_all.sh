@@ -18,9 +18,14 @@ echo
 python3 -m repmlp -q bench --model torchvision:resnet50 repmlp_res50 repmlp_res50_light --batch-size 8 \
     "${device_args[@]}"
 echo
-echo "### benchmarks/bench_deploy.py: deployed models vs ResNet-50 per treatment (add --treatments compiled bf16_compiled where compiling is affordable)"
+echo "### benchmarks/bench_deploy.py: deployed models vs ResNet-50 per treatment and batch size"
 echo
-python3 benchmarks/bench_deploy.py --treatments eager channels_last bf16 int8  # CPU only
+python3 benchmarks/bench_deploy.py  # CPU only; every treatment, batches 1, 8, 32
+echo
+echo "### benchmarks/bench_deploy.py with glibc malloc keeping freed memory (no page faults per call)"
+echo
+MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \
+    python3 benchmarks/bench_deploy.py --treatments eager channels_last --batch-sizes 8
 if [ -f runs/fmnist/model.safetensors ]; then
     echo
     echo "### benchmarks/bench_precision.py: reduced-precision deployment of runs/fmnist"
