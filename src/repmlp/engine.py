@@ -251,7 +251,7 @@ def loss_step(
     """The step of a module that computes its own loss (``net(images, labels)`` -> scalar): the loss, and
     as statistics the loss per step (``n`` counts steps)."""
     loss = net(images, labels).float()
-    return loss, {"loss": float(loss), "n": 1.0}
+    return loss, {"loss": float(loss.detach()), "n": 1.0}
 
 
 @dataclass
