@@ -112,8 +112,8 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
 
 def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) -> None:
     """``python -m repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after
-    ``stop`` steps (``REPMLP_STOP_AFTER_STEPS``) and continued with ``--resume``: both runs must end with
-    bitwise identical weights. Also checks the run files and that a finished run is not overwritten."""
+    ``stop`` steps (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end
+    with bitwise identical weights. Also checks the run files and that a finished run is not overwritten."""
     import subprocess
     import sys
 
@@ -126,7 +126,7 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
 
     full, cut = root / "full", root / "cut"
     assert run(full).returncode == 0
-    killed = run(cut, REPMLP_STOP_AFTER_STEPS=str(stop))
+    killed = run(cut, "--stop-after-steps", str(stop))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
     resumed = run(cut, "--resume")

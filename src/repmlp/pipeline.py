@@ -1,21 +1,7 @@
-"""Compatibility name: the end of ``repmlp train`` now lives in :mod:`repmlp.tasks.classification`."""
+"""Compatibility name: the end of ``repmlp train`` now lives in :mod:`repmlp.tasks.classification_report`.
 
-from .tasks.classification import (
-    EQUIVALENCE_RTOL,
-    accuracy,
-    compare_logits,
-    finish_run,
-    hardware_summary,
-    plot_curves,
-    predict,
-)
+Kept so that ``from repmlp.pipeline import finish_run, compare_logits`` (scripts, the study) keeps working.
+"""
 
-__all__ = [
-    "EQUIVALENCE_RTOL",
-    "accuracy",
-    "compare_logits",
-    "finish_run",
-    "hardware_summary",
-    "plot_curves",
-    "predict",
-]
+from .tasks.classification_report import *  # noqa: F403 - the shim re-exports the module's public names
+from .tasks.classification_report import __all__  # noqa: F401

@@ -1,4 +1,4 @@
-"""Compatibility name: the classification training loop now lives in :mod:`repmlp.tasks.classification`.
+"""Compatibility name: classification training now lives in :mod:`repmlp.tasks.classification`.
 
 Kept so that ``from repmlp.train import run_training, TrainConfig`` (scripts, other tasks) keeps working.
 """

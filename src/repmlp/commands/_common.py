@@ -95,7 +95,8 @@ def add_limit_argument(group, flag: str, what: str) -> None:
 
 def add_run_arguments(group, *, resume_help: str, step: str) -> None:
     """The run flags every task's training shares: ``--resume``, ``--ckpt-every``, ``--device``, ``--amp``,
-    ``--threads``; ``step`` names a training step in the help (optimizer step, iteration)."""
+    ``--threads`` (and the hidden ``--stop-after-steps``); ``step`` names a training step in the help
+    (optimizer step, iteration)."""
     group.add_argument("--resume", action="store_true", help=resume_help)
     group.add_argument(
         "--ckpt-every",
@@ -112,6 +113,8 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
         help="mixed precision (default: on CUDA); it changes the maths, so a resumed run keeps it",
     )
     group.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+    # Hidden: a simulated crash after N steps (exit 3, no cleanup), for tests of --resume.
+    group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
 
 
 def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:

@@ -192,7 +192,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--bench-batch-size", type=int_at_least(1), default=128)
     g.add_argument("--no-export", action="store_true", help="skip the ONNX export")
     g.add_argument("--no-bench", action="store_true", help="skip the speed benchmark")
-    g.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
     return p
 

@@ -1,6 +1,7 @@
 """The paper's tasks, each a peer over :mod:`repmlp.engine`, dispatched by ``repmlp train/eval --task``.
 
-- :mod:`repmlp.tasks.classification`: image classification (paper Sec. 4.1-4.2), ``--task cls``.
+- :mod:`repmlp.tasks.classification`: image classification (paper Sec. 4.1-4.2), ``--task cls``; the end of
+  its run (conversion check, benchmark, export, report) in :mod:`repmlp.tasks.classification_report`.
 - :mod:`repmlp.tasks.face`: face recognition (paper Sec. 4.3), ``--task face``.
 - :mod:`repmlp.tasks.segmentation`: semantic segmentation (paper Sec. 4.4), ``--task seg``.
 

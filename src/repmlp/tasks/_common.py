@@ -223,7 +223,7 @@ def add_common_train_arguments(
 # Options that do not change the maths: a resumed run may change them.
 RUNTIME_OPTIONS = {
     "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every", "data",
-    "verbose", "quiet", "task", "show_help",
+    "verbose", "quiet", "task", "show_help", "stop_after_steps",
 }  # fmt: skip
 
 
@@ -238,22 +238,27 @@ def check_train_options(args: argparse.Namespace) -> None:
         raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
 
 
-def start_run(args: argparse.Namespace, procs: DistInfo, iterations: int, lr_at, config: dict[str, Any]):
+def start_run(
+    args: argparse.Namespace, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]
+):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
     from ..engine import LoopOptions, check_output
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
+    # Every option but the runtime ones changes the maths: a resume must repeat them.
     maths = {k: v for k, v in vars(args).items() if k not in RUNTIME_OPTIONS and k != "parser"}
+    config = {**maths, "model_kwargs": model_kwargs, "amp": amp}
     opts = LoopOptions(
         output=Path(args.output),
+        config=json.loads(json.dumps(config, default=str)),
+        lr_at=lr_at,
         iterations=iterations,
-        config={**json.loads(json.dumps({**maths, **config}, default=str)), "amp": amp},
         ckpt_every=args.ckpt_every,
         log_interval=args.log_interval,
-        resume=args.resume,
         amp=amp,
-        lr_at=lr_at,
+        stop_after_steps=args.stop_after_steps,
+        extra_state={"model_kwargs": model_kwargs},
     )
     return opts, check_output(opts.output, args.resume, procs)
 

@@ -1,34 +1,26 @@
-"""Image classification (paper Sec. 4.1-4.2): data, model, loss, metrics, the training loop and the report.
+"""Image classification (paper Sec. 4.1-4.2): the task that ``repmlp train`` (``--task cls``) runs.
 
-The classification task that ``repmlp train`` (``--task cls``) runs:
+What is classification's own: :class:`TrainConfig` (every option, with :func:`resumed_config`'s rules for
+a resumed run), the data and model (:func:`build_data`, :func:`build_model`), the optimizer and its
+learning rate as a pure function of the step (:func:`lr_at`), the step (mixup, label smoothing, the
+correct count) and the per-epoch evaluation that makes each ``metrics.csv`` row (:func:`evaluate`).
 
-- :func:`run_training` trains a model on a data set per a :class:`TrainConfig`, writing into the run folder
-  ``checkpoint.safetensors`` (the whole training state, see :mod:`repmlp.checkpoint`) every ``ckpt_every``
-  steps and at the end of every epoch, plus ``metrics.csv``. A killed run continues with ``resume=True``
-  from its last checkpoint: model, optimizer, learning-rate position, gradient scaler, the
-  torch/numpy/python RNG states and the position in the epoch's data order are restored, so the final
-  weights equal those of an uninterrupted run. The learning rate is a pure function of the global step
-  (:func:`lr_at`): the "scheduler state" is that step.
-- :func:`finish_run` takes the finished :class:`TrainResult` and evaluates, converts, verifies the
-  conversion, benchmarks, exports, plots and writes into the run folder ``model.safetensors``
-  (training-time form), ``deploy.safetensors`` (converted; reloaded with ``deploy=True`` for the checks),
-  ``deploy.onnx``, ``curves.png``, ``fc3.png`` and ``report.md``.
+:func:`run_training` trains through :func:`repmlp.engine.train_loop`, the loop face recognition and
+segmentation use too: ``checkpoint.safetensors`` every ``ckpt_every`` steps and at the end of every epoch;
+a killed run continues with ``resume=True`` from its last checkpoint (model, optimizer, gradient scaler,
+every process's torch/numpy/python RNG states, the position in the epoch's data order, the epoch's sums and
+the metrics so far), so its final weights equal those of an uninterrupted run. The end of a run (convert,
+verify, benchmark, export, report) is :mod:`repmlp.tasks.classification_report`, whose names this module
+re-exports.
 """
 
 from __future__ import annotations
 
-import copy
-import csv
 import dataclasses
-import hashlib
-import io
 import json
 import logging
 import math
-import os
-import platform
 import random
-import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,40 +32,74 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import (
-    CheckpointError,
-    atomic_write_bytes,
-    atomic_write_text,
-    load_model,
-    load_state,
-    save_model,
-    save_state,
-)
+from ..checkpoint import CheckpointError
 from ..data import Data, DataConfig, build_data
 from ..data.loader import batch_generator
-from ..engine import DistInfo, build_model, optimizer_step, prepare_module, setup_distributed
-from ..engine import amp_dtype as _amp_dtype
+from ..engine import (
+    METRICS_FILE,
+    STATE_FILE,
+    DistInfo,
+    LoopHooks,
+    LoopOptions,
+    Position,
+    amp_dtype,
+    broadcast_buffers,
+    build_model,
+    check_output,
+    check_resumable,
+    prepare_module,
+    rng_state,
+    set_rng_state,
+    setup_distributed,
+    state_hash,
+    train_loop,
+)
+from ..engine import option_flag as option_name
+from ..engine import write_metrics_csv as _write_csv
 from ..errors import UserError
+from .classification_report import (
+    EQUIVALENCE_RTOL,
+    accuracy,
+    compare_logits,
+    finish_run,
+    hardware_summary,
+    plot_curves,
+    predict,
+)
 
 __all__ = [
+    "METRIC_FIELDS",
+    "METRICS_FILE",
+    "STATE_FILE",
     "TrainConfig",
+    "TrainResult",
     "DistInfo",
     "lr_at",
     "evaluate",
     "run_training",
+    "resumed_config",
+    "option_name",
     "build_model",
     "setup_distributed",
     "finish_run",
     "predict",
+    "accuracy",
     "compare_logits",
     "plot_curves",
     "hardware_summary",
+    "state_hash",
+    "rng_state",
+    "set_rng_state",
+    "EQUIVALENCE_RTOL",
+    "config_json",
+    "make_optimizer",
+    "seed_everything",
+    "topk_correct",
+    "write_metrics_csv",
 ]
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "checkpoint.safetensors"
-METRICS_FILE = "metrics.csv"
 METRIC_FIELDS = [
     "epoch",
     "step",
@@ -181,32 +207,10 @@ class TrainConfig:
                 raise UserError(msg)
 
 
-# ------------------------------------------------------------------------------------- distributed
-# ----------------------------------------------------------------------------------------- pieces
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np.random.set_state(tuple(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
@@ -259,7 +263,7 @@ def evaluate(
     for x, y in tqdm(
         loader.batches(0), total=len(loader), desc=desc, leave=False, disable=None if show else True
     ):
-        with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=amp):
+        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
             logits = model(x)
         logits = logits.float()
         c1, c5 = topk_correct(logits, y)
@@ -279,25 +283,11 @@ def evaluate(
     }
 
 
-def state_hash(model: nn.Module) -> str:
-    """SHA-256 of a model's parameters and buffers (bitwise), to compare replicas or runs."""
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def write_metrics_csv(path: Path, history: list[dict[str, Any]]) -> None:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    for row in history:
-        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-    atomic_write_text(path, buf.getvalue())
+    """``metrics.csv``: one row per epoch (:data:`METRIC_FIELDS`)."""
+    _write_csv(path, history, METRIC_FIELDS)
 
 
-# ------------------------------------------------------------------------------------------- loop
 @dataclass
 class TrainResult:
     model: nn.Module  # unwrapped, eval mode, on the training device
@@ -310,22 +300,6 @@ class TrainResult:
     dist_info: DistInfo
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _broadcast_buffers(model: nn.Module, dist_info: DistInfo) -> None:
-    """Make every replica's BatchNorm statistics rank 0's (DDP syncs parameters, not running stats)."""
-    if dist_info.enabled:
-        for b in model.buffers():
-            dist.broadcast(b.data, src=0)
-
-
-def option_name(field_name: str) -> str:
-    """The command-line spelling of a :class:`TrainConfig` field (``model_args`` -> ``--model-arg``)."""
-    return "--model-arg" if field_name == "model_args" else "--" + field_name.replace("_", "-")
-
-
 def resumed_config(
     saved: TrainConfig, cfg: TrainConfig, given: Collection[str] | None, where: Path
 ) -> TrainConfig:
@@ -333,25 +307,19 @@ def resumed_config(
 
     ``given`` names the fields the user set explicitly (``None``: all of ``cfg``). Those that change the
     maths must equal the saved values, else the checkpoint belongs to another model or recipe and resuming
-    would silently train something else: :class:`UserError`. Runtime options (device, workers, data folder,
-    ...) that were given replace the saved ones; the others keep the saved values.
+    would silently train something else: :class:`UserError`. Runtime options (:attr:`TrainConfig.RUNTIME`:
+    device, workers, data folder, ...) that were given replace the saved ones; the others keep the saved
+    values. (:func:`repmlp.engine.check_resumable`'s rules, which the engine applies again on resume.)
     """
-    explicit = {f.name for f in dataclasses.fields(TrainConfig)} if given is None else set(given)
-    conflicts = [
-        f"{option_name(k)} {getattr(saved, k)!r}, not {getattr(cfg, k)!r}"
-        for k in sorted(explicit)
-        if k not in TrainConfig.RUNTIME and hasattr(saved, k) and getattr(saved, k) != getattr(cfg, k)
-    ]
-    if conflicts:
-        raise UserError(
-            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}"
-            f"{' ...' if len(conflicts) > 4 else ''} (leave these options out to continue it, or train into "
-            "another --output)"
-        )
-    for k in TrainConfig.RUNTIME:
-        if k in explicit:
-            setattr(saved, k, getattr(cfg, k))
-    return saved
+    merged = check_resumable(
+        saved.to_dict(),
+        cfg.to_dict(),
+        where,
+        runtime=TrainConfig.RUNTIME,
+        given=given,
+        hint="leave these options out to continue it, or train into another --output",
+    )
+    return TrainConfig.from_dict(merged)
 
 
 def _open_run(
@@ -360,21 +328,14 @@ def _open_run(
     """The run's configuration and the state to resume from (``None`` for a new run); refuses to
     overwrite a run in ``cfg.output``."""
     out = Path(cfg.output)
-    state_path = out / STATE_FILE
-    if resume:
-        if not state_path.is_file():
-            raise UserError(f"nothing to resume: {state_path} does not exist")
-        state = load_state(state_path)
-        try:
-            saved = TrainConfig.from_dict(state["config"])
-        except (KeyError, TypeError) as exc:
-            raise CheckpointError(f"{state_path} has no usable config ({exc})") from None
-        return resumed_config(saved, cfg, given, out), state
-    if di.is_main and state_path.exists():
-        raise UserError(
-            f"{out} already holds a run ({STATE_FILE}); use --resume to continue it or another --output"
-        )
-    return cfg, None
+    state = check_output(out, resume, di)
+    if state is None:
+        return cfg, None
+    try:
+        saved = TrainConfig.from_dict(state["config"])
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"{out / STATE_FILE} has no usable config ({exc})") from None
+    return resumed_config(saved, cfg, given, out), state
 
 
 def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Module, dict[str, Any]]:
@@ -416,27 +377,6 @@ def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Modu
     return data, model, model_kwargs
 
 
-def _restore(state: dict[str, Any], model: nn.Module, optimizer, scaler, di: DistInfo, state_path: Path):
-    """Load a saved training state; returns ``(epoch, batch_in_epoch, step, history, epoch_acc)``."""
-    try:
-        model.load_state_dict(state["model"], strict=True)
-        optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        epoch, batch_in_epoch, step = int(state["epoch"]), int(state["batch"]), int(state["step"])
-        history, acc = list(state["history"]), dict(state["epoch_acc"])
-        set_rng_state(
-            state["rng"][str(di.rank)] if str(di.rank) in state["rng"] else state["rng"]["0"], di.device
-        )
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"{state_path} does not fit this run: {str(exc).splitlines()[0]}") from None
-    if di.is_main:
-        log.info(
-            "resuming %s at epoch %d, batch %d (step %d)", state_path.parent, epoch + 1, batch_in_epoch, step
-        )
-    return epoch, batch_in_epoch, step, history, acc
-
-
 def _log_start(cfg: TrainConfig, model: nn.Module, data: Data, di: DistInfo) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log.info(
@@ -456,43 +396,72 @@ def _log_start(cfg: TrainConfig, model: nn.Module, data: Data, di: DistInfo) -> 
     )
 
 
-def _replica_hashes(model: nn.Module, di: DistInfo) -> list[str]:
-    """Every process's :func:`state_hash` of ``model`` (rank order), logged: the check that DDP kept the
-    processes in step (also in report.md)."""
-    _broadcast_buffers(model, di)
-    hashes = [state_hash(model)]
-    if di.enabled:
-        gathered: list[Any] = [None] * di.world
-        dist.all_gather_object(gathered, hashes[0])
-        hashes = gathered
-        if len(set(hashes)) != 1:
-            log.error("replicas differ after training: %s", hashes)
-        elif di.is_main:
-            log.info("final weights identical on all %d processes (sha256 %s)", di.world, hashes[0][:16])
-    return hashes
+@dataclass
+class _Hooks:
+    """Classification's part of the engine's loop (:class:`repmlp.engine.LoopHooks`)."""
+
+    cfg: TrainConfig
+    procs: DistInfo
+    model: nn.Module  # unwrapped: evaluated without DDP
+    data: Data
+    total_steps: int
+
+    def step(self, net: nn.Module, x: Tensor, y: Tensor, pos: Position) -> tuple[Tensor, dict[str, float]]:
+        """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``.
+
+        Statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
+        cfg = self.cfg
+        lam, y2 = 1.0, y
+        if cfg.mixup > 0:
+            gen = batch_generator(cfg.seed, pos.epoch, pos.batch, self.procs.rank, 1)
+            seed = int(torch.randint(2**31, (1,), generator=gen))
+            lam = float(np.random.default_rng(seed).beta(cfg.mixup, cfg.mixup))
+            perm = torch.randperm(len(y), generator=gen).to(x.device)
+            x = lam * x + (1 - lam) * x[perm]
+            y2 = y[perm]
+        logits = net(x)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+        if cfg.mixup > 0:
+            loss = lam * loss + (1 - lam) * F.cross_entropy(
+                logits.float(), y2, label_smoothing=cfg.label_smoothing
+            )
+        correct = (logits.argmax(1) == y).sum().item()
+        return loss, {"loss": loss.item() * len(y), "acc": 100.0 * correct, "n": float(len(y))}
+
+    def end_epoch(self, pos: Position) -> dict[str, Any]:
+        """Evaluate on the validation set; the epoch's ``metrics.csv`` row (logged by rank 0)."""
+        cfg, di = self.cfg, self.procs
+        broadcast_buffers(self.model, di)
+        val = evaluate(self.model, self.data.val, di.device, amp=bool(cfg.amp), dist_info=di,
+                       desc=f"eval {pos.epoch + 1}")  # fmt: skip
+        lr = lr_at(pos.step - 1, self.total_steps, cfg, len(self.data.train))
+        return _epoch_row(cfg, pos, lr, val, di)
 
 
-def _epoch_row(cfg: TrainConfig, epoch: int, step: int, lr: float, acc, val, di: DistInfo) -> dict[str, Any]:
-    """The metrics.csv row of a finished epoch (logged by rank 0)."""
+def _epoch_row(
+    cfg: TrainConfig, pos: Position, lr: float, val: dict[str, float], di: DistInfo
+) -> dict[str, Any]:
+    """The metrics.csv row of the finished epoch ``pos.epoch``."""
+    acc = pos.epoch_acc
     # Train-loss/accuracy sums are per rank; average them too so the metrics describe the whole run.
-    sums = torch.tensor([acc["loss"], acc["correct"], acc["n"]], dtype=torch.float64)
+    sums = torch.tensor([acc.get("loss", 0.0), acc.get("acc", 0.0), acc.get("n", 0.0)], dtype=torch.float64)
     if di.enabled:
         dist.all_reduce(sums)
     row = {
-        "epoch": epoch + 1,
-        "step": step,
+        "epoch": pos.epoch + 1,
+        "step": pos.step,
         "lr": lr,
         "train_loss": sums[0].item() / max(1, sums[2].item()),
-        "train_acc": 100 * sums[1].item() / max(1, sums[2].item()),
+        "train_acc": sums[1].item() / max(1, sums[2].item()),
         "val_loss": val["loss"],
         "val_top1": val["top1"],
         "val_top5": val["top5"],
-        "epoch_s": acc["seconds"],
+        "epoch_s": acc.get("seconds", 0.0),
     }
     if di.is_main:
         log.info(
             "epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | %.0f s",
-            epoch + 1,
+            pos.epoch + 1,
             cfg.epochs,
             row["train_loss"],
             row["train_acc"],
@@ -511,468 +480,45 @@ def run_training(
     stop_after_steps: int | None = None,
     given: Collection[str] | None = None,
 ) -> TrainResult:
-    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins/leaves the process group.
+    """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins the process group.
 
     With ``resume``, the run continues from ``cfg.output``'s checkpoint with the saved configuration;
     ``given`` names the options the user set explicitly (see :func:`resumed_config`).
+    ``stop_after_steps`` simulates a crash (``--stop-after-steps``, for tests of resuming).
     """
-    from tqdm import tqdm
-
     cfg.validate()
     di = setup_distributed(cfg.device)
     if cfg.batch_size % di.world:
         raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
     cfg, state = _open_run(cfg, resume, given, di)
-    out = Path(cfg.output)
-    state_path = out / STATE_FILE
-    device = di.device
-    amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
-    cfg.amp = amp  # saved resolved, so that a resume on another device keeps it
+    cfg.amp = (
+        cfg.amp if cfg.amp is not None else di.device.type == "cuda"
+    )  # saved resolved: a resume keeps it
     data, model, model_kwargs = _build_data_and_model(cfg, di)
     optimizer = make_optimizer(model, cfg)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp and _amp_dtype(device) == torch.float16)
     steps_per_epoch = len(data.train)
-    total_steps = steps_per_epoch * cfg.epochs
-    epoch, batch_in_epoch, step = 0, 0, 0
-    history: list[dict[str, Any]] = []
-    acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
-    if state is not None:
-        epoch, batch_in_epoch, step, history, acc = _restore(state, model, optimizer, scaler, di, state_path)
+    total = steps_per_epoch * cfg.epochs
     if di.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         _log_start(cfg, model, data, di)
+    opts = LoopOptions(
+        output=Path(cfg.output),
+        config=cfg.to_dict(),
+        lr_at=lambda step: [lr_at(step, total, cfg, steps_per_epoch)] * len(optimizer.param_groups),
+        epochs=cfg.epochs,
+        ckpt_every=cfg.ckpt_every,
+        amp=cfg.amp,
+        runtime_keys=TrainConfig.RUNTIME,
+        stop_after_steps=stop_after_steps,
+        extra_state={"model_kwargs": model_kwargs},
+        metric_fields=METRIC_FIELDS,
+    )
+    task = _Hooks(cfg, di, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
-    ddp = prepare_module(model, di)
-
-    def save_checkpoint() -> None:
-        rngs = [rng_state(device)]
-        if di.enabled:
-            gathered: list[Any] = [None] * di.world
-            dist.all_gather_object(gathered, rngs[0])
-            rngs = gathered
-        if not di.is_main:
-            return
-        save_state(
-            state_path,
-            {
-                "config": cfg.to_dict(),
-                "model_kwargs": model_kwargs,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict() if scaler.is_enabled() else {},
-                "epoch": epoch,
-                "batch": batch_in_epoch,
-                "step": step,
-                "history": history,
-                "epoch_acc": acc,
-                "rng": {str(r): s for r, s in enumerate(rngs)},
-            },
-        )
-
-    t_start = time.perf_counter()
-    while epoch < cfg.epochs:
-        ddp.train()
-        t_epoch = time.perf_counter()
-        bar = tqdm(
-            data.train.batches(epoch, batch_in_epoch),
-            total=steps_per_epoch,
-            initial=batch_in_epoch,
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            disable=None if di.is_main else True,
-            leave=False,
-        )
-        for x, y in bar:
-            lr = lr_at(step, total_steps, cfg, steps_per_epoch)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            target = y
-            lam = 1.0
-            if cfg.mixup > 0:
-                gen = batch_generator(cfg.seed, epoch, batch_in_epoch, di.rank, 1)
-                lam = float(
-                    np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen))).beta(
-                        cfg.mixup, cfg.mixup
-                    )
-                )
-                perm = torch.randperm(len(y), generator=gen).to(device)
-                x = lam * x + (1 - lam) * x[perm]
-                target2 = y[perm]
-            with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=amp):
-                logits = ddp(x)
-                loss = F.cross_entropy(logits.float(), target, label_smoothing=cfg.label_smoothing)
-                if cfg.mixup > 0:
-                    loss = lam * loss + (1 - lam) * F.cross_entropy(
-                        logits.float(), target2, label_smoothing=cfg.label_smoothing
-                    )
-            optimizer_step(loss, optimizer, scaler, step)
-            step += 1
-            batch_in_epoch += 1
-            acc["loss"] += loss.item() * len(y)
-            acc["correct"] += (logits.argmax(1) == y).sum().item()
-            acc["n"] += len(y)
-            if di.is_main:
-                bar.set_postfix(
-                    loss=f"{acc['loss'] / acc['n']:.3f}",
-                    acc=f"{100 * acc['correct'] / acc['n']:.1f}",
-                    lr=f"{lr:.3g}",
-                    refresh=False,
-                )
-            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and batch_in_epoch < steps_per_epoch:
-                acc["seconds"] += time.perf_counter() - t_epoch
-                t_epoch = time.perf_counter()
-                save_checkpoint()
-            if stop_after_steps is not None and step >= stop_after_steps:
-                bar.close()
-                # Simulates a crash (tests of --resume): no cleanup, no final checkpoint.
-                log.warning("--stop-after-steps %d reached: exiting without cleanup", stop_after_steps)
-                logging.shutdown()
-                os._exit(3)
-        bar.close()
-        acc["seconds"] += time.perf_counter() - t_epoch
-        _broadcast_buffers(model, di)
-        val = evaluate(model, data.val, device, amp=amp, dist_info=di, desc=f"eval {epoch + 1}")
-        lr_end = lr_at(step - 1, total_steps, cfg, steps_per_epoch)
-        history.append(_epoch_row(cfg, epoch, step, lr_end, acc, val, di))
-        epoch, batch_in_epoch = epoch + 1, 0
-        acc = {"loss": 0.0, "correct": 0.0, "n": 0.0, "seconds": 0.0}
-        save_checkpoint()
-        if di.is_main:
-            write_metrics_csv(out / METRICS_FILE, history)
-    train_seconds = time.perf_counter() - t_start
-    if di.is_main:
-        # Again after the loop: a run killed between its last checkpoint and this file resumes past the loop.
-        write_metrics_csv(out / METRICS_FILE, history)
-    hashes = _replica_hashes(model, di)
+    net = prepare_module(model, di)
+    loop = train_loop(net, optimizer, data.train, opts, di, state, LoopHooks(task.step, task.end_epoch))
     model.eval()
-    return TrainResult(model, model_kwargs, data, history, cfg, train_seconds, hashes, di)
+    return TrainResult(model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di)
 
 
 def config_json(cfg: TrainConfig) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
-
-
-# ----------------------------------------------------------------- the end of a run: evaluate, convert, report
-
-# Converted logits must match the training-time ones to float rounding: max |diff| relative to max |logit|.
-EQUIVALENCE_RTOL = 1e-4
-
-
-@torch.no_grad()
-def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False) -> tuple[Tensor, Tensor]:
-    """Logits ``(N, K)`` (float32, CPU) and labels ``(N,)`` of every example of ``loader`` on this process."""
-    from tqdm import tqdm
-
-    model.eval().to(device)
-    logits, labels = [], []
-    for x, y in tqdm(loader.batches(0), total=len(loader), desc="predict", leave=False, disable=None):
-        with torch.autocast(device.type, dtype=_amp_dtype(device), enabled=amp):
-            out = model(x)
-        logits.append(out.float().cpu())
-        labels.append(y.cpu())
-    return torch.cat(logits), torch.cat(labels)
-
-
-def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
-    c1, c5 = topk_correct(logits, labels)
-    n = max(1, len(labels))
-    return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
-
-
-def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
-    """Max abs and relative difference, and how many predictions (argmax) differ."""
-    diff = (ref - out).abs().max().item()
-    scale = max(ref.abs().max().item(), 1e-12)
-    return {
-        "max_abs_diff": diff,
-        "max_rel_diff": diff / scale,
-        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
-    }
-
-
-def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Loss and top-1 accuracy per epoch (train and validation) as a PNG, written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    epochs = [r["epoch"] for r in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
-    ax1.plot(epochs, [r["train_loss"] for r in history], "o-", label="train (as optimised)")
-    ax1.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
-    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax2.plot(epochs, [r["train_acc"] for r in history], "o-", label="train")
-    ax2.plot(epochs, [r["val_top1"] for r in history], "s-", label="validation top-1")
-    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in (ax1, ax2):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def hardware_summary(device: torch.device) -> str:
-    """One line naming the processor (or GPU), core count, threads and library versions."""
-    if device.type == "cuda":
-        hw = torch.cuda.get_device_name(device)
-    else:
-        from ..engine import cpu_name
-
-        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
-
-
-def _missing_export_packages() -> list[str]:
-    from ..export import missing_onnx_packages
-
-    return missing_onnx_packages()
-
-
-def _step(name: str, fn, notes: list[str]):
-    """Run an optional final step; a failure is logged and noted in the report instead of aborting."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - the run's weights are saved; report what failed
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.error("%s failed: %s", name, msg)
-        notes.append(f"{name} failed: {msg}")
-        return None
-
-
-def finish_run(
-    result: TrainResult,
-    *,
-    command: list[str],
-    started: float,
-    bench_batch_size: int = 128,
-    export: bool = True,
-    bench: bool = True,
-) -> bool:
-    """Evaluate, convert, verify, benchmark, export and report (rank 0). Returns whether all checks passed."""
-    from .. import reparameterize_model
-
-    cfg, data, model = result.config, result.data, result.model
-    out = Path(cfg.output)
-    device = result.dist_info.device
-    notes: list[str] = []
-    name = cfg.model
-    input_size = (data.in_chans, data.img_size, data.img_size)
-    # Rank 0 alone finishes the run: it needs the whole validation set, not its shard.
-    val = copy.copy(data.val)
-    val.rank, val.world = 0, 1
-    # Recorded so that eval / convert of these files find the data without --data-dir.
-    extra = {
-        "dataset": cfg.dataset,
-        "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
-        "classes": data.classes,
-        "input_size": list(input_size),
-    }
-
-    # Float32 for the equivalence check: AMP rounding would hide (or fake) conversion errors.
-    model = model.float().to(memory_format=torch.contiguous_format).eval()
-    save_model(
-        out / "model.safetensors",
-        model,
-        name=name,
-        model_kwargs=result.model_kwargs,
-        form="train",
-        extra=extra,
-    )
-    log.info("evaluating the training-time model ...")
-    ref_logits, labels = predict(model, val, device)
-    train_acc = accuracy(ref_logits, labels)
-
-    t = time.perf_counter()
-    deployed = reparameterize_model(model.eval())
-    convert_s = time.perf_counter() - t
-    save_model(
-        out / "deploy.safetensors",
-        deployed,
-        name=name,
-        model_kwargs=result.model_kwargs,
-        form="deploy",
-        extra=extra,
-    )
-    # Check the file, not the in-memory object: a deploy=True model must load it strictly.
-    deployed, _ = load_model(out / "deploy.safetensors", device=device, form="deploy")
-    dep_logits, _ = predict(deployed, val, device)
-    dep_acc = accuracy(dep_logits, labels)
-    cmp = compare_logits(ref_logits, dep_logits)
-    # No separate test on changed predictions: a flip moves two logits' difference by at least their
-    # margin, so with every logit within max_abs_diff only pairs tied within 2 * max_abs_diff can flip.
-    equivalent = cmp["max_rel_diff"] <= EQUIVALENCE_RTOL
-    log.info(
-        "top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
-        "%d predictions changed -> %s",
-        train_acc["top1"],
-        dep_acc["top1"],
-        cmp["max_abs_diff"],
-        cmp["max_rel_diff"],
-        cmp["changed_predictions"],
-        "equivalent" if equivalent else "NOT EQUIVALENT",
-    )
-
-    def run_bench():
-        from ..bench import benchmark, render_markdown
-
-        rows = benchmark({name: model}, input_size, bench_batch_size, device=device, warmup=3, repeats=10)
-        return rows, render_markdown(rows)
-
-    bench_out = _step("benchmark", run_bench, notes) if bench else None
-    onnx_diff = None
-    missing = _missing_export_packages() if export else []
-    if missing:
-        # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
-        log.warning(
-            "ONNX export skipped: %s not installed (pip install 'repmlp[export]')", ", ".join(missing)
-        )
-        notes.append(
-            f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
-        )
-    elif export:
-        from ..export import export_onnx
-
-        onnx_diff = _step(
-            "ONNX export", lambda: export_onnx(deployed, out / "deploy.onnx", input_size), notes
-        )
-
-    def fc3():
-        from ..viz import find_repmlp_blocks, plot_fc3
-
-        if not find_repmlp_blocks(model):
-            notes.append("FC3 figure skipped: the model has no RepMLP block")
-            return None
-        return plot_fc3(
-            model, out / "fc3.png", title=f"{name}: FC3 before / after merging the Local Perceptron"
-        )
-
-    fc3_sample = _step("FC3 figure", fc3, notes)
-    _step(
-        "training curves",
-        lambda: plot_curves(result.history, out / "curves.png", f"{name} on {cfg.dataset}"),
-        notes,
-    )
-    total_s = time.perf_counter() - started
-    report = _report(
-        result,
-        command,
-        train_acc,
-        dep_acc,
-        cmp,
-        equivalent,
-        convert_s,
-        bench_out,
-        onnx_diff,
-        fc3_sample,
-        notes,
-        total_s,
-        device,
-    )
-    atomic_write_text(out / "report.md", report)
-    log.info("run folder: %s (report.md); total %.0f s", out, total_s)
-    replicas_ok = len(set(result.replica_hashes)) == 1
-    return equivalent and replicas_ok and not any("failed" in n for n in notes)
-
-
-def _report(
-    result,
-    command,
-    train_acc,
-    dep_acc,
-    cmp,
-    equivalent,
-    convert_s,
-    bench_out,
-    onnx_diff,
-    fc3_sample,
-    notes,
-    total_s,
-    device,
-) -> str:
-    cfg = result.config
-    h = result.history
-    out = Path(cfg.output)
-    lines = [
-        f"# repmlp run: {cfg.model} on {cfg.dataset}",
-        "",
-        f"- Command: `{' '.join(command)}`",
-        f"- Hardware: {hardware_summary(device)}"
-        + (f"; {result.dist_info.world} processes (DDP)" if result.dist_info.enabled else ""),
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"- Data: {result.data.train.num_samples} training / {result.data.val.num_samples} validation examples",
-        f"- Recipe (preset `{cfg.preset}`): {cfg.epochs} epochs, batch {cfg.batch_size}, {cfg.optimizer} "
-        f"lr {cfg.lr:g} ({cfg.schedule}, warm-up {cfg.warmup_epochs:g} epochs, to {cfg.min_lr:g}), momentum "
-        f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
-        f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
-        f"- Model options: `{result.model_kwargs}`",
-        f"- Replicas: {len(result.replica_hashes)} process(es), final weights sha256 "
-        + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(result.replica_hashes))
-        + (" (identical)" if len(set(result.replica_hashes)) == 1 else " (DIFFERENT)"),
-        f"- Time: training {sum(r['epoch_s'] for r in h):.0f} s (this process: {result.train_seconds:.0f} s), "
-        f"whole command {total_s:.0f} s",
-        "",
-        "## Accuracy",
-        "",
-        "| form | top-1 (%) | top-5 (%) |",
-        "|---|---|---|",
-        f"| training-time (`model.safetensors`) | {train_acc['top1']:.2f} | {train_acc['top5']:.2f} |",
-        f"| converted (`deploy.safetensors`) | {dep_acc['top1']:.2f} | {dep_acc['top5']:.2f} |",
-        "",
-        f"Conversion ({convert_s:.2f} s): max |logit difference| {cmp['max_abs_diff']:.2e} "
-        f"(relative {cmp['max_rel_diff']:.2e}), {cmp['changed_predictions']} of {train_acc['n']} predictions "
-        f"changed: **{'equivalent' if equivalent else 'NOT equivalent'}** (tolerance {EQUIVALENCE_RTOL:g} relative).",
-        "",
-        "## Training curve",
-        "",
-        "![curves](curves.png)",
-        "",
-        "| epoch | lr | train loss | train acc (%) | val loss | val top-1 (%) | val top-5 (%) | time (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in h:
-        lines.append(
-            f"| {r['epoch']} | {r['lr']:.4g} | {r['train_loss']:.4f} | {r['train_acc']:.2f} | {r['val_loss']:.4f} | "
-            f"{r['val_top1']:.2f} | {r['val_top5']:.2f} | {r['epoch_s']:.0f} |"
-        )
-    lines += ["", "## Speed", ""]
-    if bench_out:
-        rows, table = bench_out
-        lines += [
-            f"Batch {rows[0].batch_size}, input {tuple(rows[0].input_size)}, {rows[0].device}:",
-            "",
-            table,
-        ]
-    else:
-        lines.append("not measured")
-    lines += ["", "## Files", ""]
-    files = {
-        "model.safetensors": "training-time weights (`repmlp eval --checkpoint`)",
-        "deploy.safetensors": "converted weights, loads into `create_model(..., deploy=True)`",
-        "deploy.onnx": "ONNX of the converted model"
-        + (
-            f" (onnxruntime max abs diff {onnx_diff:.2e})"
-            if isinstance(onnx_diff, float) and math.isfinite(onnx_diff)
-            else ""
-        ),
-        STATE_FILE: "training state for `--resume`",
-        METRICS_FILE: "per-epoch metrics",
-        "curves.png": "training curves",
-        "fc3.png": "FC3 before / after merging the Local Perceptron"
-        + (f" (block `{fc3_sample.block_name}`)" if getattr(fc3_sample, "block_name", None) else ""),
-    }
-    for f, what in files.items():
-        if (out / f).exists():
-            lines.append(f"- `{f}`: {what}")
-    if (out / "fc3.png").exists():
-        lines += ["", "![FC3](fc3.png)"]
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"

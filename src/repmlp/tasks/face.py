@@ -208,7 +208,7 @@ def _train(args: argparse.Namespace, procs) -> None:
     per_process = per_process_batch(args.batch_size, procs)
     if per_process < 2:
         raise UserError(f"--batch-size {args.batch_size} leaves BatchNorm one sample per process; use more")
-    opts, state = start_run(args, procs, args.iterations, lambda step: face_lr(args, step), {"model": kwargs})
+    opts, state = start_run(args, procs, args.iterations, lambda step: face_lr(args, step), kwargs)
     net = prepare_module(FaceTrainModule(model, loss), procs)
     optimizer = torch.optim.SGD(
         _param_groups(unwrap(net), args.weight_decay, args.head_weight_decay),
@@ -226,7 +226,7 @@ def _train(args: argparse.Namespace, procs) -> None:
             args.iterations,
             procs.world,
         )
-    history = train_loop(net, optimizer, loader, opts, procs, state)
+    history = train_loop(net, optimizer, loader, opts, procs, state).history
     if procs.is_main:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
         save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)

@@ -238,7 +238,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
     # Poly policy as a function of the step, each group at its multiple of --lr (head: --head-lr-mult).
     opts, state = start_run(
         args, procs, max_it, lambda step: [args.lr * m * poly_lr(1.0, step, max_it, args.power) for m in mults],
-        {"model": kwargs},
+        kwargs,
     )  # fmt: skip
     net = prepare_module(SegTrainModule(model, args.aux_weight), procs)
     model = unwrap(net).model
@@ -254,7 +254,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
             len(loader),
             procs.world,
         )
-    history = train_loop(net, optimizer, loader, opts, procs, state)
+    history = train_loop(net, optimizer, loader, opts, procs, state).history
     if procs.is_main:
         meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
         save_run(opts.output, model, args.model, kwargs, meta, history)

@@ -1,0 +1,372 @@
+"""The end of a classification run (``repmlp train``): evaluate, convert, verify, benchmark, export, report.
+
+:func:`finish_run` takes the finished :class:`~repmlp.tasks.classification.TrainResult` and writes into the
+run folder ``model.safetensors`` (training-time form), ``deploy.safetensors`` (converted; reloaded with
+``deploy=True`` for the checks), ``deploy.onnx``, ``curves.png``, ``fc3.png`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
+from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, cpu_name
+
+if TYPE_CHECKING:
+    from .classification import TrainResult
+
+__all__ = [
+    "EQUIVALENCE_RTOL",
+    "Outcome",
+    "accuracy",
+    "compare_logits",
+    "finish_run",
+    "hardware_summary",
+    "plot_curves",
+    "predict",
+    "render_report",
+]
+
+log = logging.getLogger(__name__)
+
+# Converted logits must match the training-time ones to float rounding: max |diff| relative to max |logit|.
+EQUIVALENCE_RTOL = 1e-4
+
+
+@torch.no_grad()
+def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False) -> tuple[Tensor, Tensor]:
+    """Logits ``(N, K)`` (float32, CPU) and labels ``(N,)`` of every example of ``loader`` on this process."""
+    from tqdm import tqdm
+
+    model.eval().to(device)
+    logits, labels = [], []
+    for x, y in tqdm(loader.batches(0), total=len(loader), desc="predict", leave=False, disable=None):
+        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
+            out = model(x)
+        logits.append(out.float().cpu())
+        labels.append(y.cpu())
+    return torch.cat(logits), torch.cat(labels)
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
+    """Top-1 and top-5 accuracy (%) of ``logits`` ``(N, K)`` against ``labels`` ``(N,)``."""
+    from .classification import topk_correct
+
+    c1, c5 = topk_correct(logits, labels)
+    n = max(1, len(labels))
+    return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
+
+
+def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
+    """Max abs and relative difference, and how many predictions (argmax) differ."""
+    diff = (ref - out).abs().max().item()
+    scale = max(ref.abs().max().item(), 1e-12)
+    return {
+        "max_abs_diff": diff,
+        "max_rel_diff": diff / scale,
+        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
+    }
+
+
+def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Loss and top-1 accuracy per epoch (train and validation) as a PNG, written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
+    ax1.plot(epochs, [r["train_loss"] for r in history], "o-", label="train (as optimised)")
+    ax1.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
+    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax2.plot(epochs, [r["train_acc"] for r in history], "o-", label="train")
+    ax2.plot(epochs, [r["val_top1"] for r in history], "s-", label="validation top-1")
+    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def hardware_summary(device: torch.device) -> str:
+    """One line naming the processor (or GPU), core count, threads and library versions."""
+    if device.type == "cuda":
+        hw = torch.cuda.get_device_name(device)
+    else:
+        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def _missing_export_packages() -> list[str]:
+    from ..export import missing_onnx_packages
+
+    return missing_onnx_packages()
+
+
+def _optional(name: str, fn, notes: list[str]):
+    """Run an optional final step; a failure is logged and noted in the report instead of aborting."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the run's weights are saved; report what failed
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.error("%s failed: %s", name, msg)
+        notes.append(f"{name} failed: {msg}")
+        return None
+
+
+@dataclass
+class Outcome:
+    """What the end of a run measured: accuracies of both forms, the conversion check and the optional
+    steps' results (``notes`` says what was skipped or failed)."""
+
+    train_acc: dict[str, float]
+    dep_acc: dict[str, float]
+    cmp: dict[str, float]
+    convert_s: float
+    bench: tuple[list[Any], str] | None = None  # benchmark rows and their markdown table
+    onnx_diff: float | None = None
+    fc3_sample: Any = None
+    notes: list[str] = field(default_factory=list)
+    total_s: float = 0.0
+
+    @property
+    def equivalent(self) -> bool:
+        # No separate test on changed predictions: a flip moves two logits' difference by at least their
+        # margin, so with every logit within max_abs_diff only pairs tied within 2 * max_abs_diff can flip.
+        return self.cmp["max_rel_diff"] <= EQUIVALENCE_RTOL
+
+
+def finish_run(
+    result: TrainResult,
+    *,
+    command: list[str],
+    started: float,
+    bench_batch_size: int = 128,
+    export: bool = True,
+    bench: bool = True,
+) -> bool:
+    """Evaluate, convert, verify, benchmark, export and report (rank 0). Returns whether all checks passed."""
+    cfg = result.config
+    out = Path(cfg.output)
+    model, deployed, outcome = _convert_and_check(result)
+    notes = outcome.notes
+    if bench:
+        outcome.bench = _optional("benchmark", lambda: _benchmark(result, model, bench_batch_size), notes)
+    if export:
+        outcome.onnx_diff = _export(result, deployed, notes)
+    outcome.fc3_sample = _optional("FC3 figure", lambda: _fc3(result, model, notes), notes)
+    _optional(
+        "training curves",
+        lambda: plot_curves(result.history, out / "curves.png", f"{cfg.model} on {cfg.dataset}"),
+        notes,
+    )
+    outcome.total_s = time.perf_counter() - started
+    atomic_write_text(out / "report.md", render_report(result, outcome, command))
+    log.info("run folder: %s (report.md); total %.0f s", out, outcome.total_s)
+    replicas_ok = len(set(result.replica_hashes)) == 1
+    return outcome.equivalent and replicas_ok and not any("failed" in n for n in notes)
+
+
+def _input_size(result: TrainResult) -> tuple[int, int, int]:
+    return (result.data.in_chans, result.data.img_size, result.data.img_size)
+
+
+def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outcome]:
+    """Save both forms, evaluate both on the whole validation set: ``(model, deployed, outcome)``."""
+    from .. import reparameterize_model
+
+    cfg, data = result.config, result.data
+    out, device = Path(cfg.output), result.dist_info.device
+    # Rank 0 alone finishes the run: it needs the whole validation set, not its shard.
+    val = copy.copy(data.val)
+    val.rank, val.world = 0, 1
+    # Recorded so that eval / convert of these files find the data without --data-dir.
+    extra = {
+        "dataset": cfg.dataset,
+        "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
+        "classes": data.classes,
+        "input_size": list(_input_size(result)),
+    }
+    # Float32 for the equivalence check: AMP rounding would hide (or fake) conversion errors.
+    model = result.model.float().to(memory_format=torch.contiguous_format).eval()
+    save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
+               extra=extra)  # fmt: skip
+    log.info("evaluating the training-time model ...")
+    ref_logits, labels = predict(model, val, device)
+    t = time.perf_counter()
+    deployed = reparameterize_model(model.eval())
+    convert_s = time.perf_counter() - t
+    save_model(out / "deploy.safetensors", deployed, name=cfg.model, model_kwargs=result.model_kwargs,
+               form="deploy", extra=extra)  # fmt: skip
+    # Check the file, not the in-memory object: a deploy=True model must load it strictly.
+    deployed, _ = load_model(out / "deploy.safetensors", device=device, form="deploy")
+    dep_logits, _ = predict(deployed, val, device)
+    outcome = Outcome(accuracy(ref_logits, labels), accuracy(dep_logits, labels),
+                      compare_logits(ref_logits, dep_logits), convert_s)  # fmt: skip
+    log.info(
+        "top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
+        "%d predictions changed -> %s",
+        outcome.train_acc["top1"],
+        outcome.dep_acc["top1"],
+        outcome.cmp["max_abs_diff"],
+        outcome.cmp["max_rel_diff"],
+        outcome.cmp["changed_predictions"],
+        "equivalent" if outcome.equivalent else "NOT EQUIVALENT",
+    )
+    return model, deployed, outcome
+
+
+def _benchmark(result: TrainResult, model: nn.Module, batch_size: int) -> tuple[list[Any], str]:
+    from ..bench import benchmark, render_markdown
+
+    device = result.dist_info.device
+    rows = benchmark({result.config.model: model}, _input_size(result), batch_size, device=device, warmup=3,
+                     repeats=10)  # fmt: skip
+    return rows, render_markdown(rows)
+
+
+def _export(result: TrainResult, deployed: nn.Module, notes: list[str]) -> float | None:
+    """``deploy.onnx`` (its onnxruntime max abs diff); skipped with a note without the optional packages."""
+    missing = _missing_export_packages()
+    if missing:
+        # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
+        msg = f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
+        log.warning("%s", msg)
+        notes.append(msg)
+        return None
+    from ..export import export_onnx
+
+    path = Path(result.config.output) / "deploy.onnx"
+    return _optional("ONNX export", lambda: export_onnx(deployed, path, _input_size(result)), notes)
+
+
+def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
+    from ..viz import find_repmlp_blocks, plot_fc3
+
+    if not find_repmlp_blocks(model):
+        notes.append("FC3 figure skipped: the model has no RepMLP block")
+        return None
+    title = f"{result.config.model}: FC3 before / after merging the Local Perceptron"
+    return plot_fc3(model, Path(result.config.output) / "fc3.png", title=title)
+
+
+def render_report(result: TrainResult, outcome: Outcome, command: list[str]) -> str:
+    """``report.md`` of a finished run (markdown)."""
+    lines = [*_summary_lines(result, outcome, command), *_accuracy_lines(outcome), *_curve_lines(result)]
+    lines += _speed_lines(outcome.bench) + _file_lines(result, outcome)
+    if outcome.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in outcome.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) -> list[str]:
+    cfg, hashes = result.config, result.replica_hashes
+    return [
+        f"# repmlp run: {cfg.model} on {cfg.dataset}",
+        "",
+        f"- Command: `{' '.join(command)}`",
+        f"- Hardware: {hardware_summary(result.dist_info.device)}"
+        + (f"; {result.dist_info.world} processes (DDP)" if result.dist_info.enabled else ""),
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"- Data: {result.data.train.num_samples} training / {result.data.val.num_samples} validation examples",
+        f"- Recipe (preset `{cfg.preset}`): {cfg.epochs} epochs, batch {cfg.batch_size}, {cfg.optimizer} "
+        f"lr {cfg.lr:g} ({cfg.schedule}, warm-up {cfg.warmup_epochs:g} epochs, to {cfg.min_lr:g}), momentum "
+        f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
+        f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
+        f"- Model options: `{result.model_kwargs}`",
+        f"- Replicas: {len(hashes)} process(es), final weights sha256 "
+        + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(hashes))
+        + (" (identical)" if len(set(hashes)) == 1 else " (DIFFERENT)"),
+        f"- Time: training {sum(r['epoch_s'] for r in result.history):.0f} s (this process: "
+        f"{result.train_seconds:.0f} s), whole command {outcome.total_s:.0f} s",
+    ]
+
+
+def _accuracy_lines(outcome: Outcome) -> list[str]:
+    train_acc, dep_acc, cmp = outcome.train_acc, outcome.dep_acc, outcome.cmp
+    return [
+        "",
+        "## Accuracy",
+        "",
+        "| form | top-1 (%) | top-5 (%) |",
+        "|---|---|---|",
+        f"| training-time (`model.safetensors`) | {train_acc['top1']:.2f} | {train_acc['top5']:.2f} |",
+        f"| converted (`deploy.safetensors`) | {dep_acc['top1']:.2f} | {dep_acc['top5']:.2f} |",
+        "",
+        f"Conversion ({outcome.convert_s:.2f} s): max |logit difference| {cmp['max_abs_diff']:.2e} "
+        f"(relative {cmp['max_rel_diff']:.2e}), {cmp['changed_predictions']} of {train_acc['n']} predictions "
+        f"changed: **{'equivalent' if outcome.equivalent else 'NOT equivalent'}** (tolerance "
+        f"{EQUIVALENCE_RTOL:g} relative).",
+    ]
+
+
+def _curve_lines(result: TrainResult) -> list[str]:
+    lines = [
+        "",
+        "## Training curve",
+        "",
+        "![curves](curves.png)",
+        "",
+        "| epoch | lr | train loss | train acc (%) | val loss | val top-1 (%) | val top-5 (%) | time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result.history:
+        lines.append(
+            f"| {r['epoch']} | {r['lr']:.4g} | {r['train_loss']:.4f} | {r['train_acc']:.2f} | {r['val_loss']:.4f} | "
+            f"{r['val_top1']:.2f} | {r['val_top5']:.2f} | {r['epoch_s']:.0f} |"
+        )
+    return lines
+
+
+def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
+    if not bench:
+        return ["", "## Speed", "", "not measured"]
+    rows, table = bench
+    return ["", "## Speed", "", f"Batch {rows[0].batch_size}, input {tuple(rows[0].input_size)}, {rows[0].device}:",
+            "", table]  # fmt: skip
+
+
+def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
+    out, onnx_diff, fc3_sample = Path(result.config.output), outcome.onnx_diff, outcome.fc3_sample
+    onnx_note = (
+        f" (onnxruntime max abs diff {onnx_diff:.2e})"
+        if isinstance(onnx_diff, float) and math.isfinite(onnx_diff)
+        else ""
+    )
+    block = getattr(fc3_sample, "block_name", None)
+    files = {
+        "model.safetensors": "training-time weights (`repmlp eval --checkpoint`)",
+        "deploy.safetensors": "converted weights, loads into `create_model(..., deploy=True)`",
+        "deploy.onnx": "ONNX of the converted model" + onnx_note,
+        STATE_FILE: "training state for `--resume`",
+        METRICS_FILE: "per-epoch metrics",
+        "curves.png": "training curves",
+        "fc3.png": "FC3 before / after merging the Local Perceptron"
+        + (f" (block `{block}`)" if block else ""),
+    }
+    lines = ["", "## Files", ""] + [f"- `{f}`: {what}" for f, what in files.items() if (out / f).exists()]
+    if (out / "fc3.png").exists():
+        lines += ["", "![FC3](fc3.png)"]
+    return lines
