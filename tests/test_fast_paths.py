@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from repmlp import RepMLPBlock, create_model, list_models, reparameterize_model
+from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
 from repmlp.layers import MaxPool2x2
 
 
@@ -25,6 +25,48 @@ def test_maxpool2x2_matches_max_pool2d(n: int, c: int, h: int, w: int, channels_
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     assert torch.equal(MaxPool2x2()(x), F.max_pool2d(x, 2))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    g=st.integers(1, 4), b=st.integers(1, 40), k=st.integers(1, 24), n=st.integers(1, 24), bias=st.booleans()
+)
+def test_onednn_groupwise_fc_matches_bmm(g: int, b: int, k: int, n: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    rows, weight = torch.randn(g, b, k), torch.randn(g * n, k)
+    b_ = torch.randn(g * n) if bias else None
+    torch.testing.assert_close(
+        ops.groupwise_fc_onednn(rows, weight, b_), ops.groupwise_fc_bmm(rows, weight, b_)
+    )
+
+
+@pytest.mark.parametrize("faster", [False, True])
+def test_groupwise_fc_dispatch(monkeypatch: pytest.MonkeyPatch, faster: bool) -> None:
+    """Inference takes the form measured faster; autograd and float64 always the batched matmul."""
+    calls: list[str] = []
+    for name in ("groupwise_fc_bmm", "groupwise_fc_onednn"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(ops, "_onednn_faster", lambda *a: faster)
+    rows, weight = torch.randn(2, 32, 8), torch.randn(6, 8)
+    with torch.no_grad():
+        ops.groupwise_fc(rows, weight, None)
+    assert calls == ["groupwise_fc_onednn" if faster else "groupwise_fc_bmm"]
+    calls.clear()
+    ops.groupwise_fc(rows, weight.requires_grad_(), None).sum().backward()
+    with torch.no_grad():
+        ops.groupwise_fc(rows.double(), weight.double(), None)
+    assert calls == ["groupwise_fc_bmm", "groupwise_fc_bmm"]
+
+
+def test_onednn_choice_is_timed_once_per_shape() -> None:
+    ops._ONEDNN_CHOICE.clear()
+    rows, weight = torch.randn(2, 64, 16), torch.randn(32, 16)
+    with torch.no_grad():
+        out = ops.groupwise_fc(rows, weight, None)
+        ops.groupwise_fc(rows, weight, None)
+    assert len(ops._ONEDNN_CHOICE) == 1
+    torch.testing.assert_close(out, ops.groupwise_fc_bmm(rows, weight, None))
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -1,0 +1,114 @@
+"""Where a deployed RepMLP-ResNet's time goes, stage by stage, against ResNet-50 (eager float32, CPU).
+
+Times the stem and c2..c5 of a deployed RepMLP-Res50 family model, torchvision's ResNet-50 and repmlp's
+own deployed ResNet-50 (`repmlp_res50` with ``stages=()``: same structure, BN fused), interleaved, each
+stage fed the activation its own model produces (so in the memory layout that model runs). Then the
+bound this puts on the whole-model ratio: the ratio if the stages holding RepMLPs took no time at all.
+Last, the deployed model's top operators (``torch.profiler``).
+
+    python3 benchmarks/profile_deploy.py [--model repmlp_res50_light] [--batch-size 8] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import torch
+import torchvision
+from torch import nn
+
+from common import cpu_name, device_arg, table, time_interleaved
+from repmlp import create_model, reparameterize_model
+
+STAGES = ("stem", "c2", "c3", "c4", "c5")
+
+
+def stages_of(model: nn.Module) -> list[nn.Module]:
+    """The stem and the four stages of a torchvision or repmlp ResNet, in order."""
+    if isinstance(model, torchvision.models.ResNet):
+        stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
+        return [stem, model.layer1, model.layer2, model.layer3, model.layer4]
+    return [model.stem, model.layer1, model.layer2, model.layer3, model.layer4]
+
+
+def stage_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The input each stage sees when ``model`` runs on ``x`` (repmlp's trunks start channels_last)."""
+    from repmlp import layers
+
+    if not isinstance(model, torchvision.models.ResNet):
+        x = layers.cpu_channels_last(x)
+    inputs = []
+    with torch.inference_mode():
+        for stage in stages_of(model):
+            inputs.append(x)
+            x = stage(x)
+    return inputs
+
+
+def stage_times(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of every stage of every model, each stage's models interleaved."""
+    inputs = {name: stage_inputs(m, x) for name, m in models.items()}
+    stages = {name: stages_of(m) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for i in range(len(STAGES)):
+        fns = {name: (lambda s=stages[name][i], a=inputs[name][i]: s(a)) for name in models}
+        with torch.inference_mode():
+            secs = time_interleaved(fns, torch.device("cpu"), rounds=rounds)
+        for name in models:
+            times[name].append(secs[name])
+    return times
+
+
+def top_operators(model: nn.Module, x: torch.Tensor, k: int = 8) -> list[list[str]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        model(x)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(3):
+                model(x)
+    events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    return [
+        [e.key, str(e.input_shapes[:2]).replace("|", "/"), f"{100 * e.self_cpu_time_total / total:.1f}%"]
+        for e in events[:k]
+    ]
+
+
+def main() -> None:
+    parser = device_arg(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="repmlp_res50_light")
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error("this profile is of CPU deployment only (--device cpu)")
+    rounds = 2 if args.quick else args.rounds
+    net = reparameterize_model(create_model(args.model).eval())
+    models = {
+        args.model: net,
+        "torchvision ResNet-50": torchvision.models.resnet50().eval(),
+        "our ResNet-50": reparameterize_model(create_model("repmlp_res50", stages=()).eval()),
+    }
+    x = torch.randn(args.batch_size, 3, 224, 224)
+    print(
+        f"**profile_deploy: {args.model} (deployed) stage by stage, batch {args.batch_size}, eager float32**"
+    )
+    print(f"CPU: {cpu_name()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}\n")
+    times = stage_times(models, x, rounds)
+    rows = [[s, *(f"{1000 * times[n][i]:.1f}" for n in models)] for i, s in enumerate(STAGES)]
+    rows.append(["**total**", *(f"**{1000 * sum(times[n]):.1f}**" for n in models)])
+    print(table(["stage", *(f"{n} (ms)" for n in models)], rows))
+    repmlp_stages = [i + 1 for i, s in enumerate(net.stages) if any("RepMLP" in type(b).__name__ for b in s)]
+    rest = sum(t for i, t in enumerate(times[args.model]) if i not in repmlp_stages)
+    ref = sum(times["torchvision ResNet-50"])
+    names = ", ".join(STAGES[i] for i in repmlp_stages)
+    print(
+        f"\nWhole model vs torchvision's ResNet-50: **{ref / sum(times[args.model]):.2f}x**; vs our ResNet-50: "
+        f"{sum(times['our ResNet-50']) / sum(times[args.model]):.2f}x. Bound if the stages with RepMLPs "
+        f"({names}) took no time: {ref / rest:.2f}x vs torchvision's, "
+        f"{sum(times['our ResNet-50']) / rest:.2f}x vs ours.\n"
+    )
+    print(f"Top operators of deployed {args.model} (self CPU time, 3 passes):\n")
+    print(table(["operator", "input shapes (first two)", "share"], top_operators(net, x)))
+
+
+if __name__ == "__main__":
+    main()
