@@ -2,7 +2,7 @@
 
 The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient.
 On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmarks.md``), a batched
-matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 2-5x faster than the
+matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.3-5x faster than the
 grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
 inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
 faster still (2x on an AMD EPYC with AVX-512, where PyTorch's BLAS, MKL, leaves AVX-512 unused);
