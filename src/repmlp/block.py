@@ -119,9 +119,9 @@ class LocalPerceptron(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        # Measured on CPU (AMD EPYC, torch 2.15): without autograd, channels_last convs are ~5% faster on
-        # these small maps; in a training step NCHW is 15-20% faster, as BatchNorm's backward runs ~4x
-        # slower when its gradient (NCHW, from FC3's side of the sum) and input layouts differ.
+        # Measured on CPU (benchmarks/bench_block.py (b), (c)): without autograd, channels_last convs are a
+        # little faster on these small maps; in a training step NCHW is faster, as BatchNorm's backward is
+        # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout.
         if not torch.is_grad_enabled():
             x = x.contiguous(memory_format=torch.channels_last)
         out = self.branches[0](x)

@@ -136,10 +136,11 @@ def cpu_channels_last(x: Tensor) -> Tensor:
     """``x`` in channels_last memory when it is a 4-d CPU tensor, else ``x`` itself; values unchanged.
 
     oneDNN's CPU convolutions run their native layout on channels_last tensors; on NCHW tensors PyTorch
-    reorders input and output around every conv (2-9x slower for the 1x1 convs of a ResNet stage, see
-    docs/benchmarks.md). A convolutional trunk that calls this once on its input runs every later conv in
-    that layout (conv outputs keep their input's layout). A ``torch.fx`` leaf, since it branches on the
-    device: call it as ``layers.cpu_channels_last`` (see :mod:`repmlp.checks`). Shapes: ``(N, C, H, W)`` -> the same.
+    reorders input and output around every conv (markedly slower: ``benchmarks/profile_deploy.py``
+    times a ResNet-50 stage by stage both ways). A convolutional trunk that calls this once on its input
+    runs every later conv in that layout (conv outputs keep their input's layout). A ``torch.fx`` leaf,
+    since it branches on the device: call it as ``layers.cpu_channels_last`` (see :mod:`repmlp.checks`).
+    Shapes: ``(N, C, H, W)`` -> the same.
     """
     if x.device.type == "cpu" and x.dim() == 4:
         return x.contiguous(memory_format=torch.channels_last)

@@ -5,8 +5,9 @@ On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmark
 matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.3-5x faster than the
 grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
 inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
-faster still (2x on an AMD EPYC with AVX-512, where PyTorch's BLAS, MKL, leaves AVX-512 unused);
-:func:`groupwise_fc` times both once per shape and keeps the faster. The grouped-conv form stays
+faster still (on an AMD EPYC with AVX-512, oneDNN's GEMM ran at about twice PyTorch's BLAS, MKL:
+``benchmarks/bench_deploy.py`` prints both rates); :func:`groupwise_fc` times both once per shape and
+keeps the faster. The grouped-conv form stays
 available as :func:`groupwise_fc_conv` for reference.
 """
 
@@ -109,8 +110,8 @@ def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Te
 
     Group ``j``'s rows ``(B, P/g)`` are, without a copy, a channels_last image of ``P/g`` channels and
     ``B x 1`` pixels; a 1x1 conv of it is the FC, run by oneDNN's GEMM kernels, which use every vector
-    extension of the CPU (PyTorch's float32 ``bmm`` calls MKL, which on AMD CPUs ran at about half the
-    rate here). The per-group outputs, channels_last ``(1, Q/g, B, 1)``, are ``(B, Q/g)`` in memory.
+    extension of the CPU (PyTorch's float32 ``bmm`` calls MKL, slower on the AMD CPU we measured). The
+    per-group outputs, channels_last ``(1, Q/g, B, 1)``, are ``(B, Q/g)`` in memory.
     """
     g, b, k = rows.shape
     n = weight.shape[0] // g
