@@ -20,7 +20,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import device_arg, hardware, set_tf32, table, time_interleaved
-from repmlp.ops import from_group_rows, groupwise_fc, partition, to_group_rows, unpartition
+from repmlp.ops import (
+    from_group_rows,
+    groupwise_fc,
+    groupwise_fc_bmm,
+    groupwise_fc_onednn,
+    partition,
+    to_group_rows,
+    unpartition,
+)
 
 log = logging.getLogger("bench_fc3")
 
@@ -49,7 +57,13 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
         y = F.conv2d(parts.reshape(parts.shape[0], -1, 1, 1), w4, bias, groups=g)
         return unpartition(y.reshape(parts.shape[0], o, p, p), n, hp, hp)
 
-    def baddbmm_group_rows(x: Tensor) -> Tensor:  # repmlp.ops: one permute straight into (g, B, P/g)
+    def baddbmm_group_rows(x: Tensor) -> Tensor:  # one permute straight into (g, B, P/g), one baddbmm
+        return from_group_rows(groupwise_fc_bmm(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+
+    def onednn_group_rows(x: Tensor) -> Tensor:  # the same rows, one oneDNN 1x1 conv per group
+        return from_group_rows(groupwise_fc_onednn(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+
+    def repmlp_ops(x: Tensor) -> Tensor:  # what the block runs: the faster of the two above, timed once
         return from_group_rows(groupwise_fc(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
 
     def baddbmm_contig_weight(x: Tensor) -> Tensor:  # same, weight pre-transposed to (g, P/g, Q/g)
@@ -80,7 +94,9 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
 
     fns: dict[str, Callable[[Tensor], Tensor]] = {
         "conv1x1 (paper)": conv1x1,
-        "baddbmm group rows (repmlp.ops)": baddbmm_group_rows,
+        "repmlp.ops.groupwise_fc (picks one)": repmlp_ops,
+        "baddbmm group rows": baddbmm_group_rows,
+        "oneDNN conv per group, group rows": onednn_group_rows,
         "baddbmm, weight pre-transposed": baddbmm_contig_weight,
         "baddbmm W @ X^T (columns)": baddbmm_weight_left,
         "baddbmm strided rows": bmm_strided_rows,
