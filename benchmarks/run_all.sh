@@ -22,6 +22,12 @@ echo "### benchmarks/bench_deploy.py: deployed models vs ResNet-50 per treatment
 echo
 python3 benchmarks/bench_deploy.py  # CPU only; every treatment, batches 1, 8, 32
 echo
+for model in repmlp_res50_light repmlp_res50; do
+    echo "### benchmarks/profile_deploy.py --model ${model}: where the time goes"
+    echo
+    python3 benchmarks/profile_deploy.py --model "${model}"
+    echo
+done
 echo "### benchmarks/bench_deploy.py with glibc malloc keeping freed memory (no page faults per call)"
 echo
 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \
