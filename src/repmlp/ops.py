@@ -2,16 +2,17 @@
 
 The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient.
 On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmarks.md``), a batched
-matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.3-5x faster than the
+matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.7-5x faster than the
 grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
 inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
 faster still (on an AMD EPYC with AVX-512, oneDNN's GEMM ran at about twice PyTorch's BLAS, MKL:
 ``benchmarks/bench_deploy.py`` prints both rates); :func:`groupwise_fc` times both once per shape and
-keeps the faster. The grouped-conv form stays
-available as :func:`groupwise_fc_conv` for reference.
+keeps the faster. The grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -149,8 +150,6 @@ def _onednn_faster(rows: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether :func:`groupwise_fc_onednn` beats :func:`groupwise_fc_bmm` for this call's shapes, timed
     once per shape and thread count (as ``torch.backends.cudnn.benchmark`` picks conv algorithms): which
     one wins depends on the CPU's vector units, the BLAS PyTorch was built with and the shape."""
-    import time
-
     g, b, k = rows.shape
     key = (g, b, k, weight.shape[0] // g, bias is None, rows.dtype, torch.get_num_threads())
     if key not in _ONEDNN_CHOICE:
