@@ -59,6 +59,26 @@ def test_groupwise_fc_dispatch(monkeypatch: pytest.MonkeyPatch, faster: bool) ->
     assert calls == ["groupwise_fc_bmm", "groupwise_fc_bmm"]
 
 
+def test_compiled_inference_keeps_the_picked_fc3() -> None:
+    """Under torch.compile FC3 is one opaque op (the eager choice, made when the graph runs); training
+    and torch.export keep the standard batched matmul."""
+    torch._dynamo.reset()
+    block = RepMLPBlock(8, 8, 8, 4, groups=2, kernel_sizes=(1,)).eval()
+    block.reparameterize()
+    x = torch.randn(8, 8, 8, 8)
+
+    def fc3_ops(fn) -> set[str]:
+        graphs = torch._dynamo.explain(fn)(x).graphs
+        return {str(n.target) for g in graphs for n in g.graph.nodes if "groupwise_fc" in str(n.target)}
+
+    with torch.no_grad():
+        assert fc3_ops(block) == {"repmlp.groupwise_fc_picked"}
+        torch.testing.assert_close(torch.compile(block, backend="eager")(x), block(x))
+    assert fc3_ops(block) == set()  # autograd recording: plain bmm
+    exported = torch.export.export(block, (x,))
+    assert "groupwise_fc_picked" not in str(exported.graph)
+
+
 def test_onednn_choice_is_timed_once_per_shape() -> None:
     ops._ONEDNN_CHOICE.clear()
     rows, weight = torch.randn(2, 64, 16), torch.randn(32, 16)

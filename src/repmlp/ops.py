@@ -29,6 +29,11 @@ __all__ = [
     "groupwise_fc_conv",
 ]
 
+# Read once: a call inside a compiled region would break the graph.
+_HAS_ONEDNN = torch.backends.mkldnn.is_available()
+# (g, B, P/g, Q/g, bias?, dtype, threads) -> whether the oneDNN form was measured faster.
+_ONEDNN_CHOICE: dict[tuple, bool] = {}
+
 
 def partition(x: Tensor, h: int, w: int) -> Tensor:
     """Split ``(N, C, H, W)`` into the partition map ``(N*H/h*W/w, C, h, w)`` (one permute).
@@ -92,9 +97,28 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     A batched matmul, except for float32 CPU inference where :func:`groupwise_fc_onednn` measured
     faster for this shape on this machine (see :func:`_onednn_faster`).
     """
-    if _onednn_candidate(rows, weight) and _onednn_faster(rows, weight, bias):
+    mode = _fc3_mode(rows, weight)
+    if mode == "compiled":
+        # Inside torch.compile the choice is made when the graph runs: an opaque op to the compiler.
+        return torch.ops.repmlp.groupwise_fc_picked(rows, weight, bias)
+    if mode == "eager" and _onednn_faster(rows, weight, bias):
         return groupwise_fc_onednn(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
+
+
+@torch.library.custom_op("repmlp::groupwise_fc_picked", mutates_args=(), device_types="cpu")
+def _groupwise_fc_picked(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`groupwise_fc`'s eager choice as one op, so that a compiled graph keeps it (inductor would
+    otherwise lower FC3 to its own batched matmul)."""
+    if _onednn_faster(rows, weight, bias):
+        return groupwise_fc_onednn(rows, weight, bias)
+    return groupwise_fc_bmm(rows, weight, bias)
+
+
+@_groupwise_fc_picked.register_fake
+def _(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    g, b, _ = rows.shape
+    return rows.new_empty(g, b, weight.shape[0] // g)
 
 
 def groupwise_fc_bmm(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -124,26 +148,26 @@ def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Te
     return torch.stack([o.permute(0, 2, 3, 1).reshape(b, n) for o in outs])
 
 
-# (g, B, P/g, Q/g, bias?, dtype, threads) -> whether the oneDNN form was measured faster.
-_ONEDNN_CHOICE: dict[tuple, bool] = {}
+def _fc3_mode(rows: Tensor, weight: Tensor) -> str:
+    """How :func:`groupwise_fc` runs this call: ``"bmm"``, or, for float32 CPU inference, ``"eager"``
+    (pick the faster form now) or ``"compiled"`` (pick it inside an op opaque to ``torch.compile``).
 
-
-def _onednn_candidate(rows: Tensor, weight: Tensor) -> bool:
-    """Float32 CPU inference outside any tracer: the case where the two forms may differ in speed.
-
-    Tracers (fx, jit, dynamo/export) and autograd keep the batched matmul: one graph, one backward.
+    Tracers that record standard ops (fx, jit, ``torch.export``) and autograd keep the batched matmul:
+    portable graphs, one backward.
     """
-    if isinstance(rows, torch.fx.Proxy) or torch.jit.is_tracing() or torch.compiler.is_compiling():
-        return False
+    if isinstance(rows, torch.fx.Proxy) or torch.jit.is_tracing() or torch.compiler.is_exporting():
+        return "bmm"
     if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-        return False
-    return (
+        return "bmm"
+    if not (
         rows.device.type == "cpu"
         and rows.dtype == torch.float32
         and weight.dtype == torch.float32
         and rows.shape[1] >= 16  # oneDNN's set-up dominates for a handful of rows
-        and torch.backends.mkldnn.is_available()
-    )
+        and _HAS_ONEDNN
+    ):
+        return "bmm"
+    return "compiled" if torch.compiler.is_compiling() else "eager"
 
 
 def _onednn_faster(rows: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
