@@ -77,6 +77,9 @@ def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) 
     if treatment != "eager":
         model = model.to(memory_format=torch.channels_last)
     if treatment.endswith("compiled"):
+        # Every repmlp ResNet shares ResNet.forward's code: dynamo's default limit of 8 compiled variants
+        # per code object (models x batch sizes) would silently leave the later ones running eager.
+        torch._dynamo.config.recompile_limit = 64
         model = torch.compile(model)
     return model, dtype
 
