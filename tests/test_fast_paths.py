@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
 from repmlp.layers import MaxPool2x2
@@ -42,26 +45,48 @@ def test_onednn_groupwise_fc_matches_bmm(g: int, b: int, k: int, n: int, bias: b
 
 @pytest.mark.parametrize("faster", [False, True])
 def test_groupwise_fc_dispatch(monkeypatch: pytest.MonkeyPatch, faster: bool) -> None:
-    """Inference takes the form measured faster; autograd and float64 always the batched matmul."""
+    """Inference takes the form measured faster; training and float64 always the batched matmul."""
     calls: list[str] = []
     for name in ("groupwise_fc_bmm", "groupwise_fc_onednn"):
         real = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    monkeypatch.setattr(ops, "_onednn_faster", lambda *a: faster)
+    monkeypatch.setattr(ops, "fc3_uses_onednn", lambda *a: faster)
     rows, weight = torch.randn(2, 32, 8), torch.randn(6, 8)
     with torch.no_grad():
         ops.groupwise_fc(rows, weight, None)
-    assert calls == ["groupwise_fc_onednn" if faster else "groupwise_fc_bmm"]
+    ops.groupwise_fc(rows, weight.requires_grad_(), None, training=False).sum().backward()
+    assert calls == ["groupwise_fc_onednn" if faster else "groupwise_fc_bmm"] * 2
     calls.clear()
-    ops.groupwise_fc(rows, weight.requires_grad_(), None).sum().backward()
+    ops.groupwise_fc(rows, weight, None).sum().backward()  # autograd records it: training
     with torch.no_grad():
+        ops.groupwise_fc(rows, weight, None, training=True)
         ops.groupwise_fc(rows.double(), weight.double(), None)
-    assert calls == ["groupwise_fc_bmm", "groupwise_fc_bmm"]
+    assert calls == ["groupwise_fc_bmm"] * 3
+
+
+@pytest.mark.parametrize("backend", ["bmm", "onednn"])
+def test_fc3_backend_can_be_pinned(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """``set_fc3_backend``/``REPMLP_FC3`` pin the form (no timing); a bad name is a ValueError."""
+    monkeypatch.setattr(ops, "_time_onednn_win", lambda *a: pytest.fail("timed a pinned backend"))
+    rows, weight = torch.randn(2, 32, 8), torch.randn(6, 8)
+    form = getattr(ops, f"groupwise_fc_{backend}")
+    before = ops.get_fc3_backend()
+    with torch.no_grad(), ops.fc3_backend(backend):
+        assert ops.get_fc3_backend() == backend
+        assert torch.equal(ops.groupwise_fc(rows, weight, None), form(rows, weight, None))
+    assert ops.get_fc3_backend() == before
+    with pytest.raises(ValueError, match="expected one of auto, bmm, onednn"):
+        ops.set_fc3_backend("mkl")
+    monkeypatch.setenv("REPMLP_FC3", backend.upper())
+    assert ops._backend_from_env() == backend
+    monkeypatch.setenv("REPMLP_FC3", "fast")
+    with pytest.raises(ValueError, match="REPMLP_FC3='fast'"):
+        ops._backend_from_env()
 
 
 def test_compiled_inference_keeps_the_picked_fc3() -> None:
     """Under torch.compile FC3 is one opaque op (the eager choice, made when the graph runs); training
-    and torch.export keep the standard batched matmul."""
+    keeps the standard batched matmul and torch.export the eager choice as standard ops."""
     torch._dynamo.reset()
     block = RepMLPBlock(8, 8, 8, 4, groups=2, kernel_sizes=(1,)).eval()
     block.reparameterize()
@@ -79,14 +104,56 @@ def test_compiled_inference_keeps_the_picked_fc3() -> None:
     assert "groupwise_fc_picked" not in str(exported.graph)
 
 
-def test_onednn_choice_is_timed_once_per_shape() -> None:
-    ops._ONEDNN_CHOICE.clear()
+def test_fc3_choice_is_made_once_per_kernel_shape_outside_the_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timed once per kernel shape (not per batch), in another thread: a dispatch mode over the first
+    forward sees only that forward's ops, and the caller's random stream is untouched."""
+    monkeypatch.setattr(ops, "_FC3_CHOICE", {})
     rows, weight = torch.randn(2, 64, 16), torch.randn(32, 16)
-    with torch.no_grad():
+    state = torch.get_rng_state()
+    with torch.no_grad(), FlopCounterMode(display=False) as first:
         out = ops.groupwise_fc(rows, weight, None)
-        ops.groupwise_fc(rows, weight, None)
-    assert len(ops._ONEDNN_CHOICE) == 1
+    with torch.no_grad(), FlopCounterMode(display=False) as second:
+        ops.groupwise_fc(rows[:, :8], weight, None)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert list(ops._FC3_CHOICE) == [(2, 16, 16, False, torch.get_num_threads())]
+    assert first.get_total_flops() == 2 * 2 * 64 * 16 * 16 == 8 * second.get_total_flops()
     torch.testing.assert_close(out, ops.groupwise_fc_bmm(rows, weight, None))
+
+
+@pytest.mark.parametrize("name", ["repmlp_cifar", "repmlpnet_t224"])
+def test_deployed_first_forward_counts_and_traced_forms_are_bitwise(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A fresh deployed model's first forward counts the MACs of its second (FC3 timed, "auto");
+    torch.fx, torch.export and torch.jit.trace forms compute bitwise what it computes eagerly, with and
+    without autograd (oneDNN FC3 pinned, the form a tracer could otherwise replace)."""
+    monkeypatch.setattr(ops, "_FC3_CHOICE", {})
+    width = {
+        "repmlp_cifar": dict(widths=(8, 16, 32)),
+        "repmlpnet_t224": dict(channels=(16, 32, 64, 128), depths=(1, 1, 1, 1), sharesets=(1, 4, 16, 32)),
+    }
+    model = reparameterize_model(create_model(name, **width[name]).eval())
+    x = torch.randn(2, *model.pretrained_cfg["input_size"])
+    with torch.no_grad(), FlopCounterMode(display=False) as first:
+        model(x)
+    with torch.no_grad(), FlopCounterMode(display=False) as second:
+        model(x)
+    assert first.get_total_flops() == second.get_total_flops() > 0
+    assert ops._FC3_CHOICE  # the choice was made, by the first forward, unseen
+    with ops.fc3_backend("onednn"):
+        with torch.no_grad():
+            ref = model(x)
+        assert torch.equal(model(x), ref)  # autograd on: same form for an eval-mode model
+        traced = torch.fx.symbolic_trace(model)
+        exported = torch.export.export(model, (x,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            scripted = torch.jit.trace(model, (x,), check_trace=False)
+        with torch.no_grad():
+            for form in (traced, exported.module(), scripted):
+                assert torch.equal(form(x), ref)
 
 
 @pytest.mark.parametrize("groups", [1, 2])

@@ -33,10 +33,6 @@ _FACE_XFAIL = {
     "(36.4M / 635M by the paper's own FaceResNet counts); ours 38.84M / 682M",
 }
 
-# The authors publish RepMLPNet FLOPs rounded to 0.1G; T256 counts 4.26G (tests/test_repmlpnet.py
-# checks it within 1.5% and its params within 1%). See docs/models.md.
-_NET_XFAIL = {"RepMLPNet-T256": "ours 4,258M MACs vs the published, rounded 4.2G (+1.4%)"}
-
 
 def _rows():
     for row in PAPER_ROWS:
@@ -47,8 +43,6 @@ def _rows():
             marks.append(pytest.mark.xfail(strict=True, reason=_PARAMS_XFAIL[row.label]))
         if row.label in _FACE_XFAIL and row.table == "face":
             marks.append(pytest.mark.xfail(strict=True, reason=_FACE_XFAIL[row.label]))
-        if row.label in _NET_XFAIL and row.table == "repmlpnet":
-            marks.append(pytest.mark.xfail(strict=True, reason=_NET_XFAIL[row.label]))
         yield pytest.param(row, id=f"{row.table}-{row.label}-{row.input_size}", marks=marks)
 
 

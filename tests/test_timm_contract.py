@@ -8,6 +8,8 @@ check is cheap at the paper's resolutions); numerical checks use small configura
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import timm
 import torch
@@ -26,8 +28,6 @@ def _timm_models() -> list[str]:
 
 TIMM = _timm_models()
 ALL = sorted(set(list_models()) | set(TIMM))
-# Heads that do not globally pool (timm's EXCLUDE_GLOBAL_POOL): the face models' embedding layers.
-NO_GLOBAL_POOL = ("mobilefacenet", "face_resnet", "repmlp_face_resnet")
 
 
 def _first(out: object) -> Tensor:
@@ -113,12 +113,65 @@ def test_forward_backward_head_and_reset_classifier(name: str) -> None:
         assert model(x).shape == (2, 5) and model.num_classes == 5
         model.reset_classifier(0)
         assert model(x).shape == (2, model.head_hidden_size) and model.num_classes == 0
-        if name not in NO_GLOBAL_POOL:
-            model.reset_classifier(0, "")
-            assert model(x).shape == feats.shape
-    if name not in NO_GLOBAL_POOL:
-        unpooled = _meta_model(name, num_classes=0, global_pool="").eval()
-        assert unpooled(x).shape == feats.shape
+        model.reset_classifier(0, "")  # timm's "no pooling": the unpooled map (face models: unflattened)
+        assert model(x).shape == feats.shape
+    unpooled = _meta_model(name, num_classes=0, global_pool="").eval()
+    assert unpooled(x).shape == feats.shape
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("repmlp_fmnist", {}),
+        ("repmlpnet_t224", dict(channels=(16, 32, 64, 128), depths=(1, 1, 1, 1), sharesets=(1, 4, 16, 32))),
+        ("repmlp_face_resnet", dict(widths=(16, 32, 64, 128), stem_channels=8, groups=1)),
+    ],
+)
+def test_fx_graph_scripts(name: str, kwargs: dict) -> None:
+    """timm's fx + TorchScript test: the torch.fx graph (FC3 a leaf) compiles with ``torch.jit.script``
+    and computes the model's outputs (the annotations are real types, the leaf is called as Python)."""
+    model = create_model(name, **kwargs).eval()
+    x = torch.randn(1, *model.pretrained_cfg["input_size"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated upstream
+        scripted = torch.jit.script(torch.fx.symbolic_trace(model))
+    with torch.no_grad():
+        torch.testing.assert_close(scripted(x), model(x))
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_reset_classifier_matches_the_model(name: str) -> None:
+    """A classifier put in by ``reset_classifier`` takes the model's device, dtype and mode (timm)."""
+    model = _meta_model(name).to(torch.float64).eval()
+    model.reset_classifier(0)
+    model.reset_classifier(2)
+    classifier = model.get_classifier()
+    params = list(classifier.parameters())
+    assert params and all(p.device.type == "meta" and p.dtype == torch.float64 for p in params)
+    assert not any(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["mobilefacenet", "face_resnet"])
+def test_face_models_global_pool(name: str) -> None:
+    """The face models' "pooling" (MobileFaceNet's GDConv, FaceResNet's flattening) can be switched off
+    (the unreduced map without an embedding layer; an embedding layer always reduces) and back on;
+    any other pooling is a ValueError."""
+    own = {"mobilefacenet": "gdconv", "face_resnet": "flatten"}[name]
+    model = _meta_model(name, num_classes=0, global_pool="").eval()
+    x = _meta_input(model)
+    with torch.device("meta"):  # new layers are created on the default device
+        model.reset_classifier(0, own)
+        assert model(x).shape == (2, model.head_hidden_size)
+        for bad in ("avg", "max"):
+            with pytest.raises(ValueError, match=f"global_pool={own!r}"):
+                model.reset_classifier(0, bad)
+        model.reset_classifier(8, "")
+        assert model(x).shape == (2, 8) and model.global_pool == ""
+        model.reset_classifier(0)  # keeps the pooling: the map again
+        assert model(x).shape == model.forward_features(x).shape
+        model.reset_classifier(8, own)
+        assert model(x).shape == (2, 8) and model.global_pool == own
+    assert _meta_model(name, num_classes=8, global_pool="")(x).shape == (2, 8)
 
 
 @pytest.mark.parametrize("name", TIMM)

@@ -318,7 +318,7 @@ class RepMLPBlock(nn.Module):
             return
         weight, bias = self.merged_fc3()
         fc3 = GroupwiseLinear(weight.shape[1] * self.groups, weight.shape[0], self.groups, bias=True)
-        fc3 = fc3.to(device=weight.device, dtype=weight.dtype)
+        fc3 = fc3.to(device=weight.device, dtype=weight.dtype).train(self.training)  # mode picks the FC3 form
         fc3.weight.copy_(weight)
         fc3.bias.copy_(bias)
         self.partition_perceptron.fc3 = fc3

@@ -7,7 +7,7 @@ module still runs it. Call it as ``checks.check_input_shape`` (through the modul
 patches while tracing), never through a ``from`` import.
 """
 
-from __future__ import annotations
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,8 +16,10 @@ __all__ = ["check_input_shape"]
 
 
 @torch.fx.wrap
-def check_input_shape(x: Tensor, expected: tuple[int | None, ...], message: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, *expected)`` (``None``: any size in that dimension).
+@torch.jit.ignore  # TorchScript of an fx graph calls it as Python
+def check_input_shape(x: Tensor, expected: Any, message: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, *expected)``; ``expected`` is a tuple of sizes, ``None``
+    for any size in that dimension (typed ``Any`` for TorchScript, which has no variadic tuples).
 
     ``message`` is formatted with ``shape`` (``x``'s shape tuple) and ``h``, ``w`` (its last two sizes).
     Skipped under ``torch.jit.trace`` and ``torch.compile``/``torch.export``, whose shapes are fixed or

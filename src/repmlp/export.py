@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .ops import fc3_backend
+
 __all__ = [
     "ExportError",
     "export_onnx",
@@ -144,7 +146,8 @@ def export_onnx(
     batch = torch.export.Dim("batch", min=1)
     with _staging(path) as staged:
         try:
-            with torch.no_grad(), warnings.catch_warnings():
+            # FC3 as MatMul: the PyTorch-side oneDNN choice means nothing to ONNX Runtime's kernels.
+            with torch.no_grad(), warnings.catch_warnings(), fc3_backend("bmm"):
                 warnings.simplefilter("ignore")
                 program = torch.onnx.export(
                     net,

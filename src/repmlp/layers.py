@@ -1,17 +1,19 @@
 """Small re-parameterizable layers shared by the block and the models."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import groupwise_fc
+from .ops import fc3_uses_onednn, groupwise_fc
 from .reparam import fuse_bn, pair
 
-__all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2", "cpu_channels_last"]
+# A torch.fx leaf: a traced graph calls groupwise_fc as the module does, so it makes the same FC3 choice
+# when it runs (bitwise the eager result) instead of freezing one form into the graph.
+torch.fx.wrap("groupwise_fc")
+
+__all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2", "cpu_channels_last", "prepare_fc3"]
 
 
 class ConvBN(nn.Module):
@@ -93,13 +95,24 @@ class GroupwiseLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, rows: Tensor) -> Tensor:
-        return groupwise_fc(rows, self.weight, self.bias)
+        # Positional: TorchScript passes keyword arguments of an ignored (Python) function wrongly.
+        return groupwise_fc(rows, self.weight, self.bias, self.training)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, groups={self.groups}, "
             f"bias={self.bias is not None}"
         )
+
+
+def prepare_fc3(model: nn.Module) -> int:
+    """Make the FC3 kernel choice (:func:`repmlp.ops.fc3_uses_onednn`) now for every float32 CPU
+    :class:`GroupwiseLinear` in ``model``, so that no forward pays for it; returns how many it saw."""
+    layers = [m for m in model.modules() if isinstance(m, GroupwiseLinear)]
+    for m in layers:
+        if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+            fc3_uses_onednn(m.groups, m.weight.shape, m.bias is not None)
+    return len(layers)
 
 
 class MaxPool2x2(nn.Module):

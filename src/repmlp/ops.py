@@ -6,13 +6,16 @@ matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.7-5
 grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
 inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
 faster still (on an AMD EPYC with AVX-512, oneDNN's GEMM ran at about twice PyTorch's BLAS, MKL:
-``benchmarks/bench_deploy.py`` prints both rates); :func:`groupwise_fc` times both once per shape and
-keeps the faster. The grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
+``benchmarks/bench_deploy.py`` prints both rates); :func:`groupwise_fc` times both once per kernel
+shape, outside any forward, and keeps the faster, unless :func:`set_fc3_backend` (or ``REPMLP_FC3``)
+pins one form. The grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
 """
 
-from __future__ import annotations
-
+import os
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +30,30 @@ __all__ = [
     "groupwise_fc_bmm",
     "groupwise_fc_onednn",
     "groupwise_fc_conv",
+    "FC3_BACKENDS",
+    "set_fc3_backend",
+    "get_fc3_backend",
+    "fc3_backend",
+    "fc3_uses_onednn",
 ]
 
 # Read once: a call inside a compiled region would break the graph.
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
-# (g, B, P/g, Q/g, bias?, dtype, threads) -> whether the oneDNN form was measured faster.
-_ONEDNN_CHOICE: dict[tuple, bool] = {}
+FC3_BACKENDS = ("auto", "bmm", "onednn")
+# (g, P/g, Q/g, bias?, threads) -> whether the oneDNN form was measured faster ("auto" backend).
+_FC3_CHOICE: dict[tuple, bool] = {}
+# Rows of the synthetic input the two forms are timed on: about a batch of 8 at the paper's sizes.
+_TIMING_ROWS = 512
+
+
+def _backend_from_env() -> str:
+    name = os.environ.get("REPMLP_FC3", "auto").strip().lower() or "auto"
+    if name not in FC3_BACKENDS:
+        raise ValueError(f"REPMLP_FC3={name!r}: expected one of {', '.join(FC3_BACKENDS)}")
+    return name
+
+
+_backend = _backend_from_env()
 
 
 def partition(x: Tensor, h: int, w: int) -> Tensor:
@@ -82,7 +103,9 @@ def from_group_rows(
     return y.permute(1, 0, 4, 2, 5, 3, 6).reshape(n, g * og, hp * h, wp * w)
 
 
-def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+# TorchScript (of a torch.fx graph, where this is a leaf) calls it as Python: the same choice as eager.
+@torch.jit.ignore
+def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None, training: bool | None = None) -> Tensor:
     """Groupwise FC on per-group rows.
 
     Args:
@@ -90,27 +113,64 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         weight: ``(Q, P/g)`` kernel in grouped-1x1-conv layout (rows of group ``j`` are
             ``j*Q/g ... (j+1)*Q/g - 1``).
         bias: ``(Q,)`` or ``None``.
+        training: whether the calling layer is in training mode (``None``: whether autograd records
+            this call).
 
     Returns:
         ``(g, B, Q/g)``.
 
-    A batched matmul, except for float32 CPU inference where :func:`groupwise_fc_onednn` measured
-    faster for this shape on this machine (see :func:`_onednn_faster`).
+    A batched matmul, except for float32 CPU inference (``training`` false), where the form set by
+    :func:`set_fc3_backend` runs: by default (``"auto"``) :func:`groupwise_fc_onednn` when it was
+    measured faster for this weight shape on this machine (:func:`fc3_uses_onednn`). The choice
+    depends on the weight's shape and the thread count, not on the batch, so eager, traced, scripted
+    and exported forms of a model compute the same bits in one process.
     """
-    mode = _fc3_mode(rows, weight)
+    mode = _fc3_mode(rows, weight, training)
     if mode == "compiled":
         # Inside torch.compile the choice is made when the graph runs: an opaque op to the compiler.
         return torch.ops.repmlp.groupwise_fc_picked(rows, weight, bias)
-    if mode == "eager" and _onednn_faster(rows, weight, bias):
+    if mode == "pick" and fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
         return groupwise_fc_onednn(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
+
+
+def set_fc3_backend(name: str) -> str:
+    """Set how float32 CPU inference runs FC3, for the whole process; returns the previous setting.
+
+    ``"auto"`` (default): :func:`groupwise_fc_onednn` for the weight shapes where it was timed clearly
+    faster than the batched matmul on this machine, else the batched matmul. Which form wins depends on
+    the CPU and the BLAS of the torch build, so two machines (or, on a close call, two processes) may
+    round FC3 differently in the last bits. ``"bmm"``: always the batched matmul, for results that do
+    not depend on a timing. ``"onednn"``: always oneDNN. The environment variable ``REPMLP_FC3`` sets
+    the starting value. Training (autograd), other dtypes and devices always use the batched matmul.
+    """
+    global _backend
+    if name not in FC3_BACKENDS:
+        raise ValueError(f"FC3 backend {name!r}: expected one of {', '.join(FC3_BACKENDS)}")
+    previous, _backend = _backend, name
+    return previous
+
+
+def get_fc3_backend() -> str:
+    """The current :func:`set_fc3_backend` setting."""
+    return _backend
+
+
+@contextmanager
+def fc3_backend(name: str) -> Iterator[None]:
+    """:func:`set_fc3_backend` for the duration of a ``with`` block."""
+    previous = set_fc3_backend(name)
+    try:
+        yield
+    finally:
+        set_fc3_backend(previous)
 
 
 @torch.library.custom_op("repmlp::groupwise_fc_picked", mutates_args=(), device_types="cpu")
 def _groupwise_fc_picked(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`groupwise_fc`'s eager choice as one op, so that a compiled graph keeps it (inductor would
     otherwise lower FC3 to its own batched matmul)."""
-    if _onednn_faster(rows, weight, bias):
+    if fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
         return groupwise_fc_onednn(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
 
@@ -148,46 +208,76 @@ def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Te
     return torch.stack([o.permute(0, 2, 3, 1).reshape(b, n) for o in outs])
 
 
-def _fc3_mode(rows: Tensor, weight: Tensor) -> str:
-    """How :func:`groupwise_fc` runs this call: ``"bmm"``, or, for float32 CPU inference, ``"eager"``
-    (pick the faster form now) or ``"compiled"`` (pick it inside an op opaque to ``torch.compile``).
+def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
+    """How :func:`groupwise_fc` runs this call: ``"bmm"``, or, for float32 CPU inference, ``"pick"``
+    (the backend's form, traced as such by ``torch.jit.trace`` and ``torch.export``) or ``"compiled"``
+    (the same choice inside an op opaque to ``torch.compile``).
 
-    Tracers that record standard ops (fx, jit, ``torch.export``) and autograd keep the batched matmul:
-    portable graphs, one backward.
+    Training keeps the batched matmul (one fast backward). Inference is decided by the layer's mode,
+    not by whether autograd is on, so an eval-mode model computes the same bits with and without
+    gradients, eagerly and exported. ``torch.fx`` records :func:`groupwise_fc` itself (a leaf where
+    it is called), so a traced graph makes the same choice as the module when it runs.
     """
-    if isinstance(rows, torch.fx.Proxy) or torch.jit.is_tracing() or torch.compiler.is_exporting():
+    if isinstance(rows, torch.fx.Proxy):
         return "bmm"
-    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-        return "bmm"
-    if not (
-        rows.device.type == "cpu"
+    if training is None:
+        training = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    if training or not (
+        _backend != "bmm"
+        and rows.device.type == "cpu"
         and rows.dtype == torch.float32
         and weight.dtype == torch.float32
-        and rows.shape[1] >= 16  # oneDNN's set-up dominates for a handful of rows
         and _HAS_ONEDNN
     ):
         return "bmm"
-    return "compiled" if torch.compiler.is_compiling() else "eager"
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        # The opaque op has no backward: a compiled graph that autograd records keeps the matmul.
+        recording = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+        return "bmm" if recording else "compiled"
+    return "pick"
 
 
-def _onednn_faster(rows: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether :func:`groupwise_fc_onednn` beats :func:`groupwise_fc_bmm` for this call's shapes, timed
-    once per shape and thread count (as ``torch.backends.cudnn.benchmark`` picks conv algorithms): which
-    one wins depends on the CPU's vector units, the BLAS PyTorch was built with and the shape."""
-    g, b, k = rows.shape
-    key = (g, b, k, weight.shape[0] // g, bias is None, rows.dtype, torch.get_num_threads())
-    if key not in _ONEDNN_CHOICE:
+def fc3_uses_onednn(groups: int, weight_shape: Sequence[int], bias: bool) -> bool:
+    """Whether float32 CPU inference runs an FC3 of this kernel shape ``(Q, P/g)`` through oneDNN.
+
+    Under the ``"auto"`` backend the two forms are timed once per kernel shape and thread count (as
+    ``torch.backends.cudnn.benchmark`` picks conv algorithms) on a synthetic input of
+    ``_TIMING_ROWS`` rows, in a separate thread: no dispatch mode (``FlopCounterMode``, fake tensors,
+    tracers) and no random number generator of the caller sees the trials. oneDNN must win clearly
+    (10%), so that a close call does not flip between processes.
+    """
+    if _backend != "auto":
+        return _backend == "onednn" and _HAS_ONEDNN
+    # int(): under torch.jit.trace sizes are tensors, which would not hash as equal keys.
+    groups, q, k = int(groups), int(weight_shape[0]), int(weight_shape[1])
+    threads = torch.get_num_threads()
+    key = (groups, k, q // groups, bias, threads)
+    if key not in _FC3_CHOICE:
+        result: list[bool] = []
+        worker = threading.Thread(target=lambda: result.append(_time_onednn_win(groups, k, q, bias, threads)))
+        worker.start()
+        worker.join()
+        _FC3_CHOICE[key] = result[0] if result else False
+    return _FC3_CHOICE[key]
+
+
+def _time_onednn_win(groups: int, k: int, q: int, bias: bool, threads: int) -> bool:
+    """Time both FC3 forms on constant inputs of the given shapes; True when oneDNN is >10% faster."""
+    torch.set_num_threads(threads)  # a new thread starts with the default count
+    with torch.no_grad():
+        rows = torch.full((groups, _TIMING_ROWS, k), 0.5)
+        weight = torch.full((q, k), 0.01)
+        b = torch.full((q,), 0.1) if bias else None
         best = {}
         for name, fn in (("bmm", groupwise_fc_bmm), ("onednn", groupwise_fc_onednn)):
-            fn(rows, weight, bias)  # warm-up: oneDNN builds its kernel on the first call
+            fn(rows, weight, b)  # warm-up: oneDNN builds its kernel on the first call
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                fn(rows, weight, bias)
+                fn(rows, weight, b)
                 times.append(time.perf_counter() - t0)
             best[name] = min(times)
-        _ONEDNN_CHOICE[key] = best["onednn"] < 0.9 * best["bmm"]  # a clear win only: results stay put
-    return _ONEDNN_CHOICE[key]
+    return best["onednn"] < 0.9 * best["bmm"]
 
 
 def groupwise_fc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> Tensor:

@@ -8,8 +8,6 @@ Stages are named as in the paper: ``c2, c3, c4, c5`` (ints 2..5 or strings ``"c2
 options are sequences ordered c2..c5 (or one value for all stages).
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 

@@ -11,8 +11,6 @@ FC (a 1x1 conv-BN), then the classifier. The mixer is what the paper's variants 
   with ``K = 3``, ``g = 1`` and doubled widths).
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 

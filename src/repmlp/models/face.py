@@ -11,8 +11,6 @@ Every model returns an embedding ``(N, embedding_dim)``; the classification laye
 loss (:class:`repmlp.losses.AMSoftmax`), so the deployed model is the embedding network alone.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +19,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..layers import ConvBN
+from .head import layer_like
 from .registry import register_model
 
 __all__ = [
@@ -43,6 +42,21 @@ def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> No
         f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got {{shape}}; "
         "build it with img_size={w} for that resolution",
     )
+
+
+def _check_pool(model: str, global_pool: str, own: str) -> str:
+    """Validate a face model's ``global_pool``: ``own`` (its reduction of the last map) or ``""``.
+
+    ``""`` is timm's "no pooling": without an embedding layer (``num_classes=0``) the model then returns
+    the unreduced last map ``(N, C, k, k)``. An embedding layer takes only the reduced map, so with one
+    the model still reduces (timm's contract sets ``num_classes`` and ``global_pool`` independently).
+    """
+    if global_pool not in (own, ""):
+        raise ValueError(
+            f"{model} takes global_pool={own!r} (its own reduction of the last map) or '' (the map "
+            f"itself, when num_classes=0), got {global_pool!r}"
+        )
+    return global_pool
 
 
 class _ConvBNAct(nn.Sequential):
@@ -97,9 +111,11 @@ class MobileFaceNet(nn.Module):
         in_chans: int = 3,
         img_size: int = 96,
         width: int = 64,
+        global_pool: str = "gdconv",
         deploy: bool = False,
     ) -> None:
         super().__init__()
+        self.global_pool = _check_pool("MobileFaceNet", global_pool, "gdconv")
         if img_size % 16:
             raise ValueError(
                 f"MobileFaceNet needs img_size divisible by 16 (four stride-2 stages), got {img_size}"
@@ -131,7 +147,7 @@ class MobileFaceNet(nn.Module):
         )
         layers += [
             _ConvBNAct(last, last, k, groups=last, act=False, deploy=deploy),  # GDConv: k x k -> 1 x 1
-            _ConvBNAct(last, embedding_dim, 1, act=False, deploy=deploy),
+            _ConvBNAct(last, embedding_dim, 1, act=False, deploy=deploy) if embedding_dim else nn.Identity(),
         ]
         # ConvBN's default "same" padding would keep the GDConv's output k x k; it must be valid.
         layers[-2][0].conv.padding = (0, 0)
@@ -158,7 +174,12 @@ class MobileFaceNet(nn.Module):
         return x
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """GDConv (``pre_logits``: ``(N, num_features)``), then the embedding layer: ``(N, embedding_dim)``."""
+        """GDConv (``pre_logits``: ``(N, num_features)``), then the embedding layer: ``(N, embedding_dim)``.
+
+        With ``global_pool=""`` and no embedding layer: the map ``(N, num_features, k, k)``.
+        """
+        if self.global_pool == "" and not self.num_classes:
+            return x
         x = self.features[-2](x)
         return x.flatten(1) if pre_logits else self.features[-1](x).flatten(1)
 
@@ -169,14 +190,19 @@ class MobileFaceNet(nn.Module):
         return self.features[-1]
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A fresh ``num_classes``-wide embedding layer (none for 0); the GDConv is the only pooling."""
+        """A fresh ``num_classes``-wide embedding layer (none for 0).
+
+        ``global_pool``: ``"gdconv"`` (the GDConv reduces the map, as built) or ``""`` (with
+        ``num_classes=0`` the model returns the unreduced last map); ``None`` keeps the current one.
+        """
         if global_pool is not None:
-            raise ValueError("MobileFaceNet's pooling is its GDConv; global_pool cannot be changed")
+            self.global_pool = _check_pool("MobileFaceNet", global_pool, "gdconv")
         self.num_classes = self.embedding_dim = num_classes
-        self.features[-1] = (
+        self.features[-1] = layer_like(
+            self,
             _ConvBNAct(self.num_features, num_classes, 1, act=False, deploy=self._deploy)
             if num_classes > 0
-            else nn.Identity()
+            else nn.Identity(),
         )
 
 
@@ -190,9 +216,10 @@ class EmbeddingHead(nn.Module):
 
     def __init__(self, channels: int, spatial: int, embedding_dim: int, deploy: bool = False) -> None:
         super().__init__()
-        self.bn_in = nn.Identity() if deploy else nn.BatchNorm2d(channels)
-        self.fc = nn.Linear(channels * spatial * spatial, embedding_dim)
-        self.bn_out = nn.Identity() if deploy else nn.BatchNorm1d(embedding_dim)
+        # Without an embedding layer (embedding_dim=0, timm's num_classes=0) bn_in has no FC to fold into.
+        self.bn_in = nn.Identity() if deploy and embedding_dim else nn.BatchNorm2d(channels)
+        self.fc = nn.Linear(channels * spatial * spatial, embedding_dim) if embedding_dim else nn.Identity()
+        self.bn_out = nn.Identity() if deploy or not embedding_dim else nn.BatchNorm1d(embedding_dim)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.bn_out(self.fc(self.bn_in(x).flatten(1)))
@@ -281,10 +308,13 @@ class FaceResNet(nn.Module):
         groups: int = 4,
         kernel_sizes: Sequence[int] = (1, 3, 5),
         stem: str = "deep",
+        global_pool: str = "flatten",
         deploy: bool = False,
     ) -> None:
         super().__init__()
         from .blocks import RepMLPBottleneck, ResNet, parse_stages
+
+        self.global_pool = _check_pool("FaceResNet", global_pool, "flatten")
 
         if stem not in ("resnet", "deep"):
             raise ValueError(f"stem must be 'resnet' or 'deep', got {stem!r}")
@@ -341,7 +371,12 @@ class FaceResNet(nn.Module):
         return self.trunk.forward_intermediates(x, *args, **kwargs)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """``(N, C, k, k)`` -> embedding ``(N, embedding_dim)``; ``pre_logits``: the flattened map."""
+        """``(N, C, k, k)`` -> embedding ``(N, embedding_dim)``; ``pre_logits``: the flattened map.
+
+        With ``global_pool=""`` and no embedding layer: the normalised map ``(N, C, k, k)``.
+        """
+        if self.global_pool == "" and not self.num_classes:
+            return self.head.bn_in(x)
         return self.head.bn_in(x).flatten(1) if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -351,13 +386,18 @@ class FaceResNet(nn.Module):
         return self.head.fc
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """A fresh ``num_classes``-wide embedding FC (+ BN in the training form); none for 0."""
+        """A fresh ``num_classes``-wide embedding FC (+ BN in the training form); none for 0.
+
+        ``global_pool``: ``"flatten"`` (the c5 map flattened into the FC, as built) or ``""`` (with
+        ``num_classes=0`` the model returns the c5 map itself); ``None`` keeps the current one.
+        """
         if global_pool is not None:
-            raise ValueError("FaceResNet flattens its c5 map (no global pooling); global_pool cannot be set")
+            self.global_pool = _check_pool("FaceResNet", global_pool, "flatten")
         self.num_classes = self.embedding_dim = num_classes
         train_form = not isinstance(self.head.bn_out, nn.Identity)
-        self.head.fc = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
-        self.head.bn_out = nn.BatchNorm1d(num_classes) if num_classes > 0 and train_form else nn.Identity()
+        fc = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
+        bn_out = nn.BatchNorm1d(num_classes) if num_classes > 0 and train_form else nn.Identity()
+        self.head.fc, self.head.bn_out = layer_like(self, fc), layer_like(self, bn_out)
 
 
 def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any], default: int) -> dict[str, Any]:

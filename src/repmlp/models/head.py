@@ -1,12 +1,19 @@
 """timm's classifier methods, shared by the classification families (ResNets, pure MLPs, RepMLPNet)."""
 
-from __future__ import annotations
-
 from torch import nn
 
-__all__ = ["PooledClassifierMixin"]
+__all__ = ["PooledClassifierMixin", "layer_like"]
 
 GLOBAL_POOLS = ("avg", "")
+
+
+def layer_like(model: nn.Module, layer: nn.Module) -> nn.Module:
+    """``layer`` on the device and dtype of ``model``'s parameters and in its training mode: what timm's
+    contract expects of a classifier that ``reset_classifier`` puts into an existing model."""
+    ref = next(model.parameters(), None)
+    if ref is not None:
+        layer = layer.to(device=ref.device, dtype=ref.dtype)
+    return layer.train(model.training)
 
 
 class PooledClassifierMixin:
@@ -30,4 +37,4 @@ class PooledClassifierMixin:
             self.global_pool = global_pool
         self.num_classes = num_classes
         head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-        setattr(self, self.classifier_attr, head)
+        setattr(self, self.classifier_attr, layer_like(self, head))  # type: ignore[arg-type]

@@ -22,8 +22,6 @@ partitions are an option (``partitions=``) used by the tests. Key names are our 
 maps the authors' and mmpretrain's checkpoints onto them.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
@@ -204,6 +202,7 @@ class RepMLPNetBlock(nn.Module):
         weight, bias = self.merged_fc3()
         n = self.fc3.in_features
         fc3 = GroupwiseLinear(n, n, self.sharesets, bias=True).to(device=weight.device, dtype=weight.dtype)
+        fc3.train(self.training)  # its mode picks the FC3 form (repmlp.ops.groupwise_fc)
         fc3.weight.copy_(weight)
         fc3.bias.copy_(bias)
         self.fc3, self.fc3_bn, self.local = fc3, None, None

@@ -3,8 +3,6 @@
 All are :class:`~repmlp.models.blocks.ResNet` configurations; see its docstring for the options.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
