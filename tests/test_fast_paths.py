@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
 from repmlp.layers import MaxPool2x2
+from zoo import shallow
 
 
 @settings(max_examples=25, deadline=None)
@@ -171,8 +172,11 @@ def test_deployed_block_keeps_channels_last(groups: int) -> None:
 
 # Small configurations of every family, so tracing them stays cheap.
 _SMALL = {
-    "repmlp_res50": dict(img_size=64, partition=2, kernel_sizes=(1,), num_classes=4),
-    "repmlp_res50_light": dict(img_size=64, partition=2, kernel_sizes=(1,), num_classes=4),
+    "repmlp_cifar": dict(widths=(8, 16, 32)),
+    "repmlp_res50": dict(img_size=64, partition=2, kernel_sizes=(1,), num_classes=4, layers=(2, 2, 2, 2)),
+    "repmlp_res50_light": dict(
+        img_size=64, partition=2, kernel_sizes=(1,), num_classes=4, layers=(2, 2, 2, 2)
+    ),
 }
 
 
@@ -185,7 +189,7 @@ def test_compiles_as_one_graph(name: str, form: str) -> None:
     if form == "deploy":
         model = reparameterize_model(model)
     cfg = model.pretrained_cfg["input_size"] if hasattr(model, "pretrained_cfg") else None
-    size = (3, 64, 64) if name in _SMALL else tuple(cfg)
+    size = (3, 64, 64) if name.startswith("repmlp_res50") else tuple(cfg)
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(torch.randn(2, *size))
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -196,10 +200,11 @@ def test_compiles_as_one_graph(name: str, form: str) -> None:
 @pytest.mark.parametrize("deploy", [False, True], ids=["train", "deploy"])
 def test_every_registered_model_compiles_as_one_graph(name: str, deploy: bool) -> None:
     """No graph break anywhere in the zoo: dynamo traces each model whole on the meta device (shapes
-    only, so the paper's resolutions stay cheap); the CPU branches are traced by the test above."""
+    only, so the paper's resolutions stay cheap), built shallow (every block kind, fewer blocks); the
+    CPU branches are traced by the test above."""
     torch._dynamo.reset()
     with torch.device("meta"):
-        model = create_model(name, deploy=deploy).eval()
+        model = create_model(name, deploy=deploy, **shallow(name)).eval()
     x = torch.randn(2, *model.pretrained_cfg["input_size"], device="meta")
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(x)

@@ -12,11 +12,13 @@ import repmlp
 from repmlp import create_model, list_models, reparameterize_model
 from repmlp.models import RepMLPBottleneck, RepMLPLightBlock, ResNet
 from repmlp.models.blocks import parse_stages
+from zoo import shallow
 
 # Models this helper owns, with kwargs that keep a float64 forward pass cheap while exercising the same
-# code paths: narrower ResNets (widths / 4) at a resolution where c3 and c4 still have several
-# (padded) partitions, the CIFAR family with narrower stages.
-_QUARTER = {"widths": (64, 128, 256, 512)}
+# code paths: narrower, shallower ResNets (widths / 4, two blocks a stage: every block kind, see
+# tests/zoo.py) at a resolution where c3 and c4 still have several (padded) partitions, the CIFAR
+# family with narrower stages.
+_QUARTER = {"widths": (64, 128, 256, 512), "layers": (2, 2, 2, 2)}
 SMALL: dict[str, dict] = {
     "repmlp_cifar": {"widths": (4, 8, 16)},
     "repmlp_cifar_no_local": {"widths": (4, 8, 16)},
@@ -80,12 +82,13 @@ def test_forward_and_exact_conversion(name: str) -> None:
 def test_other_registered_models_deploy_structure(name: str) -> None:
     """Every other registered model (face, segmentation): deploy=True has the converted structure.
 
-    Checked on the meta device (shapes only, nothing computed); numerical tests live with the models.
+    Checked on the meta device (shapes only, nothing computed), built shallow (tests/zoo.py); numerical
+    tests live with the models.
     """
     with torch.device("meta"):
-        model = create_model(name).eval()
+        model = create_model(name, **shallow(name)).eval()
         deployed = reparameterize_model(model)
-        fresh = create_model(name, deploy=True)
+        fresh = create_model(name, deploy=True, **shallow(name))
     got = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
     assert got == {k: tuple(v.shape) for k, v in deployed.state_dict().items()}
 

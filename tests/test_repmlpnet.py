@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # The authors' README/paper: training-time params (M) and FLOPs (G, = MACs).
 PUBLISHED = {
     "repmlpnet_t224": (38.3, 2.8),
-    "repmlpnet_t256": (58.7, 4.2456),  # README: 4.2G, the authors' own code's count rounded
+    "repmlpnet_t256": (58.7, 4.2),
     "repmlpnet_b224": (68.2, 6.7),
     "repmlpnet_b256": (96.5, 9.6),
     "repmlpnet_d256": (86.9, 8.6),
@@ -61,13 +61,10 @@ def small(name: str = "repmlpnet_b224", cfg: dict | None = None, **kw) -> nn.Mod
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_counts_match_published(name):
-    """Params of both forms within 1%; MACs after Locality Injection (as the authors count) within 1%."""
-    p_ref, m_ref = PUBLISHED[name]
-    for deploy in (False, True):
-        params, macs = profile_model(name, deploy=deploy)
-        assert abs(params / 1e6 - p_ref) / p_ref < 0.01
-    assert abs(macs / 1e9 - m_ref) / m_ref < 0.01
+def test_training_time_params_match_published(name):
+    """Training-form params within 1% (the deployed form's params and MACs: tests/test_profile.py)."""
+    params, _ = profile_model(name, deploy=False)
+    assert abs(params / 1e6 - PUBLISHED[name][0]) / PUBLISHED[name][0] < 0.01
 
 
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_K3, WHOLE_MAP], ids=["k1", "k13", "whole-map"])

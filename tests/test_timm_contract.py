@@ -17,6 +17,7 @@ import torch.fx
 from torch import Tensor, nn
 
 from repmlp import create_model, list_models
+from zoo import shallow
 
 
 def _timm_models() -> list[str]:
@@ -46,8 +47,9 @@ def _meta_input(model: nn.Module, batch: int = 2) -> Tensor:
 
 @pytest.mark.parametrize("name", ALL)
 def test_fx_trace_forward_backward(name: str) -> None:
-    """``torch.fx.symbolic_trace`` of every model; the traced module runs forward and backward."""
-    model = _meta_model(name).train()
+    """``torch.fx.symbolic_trace`` of every model (built shallow, every block kind: tests/zoo.py); the
+    traced module runs forward and backward."""
+    model = _meta_model(name, **shallow(name)).train()
     traced = torch.fx.symbolic_trace(model)
     x = _meta_input(model)
     outs, refs = traced(x), model(x)
@@ -97,8 +99,9 @@ def test_default_cfg(name: str) -> None:
 
 @pytest.mark.parametrize("name", TIMM)
 def test_forward_backward_head_and_reset_classifier(name: str) -> None:
-    """Forward + backward, forward_head(pre_logits), reset_classifier (timm's forward/default-cfg tests)."""
-    model = _meta_model(name, num_classes=3).train()
+    """Forward + backward, forward_head(pre_logits), reset_classifier (timm's forward/default-cfg tests);
+    built shallow (every block kind: tests/zoo.py)."""
+    model = _meta_model(name, num_classes=3, **shallow(name)).train()
     x = _meta_input(model)
     out = model(x)
     assert out.shape == (2, 3) and model.num_classes == 3
@@ -115,7 +118,7 @@ def test_forward_backward_head_and_reset_classifier(name: str) -> None:
         assert model(x).shape == (2, model.head_hidden_size) and model.num_classes == 0
         model.reset_classifier(0, "")  # timm's "no pooling": the unpooled map (face models: unflattened)
         assert model(x).shape == feats.shape
-    unpooled = _meta_model(name, num_classes=0, global_pool="").eval()
+    unpooled = _meta_model(name, num_classes=0, global_pool="", **shallow(name)).eval()
     assert unpooled(x).shape == feats.shape
 
 
@@ -176,26 +179,28 @@ def test_face_models_global_pool(name: str) -> None:
 
 @pytest.mark.parametrize("name", TIMM)
 def test_features_only(name: str) -> None:
-    """timm's test_model_forward_features: features_only=True, feature_info channels and reductions."""
-    full = _meta_model(name)
+    """timm's test_model_forward_features: features_only=True, feature_info channels and reductions
+    (built shallow, every block kind: tests/zoo.py)."""
+    full = _meta_model(name, **shallow(name))
     n = len(full.feature_info)
-    model = _meta_model(name, features_only=True).eval()
+    model = _meta_model(name, features_only=True, **shallow(name)).eval()
     x = _meta_input(full)
     outs = model(x)
     info = model.feature_info
     assert len(outs) == len(info.channels()) == n
     for out, chans, red in zip(outs, info.channels(), info.reduction(), strict=True):
         assert out.shape[1] == chans and tuple(out.shape[2:]) == (x.shape[2] // red, x.shape[3] // red)
-    last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1)).eval()
+    last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1), **shallow(name)).eval()
     assert [o.shape for o in last(x)] == [o.shape for o in outs[-2:]]
     assert last.feature_info.channels() == info.channels()[-2:]
 
 
 @pytest.mark.parametrize("name", TIMM)
 def test_features_through_timms_fx_extractor(name: str) -> None:
-    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based) gives the same maps as features_only."""
-    model = _meta_model(name, features_only=True, feature_cls="fx").eval()
-    ref = _meta_model(name, features_only=True).eval()
+    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based) gives the same maps as features_only
+    (built shallow, every block kind: tests/zoo.py)."""
+    model = _meta_model(name, features_only=True, feature_cls="fx", **shallow(name)).eval()
+    ref = _meta_model(name, features_only=True, **shallow(name)).eval()
     x = _meta_input(_meta_model(name))
     assert [o.shape for o in model(x)] == [o.shape for o in ref(x)]
 
@@ -244,8 +249,9 @@ def test_features_only_matches_the_models_own_stages(one_thread: None) -> None:
 
 @pytest.mark.parametrize("name", ALL)
 def test_torch_export_deployed(name: str) -> None:
-    """``torch.export.export`` of every deployed model with a dynamic batch (meta tensors: shapes only)."""
-    model = _meta_model(name, deploy=True).eval()
+    """``torch.export.export`` of every deployed model with a dynamic batch (meta tensors: shapes only;
+    built shallow, every block kind: tests/zoo.py)."""
+    model = _meta_model(name, deploy=True, **shallow(name)).eval()
     x = _meta_input(model)
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))

@@ -56,10 +56,10 @@ def repmlp_res50(
     Defaults: the paper's 78.55% model (c3+c4, ``r = 2,2,4,4`` for c2..c5, ``g = 8``, ``h = w = 7``,
     ``K = 1,3,5``, 224x224). ``stages=()`` is exactly torchvision's ``resnet50``. ``reduction``,
     ``groups``, ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); further
-    keyword arguments go to :class:`ResNet` (``strides``, ``dilations``, ...).
+    keyword arguments go to :class:`ResNet` (``layers``, ``strides``, ``dilations``, ...).
     """
     return ResNet(
-        _LAYERS_50,
+        kwargs.pop("layers", _LAYERS_50),
         repmlp_stages=stages,
         repmlp_block=block,
         reduction=reduction,
@@ -130,9 +130,10 @@ def nl_res50(
     """NL-Res50: ResNet-50 + one Non-local block (embedded Gaussian, subsampled ``phi``/``g``) in c4,
     right before its last residual block - the Non-local paper's ImageNet-style "1 block in res4".
     """
+    layers = kwargs.pop("layers", _LAYERS_50)
     return ResNet(
-        _LAYERS_50,
-        nonlocal_blocks={4: (_LAYERS_50[2] - 1,)},
+        layers,
+        nonlocal_blocks={4: (layers[2] - 1,)},
         num_classes=num_classes,
         in_chans=in_chans,
         img_size=img_size,
@@ -156,7 +157,7 @@ def gc_res50(
     c3, c4 and c5 (GCNet's ImageNet setting).
     """
     return ResNet(
-        _LAYERS_50,
+        kwargs.pop("layers", _LAYERS_50),
         gc_stages=("c3", "c4", "c5"),
         gc_ratio=gc_ratio,
         num_classes=num_classes,
