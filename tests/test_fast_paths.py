@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
-from repmlp.layers import MaxPool2x2
+from repmlp.layers import MaxPool2x2, prepare_fc3
 from zoo import shallow
 
 
@@ -121,6 +121,18 @@ def test_fc3_choice_is_made_once_per_kernel_shape_outside_the_forward(
     assert list(ops._FC3_CHOICE) == [(2, 16, 16, False, torch.get_num_threads())]
     assert first.get_total_flops() == 2 * 2 * 64 * 16 * 16 == 8 * second.get_total_flops()
     torch.testing.assert_close(out, ops.groupwise_fc_bmm(rows, weight, None))
+
+
+def test_prepare_fc3_makes_the_choice_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After ``prepare_fc3`` no forward times anything; float64 and training layers are not timed."""
+    monkeypatch.setattr(ops, "_FC3_CHOICE", {})
+    model = reparameterize_model(create_model("repmlp_fmnist").eval())
+    assert prepare_fc3(model) == 6 and len(ops._FC3_CHOICE) == 3  # 2 RepMLP blocks a stage, 3 shapes
+    monkeypatch.setattr(ops, "_time_onednn_win", lambda *a: pytest.fail("timed inside a forward"))
+    with torch.no_grad():
+        model(torch.randn(3, 1, 28, 28))
+    monkeypatch.setattr(ops, "_FC3_CHOICE", {})
+    assert prepare_fc3(model.double()) == 6 and not ops._FC3_CHOICE
 
 
 @pytest.mark.parametrize("name", ["repmlp_cifar", "repmlpnet_t224"])
