@@ -219,6 +219,31 @@ def test_forward_intermediates(name: str) -> None:
     assert [o.shape for o in last_two] == [o.shape for o in inter[-2:]]
 
 
+def test_forward_intermediates_and_pruning_keep_the_models_maps(one_thread: None) -> None:
+    """timm's intermediates/prune contract on real values (a small RepMLP-Res50): the final map is
+    forward_features' bitwise; a model pruned after tap i gives tap i, as forward_features too, and
+    trains every parameter it keeps."""
+    import copy
+
+    kw = dict(widths=(64, 128, 256, 512), layers=(2, 2, 2, 2), img_size=64, partition=2, kernel_sizes=(1,))
+    model = create_model("repmlp_res50", **kw).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        final, taps = model.forward_intermediates(x)
+        assert torch.equal(final, model.forward_features(x))
+    for i in range(len(taps)):
+        pruned = copy.deepcopy(model)
+        take = pruned.prune_intermediate_layers([i])
+        with torch.no_grad():
+            assert torch.equal(
+                pruned.forward_intermediates(x, indices=take, intermediates_only=True)[0], taps[i]
+            )
+            assert torch.equal(pruned.forward_features(x), taps[i])
+    pruned.train()
+    pruned.forward_features(x).sum().backward()
+    assert all(p.grad is not None for p in pruned.parameters())
+
+
 def test_res50_backbone_example() -> None:
     """The README's backbone example: c2..c5 of RepMLP-Res50 like timm's resnet50 (same channels)."""
     with torch.device("meta"):

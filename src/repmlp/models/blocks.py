@@ -517,13 +517,30 @@ class ResNet(PooledClassifierMixin, nn.Module):
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take, last = feature_take_indices(len(self.feature_info), indices)
         _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
-        x = self.stem(x)
+        x = self.stem(layers.cpu_channels_last(x))  # as forward_features: the same kernels, the same bits
         outs = [x] if 0 in take else []
         for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
             x = stage(x)
             if i in take:
                 outs.append(x)
         return outs if intermediates_only else (x, outs)
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        """timm's API: drop the stages after the last ``feature_info`` map in ``indices`` (0 the stem,
+        1..4 c2..c5) and, with ``prune_head``, the classifier and pooling; returns the kept indices.
+
+        ``prune_norm`` is accepted for timm's signature: a ResNet has no final norm to drop.
+        """
+        from timm.models._features import feature_take_indices
+
+        take, last = feature_take_indices(len(self.feature_info), indices)
+        for i in range(last + 1, len(self.feature_info)):
+            setattr(self, f"layer{i}", nn.Identity())
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """``(N, num_features, h, w)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
