@@ -143,6 +143,18 @@ def test_fx_graph_scripts(name: str, kwargs: dict) -> None:
 
 
 @pytest.mark.parametrize("name", TIMM)
+def test_scripts_with_torchscript(name: str) -> None:
+    """timm's test_model_forward_torchscript: ``torch.jit.script`` compiles every model (built shallow:
+    tests/zoo.py) and the scripted module runs (meta tensors: shapes only)."""
+    model = _meta_model(name, **shallow(name)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated upstream
+        scripted = torch.jit.script(model)
+    x = _meta_input(model, batch=1)
+    assert scripted(x).shape == model(x).shape
+
+
+@pytest.mark.parametrize("name", TIMM)
 def test_reset_classifier_matches_the_model(name: str) -> None:
     """A classifier put in by ``reset_classifier`` takes the model's device, dtype and mode (timm)."""
     model = _meta_model(name).to(torch.float64).eval()

@@ -124,9 +124,11 @@ class LocalPerceptron(nn.Module):
         # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout.
         if not torch.is_grad_enabled():
             x = x.contiguous(memory_format=torch.channels_last)
-        out = self.branches[0](x)
-        for branch in self.branches[1:]:
-            out = out + branch(x)
+        out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
+        for branch in self.branches:
+            y = branch(x)
+            out = y if out is None else out + y
+        assert out is not None  # at least one branch (checked in __init__)
         return out
 
 

@@ -87,7 +87,7 @@ def to_group_rows(x: Tensor, h: int, w: int, groups: int) -> Tensor:
 
 
 def from_group_rows(
-    y: Tensor, n: int, hp: int, wp: int, h: int, w: int, *, channels_last: bool = False
+    y: Tensor, n: int, hp: int, wp: int, h: int, w: int, channels_last: bool = False
 ) -> Tensor:
     """Inverse of :func:`to_group_rows`: ``(g, N*hp*wp, O/g*h*w)`` -> ``(N, O, hp*h, wp*w)``.
 

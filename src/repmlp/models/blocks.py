@@ -45,8 +45,11 @@ class ConvBNReLU(ConvBN):
     """
 
     def forward(self, x: Tensor) -> Tensor:
+        x = self.conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
+        if self.bn is not None:
+            x = self.bn(x)
         # In place: the conv/BN output is a fresh tensor that nothing else holds.
-        return F.relu(super().forward(x), inplace=True)
+        return F.relu(x, inplace=True)
 
 
 def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int = 1) -> int:
@@ -347,6 +350,7 @@ class ResNet(PooledClassifierMixin, nn.Module):
     """
 
     classifier_attr = "fc"
+    __jit_unused_properties__ = ["stages"]  # a Python list of modules: TorchScript compiles the rest
 
     def __init__(
         self,
@@ -479,17 +483,15 @@ class ResNet(PooledClassifierMixin, nn.Module):
 
     def check_input(self, x: Tensor) -> None:
         """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (RepMLPs fix the size)."""
-        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
+        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
 
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Outputs of c2, c3, c4, c5: ``[(N, widths[i], H_i, W_i)]`` (``stage_resolutions``)."""
-        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
-        x = self.stem(x)
-        outs = []
-        for stage in self.stages:
-            x = stage(x)
-            outs.append(x)
-        return outs
+        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
+        c2 = self.layer1(self.stem(x))  # written out: TorchScript iterates no list of unlike modules
+        c3 = self.layer2(c2)
+        c4 = self.layer3(c3)
+        return [c2, c3, c4, self.layer4(c4)]
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)`` (channels_last
@@ -516,7 +518,7 @@ class ResNet(PooledClassifierMixin, nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take, last = feature_take_indices(len(self.feature_info), indices)
-        _check_resnet_input(x, self.in_chans, self.img_size if self.repmlp_stages else None)
+        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
         x = self.stem(layers.cpu_channels_last(x))  # as forward_features: the same kernels, the same bits
         outs = [x] if 0 in take else []
         for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
@@ -552,13 +554,14 @@ class ResNet(PooledClassifierMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _check_resnet_input(x: Tensor, in_chans: int, img_size: tuple[int, int] | None) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)`` with ``(H, W) == img_size`` (if given;
-    see :mod:`repmlp.checks`)."""
+@torch.jit.ignore  # Python-side check: TorchScript calls it as Python
+def _check_resnet_input(x: Tensor, in_chans: int, img_size: Any, fixed: bool = True) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)``, with ``(H, W) == img_size`` when
+    ``fixed`` and ``img_size`` is given (see :mod:`repmlp.checks`)."""
     checks.check_input_shape(
         x, (in_chans, None, None), f"expected input (N, {in_chans}, H, W), got {{shape}}"
     )
-    if img_size is not None:
+    if fixed and img_size is not None:
         checks.check_input_shape(
             x,
             (in_chans, *img_size),

@@ -169,8 +169,9 @@ class MobileFaceNet(nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> the last map before the GDConv ``(N, num_features, S/16, S/16)``."""
         _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
-        for layer in list(self.features)[:-2]:
-            x = layer(x)
+        for i, layer in enumerate(self.features):  # all but the GDConv and the embedding layer
+            if i < len(self.features) - 2:
+                x = layer(x)
         return x
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
