@@ -144,3 +144,25 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
         assert (cut / name).is_file(), name
     again = run(full)
     assert again.returncode == 2 and "already holds a run" in user_error_line(again.stderr)
+
+
+class CliResult:
+    """What :func:`run_cli` returns: the fields of a ``subprocess.CompletedProcess`` that tests read."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*args: object) -> CliResult:
+    """``repmlp *args`` in this process through the real entry point (:func:`repmlp.cli.main`, which returns
+    the exit status), its stdout and stderr captured: for tests that are not about the process itself, it
+    saves a Python start and the imports (seconds on a loaded machine) per call."""
+    import contextlib
+    import io
+
+    from repmlp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliResult(code, out.getvalue(), err.getvalue())
