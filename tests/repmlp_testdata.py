@@ -111,9 +111,13 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
 
 
 def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) -> None:
-    """``python -m repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after
-    ``stop`` steps (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end
-    with bitwise identical weights. Also checks the run files and that a finished run is not overwritten."""
+    """``repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after ``stop`` steps
+    (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end with bitwise
+    identical weights. Also checks the run files and that a finished run is not overwritten.
+
+    The killed and the resumed run are real ``python -m repmlp`` processes (the kill is ``os._exit``; a
+    resumed run starts in a fresh process); the uninterrupted reference run and the refused rerun call
+    :func:`repmlp.cli.main` in this process, which saves two Python starts."""
     import subprocess
     import sys
 
@@ -124,8 +128,12 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
         cmd = [sys.executable, "-m", "repmlp", *argv, "--output", str(out), *extra]
         return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(**env), timeout=600)
 
+    def run_here(out: Path) -> CliResult:
+        return run_cli(*argv, "--output", str(out))
+
     full, cut = root / "full", root / "cut"
-    assert run(full).returncode == 0
+    reference = run_here(full)
+    assert reference.returncode == 0, reference.stderr
     killed = run(cut, "--stop-after-steps", str(stop))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
@@ -142,7 +150,7 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
     assert losses(full) == losses(cut) and len(losses(full)) > 2
     for name in ("report.md", "curves.png", "deploy.safetensors"):
         assert (cut / name).is_file(), name
-    again = run(full)
+    again = run_here(full)
     assert again.returncode == 2 and "already holds a run" in user_error_line(again.stderr)
 
 
