@@ -115,9 +115,9 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
     (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end with bitwise
     identical weights. Also checks the run files and that a finished run is not overwritten.
 
-    The killed and the resumed run are real ``python -m repmlp`` processes (the kill is ``os._exit``; a
-    resumed run starts in a fresh process); the uninterrupted reference run and the refused rerun call
-    :func:`repmlp.cli.main` in this process, which saves two Python starts."""
+    The killed run is a real ``python -m repmlp`` process (the kill is ``os._exit``, no cleanup); the
+    uninterrupted reference run, the resumed run and the refused rerun call :func:`repmlp.cli.main` in this
+    process (as ``test_train``'s resume tests do), which saves three Python starts."""
     import subprocess
     import sys
 
@@ -137,7 +137,7 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
     killed = run(cut, "--stop-after-steps", str(stop))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
-    resumed = run(cut, "--resume")
+    resumed = run_cli(*argv, "--output", str(cut), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
