@@ -111,9 +111,13 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
 
 
 def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) -> None:
-    """``python -m repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after
-    ``stop`` steps (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end
-    with bitwise identical weights. Also checks the run files and that a finished run is not overwritten."""
+    """``repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after ``stop`` steps
+    (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end with bitwise
+    identical weights. Also checks the run files and that a finished run is not overwritten.
+
+    The killed run is a real ``python -m repmlp`` process (the kill is ``os._exit``, no cleanup); the
+    uninterrupted reference run, the resumed run and the refused rerun call :func:`repmlp.cli.main` in this
+    process (as ``test_train``'s resume tests do), which saves three Python starts."""
     import subprocess
     import sys
 
@@ -124,12 +128,16 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
         cmd = [sys.executable, "-m", "repmlp", *argv, "--output", str(out), *extra]
         return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(**env), timeout=600)
 
+    def run_here(out: Path) -> CliResult:
+        return run_cli(*argv, "--output", str(out))
+
     full, cut = root / "full", root / "cut"
-    assert run(full).returncode == 0
+    reference = run_here(full)
+    assert reference.returncode == 0, reference.stderr
     killed = run(cut, "--stop-after-steps", str(stop))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
-    resumed = run(cut, "--resume")
+    resumed = run_cli(*argv, "--output", str(cut), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")
@@ -142,5 +150,27 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
     assert losses(full) == losses(cut) and len(losses(full)) > 2
     for name in ("report.md", "curves.png", "deploy.safetensors"):
         assert (cut / name).is_file(), name
-    again = run(full)
+    again = run_here(full)
     assert again.returncode == 2 and "already holds a run" in user_error_line(again.stderr)
+
+
+class CliResult:
+    """What :func:`run_cli` returns: the fields of a ``subprocess.CompletedProcess`` that tests read."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*args: object) -> CliResult:
+    """``repmlp *args`` in this process through the real entry point (:func:`repmlp.cli.main`, which returns
+    the exit status), its stdout and stderr captured: for tests that are not about the process itself, it
+    saves a Python start and the imports (seconds on a loaded machine) per call."""
+    import contextlib
+    import io
+
+    from repmlp.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliResult(code, out.getvalue(), err.getvalue())

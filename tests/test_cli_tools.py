@@ -2,8 +2,9 @@
 
 A tiny ``repmlp_fmnist`` (two stages of 4 and 8 channels, 7x7 partitions, K=1,3,5) saved with
 ``repmlp.checkpoint.save_model`` stands in for a trained run, so no test depends on training.
-Most checks run ``python -m repmlp`` in a subprocess; a few bad-input cases call ``repmlp.cli.main``
-in-process (the function the console script runs) to keep the suite fast on two cores.
+The commands run through ``repmlp.cli.main`` in this process (the function the console script runs,
+which returns the exit status), to keep the suite fast on two cores; the ONNX/TorchScript export runs as a
+real ``python -m repmlp`` process, end to end.
 """
 
 from __future__ import annotations
@@ -20,21 +21,30 @@ import torch
 import repmlp
 from repmlp import cli
 from repmlp.checkpoint import load_model, save_model
-from repmlp_testdata import make_fashion_mnist
+from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAME = "repmlp_fmnist"
 KWARGS = {"widths": [4, 8], "kernel_sizes": [1, 3, 5]}
 INPUT = (1, 28, 28)
 
 
-def repmlp_cli(*args: object, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m repmlp ARGS`` (the console script's program), output captured."""
+def repmlp_process(*args: object, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m repmlp ARGS`` (the console script's program) of this checkout, output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "repmlp", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "repmlp", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),
     )
 
 
-def assert_user_error(res: subprocess.CompletedProcess, *fragments: str) -> None:
+repmlp_cli = run_cli  # ``repmlp ARGS`` through repmlp.cli.main in this process, output captured
+
+
+def assert_user_error(res, *fragments: str) -> None:
     """Exit status 2, one ``repmlp: error:`` line ending stderr (after any progress logs), no traceback."""
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
@@ -124,7 +134,7 @@ def test_export_onnx_and_torchscript_match_pytorch(run_dir, tmp_path):
     import onnxruntime as ort
 
     # From the training-time checkpoint: export converts first, so the graph is the deployed one.
-    res = repmlp_cli(
+    res = repmlp_process(
         "export",
         "--checkpoint",
         run_dir / "model.safetensors",

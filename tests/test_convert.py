@@ -12,6 +12,8 @@ from torch import nn
 
 from repmlp import ConvBN, RepMLPBlock, reparameterize_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 

@@ -21,6 +21,7 @@ from repmlp.profile import profile_model
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
+    run_cli,
     subprocess_env,
     user_error_line,
 )
@@ -274,12 +275,9 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
 
 
 def test_face_cli_errors_are_one_line(tmp_path):
-    env = subprocess_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "repmlp", "train", "--task", "face", "--data", str(tmp_path / "nope"),
-         "--output", str(tmp_path / "o"), "--device", "cpu"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+    proc = run_cli(
+        "train", "--task", "face", "--data", tmp_path / "nope", "--output", tmp_path / "o", "--device", "cpu"
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("repmlp: error:") and "does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr

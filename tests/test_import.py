@@ -18,7 +18,7 @@ from repmlp import create_model
 from repmlp.checkpoint import load_model, read_metadata
 from repmlp.importer import ImportError_, import_checkpoint
 from repmlp.models.repmlpnet import RepMLPNetBlock
-from repmlp_testdata import subprocess_env, user_error_line
+from repmlp_testdata import run_cli, subprocess_env, user_error_line
 from test_repmlpnet import randomize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -150,19 +150,33 @@ def test_import_round_trip(tmp_path, wrap, layout_fn, form):
     assert _same(out, ref, 1e-5 if form == "deploy" else 1e-7)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "repmlp", *args], capture_output=True, text=True, env=subprocess_env(), cwd=cwd
-    )
+def _cli(*args: str, cwd: Path, process: bool = False):
+    """``repmlp *args`` run in ``cwd``: a ``python -m repmlp`` process if ``process``, else
+    :func:`repmlp.cli.main` in this process (the working directory changed for the call)."""
+    if process:
+        return subprocess.run(
+            [sys.executable, "-m", "repmlp", *args],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            cwd=cwd,
+        )
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return run_cli(*args)
+    finally:
+        os.chdir(before)
 
 
 def test_cli_import_then_convert(tmp_path):
     model = ours()
     torch.save(to_authors(model.state_dict()), tmp_path / "RepMLPNet-train.pth")
     args = [part for arg in MODEL_ARGS for part in ("--model-arg", arg)]
-    res = _cli(
-        "import", "RepMLPNet-train.pth", "--model", NAME, "--output", "m.safetensors", *args, cwd=tmp_path
-    )
+    res = _cli(  # the one import run as a real process
+        "import", "RepMLPNet-train.pth", "--model", NAME, "--output", "m.safetensors", *args, cwd=tmp_path,
+        process=True,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "authors layout, train form" in res.stdout
     meta = read_metadata(tmp_path / "m.safetensors")

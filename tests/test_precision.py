@@ -1,6 +1,8 @@
 """Reduced-precision deployment (``repmlp convert --precision``) through the real entry point.
 
 A tiny ``repmlp_fmnist`` saved with ``save_model`` and a generated Fashion-MNIST stand in for a run.
+Each precision is converted once (module fixture) and the commands run in this process through
+:func:`repmlp.cli.main`; one ``eval`` of the int8 file runs as a real ``python -m repmlp`` process.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ import torch
 import repmlp
 from repmlp.checkpoint import load_model, read_metadata, save_model
 from repmlp.deploy import Int8OnnxModel, precision_of, to_precision
-from repmlp_testdata import make_fashion_mnist, subprocess_env, user_error_line
+from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 NAME = "repmlp_fmnist"
 KWARGS = {"widths": [4, 8], "kernel_sizes": [1, 3]}
 
 
-def cli(*args: object) -> subprocess.CompletedProcess:
+cli = run_cli  # repmlp.cli.main in this process
+
+
+def subprocess_cli(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "repmlp", *map(str, args)],
         capture_output=True,
@@ -44,12 +51,28 @@ def run_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def converted(run_dir: Path):
+    """``convert(precision)``: ``repmlp convert --precision`` of the fp32 run, run once per precision;
+    returns the output path and the command's result."""
+    done: dict[str, tuple[Path, object]] = {}
+
+    def convert(precision: str):
+        if precision not in done:
+            out = run_dir / f"deploy-{precision}.safetensors"
+            res = cli(
+                "convert", "--checkpoint", run_dir / "model.safetensors", "--output", out,
+                "--precision", precision,
+            )  # fmt: skip
+            done[precision] = (out, res)
+        return done[precision]
+
+    return convert
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "int8"])
-def test_convert_eval_bench_in_precision(run_dir: Path, precision: str) -> None:
-    out = run_dir / f"deploy-{precision}.safetensors"
-    res = cli(
-        "convert", "--checkpoint", run_dir / "model.safetensors", "--output", out, "--precision", precision
-    )
+def test_convert_eval_bench_in_precision(run_dir: Path, converted, precision: str) -> None:
+    out, res = converted(precision)
     assert res.returncode == 0, res.stderr
     assert f"{precision}: max abs logit change vs float32" in res.stdout
     assert read_metadata(out)["precision"] == precision
@@ -64,20 +87,21 @@ def test_convert_eval_bench_in_precision(run_dir: Path, precision: str) -> None:
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout.strip().splitlines()[-1])
     assert result["precision"] == precision and result["n"] == 40
+    if precision == "int8":  # one end-to-end run in a fresh process: the ONNX model loads there too
+        proc = subprocess_cli("eval", "--checkpoint", out, "--workers", 0, "--json")
+        assert proc.returncode == 0, proc.stderr
+        fresh = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert fresh.keys() == result.keys() and fresh["precision"] == precision and fresh["n"] == 40
+        assert fresh["loss"] == pytest.approx(result["loss"], rel=1e-4)
 
     res = cli("bench", "--checkpoint", out, "--batch-size", 2, "--warmup", 0, "--repeats", 1)
     assert res.returncode == 0, res.stderr
     assert f"input 1x28x28, {precision}," in res.stdout
 
 
-def test_int8_exports_its_onnx_graph(run_dir: Path, tmp_path: Path) -> None:
-    src = run_dir / "deploy-int8-export.safetensors"
-    assert (
-        cli(
-            "convert", "--checkpoint", run_dir / "model.safetensors", "--output", src, "--precision", "int8"
-        ).returncode
-        == 0
-    )
+def test_int8_exports_its_onnx_graph(converted, tmp_path: Path) -> None:
+    src, res = converted("int8")
+    assert res.returncode == 0, res.stderr
     onnx_path = tmp_path / "m.onnx"
     res = cli("export", "--checkpoint", src, "--output", onnx_path)
     assert res.returncode == 0, res.stderr

@@ -2,7 +2,8 @@
 
 One study folder is shared (module fixture): it starts with a killed run (``repmlp train
 --stop-after-steps``) that the first study call must resume; a second call must reuse
-every finished run and train nothing.
+every finished run and train nothing. The killed run and the first study call are real ``python -m
+repmlp`` processes; the other calls run :func:`repmlp.cli.main` in this process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from repmlp.tasks.study import ROWS, trained_rows
-from repmlp_testdata import make_fashion_mnist, subprocess_env, user_error_line
+from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--epochs", "2", "--train-limit", "16", "--val-limit", "16"]
 
@@ -30,8 +33,9 @@ def repmlp(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def study(out: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
-    return repmlp(
+def study(out: Path, data: Path, *extra: str, process: bool = False):
+    """``repmlp study ablation`` with the tiny options: a subprocess if ``process``, else in this process."""
+    return (repmlp if process else run_cli)(
         "study",
         "ablation",
         "--output",
@@ -65,7 +69,7 @@ def studied(tmp_path_factory):
     )  # fmt: skip
     assert killed.returncode == 3, killed.stderr
     assert not (out / "pure_mlp" / "seed0" / "result.json").exists()
-    first = study(out, data, "--seeds", "1")
+    first = study(out, data, "--seeds", "1", process=True)
     assert first.returncode == 0, first.stderr
     return data, out, first
 
@@ -103,7 +107,7 @@ def test_second_call_reuses_finished_runs(studied):
 def test_reusing_runs_of_other_options_is_refused(studied):
     data, out, _ = studied
     args = ["study", "ablation", "--output", str(out), "--data-dir", str(data), "--seeds", "1"]
-    res = repmlp(
+    res = run_cli(
         *args, "--epochs", "3", "--width-multiplier", "0.125", "--train-limit", "16", "--val-limit", "16"
     )
     assert res.returncode == 2
@@ -119,7 +123,7 @@ def test_reusing_runs_of_other_options_is_refused(studied):
     ],
 )
 def test_bad_options_are_one_error_line(tmp_path, args, message):
-    res = repmlp("study", "ablation", "--output", str(tmp_path / "s"), "--epochs", "1", *args)
+    res = run_cli("study", "ablation", "--output", str(tmp_path / "s"), "--epochs", "1", *args)
     assert res.returncode == 2, res.stderr
     assert message in user_error_line(res.stderr)
     assert not list((tmp_path / "s").rglob("result.json"))

@@ -30,7 +30,7 @@ from repmlp import cli
 from repmlp.checkpoint import load_model, load_state, save_state
 from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
 from repmlp.tasks.classification import state_hash
-from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, write_idx
+from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, subprocess_env, write_idx
 
 # Two 28x28 stages of 4 channels, then 8 and 8: ~0.4M parameters, mostly FC3.
 FMNIST_TINY = ["--model-arg", "widths=[4,8,8]"]
@@ -62,7 +62,11 @@ def train(*args: object) -> tuple[int, str]:
 def repmlp_cli(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m repmlp ARGS`` (the console script's program) in a subprocess, output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "repmlp", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "repmlp", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(),  # this checkout's repmlp, one OpenMP thread
     )
 
 
@@ -384,7 +388,7 @@ def test_torchrun_two_processes_keep_replicas_identical(data, tmp_path):
     out, audit = tmp_path / "ddp", tmp_path / "audit"
     audit.mkdir()
     (tmp_path / "audited_cli.py").write_text(AUDITED_CLI)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUN_DIR": str(out), "AUDIT_DIR": str(audit)}
+    env = subprocess_env(RUN_DIR=str(out), AUDIT_DIR=str(audit))  # this checkout's repmlp, one thread
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(tmp_path / "audited_cli.py"), "train", "--data-dir", str(data["fmnist"]), *map(str, FMNIST_TINY),
