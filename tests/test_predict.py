@@ -61,7 +61,9 @@ def files(tmp_path_factory, one_thread) -> dict[str, Path]:
     save_model(root / "model.safetensors", model, form="train", **save)
     deployed = reparameterize_model(model)
     save_model(root / "deploy.safetensors", deployed, form="deploy", **save)
-    save_model(root / "bf16.safetensors", to_precision(deployed, "bf16"), form="deploy", precision="bf16", **save)
+    save_model(
+        root / "bf16.safetensors", to_precision(deployed, "bf16"), form="deploy", precision="bf16", **save
+    )
     out.update({k: root / f"{k}.safetensors" for k in ("model", "deploy", "bf16")})
     return out
 
@@ -83,7 +85,9 @@ def test_predict_equals_eval_on_the_data_sets_test_images(files, capsys, tmp_pat
     from repmlp.data import DataConfig, build_data
     from repmlp.tasks.classification import predict as eval_logits
 
-    status, out, _ = run_cli(capsys, "eval", "--checkpoint", files["model"], "--val-limit", N_IMAGES, "--json")
+    status, out, _ = run_cli(
+        capsys, "eval", "--checkpoint", files["model"], "--val-limit", N_IMAGES, "--json"
+    )
     assert status == 0
     top1 = json.loads(out)["top1"]
     csv_path = tmp_path / "pred.csv"
@@ -113,7 +117,12 @@ def test_every_model_file_form_and_precision_predicts(files):
     for kind in ("model", "deploy", "bf16"):
         model = repmlp.load_model(files[kind])
         meta = model.metadata
-        assert (meta.name, meta.classes, meta.num_classes, meta.input_size) == (NAME, CLASSES, 10, (1, 28, 28))
+        assert (meta.name, meta.classes, meta.num_classes, meta.input_size) == (
+            NAME,
+            CLASSES,
+            10,
+            (1, 28, 28),
+        )
         assert meta.form == ("train" if kind == "model" else "deploy") and not model.training
         assert meta.precision == ("bf16" if kind == "bf16" else "fp32")
         tops[kind] = [r.top_k for r in repmlp.Predictor(model, top_k=3).predict_files(paths, workers=0)]
@@ -131,8 +140,15 @@ def test_int8_file_predicts(files, tmp_path):
     deployed = repmlp.load_model(files["deploy"])
     x = torch.stack([repmlp.Predictor(deployed).preprocess(Image.open(p)) for p in
                      sorted(files["images"].iterdir())[:32]])  # fmt: skip
-    save_model(tmp_path / "int8.safetensors", quantize_int8(deployed, (1, 28, 28), [x]), name=NAME, model_kwargs=KWARGS,
-               form="deploy", precision="int8", extra={**deployed.metadata.extra, "input_size": [1, 28, 28]})
+    save_model(
+        tmp_path / "int8.safetensors",
+        quantize_int8(deployed, (1, 28, 28), [x]),
+        name=NAME,
+        model_kwargs=KWARGS,
+        form="deploy",
+        precision="int8",
+        extra={**deployed.metadata.extra, "input_size": [1, 28, 28]},
+    )
     predictor = repmlp.Predictor(tmp_path / "int8.safetensors", top_k=2)
     assert predictor.metadata.precision == "int8" and predictor.labels == CLASSES
     ref = repmlp.Predictor(deployed, top_k=1).predict(x)
@@ -278,7 +294,9 @@ def test_user_errors_are_one_line(files, tmp_path, capsys):
         assert fragment in user_error_line(err), (argv, err)
     assert not out.exists()
     labels.write_text("\n".join(f"name{i}" for i in range(10)) + "\n\n")
-    status, out_text, _ = run_cli(capsys, "predict", "--checkpoint", files["model"], image, "--labels", labels)
+    status, out_text, _ = run_cli(
+        capsys, "predict", "--checkpoint", files["model"], image, "--labels", labels
+    )
     assert status == 0 and "name" in out_text.splitlines()[1]
 
 

@@ -122,7 +122,9 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _preprocessing(model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]) -> dict[str, Any]:
+def _preprocessing(
+    model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]
+) -> dict[str, Any]:
     """The evaluation preprocessing of a file (see :class:`ModelMetadata`); without a recorded data set
     or published preprocessing, the model's own timm config (mean/std/crop) at its input size."""
     from .data import NATIVE_SIZE
@@ -246,9 +248,7 @@ def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[
     problems: list[tuple[str, str]] = []
 
     def add_folder(folder: Path) -> None:
-        found = sorted(
-            str(p) for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in exts
-        )
+        found = sorted(str(p) for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in exts)
         if not found:
             problems.append((str(folder), "folder holds no image files"))
         files.extend(found)
@@ -393,7 +393,9 @@ class Predictor:
         """
         if isinstance(inputs, Tensor):
             return self.predict_batch(inputs[None] if inputs.dim() == 3 else inputs)
-        items = [inputs] if isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode") else list(inputs)
+        items = (
+            [inputs] if isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode") else list(inputs)
+        )
         batch = []
         for item in items:
             if hasattr(item, "mode"):  # a PIL image

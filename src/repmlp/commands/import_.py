@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         "input_size": [int(getattr(model, "in_chans", 3)), int(img[0]), int(img[1])],
         "eval_preprocessing": eval_preprocessing(args.model),
     }
-    classes = imagenet_class_names(result["model_kwargs"].get("num_classes", getattr(model, "num_classes", 0)))
+    classes = imagenet_class_names(
+        result["model_kwargs"].get("num_classes", getattr(model, "num_classes", 0))
+    )
     if classes:
         extra["classes"] = classes  # what `repmlp predict` shows
     save_model(

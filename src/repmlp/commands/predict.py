@@ -30,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=HelpFormatter,
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
-    p.add_argument("--checkpoint", required=True, help="model file (model.safetensors, deploy.safetensors, ...)")
+    p.add_argument(
+        "--checkpoint", required=True, help="model file (model.safetensors, deploy.safetensors, ...)"
+    )
     p.add_argument("--top-k", type=int_at_least(1), default=5, metavar="K", help="classes per image")
     p.add_argument("--batch-size", type=int_at_least(1), default=64)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -38,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--workers", type=int_at_least(0), default=2, help="image decoding processes (0: in this process)"
     )
-    p.add_argument("--labels", default=None, metavar="FILE", help="class names, one a line (overrides the file's)")
+    p.add_argument(
+        "--labels", default=None, metavar="FILE", help="class names, one a line (overrides the file's)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(
         "--output",

@@ -166,7 +166,9 @@ def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None
     if preprocessing:
         return eval_transform(size, preprocessing)
     mean, std = NORMALIZATION["imagefolder"]
-    return T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), T.Normalize(mean, std)])
+    return T.Compose(
+        [T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), T.Normalize(mean, std)]
+    )
 
 
 class PixelEvalTransform:
