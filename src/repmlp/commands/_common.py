@@ -117,6 +117,12 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
     group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
 
 
+def add_init_argument(group, *, help: str, aliases: Sequence[str] = ()) -> None:
+    """``--init FILE``: start training from the weights of a model file (every task; see
+    :mod:`repmlp.finetune`). ``aliases``: older spellings of the same option."""
+    group.add_argument("--init", *aliases, dest="init", default=None, metavar="FILE", help=help)
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
     parser.add_argument(
         "--device",
