@@ -20,10 +20,17 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoint import FORMAT, STATE_FORMAT, CheckpointError, _read_tensors
+from .checkpoint import FORMAT, STATE_FORMAT, CheckpointError, _read_tensors, head_prefixes, load_matching
 from .errors import UserError
 
-__all__ = ["InitReport", "init_from_file", "init_model_options", "head_prefixes", "file_sha256"]
+__all__ = [
+    "InitReport",
+    "init_from_file",
+    "init_model_options",
+    "head_prefixes",
+    "file_sha256",
+    "report_lines",
+]
 
 # Options the new run's data decide, not the file: the classes, the channels and the input size.
 DATA_OPTIONS = ("num_classes", "in_chans", "img_size")
@@ -68,7 +75,9 @@ def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any]
         raise UserError(f"{flag}: {exc}") from None
     if meta.get("format") != FORMAT:
         hint = (
-            " (a training state: use model.safetensors of the run)" if meta.get("format") == STATE_FORMAT else ""
+            " (a training state: use model.safetensors of the run)"
+            if meta.get("format") == STATE_FORMAT
+            else ""
         )
         raise UserError(f"{flag} {path} is not a repmlp model file{hint}")
     if meta.get("form") == "deploy":
@@ -94,42 +103,6 @@ def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[s
     return str(meta.get("model")), {k: v for k, v in kwargs.items() if k not in DATA_OPTIONS}
 
 
-def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
-    return next((name for name, m in model.named_modules() if m is module and name), None)
-
-
-def head_prefixes(model: nn.Module, *, embedding_head: bool = False) -> list[str]:
-    """State-dict prefixes of ``model``'s head: its classifier (``get_classifier()``, else the timm cfg's
-    ``classifier``); with ``embedding_head``, a face model's whole ``head`` module (BN-FC-BN)."""
-    if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
-        return ["head."]
-    names: list[str] = []
-    if hasattr(model, "get_classifier"):
-        name = _module_name(model, model.get_classifier())
-        if name:
-            names.append(name)
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    for name in [cfg.get("classifier")] if isinstance(cfg.get("classifier"), str) else cfg.get("classifier") or []:
-        if name and name not in names:
-            names.append(name)
-    return [n + "." for n in names]
-
-
-def _file_head(meta: dict[str, str]) -> list[str]:
-    """The head prefixes of the file's own model (its registered cfg), to drop a differing classifier."""
-    from .models import is_model, model_default_cfg
-
-    name = meta.get("model", "")
-    if not is_model(name):
-        return []
-    cls = model_default_cfg(name).get("classifier")
-    return [c + "." for c in ([cls] if isinstance(cls, str) else cls or []) if c]
-
-
-def _listed(keys: Sequence[str], n: int = 6) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
-
-
 def init_from_file(
     model: nn.Module,
     path: str | os.PathLike,
@@ -145,44 +118,23 @@ def init_from_file(
     Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
     """
     tensors, meta = _read_model_file(path, flag)
-    own = model.state_dict()
-    prefixes = tuple(head if head is not None else head_prefixes(model))
-    file_prefixes = prefixes + tuple(_file_head(meta))
-
-    def in_head(key: str, where: tuple[str, ...]) -> bool:
-        return key.startswith(where)
-
-    head_own = [k for k in own if in_head(k, prefixes)]
-    head_fits = all(k in tensors and tuple(tensors[k].shape) == tuple(own[k].shape) for k in head_own)
-    load_head = bool(head_own) and head_fits and not fresh_head
-    reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
-    ignored = sorted(k for k in tensors if in_head(k, file_prefixes) and not (load_head and k in own))
-    body_own = [k for k in own if not in_head(k, prefixes)]
-    missing = [k for k in body_own if k not in tensors]
-    unexpected = [k for k in tensors if k not in own and k not in ignored]
-    shapes = [
-        f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
-        for k in body_own
-        if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)
-    ]
-    if missing or unexpected or shapes:
-        parts = [
-            f"{len(keys)} {what}: {_listed(keys)}"
-            for what, keys in (
-                ("missing from the file", missing),
-                ("not in the model", unexpected),
-                ("with other shapes (file vs model)", shapes),
-            )
-            if keys
-        ]
-        raise UserError(f"{flag} {path} ({meta.get('model')}) does not fit the model: " + "; ".join(parts))
-    loadable = {k: tensors[k] for k in body_own} | ({k: tensors[k] for k in head_own} if load_head else {})
-    model.load_state_dict(loadable, strict=False)
+    fit = load_matching(model, tensors, meta, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
     return InitReport(
         path=str(path),
         sha256=file_sha256(path),
         model=str(meta.get("model")),
-        loaded=len(loadable),
-        reinitialised=reinit,
-        ignored=ignored,
+        loaded=fit["loaded"],
+        reinitialised=fit["reinitialised"],
+        ignored=fit["ignored"],
     )
+
+
+def report_lines(init: dict[str, Any] | None) -> list[str]:
+    """The ``report.md`` line of a run started with ``--init`` (an :class:`InitReport` dict; none without)."""
+    if not init:
+        return []
+    fresh = ", ".join(f"`{k}`" for k in init.get("reinitialised", [])) or "none"
+    return [
+        f"- Initialised from (`--init`): `{init['path']}` ({init['model']}, sha256 `{init['sha256']}`), "
+        f"{init['loaded']} tensors loaded; re-initialised: {fresh}"
+    ]

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
 from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, cpu_name
+from ..finetune import report_lines
 
 if TYPE_CHECKING:
     from .classification import TrainResult
@@ -281,17 +282,6 @@ def render_report(result: TrainResult, outcome: Outcome, command: list[str]) -> 
     return "\n".join(lines) + "\n"
 
 
-def init_line(init: dict[str, Any] | None) -> list[str]:
-    """The report line of a fine-tuned run (``--init``; a :class:`repmlp.finetune.InitReport` dict)."""
-    if not init:
-        return []
-    fresh = ", ".join(f"`{k}`" for k in init.get("reinitialised", [])) or "none"
-    return [
-        f"- Initialised from (`--init`): `{init['path']}` ({init['model']}, sha256 `{init['sha256']}`), "
-        f"{init['loaded']} tensors loaded; re-initialised: {fresh}"
-    ]
-
-
 def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) -> list[str]:
     cfg, hashes = result.config, result.replica_hashes
     return [
@@ -307,7 +297,7 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
         f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
         f"- Model options: `{result.model_kwargs}`",
-        *init_line(result.init),
+        *report_lines(result.init),
         f"- Replicas: {len(hashes)} process(es), final weights sha256 "
         + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(hashes))
         + (" (identical)" if len(set(hashes)) == 1 else " (DIFFERENT)"),
