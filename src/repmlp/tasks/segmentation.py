@@ -201,7 +201,7 @@ def _build(
     require_task_model(model, "seg", args.model)
     if not args.init:
         return model, None
-    report = load_backbone_weights(model, args.init, flag="--init/--backbone-weights")
+    report = load_backbone_weights(model, args.init, flag="--backbone-weights/--init")
     init = {
         "path": args.init,
         "sha256": file_sha256(args.init),
