@@ -289,30 +289,48 @@ class _FileBatches(torch.utils.data.Dataset):
     """Item ``i``: batch ``i`` of ``paths`` decoded: ``(first index, (N, C, H, W) tensor, ok mask, errors)``.
 
     A batch per item keeps inter-process traffic to one tensor per batch. Undecodable files leave a zero
-    image and ``ok[j] = False`` with the reason in ``errors[j]``.
+    image and ``ok[j] = False`` with the reason in ``errors[j]``. A transform with ``pixels`` and
+    ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes each image to uint8 and normalises
+    the batch at once, as the evaluation loader does.
     """
 
     def __init__(self, paths: list[str], batch_size: int, channels: int, transform: Callable, size) -> None:
         self.paths, self.batch_size, self.channels, self.transform = paths, batch_size, channels, transform
         self.size = tuple(size)
+        self.batched = hasattr(transform, "pixels") and hasattr(transform, "normalize")
 
     def __len__(self) -> int:
         return (len(self.paths) + self.batch_size - 1) // self.batch_size
 
+    def _decode(self, path: str) -> Any:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.load()  # decode now: a truncated file fails here, with the file named by the caller
+            img = image_to_channels(im, self.channels)
+        if not self.batched:
+            return self.transform(img)
+        return torch.from_numpy(self.transform.pixels(img)).permute(2, 0, 1)
+
     def __getitem__(self, item: int) -> tuple[int, Tensor, Tensor, list[str]]:
         start = item * self.batch_size
         chunk = self.paths[start : start + self.batch_size]
-        out = torch.zeros(len(chunk), *self.size)
-        ok = torch.zeros(len(chunk), dtype=torch.bool)
+        images: list[Tensor | None] = [None] * len(chunk)
         errors = [""] * len(chunk)
         for j, path in enumerate(chunk):
             try:
-                x = decode_image(path, self.channels, self.transform)
-                if tuple(x.shape) != self.size:
-                    raise ValueError(f"preprocessing gave {tuple(x.shape)}, expected {self.size}")
-                out[j], ok[j] = x, True
+                images[j] = self._decode(path)
             except Exception as exc:  # noqa: BLE001 - any undecodable file is skipped with its reason
                 errors[j] = _reason(exc)
+        ok = torch.tensor([x is not None for x in images], dtype=torch.bool)
+        shape = next((x.shape for x in images if x is not None), None)
+        if shape is None:
+            return start, torch.zeros(len(chunk), *self.size), ok, errors
+        fill = torch.zeros(shape, dtype=next(x for x in images if x is not None).dtype)
+        batch = torch.stack([fill if x is None else x for x in images])
+        out = self.transform.normalize(batch) if self.batched else batch
+        if tuple(out.shape[1:]) != self.size:
+            raise ValueError(f"preprocessing gave {tuple(out.shape[1:])}, expected {self.size}")
         return start, out, ok, errors
 
 

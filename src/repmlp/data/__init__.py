@@ -172,30 +172,40 @@ def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None
 
 
 class PixelEvalTransform:
-    """The evaluation transform of an in-memory data set (Fashion-MNIST, CIFAR-10) for one PIL image.
+    """The evaluation transform of an in-memory data set (Fashion-MNIST, CIFAR-10) for PIL images.
 
-    Exactly what :class:`~.loader.InMemoryLoader` does to a validation batch, per image: uint8 pixels
-    zero-padded to ``img_size`` (:func:`pad_to`), ``/ 255``, then ``(x - mean) / std``. An image of another
-    size is first resized (bilinear) to the data set's own ``native`` size (28 or 32), which the model's
-    training images had. Returns ``(C, H, W)`` float32. Picklable (DataLoader workers).
+    Exactly what :class:`~.loader.InMemoryLoader` does to a validation batch: uint8 pixels zero-padded to
+    ``img_size`` (:func:`pad_to`), ``/ 255``, then ``(x - mean) / std``. An image of another size is first
+    resized (bilinear) to the data set's own ``native`` size (28 or 32), which the model's training images
+    had. In two steps, so that a batch is normalised at once as the loader does: :meth:`pixels` (one
+    image -> ``(H, W, C)`` uint8 array) and :meth:`normalize` (``(N, C, H, W)`` uint8 -> float32);
+    calling the transform does both for one image. Picklable (DataLoader workers).
     """
 
     def __init__(self, dataset: str, img_size: int | None) -> None:
         self.native, self.img_size = NATIVE_SIZE[dataset], img_size
         mean, std = NORMALIZATION[dataset]
-        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(len(mean), 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).reshape(len(std), 1, 1)
+        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, len(mean), 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).reshape(1, len(std), 1, 1)
 
-    def __call__(self, img) -> torch.Tensor:
+    def pixels(self, img) -> Any:
+        """A PIL image (in the model's channels) -> ``(native, native, C)`` uint8 numpy array."""
         import numpy as np
         from PIL import Image
 
         if img.size != (self.native, self.native):
             img = img.resize((self.native, self.native), Image.BILINEAR)
-        arr = np.asarray(img, dtype=np.uint8)
-        x = torch.from_numpy(arr.copy()).reshape(arr.shape[0], arr.shape[1], -1).permute(2, 0, 1)
-        x = pad_to(x[None], self.img_size)[0].float().div_(255.0)
+        arr = np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+        return arr.reshape(arr.shape[0], arr.shape[1], -1)
+
+    def normalize(self, batch: torch.Tensor) -> torch.Tensor:
+        """``(N, C, h, w)`` uint8 -> the model's normalised float32 input ``(N, C, H, W)``."""
+        x = pad_to(batch, self.img_size).float().div_(255.0)
         return (x - self.mean) / self.std
+
+    def __call__(self, img) -> torch.Tensor:
+        arr = self.pixels(img)
+        return self.normalize(torch.from_numpy(arr).permute(2, 0, 1)[None])[0]
 
 
 def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
