@@ -318,3 +318,19 @@ def test_readme_example_runs(files, tmp_path, monkeypatch):
     (tmp_path / "shoe.png").write_bytes(sorted(files["images"].iterdir())[0].read_bytes())
     monkeypatch.chdir(tmp_path)
     exec(compile(block.group(1), "README.md", "exec"), {})
+
+
+def test_imported_imagenet_models_get_imagenet_class_names():
+    from repmlp.commands.import_ import imagenet_class_names
+
+    names = imagenet_class_names(1000)
+    assert len(names) == 1000 and names[0].startswith("tench") and names[999].startswith("toilet tissue")
+    assert imagenet_class_names(5) is None
+
+
+def test_predictor_of_a_plain_module_uses_its_timm_config():
+    model = tiny_model()  # no file, no metadata: repmlp_fmnist's cfg (28x28, one channel, its mean/std)
+    predictor = repmlp.Predictor(model, top_k=2)
+    assert predictor.labels == [str(i) for i in range(10)] and predictor.input_size == (1, 28, 28)
+    image = Image.fromarray(np.zeros((28, 28), np.uint8))
+    assert predictor.preprocess(image).shape == (1, 28, 28) and len(predictor.predict(image)[0]) == 2

@@ -58,8 +58,9 @@ def _default_cfg(name: str, **overrides: Any) -> dict[str, Any]:
 def _no_pretrained(name: str, pretrained: bool) -> None:
     if pretrained:
         raise ValueError(
-            f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` and "
-            "load it with repmlp.checkpoint.load_model"
+            f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` (or "
+            "`repmlp import` released ones) and load the file with repmlp.load_model, or with "
+            "pretrained=True, pretrained_cfg_overlay=dict(file=PATH)"
         )
 
 
