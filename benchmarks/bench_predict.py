@@ -56,13 +56,17 @@ def write_images(folder: Path, n: int, size: int, suffix: str, channels: int) ->
     return paths
 
 
-def save_deployed(path: Path, name: str, kwargs: dict, dataset: str, input_size: tuple[int, int, int]) -> None:
+def save_deployed(
+    path: Path, name: str, kwargs: dict, dataset: str, input_size: tuple[int, int, int]
+) -> None:
     import repmlp
     from repmlp.checkpoint import save_model
 
     model = repmlp.create_model(name, **kwargs).eval()
     extra = {"dataset": dataset, "input_size": list(input_size)}
-    save_model(path, repmlp.reparameterize_model(model), name=name, model_kwargs=kwargs, form="deploy", extra=extra)
+    save_model(
+        path, repmlp.reparameterize_model(model), name=name, model_kwargs=kwargs, form="deploy", extra=extra
+    )
 
 
 def measure(case: str, root: Path, args) -> list[str]:
@@ -114,7 +118,9 @@ def main() -> None:
             print(" | ".join(rows[-1]), flush=True)
     print()
     print(hardware(torch.device(args.device)))
-    print(f"{args.images} files per folder, --workers {args.workers}, median of {args.rounds} interleaved rounds")
+    print(
+        f"{args.images} files per folder, --workers {args.workers}, median of {args.rounds} interleaved rounds"
+    )
     print()
     header = ["case", "batch", "model images/s", "predict images/s", "predict / model", "whole command"]
     print(table(header, rows))

@@ -152,7 +152,9 @@ def test_init_is_a_flag_of_every_task():
     assert _task_args("face", ["--init", "f.safetensors"]).init == "f.safetensors"
     assert _task_args("segmentation", ["--init", "f.safetensors"]).init == "f.safetensors"
     assert _task_args("segmentation", ["--backbone-weights", "b.safetensors"]).init == "b.safetensors"
-    assert cli.build_parser().parse_known_args(["train", "--init", "f.safetensors"])[0].init == "f.safetensors"
+    assert (
+        cli.build_parser().parse_known_args(["train", "--init", "f.safetensors"])[0].init == "f.safetensors"
+    )
 
 
 def test_timm_loads_repmlp_files(pretrained):

@@ -521,7 +521,9 @@ def run_training(
     net = prepare_module(model, di)
     loop = train_loop(net, optimizer, data.train, opts, di, state, LoopHooks(task.step, task.end_epoch))
     model.eval()
-    return TrainResult(model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di, init)
+    return TrainResult(
+        model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di, init
+    )
 
 
 def _initialise(
