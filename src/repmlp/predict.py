@@ -211,7 +211,8 @@ def image_to_channels(img: Any, channels: int) -> Any:
         img = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L")
     elif img.mode in ("P", "PA") and "transparency" in img.info or img.mode == "PA":
         img = img.convert("RGBA")
-    return img.convert("L" if channels == 1 else "RGB")
+    mode = "L" if channels == 1 else "RGB"
+    return img if img.mode == mode else img.convert(mode)  # convert() would copy even then
 
 
 def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
@@ -305,12 +306,12 @@ class _FileBatches(torch.utils.data.Dataset):
     def _decode(self, path: str) -> Any:
         from PIL import Image
 
-        with Image.open(path) as im:
+        with Image.open(path) as im:  # everything inside: a closed image has no pixels left
             im.load()  # decode now: a truncated file fails here, with the file named by the caller
             img = image_to_channels(im, self.channels)
-        if not self.batched:
-            return self.transform(img)
-        return torch.from_numpy(self.transform.pixels(img)).permute(2, 0, 1)
+            if not self.batched:
+                return self.transform(img)
+            return torch.from_numpy(self.transform.pixels(img)).permute(2, 0, 1)
 
     def __getitem__(self, item: int) -> tuple[int, Tensor, Tensor, list[str]]:
         start = item * self.batch_size
