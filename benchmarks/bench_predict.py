@@ -20,6 +20,7 @@ included) is timed once per case for reference.
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -99,7 +100,9 @@ def measure(case: str, root: Path, args) -> list[str]:
     cmd = [sys.executable, "-m", "repmlp", "-q", "predict", "--checkpoint", str(ckpt), str(root / name),
            "--batch-size", str(args.batch_size), "--workers", str(args.workers),
            "--output", str(root / "p.csv")]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True)
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's repmlp, not an installed one
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run(cmd, check=True, capture_output=True, env=env)
     whole = time.perf_counter() - t0
     return [case, str(args.batch_size), f"{m:.0f}", f"{p:.0f}", f"{p / m:.2f}", f"{whole:.1f} s"]
 
