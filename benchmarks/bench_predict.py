@@ -86,9 +86,16 @@ def measure(case: str, root: Path, args) -> list[str]:
         return row.throughput
 
     def predict_rate() -> float:
-        t0 = time.perf_counter()
-        n = sum(1 for _ in predictor.predict_files(paths, batch_size=args.batch_size, workers=args.workers))
-        return n / (time.perf_counter() - t0)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.predict_threads or threads)  # repmlp predict --threads
+        try:
+            t0 = time.perf_counter()
+            n = sum(
+                1 for _ in predictor.predict_files(paths, batch_size=args.batch_size, workers=args.workers)
+            )
+            return n / (time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(threads)
 
     predict_rate()  # warm-up: page cache, allocator
     rates: dict[str, list[float]] = {"model": [], "predict": []}
@@ -99,6 +106,7 @@ def measure(case: str, root: Path, args) -> list[str]:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "repmlp", "-q", "predict", "--checkpoint", str(ckpt), str(root / name),
            "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+           *(["--threads", str(args.predict_threads)] if args.predict_threads else []),
            "--output", str(root / "p.csv")]  # fmt: skip
     src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's repmlp, not an installed one
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -112,9 +120,16 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=512, help="files per folder")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2, help="decoding processes of repmlp predict")
+    parser.add_argument(
+        "--predict-threads",
+        type=int,
+        default=None,
+        help="torch threads of predict (default: torch's, as bench)",
+    )
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     rows = []
+    load = os.getloadavg()[0]  # other processes on the machine: they skew every timing
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             rows.append(measure(case, Path(tmp), args))
@@ -122,7 +137,9 @@ def main() -> None:
     print()
     print(hardware(torch.device(args.device)))
     print(
-        f"{args.images} files per folder, --workers {args.workers}, median of {args.rounds} interleaved rounds"
+        f"{args.images} files per folder, --workers {args.workers}, predict threads "
+        f"{args.predict_threads or torch.get_num_threads()}, median of {args.rounds} interleaved rounds; "
+        f"load average before: {load:.1f}"
     )
     print()
     header = ["case", "batch", "model images/s", "predict images/s", "predict / model", "whole command"]
