@@ -66,7 +66,11 @@ def train(out: Path, data: Path, common: list[str], *extra: object) -> float:
     """Train into ``out`` (reused when finished); its last validation top-1 (%) from metrics.csv."""
     if not (out / "model.safetensors").exists():
         t = time.perf_counter()
-        repmlp("train", "--dataset", "imagefolder", "--data-dir", data, *common, *extra, "--output", out)
+        # A run killed part-way continues from its checkpoint (bitwise the same result).
+        resume = ["--resume"] if (out / "checkpoint.safetensors").exists() else []
+        repmlp(
+            "train", "--dataset", "imagefolder", "--data-dir", data, *common, *extra, "--output", out, *resume
+        )
         print(f"  {time.perf_counter() - t:.0f} s", flush=True)
     with open(out / "metrics.csv", newline="") as f:
         return float(list(csv.DictReader(f))[-1]["val_top1"])
