@@ -288,17 +288,6 @@ def head_prefixes(model: nn.Module, *, embedding_head: bool = False) -> list[str
     return [n + "." for n in names]
 
 
-def _file_head(meta: Mapping[str, str]) -> list[str]:
-    """The head prefixes of the file's own model (its registered cfg), to drop a differing classifier."""
-    from .models import is_model, model_default_cfg
-
-    name = meta.get("model", "")
-    if not is_model(name):
-        return []
-    cls = model_default_cfg(name).get("classifier")
-    return [c + "." for c in ([cls] if isinstance(cls, str) else cls or []) if c]
-
-
 def _listed(keys: Sequence[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
@@ -309,6 +298,7 @@ def load_matching(
     meta: Mapping[str, str],
     *,
     head: Sequence[str] | None = None,
+    file_head: Sequence[str] = (),
     fresh_head: bool = False,
     what: str = "checkpoint",
 ) -> dict[str, Any]:
@@ -317,13 +307,13 @@ def load_matching(
     ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
     only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
     initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
-    file's head tensors (under its own model's classifier name too) are ignored. Any other missing,
+    file's head tensors (also those under ``file_head``, its own model's head prefixes) are ignored. Any other missing,
     unexpected or mis-shaped key raises :class:`CheckpointError` naming them. Returns ``{"loaded": count,
     "reinitialised": [model keys], "ignored": [file keys]}``.
     """
     own = model.state_dict()
     prefixes = tuple(head if head is not None else head_prefixes(model))
-    file_prefixes = prefixes + tuple(_file_head(meta))
+    file_prefixes = prefixes + tuple(file_head)
     head_own = [k for k in own if k.startswith(prefixes)]
     head_fits = all(k in tensors and tuple(tensors[k].shape) == tuple(own[k].shape) for k in head_own)
     load_head = bool(head_own) and head_fits and not fresh_head

@@ -118,7 +118,10 @@ def init_from_file(
     Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
     """
     tensors, meta = _read_model_file(path, flag)
-    fit = load_matching(model, tensors, meta, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
+    from .models.registry import file_head_prefixes
+
+    fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(str(meta.get("model"))),
+                        fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
     return InitReport(
         path=str(path),
         sha256=file_sha256(path),

@@ -17,7 +17,14 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["register_model", "create_model", "list_models", "model_default_cfg", "is_model"]
+__all__ = [
+    "register_model",
+    "create_model",
+    "list_models",
+    "model_default_cfg",
+    "is_model",
+    "file_head_prefixes",
+]
 
 ModelFn = Callable[..., nn.Module]
 
@@ -166,7 +173,9 @@ def _build(
 
         # Strict, but a classifier for another number of classes keeps its fresh initialisation (timm's
         # load_pretrained). bf16/fp16 weights are copied into the float32 model.
-        load_matching(model, tensors, meta, what=f"pretrained file {file}")
+        load_matching(
+            model, tensors, meta, file_head=file_head_prefixes(name), what=f"pretrained file {file}"
+        )
     elif file:
         raise ValueError("features_only with a pretrained file: load the model, then wrap it")
     return model
@@ -201,6 +210,16 @@ def _build_empty(name: str, *, pretrained_cfg_overlay: dict | None = None, **kwa
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model
+
+
+def file_head_prefixes(name: str) -> list[str]:
+    """State-dict prefixes of registered model ``name``'s classifier (its cfg); ``[]`` for other names.
+
+    What a file of that model holds as its head, to drop when it does not fit another model."""
+    if name not in _CFGS:
+        return []
+    cls = _CFGS[name].get("classifier")
+    return [c + "." for c in ([cls] if isinstance(cls, str) else cls or []) if c]
 
 
 def is_model(name: str) -> bool:
