@@ -5,6 +5,7 @@ from .convert import fuse_conv_bn, reparameterize_model
 from .deploy import PRECISIONS, to_precision
 from .layers import ConvBN, GroupwiseLinear
 from .models import create_model, list_models, register_model
+from .predict import ModelMetadata, Prediction, Predictor, load_model
 from .profile import profile
 from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
 
@@ -29,4 +30,8 @@ __all__ = [
     "list_models",
     "register_model",
     "profile",
+    "load_model",
+    "Predictor",
+    "Prediction",
+    "ModelMetadata",
 ]

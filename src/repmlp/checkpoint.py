@@ -22,7 +22,7 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +43,8 @@ __all__ = [
     "read_metadata",
     "save_state",
     "load_state",
+    "load_matching",
+    "head_prefixes",
 ]
 
 FORMAT = "repmlp"
@@ -261,6 +263,84 @@ def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name:
                 parts.append(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}")
         raise CheckpointError(f"{path} does not fit {name} ({form} form): {'; '.join(parts)}")
     model.load_state_dict(tensors, strict=True)
+
+
+def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+    return next((name for name, m in model.named_modules() if m is module and name), None)
+
+
+def head_prefixes(model: nn.Module, *, embedding_head: bool = False) -> list[str]:
+    """State-dict prefixes of ``model``'s head: its classifier (``get_classifier()``, else the timm cfg's
+    ``classifier``); with ``embedding_head``, a face model's whole ``head`` module (BN-FC-BN)."""
+    if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
+        return ["head."]
+    names: list[str] = []
+    if hasattr(model, "get_classifier"):
+        name = _module_name(model, model.get_classifier())
+        if name:
+            names.append(name)
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    for name in (
+        [cfg.get("classifier")] if isinstance(cfg.get("classifier"), str) else cfg.get("classifier") or []
+    ):
+        if name and name not in names:
+            names.append(name)
+    return [n + "." for n in names]
+
+
+def _listed(keys: Sequence[str], n: int = 6) -> str:
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+
+
+def load_matching(
+    model: nn.Module,
+    tensors: Mapping[str, Tensor],
+    meta: Mapping[str, str],
+    *,
+    head: Sequence[str] | None = None,
+    file_head: Sequence[str] = (),
+    fresh_head: bool = False,
+    what: str = "checkpoint",
+) -> dict[str, Any]:
+    """Load ``tensors`` (a model file's, ``meta`` its metadata) into ``model``: strictly, except its head.
+
+    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
+    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
+    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
+    file's head tensors (also those under ``file_head``, its own model's head prefixes) are ignored. Any other missing,
+    unexpected or mis-shaped key raises :class:`CheckpointError` naming them. Returns ``{"loaded": count,
+    "reinitialised": [model keys], "ignored": [file keys]}``.
+    """
+    own = model.state_dict()
+    prefixes = tuple(head if head is not None else head_prefixes(model))
+    file_prefixes = prefixes + tuple(file_head)
+    head_own = [k for k in own if k.startswith(prefixes)]
+    head_fits = all(k in tensors and tuple(tensors[k].shape) == tuple(own[k].shape) for k in head_own)
+    load_head = bool(head_own) and head_fits and not fresh_head
+    reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
+    ignored = sorted(k for k in tensors if k.startswith(file_prefixes) and not (load_head and k in own))
+    body_own = [k for k in own if not k.startswith(prefixes)]
+    missing = [k for k in body_own if k not in tensors]
+    unexpected = [k for k in tensors if k not in own and k not in ignored]
+    shapes = [
+        f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
+        for k in body_own
+        if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{len(keys)} {label}: {_listed(keys)}"
+            for label, keys in (
+                ("missing from the file", missing),
+                ("not in the model", unexpected),
+                ("with other shapes (file vs model)", shapes),
+            )
+            if keys
+        ]
+        raise CheckpointError(f"{what} ({meta.get('model')}) does not fit the model: " + "; ".join(parts))
+    loadable = {k: tensors[k] for k in body_own} | ({k: tensors[k] for k in head_own} if load_head else {})
+    model.load_state_dict(loadable, strict=False)
+    return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
 
 
 # -------------------------------------------------------------------------------- training states

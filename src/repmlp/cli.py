@@ -19,6 +19,7 @@ from .errors import UserError
 COMMANDS: list[str] = [
     "train",
     "eval",
+    "predict",
     "convert",
     "import_",
     "export",

@@ -117,6 +117,12 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
     group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
 
 
+def add_init_argument(group, *, help: str, aliases: Sequence[str] = ()) -> None:
+    """``--init FILE``: start training from the weights of a model file (every task; see
+    :mod:`repmlp.finetune`). ``aliases``: older spellings of the same option."""
+    group.add_argument("--init", *aliases, dest="init", default=None, metavar="FILE", help=help)
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -> None:
     parser.add_argument(
         "--device",
@@ -142,29 +148,10 @@ def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Mo
 def checkpoint_input_size(
     model: nn.Module, info: dict[str, Any], img_size: int | None = None
 ) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a checkpoint: ``--img-size``, else what the run recorded, else defaults.
+    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.predict.model_input_size`)."""
+    from ..predict import model_input_size
 
-    Looks at, in order: the run's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
-    the model's timm config, and finally ``(3, 224, 224)``.
-    """
-    from ..bench import default_input_size
-
-    extra = info.get("extra") or {}
-    kwargs = info.get("model_kwargs") or {}
-    recorded = extra.get("input_size")
-    if isinstance(recorded, Sequence) and len(recorded) == 3:
-        c, h, w = (int(s) for s in recorded)
-    else:
-        c, h, w = default_input_size(model)
-        c = int(kwargs.get("in_chans", c))
-        size = kwargs.get("img_size")
-        if isinstance(size, int):
-            h = w = size
-        elif isinstance(size, Sequence) and len(size) == 2:
-            h, w = (int(s) for s in size)
-    if img_size is not None:
-        h = w = img_size
-    return c, h, w
+    return model_input_size(model, info, img_size)
 
 
 def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:

@@ -57,6 +57,16 @@ def eval_preprocessing(name: str) -> dict[str, object]:
     return {k: list(cfg[k]) if isinstance(cfg.get(k), tuple) else cfg.get(k) for k in keys if k in cfg}
 
 
+def imagenet_class_names(num_classes: int) -> list[str] | None:
+    """ImageNet-1k's class names (timm's ``ImageNetInfo`` descriptions, e.g. ``"tench, Tinca tinca"``)
+    for a 1000-class model; ``None`` for any other number of classes (the file then has none)."""
+    if num_classes != 1000:
+        return None
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo().label_descriptions())
+
+
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import save_model
     from ..importer import import_checkpoint
@@ -77,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
         "input_size": [int(getattr(model, "in_chans", 3)), int(img[0]), int(img[1])],
         "eval_preprocessing": eval_preprocessing(args.model),
     }
+    classes = imagenet_class_names(
+        result["model_kwargs"].get("num_classes", getattr(model, "num_classes", 0))
+    )
+    if classes:
+        extra["classes"] = classes  # what `repmlp predict` shows
     save_model(
         out, model, name=args.model, model_kwargs=result["model_kwargs"], form=result["form"], extra=extra
     )

@@ -17,6 +17,7 @@ import time
 
 from ..errors import UserError
 from ._common import (
+    add_init_argument,
     add_limit_argument,
     add_run_arguments,
     int_at_least,
@@ -175,6 +176,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="crop size (imagefolder); zero-pad to it (fashion-mnist, cifar10)",
     )
     g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    add_init_argument(
+        g,
+        help="fine-tune: start from the weights of this training-time model file (e.g. runs/X/model.safetensors); "
+        "a classifier for another number of classes is re-initialised; without --model, the file's model "
+        "and options are used",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")
     add_run_arguments(
@@ -210,13 +217,22 @@ def resolve_config(args: argparse.Namespace):
     output = args.output or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if args.resume and not args.output:
         raise UserError("--resume needs --output DIR (the run folder to continue)")
+    model_args = dict(args.model_arg)
+    init = os.path.abspath(os.path.expanduser(args.init)) if args.init else None
+    if init and args.model is None and not args.resume:
+        # Fine-tuning without --model: the file's model with its options (the new data set the classes).
+        from ..finetune import init_model_options
+
+        values["model"], file_args = init_model_options(init)
+        model_args = {**file_args, **model_args}
     return TrainConfig(
+        init=init,
         dataset=args.dataset,
         # Absolute, so that --resume from another working directory still finds the data.
         data_dir=os.path.abspath(os.path.expanduser(args.data_dir)) if args.data_dir else None,
         download=args.download,
         preset=preset,
-        model_args=dict(args.model_arg),
+        model_args=model_args,
         eval_batch_size=args.eval_batch_size,
         train_limit=args.train_limit,
         val_limit=args.val_limit,

@@ -21,11 +21,22 @@ from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
 from .folder import ImageFolderData, scan_image_folder
 from .loader import FolderLoader, InMemoryLoader
 
-__all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION"]
+__all__ = [
+    "DATASETS",
+    "DataConfig",
+    "Data",
+    "build_data",
+    "NORMALIZATION",
+    "NATIVE_SIZE",
+    "folder_eval_transform",
+    "PixelEvalTransform",
+]
 
 log = logging.getLogger(__name__)
 
 DATASETS = ("fashion-mnist", "cifar10", "imagefolder")
+# The image size of the in-memory data sets (their models may zero-pad it to a larger --img-size).
+NATIVE_SIZE = {"fashion-mnist": 28, "cifar10": 32}
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 NORMALIZATION = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
@@ -142,6 +153,61 @@ def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
     return create_transform((3, size, size), is_training=False, **opts)
 
 
+def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None) -> Callable:
+    """The evaluation transform of an image folder: RGB PIL image -> normalised ``(3, size, size)`` tensor.
+
+    ``preprocessing`` (timm cfg keys, what imported weights were published with) goes through
+    :func:`eval_transform`; without it, a single centre crop at the usual 0.875 ratio (224 of 256),
+    bilinear, ImageNet mean/std. ``repmlp eval`` and ``repmlp predict`` both call this, so the two see the
+    same pixels.
+    """
+    from torchvision import transforms as T
+
+    if preprocessing:
+        return eval_transform(size, preprocessing)
+    mean, std = NORMALIZATION["imagefolder"]
+    return T.Compose(
+        [T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), T.Normalize(mean, std)]
+    )
+
+
+class PixelEvalTransform:
+    """The evaluation transform of an in-memory data set (Fashion-MNIST, CIFAR-10) for PIL images.
+
+    Exactly what :class:`~.loader.InMemoryLoader` does to a validation batch: uint8 pixels zero-padded to
+    ``img_size`` (:func:`pad_to`), ``/ 255``, then ``(x - mean) / std``. An image of another size is first
+    resized (bilinear) to the data set's own ``native`` size (28 or 32), which the model's training images
+    had. In two steps, so that a batch is normalised at once as the loader does: :meth:`pixels` (one
+    image -> ``(H, W, C)`` uint8 array) and :meth:`normalize` (``(N, C, H, W)`` uint8 -> float32);
+    calling the transform does both for one image. Picklable (DataLoader workers).
+    """
+
+    def __init__(self, dataset: str, img_size: int | None) -> None:
+        self.native, self.img_size = NATIVE_SIZE[dataset], img_size
+        mean, std = NORMALIZATION[dataset]
+        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, len(mean), 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).reshape(1, len(std), 1, 1)
+
+    def pixels(self, img) -> Any:
+        """A PIL image (in the model's channels) -> ``(native, native, C)`` uint8 numpy array."""
+        import numpy as np
+        from PIL import Image
+
+        if img.size != (self.native, self.native):
+            img = img.resize((self.native, self.native), Image.BILINEAR)
+        arr = np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
+        return arr.reshape(arr.shape[0], arr.shape[1], -1)
+
+    def normalize(self, batch: torch.Tensor) -> torch.Tensor:
+        """``(N, C, h, w)`` uint8 -> the model's normalised float32 input ``(N, C, H, W)``."""
+        x = pad_to(batch, self.img_size).float().div_(255.0)
+        return (x - self.mean) / self.std
+
+    def __call__(self, img) -> torch.Tensor:
+        arr = self.pixels(img)
+        return self.normalize(torch.from_numpy(arr).permute(2, 0, 1)[None])[0]
+
+
 def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
     """Zero-pad ``(N, C, H, W)`` images evenly on all sides to ``size x size`` (``None``: unchanged).
 
@@ -171,11 +237,7 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     if cfg.autoaugment:
         aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
     to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
-    if cfg.eval_preprocessing:
-        eval_tf = eval_transform(size, cfg.eval_preprocessing)
-    else:
-        # Single centre crop at the usual 0.875 ratio (224 of 256).
-        eval_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size), *to_tensor])
+    eval_tf = folder_eval_transform(size, cfg.eval_preprocessing)
     common = dict(
         seed=cfg.seed,
         rank=rank,

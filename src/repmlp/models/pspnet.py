@@ -223,14 +223,15 @@ def _is_reinitialised(key: str) -> bool:
     return ".global_perceptron.fc1." in key or ".global_perceptron.fc2." in key
 
 
-def load_backbone_weights(model: PSPNet, path: str) -> dict[str, list[str]]:
+def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-weights") -> dict[str, Any]:
     """Load ImageNet-trained backbone weights (a training-form safetensors file) into ``model.backbone``.
 
     Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh random
     initialisation (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of
     the ImageNet model is dropped. Any other difference - a backbone tensor the file lacks, a file
     tensor the backbone lacks, a shape mismatch - raises :class:`~repmlp.errors.UserError` listing
-    them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys).
+    them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the
+    file's ``"model"``.
     """
     from ..checkpoint import CheckpointError, _read_tensors
     from ..errors import UserError
@@ -238,12 +239,13 @@ def load_backbone_weights(model: PSPNet, path: str) -> dict[str, list[str]]:
     try:
         tensors, meta = _read_tensors(Path(path))
     except CheckpointError as exc:
-        raise UserError(f"--backbone-weights: {exc}") from None
+        raise UserError(f"{flag}: {exc}") from None
     if meta.get("form") == "deploy":
         raise UserError(
             f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
             "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
         )
+    model_name = meta.get("model", "an unknown model")
     own = model.backbone.state_dict()
     ignored = sorted(k for k in tensors if k.startswith("fc."))
     reinit = sorted(k for k in own if _is_reinitialised(k))
@@ -264,10 +266,9 @@ def load_backbone_weights(model: PSPNet, path: str) -> dict[str, list[str]]:
             if keys:
                 shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
                 parts.append(f"{len(keys)} {what}: {shown}")
-        model_name = meta.get("model", "an unknown model")
         raise UserError(
             f"backbone weights {path} (from {model_name}) do not fit the backbone: " + "; ".join(parts)
         )
     loadable = {k: v for k, v in tensors.items() if k in own and not _is_reinitialised(k)}
     model.backbone.load_state_dict(loadable, strict=False)
-    return {"loaded": sorted(loadable), "reinitialised": reinit, "ignored": ignored}
+    return {"loaded": sorted(loadable), "reinitialised": reinit, "ignored": ignored, "model": model_name}

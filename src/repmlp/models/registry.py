@@ -17,7 +17,14 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["register_model", "create_model", "list_models", "model_default_cfg", "is_model"]
+__all__ = [
+    "register_model",
+    "create_model",
+    "list_models",
+    "model_default_cfg",
+    "is_model",
+    "file_head_prefixes",
+]
 
 ModelFn = Callable[..., nn.Module]
 
@@ -58,8 +65,9 @@ def _default_cfg(name: str, **overrides: Any) -> dict[str, Any]:
 def _no_pretrained(name: str, pretrained: bool) -> None:
     if pretrained:
         raise ValueError(
-            f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` and "
-            "load it with repmlp.checkpoint.load_model"
+            f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` (or "
+            "`repmlp import` released ones) and load the file with repmlp.load_model, or with "
+            "pretrained=True, pretrained_cfg_overlay=dict(file=PATH)"
         )
 
 
@@ -122,10 +130,58 @@ def _call_builder(fn: ModelFn, **kwargs: Any) -> nn.Module:
     return fn(pretrained=False, **kwargs)
 
 
+def _pretrained_file(name: str, pretrained: bool, overlay: dict | None) -> str | None:
+    """The model file of ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` (timm's way to
+    point a model at local weights); an error for ``pretrained=True`` without one (nothing is downloaded)."""
+    path = (overlay or {}).get("file") if pretrained else None
+    if pretrained and not path:
+        _no_pretrained(name, pretrained)
+    return str(path) if path else None
+
+
+def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict]:
+    """A repmlp model file for ``name``: its tensors and metadata, and ``kwargs`` completed with the file's
+    model options (those not given; ``num_classes`` given keeps its value, as timm adapts the head)."""
+    import json
+    from pathlib import Path
+
+    from ..checkpoint import FORMAT, CheckpointError, _read_tensors
+
+    tensors, meta = _read_tensors(Path(path))
+    if meta.get("format") != FORMAT or meta.get("model") != name:
+        found = meta.get("model") if meta.get("format") == FORMAT else "not a repmlp model file"
+        raise CheckpointError(f"pretrained file {path} does not hold {name} ({found})")
+    if meta.get("precision", "fp32") == "int8":
+        raise CheckpointError(f"{path} is an int8 (ONNX) file: load it with repmlp.load_model")
+    form, deploy = meta.get("form"), bool(kwargs.get("deploy", False))
+    if (form == "deploy") != deploy:
+        hint = "pass deploy=True" if form == "deploy" else "leave deploy out (the file is the training form)"
+        raise CheckpointError(f"{path} holds the {form} form of {name}: {hint}")
+    file_kwargs = json.loads(meta.get("model_kwargs", "{}"))
+    return {**file_kwargs, **kwargs}, tensors, meta
+
+
 def _build(
     name: str, *, pretrained: bool = False, pretrained_cfg_overlay: dict | None = None, **kwargs: Any
 ) -> nn.Module:
-    _no_pretrained(name, pretrained)
+    file = _pretrained_file(name, pretrained, pretrained_cfg_overlay)
+    if file:
+        kwargs, tensors, meta = _read_pretrained(name, file, kwargs)
+    model = _build_empty(name, pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs)
+    if file and not kwargs.get("features_only"):
+        from ..checkpoint import load_matching
+
+        # Strict, but a classifier for another number of classes keeps its fresh initialisation (timm's
+        # load_pretrained). bf16/fp16 weights are copied into the float32 model.
+        load_matching(
+            model, tensors, meta, file_head=file_head_prefixes(name), what=f"pretrained file {file}"
+        )
+    elif file:
+        raise ValueError("features_only with a pretrained file: load the model, then wrap it")
+    return model
+
+
+def _build_empty(name: str, *, pretrained_cfg_overlay: dict | None = None, **kwargs: Any) -> nn.Module:
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     if name in _FEATURE_CFGS:
         from timm.models import build_model_with_cfg
@@ -154,6 +210,16 @@ def _build(
     if device is not None or dtype is not None:
         model = model.to(device=device, dtype=dtype)
     return model
+
+
+def file_head_prefixes(name: str) -> list[str]:
+    """State-dict prefixes of registered model ``name``'s classifier (its cfg); ``[]`` for other names.
+
+    What a file of that model holds as its head, to drop when it does not fit another model."""
+    if name not in _CFGS:
+        return []
+    cls = _CFGS[name].get("classifier")
+    return [c + "." for c in ([cls] if isinstance(cls, str) else cls or []) if c]
 
 
 def is_model(name: str) -> bool:

@@ -169,11 +169,20 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_train_arguments(
-    parser: argparse.ArgumentParser, *, model: str, batch_size: int, lr: float, weight_decay: float
+    parser: argparse.ArgumentParser,
+    *,
+    model: str,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    init_help: str,
+    init_aliases: tuple[str, ...] = (),
 ) -> None:
     """The flags every task's training shares, spelt as classification spells them (model, output,
-    schedule basics, processes, checkpoints)."""
+    schedule basics, ``--init``, processes, checkpoints)."""
     from ..commands import _common as flags
+
+    flags.add_init_argument(parser, help=init_help, aliases=init_aliases)
 
     parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
     parser.add_argument(

@@ -143,6 +143,7 @@ class TrainConfig:
     flip: bool = True
     autoaugment: bool = False
     img_size: int | None = None
+    init: str | None = None  # a model file whose weights start the run (--init)
     train_limit: int | None = None
     val_limit: int | None = None
     seed: int = 0
@@ -298,6 +299,7 @@ class TrainResult:
     train_seconds: float
     replica_hashes: list[str]
     dist_info: DistInfo
+    init: dict[str, Any] | None = None  # repmlp.finetune.InitReport of --init, as a dict
 
 
 def resumed_config(
@@ -495,6 +497,7 @@ def run_training(
         cfg.amp if cfg.amp is not None else di.device.type == "cuda"
     )  # saved resolved: a resume keeps it
     data, model, model_kwargs = _build_data_and_model(cfg, di)
+    init = _initialise(cfg, model, state, di)
     optimizer = make_optimizer(model, cfg)
     steps_per_epoch = len(data.train)
     total = steps_per_epoch * cfg.epochs
@@ -509,7 +512,8 @@ def run_training(
         amp=cfg.amp,
         runtime_keys=TrainConfig.RUNTIME,
         stop_after_steps=stop_after_steps,
-        extra_state={"model_kwargs": model_kwargs},
+        # The --init report travels in the checkpoint: a resumed run reports it without the file.
+        extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})},
         metric_fields=METRIC_FIELDS,
     )
     task = _Hooks(cfg, di, model, data, total)
@@ -517,7 +521,32 @@ def run_training(
     net = prepare_module(model, di)
     loop = train_loop(net, optimizer, data.train, opts, di, state, LoopHooks(task.step, task.end_epoch))
     model.eval()
-    return TrainResult(model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di)
+    return TrainResult(
+        model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di, init
+    )
+
+
+def _initialise(
+    cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, di: DistInfo
+) -> dict[str, Any] | None:
+    """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed
+    run, whose weights come from its checkpoint). Returns the :class:`repmlp.finetune.InitReport` dict."""
+    if not cfg.init:
+        return None
+    if state is not None:
+        return state.get("init")
+    from ..finetune import init_from_file
+
+    report = init_from_file(model, cfg.init)
+    if di.is_main:
+        log.info("%s", report.summary())
+        if report.reinitialised:
+            log.info(
+                "the file's classifier does not fit %s classes: %s re-initialised (as timm does)",
+                getattr(model, "num_classes", "the new"),
+                ", ".join(report.reinitialised),
+            )
+    return report.to_dict()
 
 
 def config_json(cfg: TrainConfig) -> str:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
 from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, cpu_name
+from ..finetune import report_lines
 
 if TYPE_CHECKING:
     from .classification import TrainResult
@@ -296,6 +297,7 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
         f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
         f"- Model options: `{result.model_kwargs}`",
+        *report_lines(result.init),
         f"- Replicas: {len(hashes)} process(es), final weights sha256 "
         + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(hashes))
         + (" (identical)" if len(set(hashes)) == 1 else " (DIFFERENT)"),

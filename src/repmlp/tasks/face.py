@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..finetune import report_lines
 from ._common import (
     add_common_eval_arguments,
     add_common_train_arguments,
@@ -72,7 +73,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least, nonneg_float, positive_float
 
     add_data_argument(parser, "folder of aligned face crops, one sub-folder per identity")
-    add_common_train_arguments(parser, model="repmlp_face_resnet", batch_size=512, lr=0.1, weight_decay=4e-5)
+    add_common_train_arguments(
+        parser,
+        model="repmlp_face_resnet",
+        batch_size=512,
+        lr=0.1,
+        weight_decay=4e-5,
+        init_help="start from a training-time model file of the same architecture (e.g. a classification "
+        "run of it): the trunk is loaded, the embedding head starts fresh",
+    )
     parser.add_argument(
         "--head-weight-decay",
         type=nonneg_float,
@@ -204,6 +213,7 @@ def _train(args: argparse.Namespace, procs) -> None:
         raise UserError(f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2")
     model = build_model(args.model, kwargs)
     require_task_model(model, "face", args.model)
+    init = _init_trunk(model, args.init, procs)
     loss = AMSoftmax(model.embedding_dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
     per_process = per_process_batch(args.batch_size, procs)
     if per_process < 2:
@@ -238,8 +248,21 @@ def _train(args: argparse.Namespace, procs) -> None:
             f"(head {args.head_weight_decay:g}), seed {args.seed}, {procs.world} process(es)",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task face`",
+            *report_lines(init),
         ]
         write_run_report(opts.output, f"repmlp face run: {args.model}", history, section)
+
+
+def _init_trunk(model: nn.Module, path: str | None, procs) -> dict[str, Any] | None:
+    """``--init``: the file's weights into the trunk; the embedding head keeps its fresh initialisation."""
+    if not path:
+        return None
+    from ..finetune import head_prefixes, init_from_file
+
+    report = init_from_file(model, path, fresh_head=True, head=head_prefixes(model, embedding_head=True))
+    if procs.is_main:
+        log.info("%s", report.summary())
+    return report.to_dict()
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UserError
+from ..finetune import report_lines
 from ._common import (
     DistInfo,
     add_common_eval_arguments,
@@ -75,7 +76,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from ..commands._common import int_at_least, nonneg_float, positive_float
 
     add_data_argument(parser, "Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)")
-    add_common_train_arguments(parser, model="pspnet_repmlp_res50", batch_size=16, lr=0.01, weight_decay=1e-4)
+    add_common_train_arguments(
+        parser,
+        model="pspnet_repmlp_res50",
+        batch_size=16,
+        lr=0.01,
+        weight_decay=1e-4,
+        init_help="ImageNet-trained backbone: a training-time classification model file from `repmlp train` "
+        "or `repmlp import`; FC1/FC2 are re-initialised (the paper's), everything else inherited",
+        init_aliases=("--backbone-weights",),
+    )
     parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
     parser.add_argument(
         "--iterations",
@@ -104,12 +114,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--aux-weight", type=nonneg_float, default=0.4, help="auxiliary loss weight (default: 0.4)"
-    )
-    parser.add_argument(
-        "--backbone-weights",
-        default=None,
-        help="ImageNet-trained backbone (training-form safetensors from `repmlp train`); "
-        "FC1/FC2 are re-initialised, everything else inherited",
     )
     parser.add_argument(
         "--train-split", default="train", help="Cityscapes split to train on (default: train)"
@@ -185,22 +189,34 @@ def train(args: argparse.Namespace) -> int:
     return run_in_processes(args, _train)
 
 
-def _build(args: argparse.Namespace, kwargs: dict[str, Any], procs: DistInfo) -> nn.Module:
-    """The PSPNet of ``args``, with ``--backbone-weights`` loaded."""
+def _build(
+    args: argparse.Namespace, kwargs: dict[str, Any], procs: DistInfo
+) -> tuple[nn.Module, dict[str, Any] | None]:
+    """The PSPNet of ``args``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
+    it and what was loaded (``None`` without ``--init``)."""
+    from ..finetune import file_sha256
     from ..models.pspnet import load_backbone_weights
 
     model = build_model(args.model, kwargs)
     require_task_model(model, "seg", args.model)
-    if args.backbone_weights:
-        report = load_backbone_weights(model, args.backbone_weights)
-        if procs.is_main:
-            log.info(
-                "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
-                len(report["loaded"]),
-                args.backbone_weights,
-                len(report["reinitialised"]),
-            )
-    return model
+    if not args.init:
+        return model, None
+    report = load_backbone_weights(model, args.init, flag="--backbone-weights/--init")
+    init = {
+        "path": args.init,
+        "sha256": file_sha256(args.init),
+        "model": report["model"],
+        "loaded": len(report["loaded"]),
+        "reinitialised": report["reinitialised"],
+    }
+    if procs.is_main:
+        log.info(
+            "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
+            len(report["loaded"]),
+            args.init,
+            len(report["reinitialised"]),
+        )
+    return model, init
 
 
 def _check_batches(args: argparse.Namespace, procs: DistInfo, images: int) -> int:
@@ -231,7 +247,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
         args.data, args.train_split, crop_size=crop, scale_range=(args.scale_min, args.scale_max)
     )
     per_process = _check_batches(args, procs, min(len(dataset), args.train_limit or len(dataset)))
-    model = _build(args, kwargs, procs)
+    model, init = _build(args, kwargs, procs)
     loader = training_loader(dataset, args, procs, per_process)
     max_it = args.iterations or args.epochs * len(loader)
     mults = [1.0, args.head_lr_mult]  # the groups of _param_groups: backbone, heads
@@ -267,6 +283,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
             f"{args.weight_decay:g}, seed {args.seed}, {procs.world} process(es)",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task seg`",
+            *report_lines(init),
         ]
         write_run_report(opts.output, f"repmlp segmentation run: {args.model}", history, section)
 
