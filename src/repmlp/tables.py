@@ -8,6 +8,7 @@ the model (and keyword arguments) that reproduces it. :func:`render_tables` coun
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -175,10 +176,17 @@ def _available(name: str) -> bool:
 
 def measure_row(row: PaperRow) -> RowResult:
     """Count ``row``'s model on the ``meta`` device (form as the row says)."""
+    params, macs = _count(row.model, row.input_size, row.form == "deploy", tuple(sorted(row.kwargs.items())))
+    return RowResult(row, params / 1e6, macs / 1e6)
+
+
+@functools.cache
+def _count(model: str, input_size: int, deploy: bool, kwargs: tuple) -> tuple[int, int]:
+    """``profile_model``'s counts, once per process (they depend only on the arguments; ``kwargs``: the
+    row's keyword arguments as sorted ``(name, value)`` pairs, values hashable)."""
     from .profile import profile_model
 
-    params, macs = profile_model(row.model, row.input_size, deploy=row.form == "deploy", **row.kwargs)
-    return RowResult(row, params / 1e6, macs / 1e6)
+    return profile_model(model, input_size, deploy=deploy, **dict(kwargs))
 
 
 def _fmt_dev(value: float | None) -> str:
