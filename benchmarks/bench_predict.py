@@ -15,7 +15,7 @@ The ratio predict / model is the share of the model's throughput that ``repmlp p
 whole command (``python -m repmlp predict ... --output x.csv``, Python start-up and model loading
 included) is timed once per case for reference.
 
-    python3 benchmarks/bench_predict.py [--images 512] [--batch-size 32] [--workers 2]
+    python3 benchmarks/bench_predict.py [--images 512] [--batch-size 32] [--workers auto|N]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def measure(case: str, root: Path, args) -> list[str]:
     m, p = statistics.median(rates["model"]), statistics.median(rates["predict"])
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "repmlp", "-q", "predict", "--checkpoint", str(ckpt), str(root / name),
-           "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+           "--batch-size", str(args.batch_size), "--workers", "auto" if args.workers is None else str(args.workers),
            *(["--threads", str(args.predict_threads)] if args.predict_threads else []),
            "--output", str(root / "p.csv")]  # fmt: skip
     src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's repmlp, not an installed one
@@ -115,11 +115,30 @@ def measure(case: str, root: Path, args) -> list[str]:
     return [case, str(args.batch_size), f"{m:.0f}", f"{p:.0f}", f"{p / m:.2f}", f"{whole:.1f} s"]
 
 
+def describe_workers(args) -> str:
+    """``--workers`` as predict ran it: ``auto`` also says how many processes that meant here."""
+    if args.workers is not None:
+        return str(args.workers)
+    from repmlp.predict import auto_workers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.predict_threads or threads)
+    try:
+        return f"auto ({auto_workers()} here)"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=512, help="files per folder")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=2, help="decoding processes of repmlp predict")
+    parser.add_argument(
+        "--workers",
+        type=lambda t: None if t == "auto" else int(t),
+        default=None,
+        help="decoding processes of repmlp predict (default auto, as repmlp predict)",
+    )
     parser.add_argument(
         "--predict-threads",
         type=int,
@@ -137,7 +156,7 @@ def main() -> None:
     print()
     print(hardware(torch.device(args.device)))
     print(
-        f"{args.images} files per folder, --workers {args.workers}, predict threads "
+        f"{args.images} files per folder, --workers {describe_workers(args)}, predict threads "
         f"{args.predict_threads or torch.get_num_threads()}, median of {args.rounds} interleaved rounds; "
         f"load average before: {load:.1f}"
     )

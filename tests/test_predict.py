@@ -199,6 +199,19 @@ def test_formats_and_modes(files, tmp_path):
         assert abs(results[key].top_k[0].probability - results["png_L"].top_k[0].probability) < 0.05, key
 
 
+def test_worker_processes_give_the_same_results(files, tmp_path):
+    """Decoding in DataLoader worker processes (batches ahead of the model) and in this process give the
+    same results in the same order, bad files included."""
+    paths = [str(p) for p in sorted(files["images"].iterdir())[:10]]
+    (tmp_path / "bad.png").write_bytes(Path(paths[0]).read_bytes()[:70])
+    paths.insert(3, str(tmp_path / "bad.png"))
+    predictor = repmlp.Predictor(files["deploy"], top_k=3)
+    here = list(predictor.predict_files(paths, batch_size=4, workers=0))
+    ahead = list(predictor.predict_files(paths, batch_size=4, workers=2))
+    assert here == ahead
+    assert [r.error is None for r in here] == [p != str(tmp_path / "bad.png") for p in paths]
+
+
 def test_python_api_inputs_and_labels(files, tmp_path):
     predictor = repmlp.Predictor(files["deploy"], top_k=3, labels=[f"c{i}" for i in range(10)])
     path = sorted(files["images"].iterdir())[0]

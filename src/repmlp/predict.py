@@ -8,9 +8,11 @@ int8) carries what a prediction needs besides its weights: the model's name and 
 top-k ``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval``
 applies (the same functions of :mod:`repmlp.data`).
 
-Files are decoded in ``DataLoader`` worker processes, one batch per work item (fewer, larger messages
-between processes than one per image), while the model runs on the previous batch. A file that cannot
-be decoded does not stop the others: :meth:`Predictor.predict_files` yields it with the reason.
+Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together, see
+:mod:`repmlp.data.png`): where the model leaves CPU cores free, in ``DataLoader`` worker processes, one
+batch per work item, while the model runs on the previous batch; where its threads use every core, in
+this process between batches (:func:`auto_workers`). A file that cannot be decoded does not stop the
+others: :meth:`Predictor.predict_files` yields it with the reason.
 """
 
 from __future__ import annotations
@@ -291,8 +293,9 @@ class _FileBatches(torch.utils.data.Dataset):
 
     A batch per item keeps inter-process traffic to one tensor per batch. Undecodable files leave a zero
     image and ``ok[j] = False`` with the reason in ``errors[j]``. A transform with ``pixels`` and
-    ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes each image to uint8 and normalises
-    the batch at once, as the evaluation loader does.
+    ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes each image to uint8 (plain PNGs of
+    the data set's size all at once, :func:`repmlp.data.png.unfilter`) and normalises the batch at once,
+    as the evaluation loader does.
     """
 
     def __init__(self, paths: list[str], batch_size: int, channels: int, transform: Callable, size) -> None:
@@ -304,32 +307,47 @@ class _FileBatches(torch.utils.data.Dataset):
         return (len(self.paths) + self.batch_size - 1) // self.batch_size
 
     def _decode(self, path: str) -> Any:
+        """One file -> the transform's ``(C, H, W)`` tensor, or (pixel transforms) ``(H, W, C)`` uint8."""
         from PIL import Image
 
         with Image.open(path) as im:  # everything inside: a closed image has no pixels left
             im.load()  # decode now: a truncated file fails here, with the file named by the caller
             img = image_to_channels(im, self.channels)
-            if not self.batched:
-                return self.transform(img)
-            return torch.from_numpy(self.transform.pixels(img)).permute(2, 0, 1)
+            return self.transform.pixels(img) if self.batched else self.transform(img)
 
     def __getitem__(self, item: int) -> tuple[int, Tensor, Tensor, list[str]]:
+        from .data.png import png_scanlines, unfilter
+
         start = item * self.batch_size
         chunk = self.paths[start : start + self.batch_size]
-        images: list[Tensor | None] = [None] * len(chunk)
+        images: list[Any] = [None] * len(chunk)
         errors = [""] * len(chunk)
+        plain: dict[int, bytes] = {}  # plain PNGs of the data set's size: decoded together below
         for j, path in enumerate(chunk):
             try:
-                images[j] = self._decode(path)
+                raw = png_scanlines(path, self.channels, self.transform.native) if self.batched else None
+                if raw is None:
+                    images[j] = self._decode(path)
+                else:
+                    plain[j] = raw
             except Exception as exc:  # noqa: BLE001 - any undecodable file is skipped with its reason
                 errors[j] = _reason(exc)
+        if plain:
+            for j, pixels in zip(plain, unfilter(list(plain.values()), self.channels, self.transform.native),
+                                 strict=True):  # fmt: skip
+                images[j] = pixels
         ok = torch.tensor([x is not None for x in images], dtype=torch.bool)
-        shape = next((x.shape for x in images if x is not None), None)
-        if shape is None:
+        first = next((x for x in images if x is not None), None)
+        if first is None:
             return start, torch.zeros(len(chunk), *self.size), ok, errors
-        fill = torch.zeros(shape, dtype=next(x for x in images if x is not None).dtype)
-        batch = torch.stack([fill if x is None else x for x in images])
-        out = self.transform.normalize(batch) if self.batched else batch
+        if self.batched:  # uint8 (H, W, C) arrays: one copy into the batch, normalised at once
+            batch = np.zeros((len(chunk), *first.shape), dtype=np.uint8)
+            for j, x in enumerate(images):
+                if x is not None:
+                    batch[j] = x
+            out = self.transform.normalize(torch.from_numpy(batch).permute(0, 3, 1, 2))
+        else:
+            out = torch.stack([torch.zeros_like(first) if x is None else x for x in images])
         if tuple(out.shape[1:]) != self.size:
             raise ValueError(f"preprocessing gave {tuple(out.shape[1:])}, expected {self.size}")
         return start, out, ok, errors
@@ -337,13 +355,30 @@ class _FileBatches(torch.utils.data.Dataset):
 
 def _as_batches(paths: list[str], batch_size: int, workers: int, channels: int, transform, size):
     dataset = _FileBatches(paths, batch_size, channels, transform, size)
+    if workers == 0 or len(dataset) == 1:  # no process to start, nothing to overlap
+        return (dataset[i] for i in range(len(dataset)))
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,  # the dataset batches: one item is one batch
         num_workers=min(workers, len(dataset)),
-        prefetch_factor=2 if workers else None,
+        prefetch_factor=2,
         persistent_workers=False,
     )
+
+
+def auto_workers(device: str | torch.device = "cpu") -> int:
+    """Decoding processes for the CPU cores the model leaves free (``repmlp predict --workers auto``).
+
+    A model on the CPU runs ``torch.get_num_threads()`` threads; workers beyond the remaining cores
+    preempt those threads, and each preempted thread stalls the others at the next synchronisation,
+    which costs more than decoding in between batches. A GPU model leaves all but one core free.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    busy = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    return max(0, min(cores - busy, 8))
 
 
 class Predictor:
@@ -427,24 +462,24 @@ class Predictor:
         return self.predict_batch(torch.stack(batch)) if batch else []
 
     def predict_files(
-        self, paths: Sequence[str], *, batch_size: int = 64, workers: int = 2
+        self, paths: Sequence[str], *, batch_size: int = 64, workers: int | None = None
     ) -> Iterator[FileResult]:
-        """Top-k of each file of ``paths``, in order, decoded by ``workers`` processes (0: in this one)
-        while the model runs on the previous batch; an undecodable file comes back with ``error`` set."""
+        """Top-k of each file of ``paths``, in order; an undecodable file comes back with ``error`` set.
+
+        ``workers`` processes decode batches ahead while the model runs (0: this process decodes each batch
+        before the model runs on it; ``None``: :func:`auto_workers`).
+        """
         if not paths:
             return
+        workers = auto_workers(self.device) if workers is None else workers
         loader = _as_batches(list(paths), batch_size, workers, self.input_size[0], self.transform,
                              self.input_size)  # fmt: skip
         for start, x, ok, errors in loader:
-            results: list[FileResult] = [
-                FileResult(paths[start + j], error=errors[j]) for j in range(len(errors))
-            ]
-            keep = ok.nonzero().flatten()
-            if len(keep):
-                for j, top in zip(keep.tolist(), self.predict_batch(x[keep] if len(keep) < len(ok) else x),
-                                  strict=True):  # fmt: skip
-                    results[j] = FileResult(paths[start + j], top_k=top)
-            yield from results
+            decoded = ok.tolist()
+            tops = iter(self.predict_batch(x if all(decoded) else x[ok]) if any(decoded) else ())
+            for j, (good, error) in enumerate(zip(decoded, errors, strict=True)):
+                path = paths[start + j]
+                yield FileResult(path, top_k=next(tops)) if good else FileResult(path, error=error)
 
 
 # ------------------------------------------------------------------------------ files in, results out
@@ -455,7 +490,7 @@ def predict_paths(
     top_k: int = 5,
     batch_size: int = 64,
     device: str | torch.device = "cpu",
-    workers: int = 2,
+    workers: int | None = None,
     labels_file: str | os.PathLike | None = None,
     on_skip: Callable[[str, str], None] | None = None,
     progress: bool = True,

@@ -38,7 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
     p.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="image decoding processes (0: in this process)"
+        "--workers",
+        type=_workers,
+        default=None,
+        metavar="N|auto",
+        help="image decoding processes that work ahead of the model (0: decode in this process between "
+        "batches). Default auto: one per CPU core the model leaves free, 0 when its threads use them all",
     )
     p.add_argument(
         "--labels", default=None, metavar="FILE", help="class names, one a line (overrides the file's)"
@@ -52,6 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.set_defaults(func=run)
     return p
+
+
+def _workers(text: str) -> int | None:
+    return None if text == "auto" else int_at_least(0)(text)
 
 
 def run(args: argparse.Namespace) -> int:

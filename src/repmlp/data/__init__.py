@@ -195,8 +195,9 @@ class PixelEvalTransform:
 
         if img.size != (self.native, self.native):
             img = img.resize((self.native, self.native), Image.BILINEAR)
-        arr = np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy needs one
-        return arr.reshape(arr.shape[0], arr.shape[1], -1)
+        # bytearray: a writable buffer (torch.from_numpy needs one) without numpy's array-interface path
+        arr = np.frombuffer(bytearray(img.tobytes()), dtype=np.uint8)
+        return arr.reshape(img.size[1], img.size[0], -1)
 
     def normalize(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, C, h, w)`` uint8 -> the model's normalised float32 input ``(N, C, H, W)``."""
