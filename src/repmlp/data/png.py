@@ -13,6 +13,8 @@ caller opens it with ``Image.open``, which then decides, and names the reason wh
 
 from __future__ import annotations
 
+import functools
+import os
 import struct
 import zlib
 from collections.abc import Sequence
@@ -25,6 +27,30 @@ _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _COLOUR_TYPE = {1: 0, 3: 2}  # channels -> PNG colour type (grey, RGB)
 
 
+_CRITICAL = {1: {b"IHDR", b"IDAT", b"IEND"}, 3: {b"IHDR", b"IDAT", b"IEND", b"PLTE"}}
+
+
+@functools.cache
+def _head(channels: int, size: int) -> bytes:
+    """The file's first 29 bytes: signature, IHDR's length and name, and its fields for 8 bits, not
+    interlaced."""
+    fields = struct.pack(">IIBBBBB", size, size, 8, _COLOUR_TYPE[channels], 0, 0, 0)
+    return _SIGNATURE + struct.pack(">I4s", 13, b"IHDR") + fields
+
+
+def _read(path: str) -> bytes:
+    """A whole file's bytes (without a Python file object: for a file of a few hundred bytes its set-up
+    costs more than the reading)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts = [os.read(fd, 1 << 16)]
+        while parts[-1]:
+            parts.append(os.read(fd, 1 << 20))
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
 def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
     """The filtered scanlines of a plain ``size x size`` PNG with ``channels`` 8-bit channels, or ``None``.
 
@@ -33,13 +59,10 @@ def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
     """
     if channels not in _COLOUR_TYPE:
         return None
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:8] != _SIGNATURE or data[12:29] != struct.pack(
-        ">4sIIBBBBB", b"IHDR", size, size, 8, _COLOUR_TYPE[channels], 0, 0, 0
-    ):
+    data = _read(path)
+    if data[:29] != _head(channels, size):
         return None
-    critical = {b"IHDR", b"IDAT", b"IEND"} | ({b"PLTE"} if channels == 3 else set())
+    critical = _CRITICAL[channels]
     pos, idat, idat_over, ended = 8, [], False, False
     while pos + 12 <= len(data) and not ended:
         length, kind = struct.unpack_from(">I4s", data, pos)
