@@ -132,7 +132,7 @@ def test_reparameterized_block_is_equivalent(cfg, dtype, use_function):
     assert rel_err(out, ref) < (1e-10 if dtype == torch.float64 else 1e-5)
 
     # A block built with deploy=True has exactly the converted block's state-dict keys and shapes.
-    fresh = RepMLPBlock(*args, **kwargs, deploy=True).to(dtype)
+    fresh = RepMLPBlock(*args, **kwargs, deploy=True).to(dtype).eval()  # eval: the same FC3 kernel
     fresh.load_state_dict(deployed.state_dict(), strict=True)
     with torch.no_grad():
         assert torch.equal(fresh(x), out)
