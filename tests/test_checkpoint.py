@@ -10,16 +10,9 @@ import pytest
 import torch
 
 import repmlp
-from repmlp.checkpoint import (
-    CheckpointError,
-    atomic_write_bytes,
-    load_model,
-    load_state,
-    read_metadata,
-    save_model,
-    save_state,
-)
+from repmlp.checkpoint import atomic_write_bytes, load_model, load_state, save_model, save_state
 from repmlp.errors import UserError
+from repmlp.files import CheckpointError, read_metadata
 
 TINY = {"num_classes": 10, "in_chans": 1, "img_size": 28, "widths": [4, 4, 4]}
 

@@ -12,10 +12,11 @@ from PIL import Image
 
 import repmlp.convert
 from repmlp import reparameterize_model
-from repmlp.checkpoint import load_model, read_metadata, save_model
+from repmlp.checkpoint import load_model, save_model
 from repmlp.cli import main as cli_main
 from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
+from repmlp.files import read_metadata
 from repmlp.models import create_model
 from repmlp.profile import profile_model
 from repmlp_testdata import (

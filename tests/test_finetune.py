@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 import repmlp
 from repmlp import cli
-from repmlp.checkpoint import CheckpointError, save_model, save_state
+from repmlp.checkpoint import save_model, save_state
+from repmlp.files import CheckpointError
 from repmlp.finetune import head_prefixes, init_from_file
 from repmlp_testdata import make_image_folder, user_error_line
 

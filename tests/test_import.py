@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from repmlp import create_model
-from repmlp.checkpoint import load_model, read_metadata
+from repmlp.checkpoint import load_model
+from repmlp.files import read_metadata
 from repmlp.importer import ImportError_, import_checkpoint
 from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp_testdata import run_cli, subprocess_env, user_error_line

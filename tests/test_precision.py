@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import repmlp
-from repmlp.checkpoint import load_model, read_metadata, save_model
+from repmlp.checkpoint import load_model, save_model
 from repmlp.deploy import Int8OnnxModel, precision_of, to_precision
+from repmlp.files import read_metadata
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -83,7 +83,7 @@ def test_predict_equals_eval_on_the_data_sets_test_images(files, capsys, tmp_pat
     """Same images as files: the same top-1 accuracy as ``repmlp eval``, and the same probabilities as the
     evaluation loader's logits (so the preprocessing is the evaluation transform)."""
     from repmlp.data import DataConfig, build_data
-    from repmlp.tasks.classification import predict as eval_logits
+    from repmlp.tasks.classification_report import predict as eval_logits
 
     status, out, _ = run_cli(
         capsys, "eval", "--checkpoint", files["model"], "--val-limit", N_IMAGES, "--json"

@@ -12,10 +12,11 @@ import torch
 from PIL import Image
 
 from repmlp import reparameterize_model
-from repmlp.checkpoint import load_model, read_metadata, save_model
+from repmlp.checkpoint import load_model, save_model
 from repmlp.cli import main as cli_main
 from repmlp.data.cityscapes import CityscapesSegmentation, random_scale_crop_flip
 from repmlp.errors import UserError
+from repmlp.files import read_metadata
 from repmlp.models import create_model
 from repmlp.models.pspnet import load_backbone_weights
 from repmlp.profile import profile_model

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from repmlp import cli
 from repmlp.checkpoint import load_model, load_state, save_state
 from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
-from repmlp.tasks.classification import state_hash
+from repmlp.engine import state_hash
 from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, subprocess_env, write_idx
 
 # Two 28x28 stages of 4 channels, then 8 and 8: ~0.4M parameters, mostly FC3.

@@ -1,5 +1,6 @@
 """repmlp: RepMLP (Ding et al.), re-parameterizing convolutions into fully-connected layers."""
 
+from ._version import __version__ as __version__  # repmlp.__version__
 from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock
 from .convert import fuse_conv_bn, reparameterize_model
 from .deploy import PRECISIONS, to_precision
@@ -8,8 +9,6 @@ from .models import create_model, list_models, register_model
 from .predict import ModelMetadata, Prediction, Predictor, load_model
 from .profile import profile
 from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
-
-__version__ = "0.1.0"
 
 __all__ = [
     "RepMLPBlock",

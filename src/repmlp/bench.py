@@ -108,7 +108,8 @@ def benchmark(
     Returns:
         One :class:`BenchRow` per model and form, in input order.
     """
-    from . import profile, reparameterize_model
+    from .convert import reparameterize_model
+    from .profile import profile
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

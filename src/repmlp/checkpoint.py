@@ -20,43 +20,34 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from .errors import UserError
+from .files import (
+    FORMAT,
+    STATE_FORMAT,
+    CheckpointError,
+    read_tensors,
+)
 
 __all__ = [
-    "CheckpointError",
     "atomic_write_bytes",
     "atomic_write_text",
     "save_model",
     "load_model",
-    "read_metadata",
     "save_state",
     "load_state",
-    "load_matching",
-    "head_prefixes",
 ]
 
-FORMAT = "repmlp"
-STATE_FORMAT = "repmlp-state"
 Form = Literal["train", "deploy"]
 _FORMS = ("train", "deploy")
-# safetensors' own header limit; a larger claimed header means the file is not safetensors.
-_MAX_HEADER = 100_000_000
-
-
-class CheckpointError(UserError, ValueError):
-    """A checkpoint file that cannot be used (missing, malformed, truncated, wrong model or form)."""
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -125,7 +116,7 @@ def save_model(
     """
     if form not in _FORMS:
         raise ValueError(f"form must be one of {_FORMS}, got {form!r}")
-    from . import __version__
+    from ._version import __version__
 
     metadata = {
         "format": FORMAT,
@@ -142,63 +133,6 @@ def save_model(
 
 
 # ----------------------------------------------------------------------------------------- reading
-def _read_header(path: Path) -> tuple[dict[str, Any], int]:
-    """Parse and validate a safetensors header; return it and the expected file size."""
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint is not a file: {path}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path} is not a safetensors file or is truncated (bad header length)")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a safetensors file (unreadable header: {exc})") from None
-    end = 0
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            end = max(end, int(entry["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise CheckpointError(f"{path} has a malformed safetensors header (tensor {key!r})") from None
-    expected = 8 + n + end
-    if size < expected:
-        raise CheckpointError(f"{path} is truncated ({size} bytes, header needs {expected})")
-    return header, expected
-
-
-def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The string metadata of a safetensors file (validated header, body not read)."""
-    header, _ = _read_header(Path(path))
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} has malformed metadata")
-    return {str(k): str(v) for k, v in meta.items()}
-
-
-def _read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    header, _ = _read_header(path)
-    try:
-        # Memory-mapped: a large checkpoint is not read whole into memory first.
-        tensors = st_load_file(path)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(
-            f"{path} is corrupted: {str(exc).splitlines()[0] if str(exc) else exc}"
-        ) from None
-    meta = header.get("__metadata__") or {}
-    return tensors, {str(k): str(v) for k, v in meta.items()}
-
-
 def load_model(
     path: str | os.PathLike, *, device: str | torch.device = "cpu", form: Form | None = None
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -208,7 +142,7 @@ def load_model(
     is on ``device`` in eval mode. ``form`` (if given) must match the file's form.
     """
     path = Path(path)
-    tensors, meta = _read_tensors(path)
+    tensors, meta = read_tensors(path)
     if meta.get("format") != FORMAT:
         what = "a training state" if meta.get("format") == STATE_FORMAT else "not a repmlp model checkpoint"
         raise CheckpointError(f"{path} is {what} (metadata format={meta.get('format')!r})")
@@ -234,8 +168,8 @@ def _build_for(
     path: Path, name: str, model_kwargs: dict[str, Any], form: str, precision: str, tensors: dict[str, Tensor]
 ) -> nn.Module:
     """The empty model a file's weights load into: ``create_model`` in the file's form and precision."""
-    from . import create_model
     from .deploy import PRECISIONS, Int8OnnxModel, to_precision
+    from .models.registry import create_model
 
     if precision not in PRECISIONS or (precision != "fp32" and form != "deploy"):
         raise CheckpointError(f"{path} has unsupported precision {precision!r} for the {form!r} form")
@@ -263,84 +197,6 @@ def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name:
                 parts.append(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}")
         raise CheckpointError(f"{path} does not fit {name} ({form} form): {'; '.join(parts)}")
     model.load_state_dict(tensors, strict=True)
-
-
-def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
-    return next((name for name, m in model.named_modules() if m is module and name), None)
-
-
-def head_prefixes(model: nn.Module, *, embedding_head: bool = False) -> list[str]:
-    """State-dict prefixes of ``model``'s head: its classifier (``get_classifier()``, else the timm cfg's
-    ``classifier``); with ``embedding_head``, a face model's whole ``head`` module (BN-FC-BN)."""
-    if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
-        return ["head."]
-    names: list[str] = []
-    if hasattr(model, "get_classifier"):
-        name = _module_name(model, model.get_classifier())
-        if name:
-            names.append(name)
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    for name in (
-        [cfg.get("classifier")] if isinstance(cfg.get("classifier"), str) else cfg.get("classifier") or []
-    ):
-        if name and name not in names:
-            names.append(name)
-    return [n + "." for n in names]
-
-
-def _listed(keys: Sequence[str], n: int = 6) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
-
-
-def load_matching(
-    model: nn.Module,
-    tensors: Mapping[str, Tensor],
-    meta: Mapping[str, str],
-    *,
-    head: Sequence[str] | None = None,
-    file_head: Sequence[str] = (),
-    fresh_head: bool = False,
-    what: str = "checkpoint",
-) -> dict[str, Any]:
-    """Load ``tensors`` (a model file's, ``meta`` its metadata) into ``model``: strictly, except its head.
-
-    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
-    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
-    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
-    file's head tensors (also those under ``file_head``, its own model's head prefixes) are ignored. Any other missing,
-    unexpected or mis-shaped key raises :class:`CheckpointError` naming them. Returns ``{"loaded": count,
-    "reinitialised": [model keys], "ignored": [file keys]}``.
-    """
-    own = model.state_dict()
-    prefixes = tuple(head if head is not None else head_prefixes(model))
-    file_prefixes = prefixes + tuple(file_head)
-    head_own = [k for k in own if k.startswith(prefixes)]
-    head_fits = all(k in tensors and tuple(tensors[k].shape) == tuple(own[k].shape) for k in head_own)
-    load_head = bool(head_own) and head_fits and not fresh_head
-    reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
-    ignored = sorted(k for k in tensors if k.startswith(file_prefixes) and not (load_head and k in own))
-    body_own = [k for k in own if not k.startswith(prefixes)]
-    missing = [k for k in body_own if k not in tensors]
-    unexpected = [k for k in tensors if k not in own and k not in ignored]
-    shapes = [
-        f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
-        for k in body_own
-        if k in tensors and tuple(tensors[k].shape) != tuple(own[k].shape)
-    ]
-    if missing or unexpected or shapes:
-        parts = [
-            f"{len(keys)} {label}: {_listed(keys)}"
-            for label, keys in (
-                ("missing from the file", missing),
-                ("not in the model", unexpected),
-                ("with other shapes (file vs model)", shapes),
-            )
-            if keys
-        ]
-        raise CheckpointError(f"{what} ({meta.get('model')}) does not fit the model: " + "; ".join(parts))
-    loadable = {k: tensors[k] for k in body_own} | ({k: tensors[k] for k in head_own} if load_head else {})
-    model.load_state_dict(loadable, strict=False)
-    return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
 
 
 # -------------------------------------------------------------------------------- training states
@@ -405,7 +261,7 @@ def save_state(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
 def load_state(path: str | os.PathLike) -> dict[str, Any]:
     """Inverse of :func:`save_state` (tensors come back on the CPU)."""
     path = Path(path)
-    tensors, meta = _read_tensors(path)
+    tensors, meta = read_tensors(path)
     if meta.get("format") != STATE_FORMAT or "state" not in meta:
         raise CheckpointError(
             f"{path} is not a repmlp training state (metadata format={meta.get('format')!r})"

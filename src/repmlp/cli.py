@@ -103,7 +103,7 @@ def _one_line(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else type(exc).__name__
     last = lines[-1]
-    for prefix in ("repmlp.errors.UserError: ", "repmlp.checkpoint.CheckpointError: ", "UserError: "):
+    for prefix in ("repmlp.errors.UserError: ", "repmlp.files.CheckpointError: ", "UserError: "):
         if last.startswith(prefix):
             return last[len(prefix) :]
     return last

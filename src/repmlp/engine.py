@@ -586,7 +586,7 @@ class _Loop:
         save_state(self.path, state)
 
     def restore(self, state: dict[str, Any]) -> None:
-        from .checkpoint import CheckpointError
+        from .files import CheckpointError
 
         opts, procs = self.opts, self.procs
         check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)

@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoint import FORMAT, STATE_FORMAT, CheckpointError, _read_tensors, head_prefixes, load_matching
 from .errors import UserError
+from .files import FORMAT, STATE_FORMAT, CheckpointError, head_prefixes, load_matching, read_tensors
 
 __all__ = [
     "InitReport",
@@ -70,7 +70,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Tensors and metadata of a training-time repmlp model file; one-line errors for anything else."""
     try:
-        tensors, meta = _read_tensors(Path(path))
+        tensors, meta = read_tensors(Path(path))
     except CheckpointError as exc:
         raise UserError(f"{flag}: {exc}") from None
     if meta.get("format") != FORMAT:

@@ -1,7 +1,7 @@
-"""Evaluation metrics for the paper's face-recognition (Sec. 4.3) and segmentation (Sec. 4.4) tasks.
+"""Evaluation metrics of the paper's tasks: pure functions on tensors.
 
-Pure functions on tensors:
-
+- :func:`topk_correct`, :func:`accuracy`: classification (Sec. 4.1-4.2); :func:`compare_logits`: how far a
+  converted model's logits are from the training-time model's.
 - :func:`confusion_matrix`, :func:`iou_from_confusion`, :func:`mean_iou`: semantic segmentation
   (Cityscapes-style mIoU with an ignore label).
 - :func:`verification_accuracy`: face verification on pairs, accuracy at the best threshold chosen
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "topk_correct",
+    "accuracy",
+    "compare_logits",
     "confusion_matrix",
     "iou_from_confusion",
     "mean_iou",
@@ -26,6 +29,34 @@ __all__ = [
     "verification_accuracy",
     "rank1_identification",
 ]
+
+
+def topk_correct(logits: Tensor, target: Tensor, ks: tuple[int, ...] = (1, 5)) -> list[int]:
+    """Number of samples whose target ``(N,)`` is among the top-k of ``logits`` ``(N, K)``, for each k
+    (k clipped to ``K``)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top == target[:, None]
+    return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
+    """Top-1 and top-5 accuracy (%) of ``logits`` ``(N, K)`` against ``labels`` ``(N,)``."""
+    c1, c5 = topk_correct(logits, labels)
+    n = max(1, len(labels))
+    return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
+
+
+def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
+    """Max abs and relative difference of ``out`` from ``ref`` (both ``(N, K)``), and how many
+    predictions (argmax) differ."""
+    diff = (ref - out).abs().max().item()
+    scale = max(ref.abs().max().item(), 1e-12)
+    return {
+        "max_abs_diff": diff,
+        "max_rel_diff": diff / scale,
+        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
+    }
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:

@@ -163,7 +163,7 @@ def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu") -
     """The model of a repmlp model file, in the file's form and precision, in eval mode, on ``device``.
 
     ``model.metadata`` (:class:`ModelMetadata`) holds the model's name and options, its class names and
-    its preprocessing. A missing, truncated or foreign file raises :class:`repmlp.checkpoint.CheckpointError`
+    its preprocessing. A missing, truncated or foreign file raises :class:`repmlp.files.CheckpointError`
     (a :class:`~repmlp.errors.UserError`) with a one-line message.
     """
     from .checkpoint import load_model as load

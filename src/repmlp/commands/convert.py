@@ -203,7 +203,8 @@ def _reduce_precision(
 
 def run(args: argparse.Namespace) -> int:
     from .. import reparameterize_model
-    from ..checkpoint import CheckpointError, load_model, save_model
+    from ..checkpoint import load_model, save_model
+    from ..files import CheckpointError
 
     output = args.output or default_output(args.checkpoint)
     if output.exists() and output.resolve() == args.checkpoint.resolve():

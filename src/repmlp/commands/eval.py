@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
         return run_task(args, "eval", "eval")
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
-    from ..checkpoint import CheckpointError, load_model
+    from ..checkpoint import load_model
     from ..data import DataConfig, build_data
     from ..engine import resolve_device
+    from ..files import CheckpointError
     from ..tasks.classification import evaluate
 
     device = resolve_device(args.device)

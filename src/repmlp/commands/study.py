@@ -65,7 +65,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..tasks.study import StudyOptions, run_study
+    from pathlib import Path
+
+    from ..tasks.study import StudyOptions, train_study
+    from ..tasks.study_report import write_report
 
     opts = StudyOptions(
         output=args.output,
@@ -79,6 +82,6 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         bench_batch_size=args.bench_batch_size,
     )
-    path = run_study(opts)
+    path = write_report(opts, train_study(opts), Path(opts.output))
     print(path)
     return 0

@@ -273,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from ..engine import cleanup_distributed
-    from ..tasks.classification import finish_run, run_training
+    from ..tasks.classification import run_training
+    from ..tasks.classification_report import finish_run
 
     cfg = resolve_config(args)
     try:

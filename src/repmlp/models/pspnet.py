@@ -233,11 +233,11 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
     them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the
     file's ``"model"``.
     """
-    from ..checkpoint import CheckpointError, _read_tensors
     from ..errors import UserError
+    from ..files import CheckpointError, read_tensors
 
     try:
-        tensors, meta = _read_tensors(Path(path))
+        tensors, meta = read_tensors(Path(path))
     except CheckpointError as exc:
         raise UserError(f"{flag}: {exc}") from None
     if meta.get("form") == "deploy":

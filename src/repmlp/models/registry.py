@@ -145,9 +145,9 @@ def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict
     import json
     from pathlib import Path
 
-    from ..checkpoint import FORMAT, CheckpointError, _read_tensors
+    from ..files import FORMAT, CheckpointError, read_tensors
 
-    tensors, meta = _read_tensors(Path(path))
+    tensors, meta = read_tensors(Path(path))
     if meta.get("format") != FORMAT or meta.get("model") != name:
         found = meta.get("model") if meta.get("format") == FORMAT else "not a repmlp model file"
         raise CheckpointError(f"pretrained file {path} does not hold {name} ({found})")
@@ -169,7 +169,7 @@ def _build(
         kwargs, tensors, meta = _read_pretrained(name, file, kwargs)
     model = _build_empty(name, pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs)
     if file and not kwargs.get("features_only"):
-        from ..checkpoint import load_matching
+        from ..files import load_matching
 
         # Strict, but a classifier for another number of classes keeps its fresh initialisation (timm's
         # load_pretrained). bf16/fp16 weights are copied into the float32 model.

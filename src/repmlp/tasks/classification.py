@@ -32,11 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checkpoint import CheckpointError
 from ..data import Data, DataConfig, build_data
 from ..data.loader import batch_generator
 from ..engine import (
-    METRICS_FILE,
     STATE_FILE,
     DistInfo,
     LoopHooks,
@@ -48,53 +46,25 @@ from ..engine import (
     check_output,
     check_resumable,
     prepare_module,
-    rng_state,
-    set_rng_state,
     setup_distributed,
-    state_hash,
     train_loop,
 )
-from ..engine import option_flag as option_name
 from ..engine import write_metrics_csv as _write_csv
 from ..errors import UserError
-from .classification_report import (
-    EQUIVALENCE_RTOL,
-    accuracy,
-    compare_logits,
-    finish_run,
-    hardware_summary,
-    plot_curves,
-    predict,
-)
+from ..files import CheckpointError
+from ..metrics import topk_correct
 
 __all__ = [
     "METRIC_FIELDS",
-    "METRICS_FILE",
-    "STATE_FILE",
     "TrainConfig",
     "TrainResult",
-    "DistInfo",
     "lr_at",
     "evaluate",
     "run_training",
     "resumed_config",
-    "option_name",
-    "build_model",
-    "setup_distributed",
-    "finish_run",
-    "predict",
-    "accuracy",
-    "compare_logits",
-    "plot_curves",
-    "hardware_summary",
-    "state_hash",
-    "rng_state",
-    "set_rng_state",
-    "EQUIVALENCE_RTOL",
     "config_json",
     "make_optimizer",
     "seed_everything",
-    "topk_correct",
     "write_metrics_csv",
 ]
 
@@ -235,14 +205,6 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(
         groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
     )
-
-
-def topk_correct(logits: Tensor, target: Tensor, ks: tuple[int, ...] = (1, 5)) -> list[int]:
-    """Number of samples whose target is among the top-k logits, for each k (k clipped to #classes)."""
-    kmax = min(max(ks), logits.shape[1])
-    top = logits.topk(kmax, dim=1).indices
-    hits = top == target[:, None]
-    return [int(hits[:, : min(k, kmax)].any(dim=1).sum()) for k in ks]
 
 
 @torch.no_grad()

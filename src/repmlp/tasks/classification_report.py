@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
 from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, cpu_name
 from ..finetune import report_lines
+from ..metrics import accuracy, compare_logits
 
 if TYPE_CHECKING:
     from .classification import TrainResult
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "EQUIVALENCE_RTOL",
     "Outcome",
-    "accuracy",
-    "compare_logits",
     "finish_run",
     "hardware_summary",
     "plot_curves",
@@ -59,26 +58,6 @@ def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False
         logits.append(out.float().cpu())
         labels.append(y.cpu())
     return torch.cat(logits), torch.cat(labels)
-
-
-def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
-    """Top-1 and top-5 accuracy (%) of ``logits`` ``(N, K)`` against ``labels`` ``(N,)``."""
-    from .classification import topk_correct
-
-    c1, c5 = topk_correct(logits, labels)
-    n = max(1, len(labels))
-    return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
-
-
-def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
-    """Max abs and relative difference, and how many predictions (argmax) differ."""
-    diff = (ref - out).abs().max().item()
-    scale = max(ref.abs().max().item(), 1e-12)
-    return {
-        "max_abs_diff": diff,
-        "max_rel_diff": diff / scale,
-        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
-    }
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -196,7 +175,7 @@ def _input_size(result: TrainResult) -> tuple[int, int, int]:
 
 def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outcome]:
     """Save both forms, evaluate both on the whole validation set: ``(model, deployed, outcome)``."""
-    from .. import reparameterize_model
+    from ..convert import reparameterize_model
 
     cfg, data = result.config, result.data
     out, device = Path(cfg.output), result.dist_info.device

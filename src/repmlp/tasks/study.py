@@ -26,7 +26,7 @@ from typing import Any
 from ..checkpoint import atomic_write_text
 from ..errors import UserError
 
-__all__ = ["Row", "ROWS", "StudyOptions", "run_study", "train_config", "train_one"]
+__all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
     """
     from ..engine import resolve_device
     from ..recipes import PRESETS
-    from ..train import TrainConfig
+    from .classification import TrainConfig
 
     recipe = {k: v for k, v in PRESETS["cifar"].items() if k in TrainConfig.__dataclass_fields__}
     recipe.update(
@@ -164,8 +164,9 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     and benchmark (the study times all rows side by side instead).
     """
     from ..checkpoint import load_state
-    from ..pipeline import finish_run
-    from ..train import STATE_FILE, TrainConfig, resumed_config, run_training
+    from ..engine import STATE_FILE
+    from .classification import TrainConfig, resumed_config, run_training
+    from .classification_report import finish_run
 
     cfg = train_config(model, seed, opts, run_dir)
     result_path = run_dir / RESULT_FILE
@@ -195,8 +196,11 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
 
 
 # ---------------------------------------------------------------------------------------- the study
-def run_study(opts: StudyOptions, *, progress: bool = True) -> Path:
-    """Train every row for every seed (reusing finished runs), then write study.md and study.png."""
+def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Train every row for every seed (reusing finished runs): row key -> one result per seed.
+
+    :func:`repmlp.tasks.study_report.write_report` then measures the rows and writes the report.
+    """
     from tqdm import tqdm
 
     opts.validate()
@@ -217,7 +221,4 @@ def run_study(opts: StudyOptions, *, progress: bool = True) -> Path:
         len(jobs),
         time.perf_counter() - started,
     )
-    from .study_report import write_report
-
-    write_report(opts, results, out)
-    return out / "study.md"
+    return results

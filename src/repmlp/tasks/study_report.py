@@ -66,8 +66,8 @@ def measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dic
     Speed does not depend on the weights, so freshly built networks are timed (interleaved rounds, see
     :func:`repmlp.bench.benchmark`); keys are ``(model name, deployed)``.
     """
-    from .. import create_model
     from ..bench import benchmark
+    from ..models.registry import create_model
 
     kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
     torch.manual_seed(0)
@@ -149,9 +149,9 @@ def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> None:
-    """Measure the rows, then write ``out/study.md`` and ``out/study.png``."""
-    from ..pipeline import hardware_summary
+def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
+    """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
+    from .classification_report import hardware_summary
 
     stats = summarize(results)
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3
@@ -201,4 +201,5 @@ def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], o
         "",
     ]
     atomic_write_text(out / "study.md", "\n".join(lines))
+    return out / "study.md"
     log.info("wrote %s and %s", out / "study.md", out / "study.png")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from repmlp.tasks.classification import compare_logits
+from repmlp.metrics import compare_logits
 
 
 def test_compare_logits_reports_differences_and_flips():
