@@ -144,7 +144,7 @@ def test_export_onnx_and_torchscript_match_pytorch(run_dir, tmp_path):
         tmp_path / "m",
     )
     assert res.returncode == 0, res.stderr
-    assert "onnxruntime vs PyTorch max abs diff" in res.stdout
+    assert "onnxruntime vs PyTorch max diff" in res.stdout
     train, _ = load_model(run_dir / "model.safetensors")
     x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw
     with torch.inference_mode():
@@ -255,7 +255,7 @@ def test_export_exported_program_pt2(run_dir, tmp_path):
     res = repmlp_cli("export", "--checkpoint", run_dir / "model.safetensors", "--format", "exported-program")
     assert res.returncode == 0, res.stderr
     default = (run_dir / "model.safetensors").with_suffix(".pt2")
-    assert "torch.export.load vs PyTorch max abs diff" in res.stdout and default.is_file()
+    assert "torch.export.load vs PyTorch max diff" in res.stdout and default.is_file()
     default.replace(out)
     train, _ = load_model(run_dir / "model.safetensors")
     x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw
@@ -372,3 +372,15 @@ def test_eval_of_a_foreign_model_checks_its_own_input_channels(tmp_path, capsys)
     status = cli.main(["eval", "--checkpoint", str(ckpt), "--data-dir", str(data)])
     err = capsys.readouterr().err
     assert status == 2 and "takes 3-channel images but fashion-mnist has 1" in err and "Traceback" not in err
+
+
+def test_export_checks_report_the_difference_relative_to_the_output_scale():
+    """Logits near 4.6e6 that differ by 16 in float32 agree to 3.5e-6: that is what the check bounds and
+    what the command prints (an absolute 1.6e1 reads as a failure)."""
+    from repmlp.export import ExportError, _check_close
+
+    ref = torch.tensor([[4.6e6, -2.0e6], [1.0, 0.5]])
+    assert _check_close("ONNX", ref + 16, ref, 1e-4) == pytest.approx(16 / 4.6e6)
+    assert _check_close("ONNX", ref[1:] + 1e-5, ref[1:], 1e-4) == pytest.approx(1e-5)  # scale at least 1
+    with pytest.raises(ExportError, match="of the output scale"):
+        _check_close("ONNX", ref + 1e3, ref, 1e-4)

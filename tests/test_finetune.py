@@ -140,19 +140,18 @@ def test_face_init_loads_the_trunk_and_starts_the_embedding_head_fresh(tmp_path)
 
 
 def _task_args(task: str, argv: list[str]) -> argparse.Namespace:
-    import importlib
-
     from repmlp.cli import ArgumentParser
+    from repmlp.commands.task_options import TASK_OPTIONS
 
     parser = ArgumentParser()
-    importlib.import_module(f"repmlp.tasks.{task}").add_train_arguments(parser)
+    TASK_OPTIONS[task]["train"](parser)
     return parser.parse_args(["--data-dir", "d", "--output", "o", *argv])
 
 
 def test_init_is_a_flag_of_every_task():
     assert _task_args("face", ["--init", "f.safetensors"]).init == "f.safetensors"
-    assert _task_args("segmentation", ["--init", "f.safetensors"]).init == "f.safetensors"
-    assert _task_args("segmentation", ["--backbone-weights", "b.safetensors"]).init == "b.safetensors"
+    assert _task_args("seg", ["--init", "f.safetensors"]).init == "f.safetensors"
+    assert _task_args("seg", ["--backbone-weights", "b.safetensors"]).init == "b.safetensors"
     assert (
         cli.build_parser().parse_known_args(["train", "--init", "f.safetensors"])[0].init == "f.safetensors"
     )

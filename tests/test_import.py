@@ -17,7 +17,7 @@ from torch import Tensor
 from repmlp import create_model
 from repmlp.checkpoint import load_model
 from repmlp.files import read_metadata
-from repmlp.importer import ImportError_, import_checkpoint
+from repmlp.importer import WeightsImportError, import_checkpoint
 from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 from test_repmlpnet import randomize
@@ -221,18 +221,18 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
     extra = dict(sd, **{"stages.0.0.extra_layer.weight": torch.zeros(1)})
     torch.save(extra, tmp_path / "extra.pth")
     with pytest.raises(
-        ImportError_, match=r"fit no key of the authors layout: stages\.0\.0\.extra_layer\.weight"
+        WeightsImportError, match=r"fit no key of the authors layout: stages\.0\.0\.extra_layer\.weight"
     ):
         import_checkpoint(tmp_path / "extra.pth", NAME, dict(ARCH))
     missing = {k: v for k, v in sd.items() if k != "stages.1.0.ffn_block.ffn_fc2.bn.weight"}
     torch.save(missing, tmp_path / "missing.pth")
-    with pytest.raises(ImportError_, match=r"missing: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"):
+    with pytest.raises(WeightsImportError, match=r"missing: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"):
         import_checkpoint(tmp_path / "missing.pth", NAME, dict(ARCH))
     torch.save(sd, tmp_path / "ok.pth")
-    with pytest.raises(ImportError_, match=r"not a repmlpnet_b224: its channels \(8, 16, 16, 32\)"):
+    with pytest.raises(WeightsImportError, match=r"not a repmlpnet_b224: its channels \(8, 16, 16, 32\)"):
         import_checkpoint(tmp_path / "ok.pth", NAME)
     torch.save({"weights": [1, 2]}, tmp_path / "odd.pth")
-    with pytest.raises(ImportError_, match="not tensors"):
+    with pytest.raises(WeightsImportError, match="not tensors"):
         import_checkpoint(tmp_path / "odd.pth", NAME)
 
 
@@ -344,5 +344,5 @@ def test_import_authors_res50(tmp_path, name, groups, form):
     assert res["model_kwargs"].get("groups", [8] * 4) == [8, groups, groups, 8]  # FC3 groups from the shapes
     assert _same_res(model, res["model"], 1e-5 if form == "deploy" else 1e-7)
     other = "repmlp_res50" if name == "repmlp_res50_light" else "repmlp_res50_light"
-    with pytest.raises(ImportError_, match=f"not a {other}"):
+    with pytest.raises(WeightsImportError, match=f"not a {other}"):
         import_checkpoint(tmp_path / "res50.pth", other, dict(RES_ARGS))

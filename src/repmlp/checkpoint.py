@@ -179,8 +179,8 @@ def _build_for(
         return Int8OnnxModel(tensors["onnx"])
     try:
         model = create_model(name, deploy=form == "deploy", **model_kwargs)
-    except Exception as exc:  # noqa: BLE001 - unknown name, bad kwargs: the file does not fit this install
-        raise CheckpointError(f"{path}: cannot build model {name!r} ({exc})") from None
+    except (TypeError, ValueError) as exc:  # an unknown name or options: the file does not fit this install
+        raise CheckpointError(f"{path}: cannot build model {name!r} ({exc})") from exc
     return model if precision == "fp32" else to_precision(model, precision)
 
 

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from .errors import UserError
 from .reparam import fuse_bn
 
-__all__ = ["ImportError_", "read_state_dict", "import_checkpoint", "ImportResult", "detect_layout"]
+__all__ = ["WeightsImportError", "read_state_dict", "import_checkpoint", "ImportResult", "detect_layout"]
 
 
-class ImportError_(UserError, ValueError):
+class WeightsImportError(UserError, ValueError):
     """A checkpoint that cannot be imported (unsafe, unknown layout, keys that do not fit)."""
 
 
@@ -39,28 +39,28 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """
     path = Path(path)
     if not path.is_file():
-        raise ImportError_(f"checkpoint not found: {path}")
+        raise WeightsImportError(f"checkpoint not found: {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ImportError_(
+        raise WeightsImportError(
             f"refusing to load {path}: it holds more than tensors and plain containers, and loading it "
             f"could run code ({first[:160]})"
         ) from None
     except (RuntimeError, OSError, EOFError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ImportError_(f"cannot read {path} as a PyTorch checkpoint ({first[:160]})") from None
+        raise WeightsImportError(f"cannot read {path} as a PyTorch checkpoint ({first[:160]})") from None
     for key in ("state_dict", "model"):
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]
             break
     if not isinstance(obj, Mapping) or not obj:
-        raise ImportError_(f"{path} holds no state dict (expected a dict of tensors)")
+        raise WeightsImportError(f"{path} holds no state dict (expected a dict of tensors)")
     tensors = {str(k): v for k, v in obj.items() if isinstance(v, Tensor)}
     others = [str(k) for k, v in obj.items() if not isinstance(v, Tensor)]
     if others:
-        raise ImportError_(f"{path}: entries that are not tensors: {', '.join(others[:5])}")
+        raise WeightsImportError(f"{path}: entries that are not tensors: {', '.join(others[:5])}")
     if all(k.startswith("module.") for k in tensors):
         tensors = {k[len("module.") :]: v for k, v in tensors.items()}
     return tensors
@@ -134,12 +134,12 @@ LAYOUTS: dict[str, tuple[Callable[[dict[str, Tensor]], bool], list[tuple[str, st
 
 
 def detect_layout(sd: Mapping[str, Tensor]) -> str:
-    """``"authors"``, ``"mmpretrain"`` (RepMLPNet) or ``"authors-res50"``; a :class:`ImportError_` otherwise."""
+    """``"authors"``, ``"mmpretrain"`` (RepMLPNet) or ``"authors-res50"``; a :class:`WeightsImportError` otherwise."""
     for name, (test, _, _) in LAYOUTS.items():
         if test(sd):
             return name
     shown = ", ".join(list(sd)[:4])
-    raise ImportError_(
+    raise WeightsImportError(
         f"unrecognised checkpoint layout (first keys: {shown}); expected the authors' RepMLPNet "
         "(conv_embedding.*, stages.*), mmpretrain's RepMLPNet (backbone.patch_embed.*, head.fc.*) or the "
         "authors' RepMLP-Res50 (stage0.*, stage1.* ... linear.*)"
@@ -257,7 +257,7 @@ def _check_structure(name: str, inferred: dict[str, Any], model_args: dict[str, 
     keys = [k for k in _STRUCTURE if not (k == "img_size" and model_args.get("partitions") is not None)]
     wrong = [f"{k} {inferred[k]} (the model has {expected[k]})" for k in keys if inferred[k] != expected[k]]
     if wrong:
-        raise ImportError_(
+        raise WeightsImportError(
             f"the checkpoint is not a {name}: its {'; '.join(wrong)}; pick the matching --model "
             "or pass --model-arg"
         )
@@ -306,20 +306,20 @@ def import_checkpoint(
     from .models import create_model, is_model
 
     if not is_model(name):
-        raise ImportError_(f"--model {name!r} is not a registered repmlp model")
+        raise WeightsImportError(f"--model {name!r} is not a registered repmlp model")
     args = dict(model_args or {})
     raw = read_state_dict(path)
     layout = detect_layout(raw)
     family = _FAMILIES[layout]
     if not (name in family or any(name.startswith(f) and f.endswith("_") for f in family)):
         names = ", ".join(f + "*" if f.endswith("_") else f for f in family)
-        raise ImportError_(f"{path} holds {layout} weights; --model must be one of {names}")
+        raise WeightsImportError(f"{path} holds {layout} weights; --model must be one of {names}")
     if layout == "authors-res50" and (name == "repmlp_res50_light") != any("light_repmlp" in k for k in raw):
         kind = "RepMLP Light Blocks" if any("light_repmlp" in k for k in raw) else "RepMLP Bottlenecks"
-        raise ImportError_(f"{path} holds a RepMLP-Res50 with {kind}, not a {name}")
+        raise WeightsImportError(f"{path} holds a RepMLP-Res50 with {kind}, not a {name}")
     mapped, unused = _map_keys(raw, layout)
     if unused:
-        raise ImportError_(
+        raise WeightsImportError(
             f"{path}: {len(unused)} key(s) fit no key of the {layout} layout: {', '.join(unused[:5])}"
         )
     form = "train" if any(".fc3_bn." in k for k in raw) else "deploy"
@@ -342,7 +342,7 @@ def import_checkpoint(
     try:
         model = create_model(name, deploy=form == "deploy", **kwargs)
     except (TypeError, ValueError) as exc:
-        raise ImportError_(f"cannot build {name} with {kwargs}: {exc}") from None
+        raise WeightsImportError(f"cannot build {name} with {kwargs}: {exc}") from None
     _load_exact(model, mapped, path)
     return ImportResult(model=model.eval(), name=name, model_kwargs=kwargs, form=form, layout=layout)
 
@@ -362,5 +362,5 @@ def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike
             for label, keys in (("missing", missing), ("unused", unexpected), ("shape mismatch", shapes))
             if keys
         ]
-        raise ImportError_(f"{path} does not fit {model.__class__.__name__}: {'; '.join(parts)}")
+        raise WeightsImportError(f"{path} does not fit {model.__class__.__name__}: {'; '.join(parts)}")
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import cpu_name, resolve_device  # noqa: F401 - resolve_device: the commands' import
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -131,13 +130,6 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -
     )
 
 
-def describe_device(device: torch.device) -> str:
-    """Human-readable hardware of ``device`` for report lines (GPU name, or CPU model and threads)."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    return f"{cpu_name()}, {torch.get_num_threads()} threads"
-
-
 def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """:func:`repmlp.checkpoint.load_model` on the CPU (its errors are already one-line UserErrors)."""
     from ..checkpoint import load_model
@@ -163,12 +155,3 @@ def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> Non
         size = "x".join(str(s) for s in input_size)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
-
-
-def build_model(
-    name: str, *, num_classes: int | None, in_chans: int | None, img_size: int | None
-) -> nn.Module:
-    """:func:`repmlp.engine.build_model` in eval mode (the commands measure and export models)."""
-    from ..engine import build_model as build
-
-    return build(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)[0].eval()

@@ -14,17 +14,15 @@ from pathlib import Path
 
 from torch import nn
 
+from ..engine import build_model, hardware_summary, resolve_device
 from ..errors import UserError
 from ._common import (
     add_device_argument,
-    build_model,
     check_forward,
     check_report_output,
     checkpoint_input_size,
-    describe_device,
     int_at_least,
     load_checkpoint,
-    resolve_device,
 )
 
 log = logging.getLogger(__name__)
@@ -78,9 +76,10 @@ def _models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], tuple[int, 
     forms: dict[str, str] = {}
     if args.model:
         for name in dict.fromkeys(args.model):
-            model = build_model(
+            model, _ = build_model(
                 name, num_classes=args.num_classes, in_chans=args.in_chans, img_size=args.img_size
             )
+            model.eval()  # measured and exported as an inference model
             c, h, w = default_input_size(model)
             if args.in_chans is not None:
                 c = args.in_chans
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     size = "x".join(str(s) for s in input_size)
     precisions = "/".join(sorted({precision_of(m) for m in models.values()}))
     note = (
-        f"Batch {args.batch_size}, input {size}, {precisions}, {describe_device(device)}; speed is the median of "
+        f"Batch {args.batch_size}, input {size}, {precisions}, {hardware_summary(device)}; speed is the median of "
         f"{args.repeats} timed passes after {args.warmup} warm-up passes, the forms interleaved; spread is "
         "the interquartile range of the pass times relative to their median (`repmlp bench`)."
     )

@@ -8,11 +8,9 @@ segmentation protocols instead (their options: ``repmlp eval --task face --help`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
-from ..errors import UserError
-from ._common import checkpoint_input_size, int_at_least
+from ._common import int_at_least
 from .train import add_task_option, print_help_if_asked, run_task
 
 log = logging.getLogger(__name__)
@@ -60,65 +58,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.task != "cls":
         return run_task(args, "eval", "eval")
-    if not args.checkpoint:
-        raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
-    from ..checkpoint import load_model
-    from ..data import DataConfig, build_data
-    from ..engine import resolve_device
-    from ..files import CheckpointError
     from ..tasks.classification import evaluate
 
-    device = resolve_device(args.device)
-    model, info = load_model(args.checkpoint, device=device)
-    extra = info.get("extra") or {}
-    dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
-    # The training run's data folder (recorded in the checkpoint) unless another is given.
-    data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
-    kwargs = info["model_kwargs"]
-    # An imported model records its input size and the preprocessing its weights were evaluated with.
-    recorded = extra.get("input_size")
-    img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
-    data = build_data(
-        DataConfig(
-            dataset=dataset,
-            data_dir=data_dir,
-            download=args.download,
-            eval_batch_size=args.batch_size,
-            val_limit=args.val_limit,
-            img_size=img_size,
-            eval_preprocessing=None if args.img_size else extra.get("eval_preprocessing"),
-            workers=args.workers,
-            need_train=False,
-        ),
-        device=device,
-    )
-    if kwargs.get("num_classes") not in (None, data.num_classes):
-        raise CheckpointError(
-            f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"
-        )
-    # The model's own input channels (a foreign model's checkpoint may not record in_chans).
-    in_chans = checkpoint_input_size(model, info)[0]
-    if in_chans != data.in_chans:
-        raise CheckpointError(
-            f"{args.checkpoint} takes {in_chans}-channel images but {dataset} has {data.in_chans}"
-        )
-    if kwargs.get("img_size") not in (None, data.img_size):
-        raise CheckpointError(
-            f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has {data.img_size}px"
-        )
-    res = evaluate(model, data.val, device)
-    res.update(
-        model=info["model"],
-        form=info["form"],
-        precision=info.get("precision", "fp32"),
-        dataset=dataset,
-        checkpoint=str(args.checkpoint),
-    )
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(
-            f"{info['model']} ({info['form']} form, {res['precision']}) on {dataset}, {res['n']} examples: "
-            f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
-        )
-    return 0
+    return evaluate(args)

@@ -85,13 +85,17 @@ def run(args: argparse.Namespace) -> int:
         try:
             if fmt == "onnx":
                 diff = export_onnx(model, path, input_size, check=not args.no_check, opset_version=args.opset)
-                how = "not checked" if args.no_check else f"onnxruntime vs PyTorch max abs diff {diff:.2e}"
+                how = (
+                    "not checked"
+                    if args.no_check
+                    else f"onnxruntime vs PyTorch max diff {diff:.2e} of the output scale"
+                )
             elif fmt == "exported-program":
                 diff = export_program(model, path, input_size)
-                how = f"torch.export.load vs PyTorch max abs diff {diff:.2e}"
+                how = f"torch.export.load vs PyTorch max diff {diff:.2e} of the output scale"
             else:
                 diff = export_torchscript(model, path, input_size)
-                how = f"TorchScript vs PyTorch max abs diff {diff:.2e}"
+                how = f"TorchScript vs PyTorch max diff {diff:.2e} of the output scale"
         except ExportError as exc:
             raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
         print(f"wrote {path} ({info['model']}, deployed, input Nx{size}; {how})")

@@ -88,7 +88,9 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
         prog=f"repmlp {command} --task {args.task}",
         description=(module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else None,
     )
-    getattr(module, f"add_{phase}_arguments")(parser)
+    from .task_options import TASK_OPTIONS
+
+    TASK_OPTIONS[args.task][phase](parser)
     try:
         task_args = parser.parse_args(task_argv(args.argv, command))
     except SystemExit as exc:

@@ -5,11 +5,11 @@
 - :mod:`repmlp.tasks.face`: face recognition (paper Sec. 4.3), ``--task face``.
 - :mod:`repmlp.tasks.segmentation`: semantic segmentation (paper Sec. 4.4), ``--task seg``.
 
-Face and segmentation expose ``add_train_arguments(parser)``, ``add_eval_arguments(parser)``,
-``train(args) -> int`` and ``evaluate(args) -> int``; classification's options are ``repmlp train``'s own.
+Every task exposes ``evaluate(args) -> int`` (``repmlp eval``); face and segmentation also
+``train(args) -> int``, over the namespace of their options (:mod:`repmlp.commands.task_options`), and
+classification ``run_training(TrainConfig)`` (``repmlp train`` builds the config from its options).
+The study (:mod:`repmlp.tasks.study`) trains classification runs; each task's report is its own module.
 """
-
-TASKS = ("face", "seg")
 
 # The ``--task`` name -> the module under ``repmlp.tasks`` (short names on the command line, full ones in code).
 TASK_MODULES = {"cls": "classification", "face": "face", "seg": "segmentation"}

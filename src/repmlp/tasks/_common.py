@@ -47,13 +47,6 @@ def parse_model_kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
-def build_model(name: str, kwargs: dict[str, Any]) -> nn.Module:
-    """:func:`repmlp.engine.build_model` with the task's options as they are (``img_size`` included)."""
-    from ..engine import build_model as build
-
-    return build(name, kwargs)[0]
-
-
 def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, default: int) -> int:
     """The one square input size of a run: ``--model-kwargs``' ``img_size`` or ``flag`` (``value``).
 
@@ -142,91 +135,6 @@ class EpochSeeded(Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return self.dataset[index]
-
-
-def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--data-dir`` (as classification calls it; ``--data``, the old spelling, still works)."""
-    parser.add_argument("--data-dir", "--data", dest="data", required=True, help=help)
-
-
-def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options every task's evaluation shares (conversion check, JSON output, processes)."""
-    from ..commands._common import int_at_least
-
-    parser.add_argument(
-        "--check-conversion",
-        action="store_true",
-        help="also evaluate the training-form model and report both (train-form checkpoints)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print the metrics as JSON (as for classification)"
-    )
-    parser.add_argument("--output-json", default=None, help="also write the metrics to this JSON file")
-    parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
-    )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
-
-
-def add_common_train_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    model: str,
-    batch_size: int,
-    lr: float,
-    weight_decay: float,
-    init_help: str,
-    init_aliases: tuple[str, ...] = (),
-) -> None:
-    """The flags every task's training shares, spelt as classification spells them (model, output,
-    schedule basics, ``--init``, processes, checkpoints)."""
-    from ..commands import _common as flags
-
-    flags.add_init_argument(parser, help=init_help, aliases=init_aliases)
-
-    parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
-    parser.add_argument(
-        "--model-arg",
-        type=flags.model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra model option, VALUE as JSON (e.g. --model-arg img_size=64); repeatable",
-    )
-    parser.add_argument("--model-kwargs", default=None, help="(old spelling) JSON object of model options")
-    parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
-    parser.add_argument(
-        "--batch-size",
-        type=flags.int_at_least(1),
-        default=batch_size,
-        help=f"global batch size, split over torchrun processes (default: {batch_size})",
-    )
-    parser.add_argument(
-        "--lr", type=flags.positive_float, default=lr, help=f"base learning rate (default: {lr})"
-    )
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
-    parser.add_argument(
-        "--weight-decay",
-        type=flags.nonneg_float,
-        default=weight_decay,
-        help=f"weight decay (default: {weight_decay})",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    flags.add_limit_argument(parser, "--train-limit", "training images")
-    parser.add_argument(
-        "--workers", type=flags.int_at_least(0), default=2, help="data loading processes (default: 2)"
-    )
-    parser.add_argument(
-        "--log-interval",
-        type=flags.int_at_least(1),
-        default=20,
-        help="log the mean loss every N iterations (default: 20)",
-    )
-    flags.add_run_arguments(
-        parser,
-        resume_help="continue the run in --output from its last checkpoint (repeat the run's options)",
-        step="iteration",
-    )
 
 
 # Options that do not change the maths: a resumed run may change them.

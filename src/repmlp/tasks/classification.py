@@ -16,6 +16,7 @@ re-exports.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -60,6 +61,7 @@ __all__ = [
     "TrainResult",
     "lr_at",
     "evaluate",
+    "evaluate_model",
     "run_training",
     "resumed_config",
     "config_json",
@@ -208,7 +210,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_model(
     model: nn.Module,
     loader,
     device: torch.device,
@@ -396,7 +398,7 @@ class _Hooks:
         """Evaluate on the validation set; the epoch's ``metrics.csv`` row (logged by rank 0)."""
         cfg, di = self.cfg, self.procs
         broadcast_buffers(self.model, di)
-        val = evaluate(self.model, self.data.val, di.device, amp=bool(cfg.amp), dist_info=di,
+        val = evaluate_model(self.model, self.data.val, di.device, amp=bool(cfg.amp), dist_info=di,
                        desc=f"eval {pos.epoch + 1}")  # fmt: skip
         lr = lr_at(pos.step - 1, self.total_steps, cfg, len(self.data.train))
         return _epoch_row(cfg, pos, lr, val, di)
@@ -513,3 +515,72 @@ def _initialise(
 
 def config_json(cfg: TrainConfig) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``repmlp eval`` (``--task cls``): top-1/top-5 and loss of a model file on a data set, printed.
+
+    ``args``: ``checkpoint``, ``dataset`` and ``data_dir`` (default: the ones the file was trained on),
+    ``download``, ``val_limit``, ``img_size``, ``batch_size``, ``workers``, ``device``, ``json``. A file
+    whose classes, channels or input size do not fit the data set is a :class:`CheckpointError`.
+    """
+    if not args.checkpoint:
+        raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
+    from ..checkpoint import load_model
+    from ..engine import resolve_device
+    from ..predict import model_input_size
+
+    device = resolve_device(args.device)
+    model, info = load_model(args.checkpoint, device=device)
+    extra = info.get("extra") or {}
+    dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
+    # The training run's data folder (recorded in the checkpoint) unless another is given.
+    data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
+    kwargs = info["model_kwargs"]
+    # An imported model records its input size and the preprocessing its weights were evaluated with.
+    recorded = extra.get("input_size")
+    img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
+    data = build_data(
+        DataConfig(
+            dataset=dataset,
+            data_dir=data_dir,
+            download=args.download,
+            eval_batch_size=args.batch_size,
+            val_limit=args.val_limit,
+            img_size=img_size,
+            eval_preprocessing=None if args.img_size else extra.get("eval_preprocessing"),
+            workers=args.workers,
+            need_train=False,
+        ),
+        device=device,
+    )
+    if kwargs.get("num_classes") not in (None, data.num_classes):
+        raise CheckpointError(
+            f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"
+        )
+    # The model's own input channels (a foreign model's checkpoint may not record in_chans).
+    in_chans = model_input_size(model, info)[0]
+    if in_chans != data.in_chans:
+        raise CheckpointError(
+            f"{args.checkpoint} takes {in_chans}-channel images but {dataset} has {data.in_chans}"
+        )
+    if kwargs.get("img_size") not in (None, data.img_size):
+        raise CheckpointError(
+            f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has {data.img_size}px"
+        )
+    res = evaluate_model(model, data.val, device)
+    res.update(
+        model=info["model"],
+        form=info["form"],
+        precision=info.get("precision", "fp32"),
+        dataset=dataset,
+        checkpoint=str(args.checkpoint),
+    )
+    if args.json:
+        print(json.dumps(res, sort_keys=True))
+    else:
+        print(
+            f"{info['model']} ({info['form']} form, {res['precision']}) on {dataset}, {res['n']} examples: "
+            f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
+        )
+    return 0

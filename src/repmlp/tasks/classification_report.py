@@ -11,8 +11,6 @@ import copy
 import io
 import logging
 import math
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
-from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, cpu_name
+from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
 from ..finetune import report_lines
 from ..metrics import accuracy, compare_logits
 
@@ -33,7 +31,6 @@ __all__ = [
     "EQUIVALENCE_RTOL",
     "Outcome",
     "finish_run",
-    "hardware_summary",
     "plot_curves",
     "predict",
     "render_report",
@@ -90,29 +87,21 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def hardware_summary(device: torch.device) -> str:
-    """One line naming the processor (or GPU), core count, threads and library versions."""
-    if device.type == "cuda":
-        hw = torch.cuda.get_device_name(device)
-    else:
-        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
-
-
 def _missing_export_packages() -> list[str]:
     from ..export import missing_onnx_packages
 
     return missing_onnx_packages()
 
 
-def _optional(name: str, fn, notes: list[str]):
+def _optional(name: str, fn, outcome: Outcome):
     """Run an optional final step; a failure is logged and noted in the report instead of aborting."""
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - the run's weights are saved; report what failed
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.error("%s failed: %s", name, msg)
-        notes.append(f"{name} failed: {msg}")
+        outcome.notes.append(f"{name} failed: {msg}")
+        outcome.failed.append(name)
         return None
 
 
@@ -129,6 +118,7 @@ class Outcome:
     onnx_diff: float | None = None
     fc3_sample: Any = None
     notes: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # the optional steps that raised
     total_s: float = 0.0
 
     @property
@@ -151,22 +141,21 @@ def finish_run(
     cfg = result.config
     out = Path(cfg.output)
     model, deployed, outcome = _convert_and_check(result)
-    notes = outcome.notes
     if bench:
-        outcome.bench = _optional("benchmark", lambda: _benchmark(result, model, bench_batch_size), notes)
+        outcome.bench = _optional("benchmark", lambda: _benchmark(result, model, bench_batch_size), outcome)
     if export:
-        outcome.onnx_diff = _export(result, deployed, notes)
-    outcome.fc3_sample = _optional("FC3 figure", lambda: _fc3(result, model, notes), notes)
+        outcome.onnx_diff = _export(result, deployed, outcome)
+    outcome.fc3_sample = _optional("FC3 figure", lambda: _fc3(result, model, outcome.notes), outcome)
     _optional(
         "training curves",
         lambda: plot_curves(result.history, out / "curves.png", f"{cfg.model} on {cfg.dataset}"),
-        notes,
+        outcome,
     )
     outcome.total_s = time.perf_counter() - started
     atomic_write_text(out / "report.md", render_report(result, outcome, command))
     log.info("run folder: %s (report.md); total %.0f s", out, outcome.total_s)
     replicas_ok = len(set(result.replica_hashes)) == 1
-    return outcome.equivalent and replicas_ok and not any("failed" in n for n in notes)
+    return outcome.equivalent and replicas_ok and not outcome.failed
 
 
 def _input_size(result: TrainResult) -> tuple[int, int, int]:
@@ -227,19 +216,20 @@ def _benchmark(result: TrainResult, model: nn.Module, batch_size: int) -> tuple[
     return rows, render_markdown(rows)
 
 
-def _export(result: TrainResult, deployed: nn.Module, notes: list[str]) -> float | None:
-    """``deploy.onnx`` (its onnxruntime max abs diff); skipped with a note without the optional packages."""
+def _export(result: TrainResult, deployed: nn.Module, outcome: Outcome) -> float | None:
+    """``deploy.onnx`` (its onnxruntime difference relative to the output scale); skipped with a note
+    without the optional packages."""
     missing = _missing_export_packages()
     if missing:
         # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
         msg = f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
         log.warning("%s", msg)
-        notes.append(msg)
+        outcome.notes.append(msg)
         return None
     from ..export import export_onnx
 
     path = Path(result.config.output) / "deploy.onnx"
-    return _optional("ONNX export", lambda: export_onnx(deployed, path, _input_size(result)), notes)
+    return _optional("ONNX export", lambda: export_onnx(deployed, path, _input_size(result)), outcome)
 
 
 def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
@@ -332,7 +322,7 @@ def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
 def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
     out, onnx_diff, fc3_sample = Path(result.config.output), outcome.onnx_diff, outcome.fc3_sample
     onnx_note = (
-        f" (onnxruntime max abs diff {onnx_diff:.2e})"
+        f" (onnxruntime max diff {onnx_diff:.2e} of the output scale)"
         if isinstance(onnx_diff, float) and math.isfinite(onnx_diff)
         else ""
     )

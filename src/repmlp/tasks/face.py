@@ -20,13 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine import build_model
 from ..errors import UserError
 from ..finetune import report_lines
 from ._common import (
-    add_common_eval_arguments,
-    add_common_train_arguments,
-    add_data_argument,
-    build_model,
     check_finite,
     check_train_options,
     evaluate_both_forms,
@@ -44,8 +41,6 @@ from ._common import (
 )
 
 __all__ = [
-    "add_train_arguments",
-    "add_eval_arguments",
     "train",
     "evaluate",
     "embed_images",
@@ -56,89 +51,6 @@ log = logging.getLogger(__name__)
 
 PAPER_LR_STEPS = (252_000, 364_000, 406_000)
 PAPER_ITERATIONS = 420_000
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values) or values != sorted(values):
-        raise argparse.ArgumentTypeError(f"expected increasing positive iterations, got {text!r}")
-    return values
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``repmlp train --task face``."""
-    from ..commands._common import int_at_least, nonneg_float, positive_float
-
-    add_data_argument(parser, "folder of aligned face crops, one sub-folder per identity")
-    add_common_train_arguments(
-        parser,
-        model="repmlp_face_resnet",
-        batch_size=512,
-        lr=0.1,
-        weight_decay=4e-5,
-        init_help="start from a training-time model file of the same architecture (e.g. a classification "
-        "run of it): the trunk is loaded, the embedding head starts fresh",
-    )
-    parser.add_argument(
-        "--head-weight-decay",
-        type=nonneg_float,
-        default=4e-4,
-        help="weight decay of the embedding layer and AM-Softmax class weights (default: 4e-4)",
-    )
-    parser.add_argument(
-        "--iterations",
-        type=int_at_least(1),
-        default=420_000,
-        help="training iterations (default: 420000, the paper's)",
-    )
-    parser.add_argument(
-        "--lr-steps",
-        type=_int_list,
-        default=None,
-        help="iterations at which the LR is divided by 10 (default: the paper's 252000,364000,406000 "
-        "of 420000, scaled to --iterations)",
-    )
-    parser.add_argument(
-        "--am-scale", type=positive_float, default=30.0, help="AM-Softmax scale s (default: 30)"
-    )
-    parser.add_argument("--am-margin", type=float, default=0.35, help="AM-Softmax margin m (default: 0.35)")
-    parser.add_argument(
-        "--img-size",
-        type=int_at_least(16),
-        default=None,
-        help="face crop size (default: --model-kwargs' img_size, else 96)",
-    )
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``repmlp eval --task face``."""
-    from ..commands._common import int_at_least
-
-    parser.add_argument(
-        "--checkpoint", required=True, help="model file written by `repmlp train --task face`"
-    )
-    parser.add_argument(
-        "--pairs", default=None, help="verification pairs: LFW pairs.txt or lines '<path1> <path2> <0|1>'"
-    )
-    parser.add_argument(
-        "--pairs-root",
-        default=None,
-        help="folder the pair paths are relative to (default: the pairs file's folder)",
-    )
-    parser.add_argument("--folds", type=int_at_least(2), default=10, help="verification folds (default: 10)")
-    parser.add_argument("--probe", default=None, help="identification probe set: one sub-folder per identity")
-    parser.add_argument(
-        "--gallery",
-        default=None,
-        help="identification gallery: the probes' mates plus distractors, one sub-folder per identity",
-    )
-    parser.add_argument(
-        "--batch-size", type=int_at_least(1), default=256, help="embedding batch size (default: 256)"
-    )
-    add_common_eval_arguments(parser)
 
 
 class FaceTrainModule(nn.Module):
@@ -211,7 +123,7 @@ def _train(args: argparse.Namespace, procs) -> None:
     if len(dataset.classes) < 2:
         # One class makes the AM-Softmax loss 0 whatever the embedding: nothing would be learnt.
         raise UserError(f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2")
-    model = build_model(args.model, kwargs)
+    model, _ = build_model(args.model, kwargs)
     require_task_model(model, "face", args.model)
     init = _init_trunk(model, args.init, procs)
     loss = AMSoftmax(model.embedding_dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)

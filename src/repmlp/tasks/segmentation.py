@@ -25,15 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engine import build_model
 from ..errors import UserError
 from ..finetune import report_lines
 from ._common import (
     DistInfo,
-    add_common_eval_arguments,
-    add_common_train_arguments,
-    add_data_argument,
     all_reduce_sum,
-    build_model,
     check_train_options,
     cleanup_distributed,
     evaluate_both_forms,
@@ -53,8 +50,6 @@ from ._common import (
 )
 
 __all__ = [
-    "add_train_arguments",
-    "add_eval_arguments",
     "train",
     "evaluate",
     "poly_lr",
@@ -69,82 +64,6 @@ log = logging.getLogger(__name__)
 def poly_lr(base: float, iteration: int, max_iterations: int, power: float = 0.9) -> float:
     """Poly policy: ``base * (1 - iteration / max_iterations) ** power``."""
     return base * (1.0 - min(iteration, max_iterations) / max_iterations) ** power
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``repmlp train --task seg``."""
-    from ..commands._common import int_at_least, nonneg_float, positive_float
-
-    add_data_argument(parser, "Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)")
-    add_common_train_arguments(
-        parser,
-        model="pspnet_repmlp_res50",
-        batch_size=16,
-        lr=0.01,
-        weight_decay=1e-4,
-        init_help="ImageNet-trained backbone: a training-time classification model file from `repmlp train` "
-        "or `repmlp import`; FC1/FC2 are re-initialised (the paper's), everything else inherited",
-        init_aliases=("--backbone-weights",),
-    )
-    parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
-    parser.add_argument(
-        "--iterations",
-        type=int_at_least(1),
-        default=None,
-        help="training iterations (default: from --epochs)",
-    )
-    parser.add_argument("--power", type=positive_float, default=0.9, help="poly LR power (default: 0.9)")
-    parser.add_argument(
-        "--head-lr-mult",
-        type=positive_float,
-        default=10.0,
-        help="LR multiplier of the PSP and auxiliary heads (PSPNet's code: 10)",
-    )
-    parser.add_argument(
-        "--crop-size",
-        type=int_at_least(8),
-        default=None,
-        help="training crop, the model's img_size (default: --model-kwargs' img_size, else 713)",
-    )
-    parser.add_argument(
-        "--scale-min", type=positive_float, default=0.5, help="random scale lower bound (0.5)"
-    )
-    parser.add_argument(
-        "--scale-max", type=positive_float, default=2.0, help="random scale upper bound (2.0)"
-    )
-    parser.add_argument(
-        "--aux-weight", type=nonneg_float, default=0.4, help="auxiliary loss weight (default: 0.4)"
-    )
-    parser.add_argument(
-        "--train-split", default="train", help="Cityscapes split to train on (default: train)"
-    )
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``repmlp eval --task seg``."""
-    from ..commands._common import int_at_least
-
-    parser.add_argument("--checkpoint", required=True, help="model file written by `repmlp train --task seg`")
-    add_data_argument(parser, "Cityscapes root")
-    parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
-    parser.add_argument(
-        "--mode",
-        choices=("slide", "whole"),
-        default="slide",
-        help="slide: crop-size windows (default); whole: one pass per image (no RepMLPs)",
-    )
-    parser.add_argument(
-        "--crop-size", type=int_at_least(8), default=None, help="window size (default: the model's img_size)"
-    )
-    parser.add_argument(
-        "--val-limit",
-        "--limit",
-        dest="limit",
-        type=int_at_least(1),
-        default=None,
-        help="evaluate the first N images only",
-    )
-    add_common_eval_arguments(parser)
 
 
 class SegTrainModule(nn.Module):
@@ -197,7 +116,7 @@ def _build(
     from ..finetune import file_sha256
     from ..models.pspnet import load_backbone_weights
 
-    model = build_model(args.model, kwargs)
+    model, _ = build_model(args.model, kwargs)
     require_task_model(model, "seg", args.model)
     if not args.init:
         return model, None

@@ -151,7 +151,7 @@ def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
 
 def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
-    from .classification_report import hardware_summary
+    from ..engine import hardware_summary
 
     stats = summarize(results)
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3
