@@ -1,0 +1,111 @@
+"""Devices and models for a run: ``--device`` parsing, the hardware line of reports, ``build_model``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(text: str) -> torch.device:
+    """``--device`` -> ``torch.device`` (``auto``: CUDA when available); a device this machine lacks is a
+    :class:`UserError`."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N, mps or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {text}: Apple's MPS is not available on this machine")
+    elif device.type not in ("cpu", "mps"):
+        raise UserError(f"--device {text}: only cpu, cuda and mps are supported")
+    return device
+
+
+def cpu_name() -> str:
+    """The processor's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def hardware_summary(device: torch.device) -> str:
+    """One line naming the processor (or GPU), core count, threads and library versions."""
+    import platform
+
+    if device.type == "cuda":
+        hw = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    else:
+        hw = cpu_name() + f", {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{hw}; torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def build_model(
+    name: str,
+    model_args: dict[str, Any] | None = None,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    img_size: int | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """``create_model(name, **model_args)`` sized for the data; returns ``(model, kwargs used)``.
+
+    ``img_size`` is passed only to models built for one input size (:func:`takes_img_size`); other CNNs
+    take any size. An unknown name or an option the model rejects (``ValueError``/``TypeError`` from its
+    constructor) is a :class:`UserError`; any other exception is a bug and propagates with its traceback.
+    """
+    from ..models import create_model
+
+    kwargs = dict(model_args or {})
+    kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
+    if img_size is not None and takes_img_size(name):
+        kwargs = {"img_size": img_size, **kwargs}
+    try:
+        return create_model(name, **kwargs), kwargs
+    except (TypeError, ValueError) as exc:
+        first = str(exc).strip("'\" \n").splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot build model {name!r}: {first}") from exc
+
+
+def takes_img_size(name: str) -> bool:
+    """Whether model ``name`` is built for one input size: every repmlp model (FC3 and the partitions
+    depend on it), and timm models whose config says ``fixed_input_size`` (vision transformers...)."""
+    from ..models import is_model
+
+    source, _, bare = name.rpartition(":")
+    if source in ("", "repmlp") and is_model(bare):
+        return True
+    if source in ("", "timm"):
+        import timm
+
+        if timm.is_model(bare):
+            cfg = timm.models.get_pretrained_cfg(bare)
+            return bool(cfg is not None and getattr(cfg, "fixed_input_size", False))
+    return False
+
+
+def amp_dtype(device: torch.device) -> torch.dtype:
+    """The autocast dtype: bfloat16, or float16 on GPUs without bfloat16 (which then need a GradScaler)."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16

@@ -1,0 +1,313 @@
+"""The one training loop of every task (:func:`train_loop`) and its options, hooks and position."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UserError
+from .devices import amp_dtype
+from .processes import DistInfo, all_reduce_sum, unwrap
+from .report import LOSS_FIELDS, write_metrics_csv
+from .state import (
+    METRICS_FILE,
+    STATE_FILE,
+    check_resumable,
+    gather_object,
+    replica_hashes,
+    rng_state,
+    set_rng_state,
+)
+
+log = logging.getLogger(__name__)
+
+
+def progress(iterable, total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
+    """tqdm progress bar on the main process only; use it in a ``with`` so that an error clears it."""
+    from tqdm import tqdm
+
+    # disable=None: off where stderr is not a terminal (log files), as for every bar of the project.
+    return tqdm(
+        iterable, total=total, initial=initial, desc=desc, disable=None if enabled else True, leave=False
+    )
+
+
+@dataclass
+class Position:
+    """Where a run stands (saved in the checkpoint): ``step`` optimizer steps done in all, ``batch`` of
+    them in epoch ``epoch`` (0-based); the history so far; the sums of the task's step statistics over
+    this epoch (``epoch_acc``, with its training ``seconds``) and since the last loss log line (``window``)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    epoch_acc: dict[str, float] = field(default_factory=dict)
+    window: dict[str, float] = field(default_factory=dict)
+
+
+def loss_step(
+    net: nn.Module, images: Tensor, labels: Tensor, pos: Position
+) -> tuple[Tensor, dict[str, float]]:
+    """The step of a module that computes its own loss (``net(images, labels)`` -> scalar): the loss, and
+    as statistics the loss per step (``n`` counts steps)."""
+    loss = net(images, labels).float()
+    return loss, {"loss": float(loss.detach()), "n": 1.0}
+
+
+@dataclass
+class LoopHooks:
+    """What a task plugs into :func:`train_loop`.
+
+    - ``step(net, images, labels, pos) -> (loss, stats)``: the forward pass and loss of one batch, run
+      under autocast; ``stats`` are sums over the batch (``n``: how many things were summed) that the
+      engine adds up per epoch and per log interval and shows in the progress bar as means.
+    - ``end_epoch(pos) -> row or None``: called when an epoch's batches are used up, before the position
+      moves on (``pos.epoch_acc`` holds the epoch's sums); a returned row is appended to the history.
+    """
+
+    step: Callable[[nn.Module, Tensor, Tensor, Position], tuple[Tensor, dict[str, float]]] = loss_step
+    end_epoch: Callable[[Position], dict[str, Any] | None] | None = None
+
+
+@dataclass
+class LoopOptions:
+    """What the engine needs to know of a run besides its module, optimizer, data and hooks.
+
+    A run counts either ``epochs`` (classification: a checkpoint after every epoch; the run ends with an
+    epoch) or ``iterations`` (face, segmentation: the run may end inside an epoch); give one of the two.
+    """
+
+    output: Path
+    config: dict[str, Any]  # JSON-able; saved; a resume must repeat every key but the runtime_keys
+    lr_at: Callable[[int], list[float]]  # learning rate of each parameter group at a 0-based step
+    iterations: int | None = None
+    epochs: int | None = None
+    ckpt_every: int = 0
+    log_interval: int = 0  # append the mean step statistics to the history every N steps (0: never)
+    amp: bool = False
+    runtime_keys: Collection[str] = ()  # config keys that do not change the maths (device, workers, ...)
+    stop_after_steps: int | None = None  # a simulated crash (tests of --resume): exit 3 after N steps
+    extra_state: dict[str, Any] = field(default_factory=dict)  # saved into the checkpoint as it is
+    metric_fields: Sequence[str] = LOSS_FIELDS  # the columns of metrics.csv
+
+    def __post_init__(self) -> None:
+        if (self.iterations is None) == (self.epochs is None):
+            raise ValueError("LoopOptions needs exactly one of iterations and epochs")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.iterations if self.epochs is None else self.epochs * steps_per_epoch
+
+
+@dataclass
+class LoopResult:
+    history: list[dict[str, Any]]
+    seconds: float  # training time of this process (this invocation)
+    replica_hashes: list[str]  # every process's state_hash of the final model, in rank order
+
+
+def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
+    """Backward and one (gradient-scaled) optimizer step; a non-finite loss is a :class:`UserError`."""
+    if not torch.isfinite(loss):
+        raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def train_loop(
+    net: nn.Module,
+    optimizer,
+    loader,
+    opts: LoopOptions,
+    procs: DistInfo,
+    state: dict[str, Any] | None = None,
+    hooks: LoopHooks | None = None,
+) -> LoopResult:
+    """Train ``net`` (prepared by :func:`prepare_module`) over ``loader`` (``loader.batches(epoch, start)``
+    yields this process's ``(images, labels)`` of an epoch from batch ``start``; ``len(loader)`` batches an
+    epoch) per ``opts``, with the task's ``hooks``; continue from ``state`` (:func:`check_output`) if given.
+
+    Every step: learning rates from ``opts.lr_at``, the task's step under autocast, :func:`optimizer_step`.
+    Checkpoints every ``ckpt_every`` steps, after every epoch of an epoch-counted run and at the end (every
+    process's RNG states included); ``metrics.csv`` holds the history.
+    """
+    return _Loop(net, optimizer, loader, opts, procs, hooks or LoopHooks()).run(state)
+
+
+class _Loop:
+    """One run of :func:`train_loop`: the objects it trains and where it stands."""
+
+    def __init__(
+        self, net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo, hooks: LoopHooks
+    ):
+        self.net, self.optimizer, self.loader = net, optimizer, loader
+        self.opts, self.procs, self.hooks = opts, procs, hooks
+        fp16 = opts.amp and amp_dtype(procs.device) == torch.float16
+        self.scaler = torch.amp.GradScaler(procs.device.type, enabled=fp16)
+        self.steps_per_epoch = len(loader)
+        self.total = opts.total_steps(self.steps_per_epoch)
+        self.path = opts.output / STATE_FILE
+        self.pos = Position()
+        self.saved_at = -1  # the step of the last checkpoint
+        self.bar: Any = None
+        self.start = self.mark = 0.0  # the run's start; the start of this epoch's unrecorded time
+
+    def run(self, state: dict[str, Any] | None) -> LoopResult:
+        if state is not None:
+            self.restore(state)
+        if self.procs.is_main:
+            self.opts.output.mkdir(parents=True, exist_ok=True)
+        self.start = time.perf_counter()
+        with progress(None, self.total, "train", self.procs.is_main, initial=self.pos.step) as self.bar:
+            while self.pos.step < self.total and self.epoch():
+                pass
+        seconds = time.perf_counter() - self.start
+        if self.saved_at != self.pos.step:
+            self.save()
+        self.write_metrics()  # again: a run killed between its last checkpoint and this file resumes here
+        return LoopResult(self.pos.history, seconds, replica_hashes(unwrap(self.net), self.procs))
+
+    def epoch(self) -> bool:
+        """Train the rest of the current epoch; returns ``False`` if the run ended inside it."""
+        pos, epochs = self.pos, self.opts.epochs
+        self.bar.set_description(f"epoch {pos.epoch + 1}" + (f"/{epochs}" if epochs else ""), refresh=False)
+        self.net.train()
+        self.mark = time.perf_counter()
+        for images, labels in self.loader.batches(pos.epoch, pos.batch):
+            lr = self.step(images, labels)
+            self.after_step(lr)
+            if pos.step >= self.total and pos.batch < self.steps_per_epoch:
+                self.add_seconds()
+                return False
+        self.add_seconds()
+        self.end_epoch()
+        return True
+
+    def step(self, images: Tensor, labels: Tensor) -> float:
+        """One optimizer step at ``pos.step``'s learning rates; adds up the task's statistics."""
+        pos = self.pos
+        lrs = self.opts.lr_at(pos.step)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        device = images.device
+        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
+            loss, stats = self.hooks.step(self.net, images, labels, pos)
+        optimizer_step(loss.float(), self.optimizer, self.scaler, pos.step)
+        pos.step, pos.batch = pos.step + 1, pos.batch + 1
+        for sums in (pos.epoch_acc, pos.window):
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return lrs[0]
+
+    def after_step(self, lr: float) -> None:
+        """Progress bar, loss log, checkpoint, simulated crash."""
+        pos, opts = self.pos, self.opts
+        self.bar.update(1)
+        if self.procs.is_main:
+            n = max(1.0, pos.epoch_acc.get("n", 1.0))
+            means = {k: f"{v / n:.4g}" for k, v in pos.epoch_acc.items() if k != "n"}
+            self.bar.set_postfix(**means, lr=f"{lr:.3g}", refresh=False)
+        if opts.log_interval and (pos.step % opts.log_interval == 0 or pos.step == self.total):
+            self.log_window()
+        epoch_end = opts.epochs is not None and pos.batch == self.steps_per_epoch  # saved after end_epoch
+        if opts.ckpt_every and pos.step % opts.ckpt_every == 0 and pos.step < self.total and not epoch_end:
+            self.add_seconds()
+            self.save()
+        if opts.stop_after_steps and pos.step >= opts.stop_after_steps:
+            self.bar.close()
+            log.warning("--stop-after-steps %d reached: exiting without cleanup", opts.stop_after_steps)
+            logging.shutdown()
+            os._exit(3)  # a simulated crash (tests of --resume): no cleanup, no final checkpoint
+
+    def add_seconds(self) -> None:
+        now = time.perf_counter()
+        self.pos.epoch_acc["seconds"] = self.pos.epoch_acc.get("seconds", 0.0) + now - self.mark
+        self.mark = now
+
+    def end_epoch(self) -> None:
+        """The task's end-of-epoch hook, then the next epoch; checkpoint after each epoch if counting them."""
+        pos = self.pos
+        row = self.hooks.end_epoch(pos) if self.hooks.end_epoch is not None else None
+        if row is not None:
+            pos.history.append(row)
+        pos.epoch, pos.batch, pos.epoch_acc = pos.epoch + 1, 0, {}
+        if self.opts.epochs is not None:
+            self.save()
+            self.write_metrics()
+
+    def log_window(self) -> None:
+        """Append the mean statistics since the last log line, over all processes, to the history."""
+        pos, procs = self.pos, self.procs
+        keys = sorted(k for k in pos.window if k != "n")
+        sums = torch.tensor([pos.window[k] for k in keys] + [pos.window.get("n", 1.0)], dtype=torch.float64)
+        total = all_reduce_sum(sums.to(procs.device), procs).cpu()
+        entry = {"iteration": pos.step, "epoch": pos.epoch}
+        entry.update({k: float(total[i] / total[-1]) for i, k in enumerate(keys)})
+        entry.update({"lr": self.opts.lr_at(pos.step - 1)[0], "seconds": time.perf_counter() - self.start})
+        pos.history.append(entry)
+        pos.window = {}
+        if procs.is_main:
+            stats = "  ".join(f"{k} {entry[k]:.4f}" for k in keys)
+            log.info("epoch %d iter %d/%d  %s  lr %.2e", pos.epoch, pos.step, self.total, stats, entry["lr"])
+
+    def save(self) -> None:
+        """``checkpoint.safetensors``: everything a resume needs (rank 0 writes; every process's RNG)."""
+        from ..checkpoint import save_state
+
+        rngs = gather_object(rng_state(self.procs.device), self.procs)
+        self.saved_at = self.pos.step
+        if not self.procs.is_main:
+            return
+        state = {
+            **self.opts.extra_state,
+            "config": self.opts.config,
+            "model": unwrap(self.net).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            **vars(self.pos),
+            "rng": {str(r): s for r, s in enumerate(rngs)},
+        }
+        save_state(self.path, state)
+
+    def restore(self, state: dict[str, Any]) -> None:
+        from ..files import CheckpointError
+
+        opts, procs = self.opts, self.procs
+        check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)
+        try:
+            unwrap(self.net).load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            self.pos = Position(
+                step=int(state["step"]),
+                epoch=int(state["epoch"]),
+                batch=int(state["batch"]),
+                history=list(state["history"]),
+                epoch_acc=dict(state["epoch_acc"]),
+                window=dict(state.get("window", {})),
+            )
+            rngs = state["rng"]
+            set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
+        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{self.path} does not fit this run: {str(exc).splitlines()[0]}") from None
+        self.saved_at = self.pos.step
+        if procs.is_main:
+            pos = self.pos
+            log.info(
+                "resuming %s at epoch %d, batch %d (step %d)", opts.output, pos.epoch + 1, pos.batch, pos.step
+            )
+
+    def write_metrics(self) -> None:
+        if self.procs.is_main:
+            write_metrics_csv(self.opts.output / METRICS_FILE, self.pos.history, self.opts.metric_fields)

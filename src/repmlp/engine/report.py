@@ -1,0 +1,64 @@
+"""What a run writes besides checkpoints: ``metrics.csv``, and ``curves.png`` + ``report.md`` for a loss log."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The columns of metrics.csv for a run that logs a loss (face, segmentation).
+LOSS_FIELDS = ("iteration", "epoch", "loss", "lr", "seconds")
+
+
+def write_metrics_csv(path: Path, history: list[dict[str, Any]], fields: Sequence[str] = LOSS_FIELDS) -> None:
+    """The history as CSV (floats to 6 significant digits), written atomically."""
+    from ..checkpoint import atomic_write_text
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+    atomic_write_text(path, buf.getvalue())
+
+
+def write_run_report(out: Path, title: str, history: list[dict[str, Any]], section: list[str]) -> None:
+    """``curves.png`` (loss against iteration) and ``report.md`` of a run with a loss log (the loop wrote
+    ``metrics.csv``): the task's own ``section`` (markdown lines), then the loss log."""
+    from ..checkpoint import atomic_write_text
+
+    curves = _plot_loss(history, out / "curves.png", title)
+    lines = [f"# {title}", "", *section, "", "## Training loss", ""]
+    if curves:
+        lines += ["![curves](curves.png)", ""]
+    lines += ["| iteration | epoch | loss | lr |", "|---|---|---|---|"]
+    lines += [f"| {r['iteration']} | {r['epoch']} | {r['loss']:.4f} | {r['lr']:.4g} |" for r in history]
+    atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def _plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: curves.png skipped")
+        return False
+    from ..checkpoint import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["iteration"] for r in history], [r["loss"] for r in history], "o-")
+    ax.set(xlabel="iteration", ylabel="training loss", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return True

@@ -1,0 +1,132 @@
+"""What makes a run resumable: its folder, the options a resume must repeat, RNG states, hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UserError
+from .processes import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+STATE_FILE = "checkpoint.safetensors"
+METRICS_FILE = "metrics.csv"
+
+
+def check_output(out: Path, resume: bool, procs: DistInfo) -> dict[str, Any] | None:
+    """The saved state to resume from (``None`` for a new run); refuses to overwrite a run in ``out``."""
+    from ..checkpoint import load_state
+
+    state_path = out / STATE_FILE
+    if resume:
+        if not state_path.is_file():
+            raise UserError(f"nothing to resume: {state_path} does not exist")
+        return load_state(state_path)
+    if procs.is_main and (state_path.exists() or (out / "model.safetensors").exists()):
+        raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
+    return None
+
+
+def option_flag(key: str) -> str:
+    """A config key's command-line spelling (``model_args`` -> ``--model-arg``, ``lr_steps`` -> ``--lr-steps``)."""
+    return "--model-arg" if key in ("model_args", "model_arg") else "--" + key.replace("_", "-")
+
+
+def check_resumable(
+    saved: dict[str, Any],
+    config: dict[str, Any],
+    where: Path,
+    *,
+    runtime: Collection[str] = (),
+    given: Collection[str] | None = None,
+    hint: str = "repeat the run's options, or train into another --output",
+) -> dict[str, Any]:
+    """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options.
+
+    ``given`` names the keys the user set (``None``: all of ``config``). Those outside ``runtime`` (they
+    change the maths) must equal the saved values, else the checkpoint belongs to another model or recipe
+    and resuming would silently train something else: :class:`UserError`. Given runtime keys (device,
+    workers, data folder, ...) replace the saved values; the others keep them.
+    """
+    keys = set(config) if given is None else set(given)
+    conflicts = [
+        f"{option_flag(k)} {saved[k]!r}, not {config[k]!r}"
+        for k in sorted(keys)
+        if k not in runtime and k in saved and k in config and saved[k] != config[k]
+    ]
+    if conflicts:
+        raise UserError(
+            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}"
+            f"{' ...' if len(conflicts) > 4 else ''} ({hint})"
+        )
+    return {**saved, **{k: config[k] for k in runtime if k in keys and k in config}}
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch (CPU) and, on a GPU, CUDA."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Inverse of :func:`rng_state` (after a round trip through a state file: tuples came back as lists)."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state(tuple(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_object(obj: Any, procs: DistInfo) -> list[Any]:
+    """``obj`` of every process, in rank order (``[obj]`` for one process); every process must call it."""
+    if not procs.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * procs.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def state_hash(model: nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (bitwise), to compare replicas or runs."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def broadcast_buffers(model: nn.Module, procs: DistInfo) -> None:
+    """Make every replica's BatchNorm statistics rank 0's (DDP syncs parameters, not running stats)."""
+    if procs.enabled:
+        for b in model.buffers():
+            dist.broadcast(b.data, src=0)
+
+
+def replica_hashes(model: nn.Module, procs: DistInfo) -> list[str]:
+    """Every process's :func:`state_hash` of ``model`` (rank order), logged: the check that DDP kept the
+    processes in step (after :func:`broadcast_buffers`)."""
+    broadcast_buffers(model, procs)
+    hashes = gather_object(state_hash(model), procs)
+    if len(set(hashes)) != 1:
+        log.error("replicas differ after training: %s", hashes)
+    elif procs.enabled and procs.is_main:
+        log.info("final weights identical on all %d processes (sha256 %s)", procs.world, hashes[0][:16])
+    return hashes
