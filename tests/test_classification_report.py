@@ -19,3 +19,17 @@ def test_compare_logits_reports_differences_and_flips():
     cmp = compare_logits(ref, real_change)
     assert cmp["changed_predictions"] == 1
     assert abs(cmp["max_rel_diff"] - 2.5 / 3.0) < 1e-6
+
+
+def test_a_failed_optional_step_fails_the_run_and_a_note_that_says_failed_does_not():
+    from repmlp.tasks.classification_report import Outcome, _optional
+
+    outcome = Outcome({}, {}, {"max_rel_diff": 0.0}, 0.0)
+    outcome.notes.append("a note that happens to contain the word failed")
+    assert _optional("figure", lambda: 42, outcome) == 42 and outcome.failed == []
+
+    def boom():
+        raise RuntimeError("no display")
+
+    assert _optional("figure", boom, outcome) is None
+    assert outcome.failed == ["figure"] and outcome.notes[-1] == "figure failed: no display"

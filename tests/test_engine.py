@@ -146,3 +146,43 @@ def test_resume_rules_runtime_keys_may_change_the_others_not(tmp_path):
     state["config"]["lr"] = 0.5
     with pytest.raises(UserError, match="--lr 0.5, not 0.1"):
         run(tmp_path / "run", ToyTask(), state=state, epochs=1)
+
+
+def test_build_model_passes_img_size_only_to_models_built_for_one_size():
+    from repmlp.engine import build_model, takes_img_size
+
+    assert takes_img_size("repmlp_fmnist") and takes_img_size("repmlp:repmlp_cifar")
+    assert takes_img_size("vit_tiny_patch16_224")  # timm's config: fixed_input_size
+    assert not takes_img_size("resnet18") and not takes_img_size("torchvision:resnet18")
+    _, used = build_model("resnet18", num_classes=3, img_size=64)  # a CNN takes any size: not passed
+    assert used == {"num_classes": 3}
+    _, used = build_model("repmlp_fmnist", {"widths": [4, 8]}, num_classes=10, img_size=28)
+    assert used["img_size"] == 28
+
+
+def test_build_model_errors_are_user_errors_and_bugs_keep_their_traceback(monkeypatch):
+    import repmlp.models as models
+    from repmlp.engine import build_model
+
+    with pytest.raises(UserError, match="cannot build model 'no_such_model'"):
+        build_model("no_such_model")
+    with pytest.raises(UserError, match="cannot build model 'repmlp_fmnist'"):
+        build_model("repmlp_fmnist", {"no_such_option": 1})
+
+    def broken(name, **kwargs):
+        raise AttributeError("a bug in a model's constructor")
+
+    monkeypatch.setattr(models, "create_model", broken)
+    with pytest.raises(AttributeError, match="a bug"):  # not turned into a one-line UserError
+        build_model("repmlp_fmnist")
+
+
+def test_resolve_device_names_every_device_it_accepts():
+    from repmlp.engine import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="use cpu, cuda, cuda:N, mps or auto"):
+        resolve_device("gpu0")
+    if not torch.backends.mps.is_available():
+        with pytest.raises(UserError, match="MPS is not available"):
+            resolve_device("mps")
