@@ -209,3 +209,78 @@ def test_reparameterize_model_accepts_syncbatchnorm():
     deployed = reparameterize_model(model)
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in deployed.modules())
     torch.testing.assert_close(deployed(x), ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tol"),
+    [
+        # RepViT's conv-BN, BN-linear and RepVGG-dw blocks convert through fuse(), whose result must
+        # replace them in their parent. Float32: timm's ConvNorm.fuse() builds its conv in float32
+        # whatever the model's dtype.
+        ("repvit_m0_9", torch.float32, 1e-5),
+        ("mobileone_s0", torch.float64, 1e-10),  # MobileOne blocks: reparameterize() in place
+    ],
+)
+def test_converts_timm_reparameterizable_models_as_timm_does(name, dtype, tol):
+    torch.manual_seed(0)
+    model = randomize_bn(timm.create_model(name, pretrained=False, num_classes=10)).to(dtype).eval()
+    assert count_bn(model) > 0
+    x = torch.randn(2, 3, 64, 64, dtype=dtype)
+    with torch.no_grad():
+        ref = model(x)
+        converted = reparameterize_model(model)
+        out = converted(x)
+        timm_out = timm.utils.reparameterize_model(model)(x)
+    assert count_bn(converted) == 0 and list(converted.unfused_batchnorms) == []
+    assert not {type(m).__name__ for m in converted.modules()} & {"ConvNorm", "NormLinear", "RepVggDw"}
+    assert rel_err(out, ref) < tol
+    # The same hooks in timm's order and nothing left for BN folding: exactly timm's own result.
+    assert torch.equal(out, timm_out)
+
+
+class _Recorder(nn.Module):
+    """``switch_to_deploy()`` appends its tag to a shared log."""
+
+    def __init__(self, tag: str, log: list[str]) -> None:
+        super().__init__()
+        self.tag, self.log = tag, log
+
+    def switch_to_deploy(self) -> None:
+        self.log.append(f"switch {self.tag}")
+
+
+class _Fusable(nn.Module):
+    """``fuse()`` returns a replacement that still holds convertible modules; ``reparameterize()`` must lose
+    to ``fuse()`` (timm's order of preference), and the replaced child is never visited."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.old_child = _Recorder("replaced", log)
+
+    def fuse(self) -> nn.Module:
+        self.log.append("fuse")
+        return nn.Sequential(ConvBN(2, 2, 3), _Recorder("in-fused", self.log))
+
+    def reparameterize(self) -> None:
+        self.log.append("reparameterize fusable")
+
+
+class _Parent(nn.Module):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.a = _Fusable(log)
+        self.b = nn.ModuleList([_Recorder("b0", log)])
+
+    def reparameterize(self) -> None:
+        self.log.append("reparameterize parent")
+
+
+def test_conversion_hooks_run_parents_first_and_fuse_results_replace_modules():
+    log: list[str] = []
+    # In place: a copy would log into a copy of ``log``.
+    converted = reparameterize_model(_Parent(log).eval(), inplace=True, fuse_bn=False)
+    assert log == ["reparameterize parent", "fuse", "switch in-fused", "switch b0"]
+    assert isinstance(converted.a, nn.Sequential)
+    assert converted.a[0].deploy  # the walk went on into what fuse() returned

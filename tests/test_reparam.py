@@ -1,4 +1,4 @@
-"""Re-parameterization math: fuse_bn, conv_to_fc (direct and identity), absorb_bn_into_fc."""
+"""Re-parameterization math: fuse_bn, conv_to_fc (direct and identity), absorb_bn_into_fc, merge_fc3."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from repmlp import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
+from repmlp.reparam import merge_fc3
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -232,6 +233,84 @@ def test_absorb_bn_into_fc_appendix_c(with_bias):
 def test_absorb_bn_into_fc_rejects_incompatible_width():
     with pytest.raises(ValueError, match="multiple"):
         absorb_bn_into_fc(torch.zeros(5, 10), None, nn.BatchNorm2d(3))
+
+
+def _fc3_problem(bn_channels: int, with_bias: bool, dtype: torch.dtype = torch.float64) -> dict:
+    """A groupwise FC3 (g=2, C=O=4, 3x5 partition), its BN over ``bn_channels`` channels, two branches.
+
+    One branch is conv + BN; the other a conv with bias and no BN (a branch already fused).
+    """
+    gen = torch.Generator().manual_seed(11)
+    g, c, o, (h, w) = 2, 4, 4, (3, 5)
+    q = o * h * w
+    bn = nn.BatchNorm1d(q) if bn_channels == q else nn.BatchNorm2d(bn_channels)
+    branch_bn = random_bn(nn.BatchNorm2d(o).double(), gen).to(dtype)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return dict(
+        weight=rand(q, c * h * w // g),
+        bias=rand(q) if with_bias else None,
+        bn=random_bn(bn.double(), gen).to(dtype),
+        branches=[(rand(o, c // g, 3, 3), None, branch_bn), (rand(o, c // g, 1, 5), rand(o), None)],
+        partition=(h, w),
+        groups=g,
+    )
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("bn_channels", [60, 4, 1], ids=["bn1d-per-row", "bn2d-per-set", "bn2d-one-set"])
+def test_merge_fc3_equals_fc3_bn_plus_conv_branches(bn_channels, with_bias):
+    # bn_channels = O*h*w is RepMLP-Res50's BatchNorm1d; fewer is RepMLPNet's BatchNorm2d(S), each channel
+    # normalising a set of consecutive rows (rows per set here: 15 and 60).
+    p = _fc3_problem(bn_channels, with_bias)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 4, 3, 5, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        y = apply_fc(x.reshape(7, -1), p["weight"], p["bias"], p["groups"])
+        bn_in = y if bn_channels == y.shape[1] else y.reshape(7, bn_channels, -1, 1)
+        ref = p["bn"](bn_in).reshape(7, -1)
+        for kernel, kbias, kbn in p["branches"]:
+            kh, kw = kernel.shape[2:]
+            z = F.conv2d(x, kernel, kbias, padding=(kh // 2, kw // 2), groups=p["groups"])
+            ref = ref + (z if kbn is None else kbn(z)).reshape(7, -1)
+    weight, bias = merge_fc3(**p)
+    assert weight.shape == p["weight"].shape and bias.shape == (60,)
+    assert rel_err(apply_fc(x.reshape(7, -1), weight, bias, p["groups"]), ref) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_fc3_half_precision_merges_in_float32_and_rounds_once(dtype):
+    half = _fc3_problem(4, True, dtype)
+    single = _fc3_problem(4, True, torch.float32)
+    single["weight"], single["bias"] = half["weight"].float(), half["bias"].float()
+    single["branches"] = [
+        (k.float(), None if b is None else b.float(), None if bn is None else bn.float())
+        for k, b, bn in half["branches"]
+    ]
+    single["bn"] = half["bn"].float()
+    weight, bias = merge_fc3(**half)
+    ref_w, ref_b = merge_fc3(**single)
+    assert weight.dtype == dtype and bias.dtype == dtype
+    assert torch.equal(weight, ref_w.to(dtype)) and torch.equal(bias, ref_b.to(dtype))
+
+
+def test_merge_fc3_without_bn_or_branches_returns_new_tensors():
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    merged_w, merged_b = merge_fc3(weight, None, None, [], 1, 2)
+    # Equal values, but a copy: the caller swaps the module's parameters for the result.
+    assert torch.equal(merged_w, weight) and merged_w.data_ptr() != weight.data_ptr()
+    assert torch.equal(merged_b, torch.zeros(6, dtype=torch.float64))
+    merged_w.sum().backward()  # pure tensor maths: usable inside a loss
+    assert torch.equal(weight.grad, torch.ones_like(weight))
+
+
+def test_merge_fc3_rejects_bn_that_does_not_tile_the_rows():
+    with pytest.raises(ValueError, match="multiple"):
+        merge_fc3(torch.zeros(10, 3), None, nn.BatchNorm2d(4), [], 1, 1)
+    with pytest.raises(TypeError):
+        merge_fc3(torch.zeros(4, 3), None, nn.LayerNorm(4), [], 1, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,6 +7,7 @@ import timm
 import torch
 import torch.fx
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import nn
 
 import repmlp
@@ -123,6 +124,8 @@ def test_timm_contract_and_features():
     cfg = model.pretrained_cfg
     assert (cfg["interpolation"], cfg["crop_mode"], cfg["crop_pct"]) == ("bilinear", "squash", 0.875)
     assert cfg["fixed_input_size"] and cfg["classifier"] == "head"
+    # The authors' evaluation normalises with ImageNet's statistics, timm's defaults.
+    assert tuple(cfg["mean"]) == IMAGENET_DEFAULT_MEAN and tuple(cfg["std"]) == IMAGENET_DEFAULT_STD
     extractor = timm.create_model("repmlpnet_t224", features_only=True, **SMALL).eval()
     shapes = [tuple(t.shape) for t in extractor(x)]
     assert shapes == [(2, 8, 16, 16), (2, 16, 8, 8), (2, 16, 4, 4), (2, 32, 2, 2)]

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from . import checks
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, partition, to_group_rows, unpartition
-from .reparam import absorb_bn_into_fc, conv_to_fc, fuse_bn, pair
+from .reparam import absorb_bn_into_fc, merge_fc3, pair
 
 __all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock"]
 
@@ -244,9 +244,6 @@ class RepMLPBlock(nn.Module):
             f"kernel_sizes={self.kernel_sizes}, deploy={self._deploy}"
         )
 
-    def _check_input(self, x: Tensor) -> None:
-        _check_block_input(x, self.in_channels, self.resolution)
-
     def forward(self, x: Tensor) -> Tensor:
         _check_block_input(x, self.in_channels, self.resolution)
         n = x.shape[0]
@@ -283,32 +280,19 @@ class RepMLPBlock(nn.Module):
         """The inference FC3 kernel ``(O*h*w, C*h*w/g)`` and bias ``(O*h*w,)`` of this block.
 
         FC3 with its BN1d fused, plus every Local Perceptron branch (conv-BN fused, converted to an
-        FC). Uses running statistics: call in eval mode for the result to be equivalent. Half-precision
-        blocks are merged in float32 and the sum is rounded once, to FC3's dtype.
+        FC), by :func:`repmlp.reparam.merge_fc3`. Uses running statistics: call in eval mode for the
+        result to be equivalent. Half-precision blocks are merged in float32 and rounded once.
         """
         pp = self.partition_perceptron
-        dtype = pp.fc3.weight.dtype
-        work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-        def up(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.detach().to(work, copy=True)
-
-        if pp.bn is None:
-            weight, bias = up(pp.fc3.weight), up(pp.fc3.bias)
-        else:
-            weight, bias = fuse_bn(up(pp.fc3.weight), pp.bn, up(pp.fc3.bias))
-        if bias is None:
-            bias = torch.zeros(weight.shape[0], dtype=work, device=weight.device)
-        if self.local_perceptron is not None:
-            for branch in self.local_perceptron.branches:
-                kernel, kbias = up(branch.conv.weight), up(branch.conv.bias)
-                if branch.bn is not None:
-                    kernel, kbias = fuse_bn(kernel, branch.bn, kbias)
-                fw, fb = conv_to_fc(kernel, kbias, self.partition, self.groups)
-                weight = weight + fw
-                if fb is not None:
-                    bias = bias + fb
-        return weight.to(dtype).contiguous(), bias.to(dtype).contiguous()
+        branches = [] if self.local_perceptron is None else self.local_perceptron.branches
+        return merge_fc3(
+            pp.fc3.weight,
+            pp.fc3.bias,
+            pp.bn,
+            [(b.conv.weight, b.conv.bias, b.bn) for b in branches],
+            self.partition,
+            self.groups,
+        )
 
     @torch.no_grad()
     def reparameterize(self) -> None:

@@ -8,15 +8,12 @@ import logging
 import torch.fx as fx
 from torch import nn
 
-from .reparam import fuse_bn
+from .reparam import _BN, fuse_bn
 
 __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
 
 log = logging.getLogger(__name__)
 
-# Every BatchNorm flavour (1d/2d/3d, SyncBatchNorm after multi-GPU training, LazyBatchNorm): eval-mode
-# maths is the same affine map of the running statistics.
-_BN = (nn.modules.batchnorm._BatchNorm,)
 # The flavours whose forward only normalises (a fold leaves nothing behind).
 _PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _FUSABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -153,29 +150,53 @@ def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
     return model, left
 
 
-def _reparameterize_tree(module: nn.Module) -> None:
-    """Call ``reparameterize()`` parents first, then on the children the parent still has.
+# The conversion hooks re-parameterizable blocks expose, in timm's order of preference (a module that has
+# several gets only the first): ``fuse()`` returns the module that replaces it (timm's RepViT, LeViT,
+# EfficientViT conv-BN and BN-linear pairs); ``reparameterize()`` (ours, timm's MobileOne, RepVGG, FastViT)
+# and ``switch_to_deploy()`` (timm's GhostNet, RepGhost) convert in place.
+_HOOKS = ("fuse", "reparameterize", "switch_to_deploy")
+
+
+def _convert_module(module: nn.Module) -> nn.Module:
+    """Run ``module``'s first conversion hook; return the module that takes its place."""
+    for hook in _HOOKS:
+        fn = getattr(module, hook, None)
+        if callable(fn):
+            result = fn()
+            # A fuse() that converts in place and returns nothing (or self) leaves the module where it is.
+            return result if hook == "fuse" and isinstance(result, nn.Module) else module
+    return module
+
+
+def _reparameterize_tree(module: nn.Module) -> nn.Module:
+    """Convert ``module`` then, recursively, the children it still has; return its replacement.
 
     Parents first (as timm's ``reparameterize_model`` does): a parent such as :class:`RepMLPBlock`
     merges its children's unfused kernels and BN statistics itself, in float32 or better, and
     rounds once; children converted first would each round their fused kernel to a half-precision
-    model's dtype before the merge.
+    model's dtype before the merge. timm's RepViT ``RepVggDw.fuse()`` likewise reads its ``ConvNorm``
+    children unfused. Unlike timm's walk, the root itself is converted too (a bare block), and the
+    walk descends into what ``fuse()`` returned, not into the module it replaced.
     """
-    fn = getattr(module, "reparameterize", None)
-    if callable(fn):
-        fn()
-    for child in list(module.children()):
-        _reparameterize_tree(child)
+    module = _convert_module(module)
+    for name, child in list(module.named_children()):
+        new = _reparameterize_tree(child)
+        if new is not child:
+            setattr(module, name, new)  # Sequential, ModuleList and plain attributes alike
+    return module
 
 
 def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bool = True) -> nn.Module:
     """Return the inference form of ``model``.
 
-    Calls ``reparameterize()`` on every module that has one (RepMLP blocks, :class:`ConvBN`, timm's
-    re-parameterizable blocks), then, with ``fuse_bn``, folds every remaining BatchNorm that follows
-    a conv or linear layer into it, also in models this package did not build. The model must be in
-    eval mode (BatchNorm running statistics are merged). BatchNorms that could not be folded are
-    logged and listed in ``model.unfused_batchnorms``.
+    Runs every module's conversion hook, parents before children: ``reparameterize()`` (RepMLP blocks,
+    :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT blocks), ``switch_to_deploy()``, or ``fuse()``,
+    whose result replaces the module (timm's RepViT/LeViT conv-BN pairs). Then, with ``fuse_bn``, folds
+    every remaining BatchNorm that follows a conv or linear layer into it, also in models this package
+    did not build. The model must be in eval mode (BatchNorm running statistics are merged).
+    BatchNorms that could not be folded are logged and listed in ``model.unfused_batchnorms``. With
+    ``inplace=True`` the model is converted in place, but use the returned module: a root with
+    ``fuse()``, or BN folding by ``torch.fx``, can return a different one.
     """
     if model.training:
         raise RuntimeError(
@@ -184,7 +205,7 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         )
     if not inplace:
         model = copy.deepcopy(model)
-    _reparameterize_tree(model)
+    model = _reparameterize_tree(model)
     left = ConversionReport()
     if fuse_bn:
         model, left = fuse_conv_bn(model)

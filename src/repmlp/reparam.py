@@ -12,7 +12,7 @@ columns ``(c_local, y', x')`` where ``c_local`` indexes the ``C/g`` input channe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,18 @@ __all__ = [
     "conv_to_fc",
     "conv_to_fc_identity",
     "absorb_bn_into_fc",
+    "merge_fc3",
     "pair",
+    "ConvBranch",
 ]
 
 # Every BatchNorm flavour (1d/2d/3d, SyncBatchNorm after multi-GPU training, LazyBatchNorm): eval-mode
-# maths is the same affine map of the running statistics.
+# maths is the same affine map of the running statistics. The one definition (convert.py imports it).
 _BN = (nn.modules.batchnorm._BatchNorm,)
+
+# One Local Perceptron branch as merge_fc3 takes it: conv kernel ``(O, C/g, kh, kw)``, conv bias ``(O,)``
+# or ``None``, and the BatchNorm that follows the conv or ``None`` (a branch already fused).
+ConvBranch = tuple[Tensor, Tensor | None, nn.Module | None]
 
 
 def pair(value: int | Sequence[int], name: str = "value") -> tuple[int, int]:
@@ -202,3 +208,84 @@ def absorb_bn_into_fc(weight: Tensor, bias: Tensor | None, bn: nn.Module) -> tup
         new_bias = new_bias + bias.to(dtype)
     new_weight = w * scale.repeat_interleave(rep).unsqueeze(0)
     return new_weight.to(weight.dtype).contiguous(), new_bias.to(weight.dtype).contiguous()
+
+
+def _fuse_bn_rows(weight: Tensor, bias: Tensor | None, bn: nn.Module) -> tuple[Tensor, Tensor]:
+    """:func:`fuse_bn` for a BN whose ``C`` channels each scale ``Q/C`` consecutive rows of ``weight``.
+
+    ``weight`` ``(Q, P)`` and ``bias`` ``(Q,)`` or ``None``, already in the compute dtype; returns
+    ``(Q, P)`` and ``(Q,)`` in that dtype. ``C = Q`` is :func:`fuse_bn` itself (RepMLP-Res50's
+    ``BatchNorm1d(O*h*w)``); ``C < Q`` is RepMLPNet's ``BatchNorm2d(S)``, which scales all ``h*w``
+    outputs of a share-set alike, so its per-set scale and shift are spread over the set's rows.
+    """
+    if not isinstance(bn, _BN):
+        raise TypeError(f"expected a BatchNorm module, got {type(bn).__name__}")
+    rows, channels = weight.shape[0], bn.num_features
+    if rows == channels:
+        return fuse_bn(weight, bn, bias)
+    if rows % channels:
+        raise ValueError(f"FC3 has {rows} output rows, not a multiple of the BatchNorm's {channels} channels")
+    rep = rows // channels
+    # fuse_bn on the (C, rep*P) view multiplies every element by its channel's scale, the same products
+    # (so the same bits) as scaling the (Q, P) kernel row by row with a repeated scale.
+    fused, shift = fuse_bn(weight.reshape(channels, -1), bn)
+    fused, shift = fused.reshape(weight.shape), shift.repeat_interleave(rep)
+    if bias is None:
+        return fused, shift
+    scale, _ = _bn_scale_shift(bn, weight.dtype, weight.device)
+    return fused, bias * scale.repeat_interleave(rep) + shift
+
+
+def merge_fc3(
+    weight: Tensor,
+    bias: Tensor | None,
+    bn: nn.Module | None,
+    branches: Iterable[ConvBranch],
+    partition: int | Sequence[int],
+    groups: int,
+) -> tuple[Tensor, Tensor]:
+    """The inference FC3 (paper Sec. 3.4, "Locality Injection"): FC3, its BN and every conv branch in one.
+
+    The one conversion core of :meth:`repmlp.RepMLPBlock.merged_fc3` and RepMLPNet's block. FC3's BN is
+    fused (:func:`fuse_bn`), each Local Perceptron conv-BN branch is fused and converted to an FC
+    (:func:`conv_to_fc`), and the kernels and biases are summed. Half-precision inputs are merged in
+    float32 (the sum over many branches would lose bits otherwise) and the result is rounded once, to
+    ``weight``'s dtype. Running statistics are used: equivalent to the eval-mode block.
+
+    Args:
+        weight: FC3 kernel ``(O*h*w, C*h*w/g)`` in grouped-1x1-conv layout (see the module docstring).
+        bias: FC3 bias ``(O*h*w,)`` or ``None``.
+        bn: the BatchNorm after FC3, or ``None`` (already fused). Its ``C'`` channels each scale
+            ``O*h*w/C'`` consecutive rows: ``BatchNorm1d(O*h*w)`` in RepMLP-Res50, RepMLPNet's
+            ``BatchNorm2d(S)`` (``S`` share-sets of ``h*w`` outputs each) there.
+        branches: ``(kernel (O, C/g, kh, kw), bias (O,) or None, bn or None)`` per Local Perceptron
+            branch; odd ``kh <= h``, ``kw <= w``.
+        partition: ``(h, w)`` or an int.
+        groups: ``g`` of FC3 and of every branch.
+
+    Returns:
+        ``(weight', bias')`` of shapes ``(O*h*w, C*h*w/g)`` and ``(O*h*w,)``, new contiguous tensors
+        in ``weight``'s dtype and device.
+    """
+    dtype = weight.dtype
+    work = _compute_dtype(weight)
+
+    def up(t: Tensor | None) -> Tensor | None:
+        # A copy even when the dtype already matches: the result must never alias the module's own
+        # parameters, which the caller replaces.
+        return None if t is None else t.to(work, copy=True)
+
+    merged_w, merged_b = up(weight), up(bias)
+    if bn is not None:
+        merged_w, merged_b = _fuse_bn_rows(merged_w, merged_b, bn)
+    if merged_b is None:
+        merged_b = torch.zeros(merged_w.shape[0], dtype=work, device=merged_w.device)
+    for kernel, kbias, kbn in branches:
+        k, kb = up(kernel), up(kbias)
+        if kbn is not None:
+            k, kb = fuse_bn(k, kbn, kb)
+        fc_w, fc_b = conv_to_fc(k, kb, partition, groups)
+        merged_w = merged_w + fc_w
+        if fc_b is not None:
+            merged_b = merged_b + fc_b
+    return merged_w.to(dtype).contiguous(), merged_b.to(dtype).contiguous()

@@ -33,10 +33,10 @@ from torch import Tensor, nn
 from .. import checks, layers
 from ..block import LocalPerceptron
 from ..layers import ConvBN, GroupwiseLinear
-from ..reparam import conv_to_fc, fuse_bn, pair
+from ..reparam import merge_fc3, pair
 from .blocks import ConvBNReLU
 from .head import PooledClassifierMixin
-from .registry import register_model
+from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
 
 __all__ = [
     "RepMLPNet",
@@ -175,24 +175,18 @@ class RepMLPNetBlock(nn.Module):
     def merged_fc3(self) -> tuple[Tensor, Tensor]:
         """FC3 kernel ``(S*h*w, h*w)`` and bias ``(S*h*w,)`` with ``fc3_bn`` and every Local branch merged.
 
-        Uses running statistics (equivalent in eval mode); half-precision blocks merge in float32.
+        By :func:`repmlp.reparam.merge_fc3`, which spreads the ``BatchNorm2d(S)`` over each set's ``h*w``
+        rows. Uses running statistics (equivalent in eval mode); half-precision blocks merge in float32.
         """
-        hw = self.partition[0] * self.partition[1]
-        dtype = self.fc3.weight.dtype
-        work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        weight = self.fc3.weight.detach().to(work, copy=True)
-        if self.fc3_bn is None:
-            bias = self.fc3.bias.detach().to(work, copy=True)
-        else:
-            # BatchNorm2d(S) scales all h*w outputs of a set alike: fuse per set, then spread the bias.
-            weight, bias = fuse_bn(weight.reshape(self.sharesets, -1), self.fc3_bn)
-            weight, bias = weight.reshape(-1, hw), bias.repeat_interleave(hw)
-        if self.local is not None:
-            for branch in self.local.branches:
-                kernel, kbias = fuse_bn(branch.conv.weight.to(work), branch.bn, None)
-                fw, fb = conv_to_fc(kernel, kbias, self.partition, self.sharesets)
-                weight, bias = weight + fw, bias + fb
-        return weight.to(dtype).contiguous(), bias.to(dtype).contiguous()
+        branches = [] if self.local is None else self.local.branches
+        return merge_fc3(
+            self.fc3.weight,
+            self.fc3.bias,
+            self.fc3_bn,
+            [(b.conv.weight, b.conv.bias, b.bn) for b in branches],
+            self.partition,
+            self.sharesets,
+        )
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -379,8 +373,8 @@ def _cfg(size: int, **kwargs: Any) -> dict[str, Any]:
         crop_pct=0.875,
         crop_mode="squash" if size <= 224 else "center",
         interpolation="bilinear",
-        mean=(0.485, 0.456, 0.406),
-        std=(0.229, 0.224, 0.225),
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
         first_conv="stem.conv",
         classifier="head",
         license="mit",
