@@ -174,3 +174,10 @@ def run_cli(*args: object) -> CliResult:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def model_arg_options(options: dict) -> list[str]:
+    """``--model-arg KEY=VALUE`` for each option (VALUE as JSON), as the tasks' command lines take them."""
+    import json
+
+    return [a for k, v in options.items() for a in ("--model-arg", f"{k}={json.dumps(v)}")]

@@ -22,6 +22,7 @@ from repmlp.profile import profile_model
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
+    model_arg_options,
     run_cli,
     subprocess_env,
     user_error_line,
@@ -179,7 +180,7 @@ def face_data(tmp_path_factory):
 
 
 TRAIN_ARGS = [
-    "--model", "repmlp_face_resnet", "--model-kwargs", json.dumps(TINY), "--img-size", "32",
+    "--model", "repmlp_face_resnet", *model_arg_options(TINY), "--img-size", "32",
     "--batch-size", "16", "--iterations", "24", "--lr-steps", "18", "--lr", "0.05",
     "--am-scale", "16", "--device", "cpu", "--workers", "0", "--log-interval", "4",
 ]  # fmt: skip
@@ -189,7 +190,7 @@ TRAIN_ARGS = [
 def trained_face(face_data):
     out = face_data / "run"
     rc = cli_main(
-        ["train", "--task", "face", "--data", str(face_data / "train"), "--output", str(out), *TRAIN_ARGS]
+        ["train", "--task", "face", "--data-dir", str(face_data / "train"), "--output", str(out), *TRAIN_ARGS]
     )
     assert rc == 0
     return out
@@ -202,7 +203,7 @@ def test_face_training_loss_falls(trained_face):
 
 
 def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
-    args = ["train", "--task", "face", "--data", str(face_data / "train"), *TRAIN_ARGS]
+    args = ["train", "--task", "face", "--data-dir", str(face_data / "train"), *TRAIN_ARGS]
     args[args.index("--iterations") + 1] = "7"
     args[args.index("--lr-steps") + 1] = "5"  # the resumed run crosses an LR step
     assert_kill_and_resume_is_bitwise([*args, "--ckpt-every", "3"], tmp_path, stop=4)
@@ -218,7 +219,15 @@ def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
     ],
 )
 def test_face_bad_options_are_one_line(face_data, tmp_path, capsys, option, message):
-    args = ["train", "--task", "face", "--data", str(face_data / "train"), "--output", str(tmp_path / "o")]
+    args = [
+        "train",
+        "--task",
+        "face",
+        "--data-dir",
+        str(face_data / "train"),
+        "--output",
+        str(tmp_path / "o"),
+    ]
     assert cli_main([*args, *TRAIN_ARGS, *option]) == 2
     assert message in user_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
@@ -277,7 +286,15 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
 
 def test_face_cli_errors_are_one_line(tmp_path):
     proc = run_cli(
-        "train", "--task", "face", "--data", tmp_path / "nope", "--output", tmp_path / "o", "--device", "cpu"
+        "train",
+        "--task",
+        "face",
+        "--data-dir",
+        tmp_path / "nope",
+        "--output",
+        tmp_path / "o",
+        "--device",
+        "cpu",
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("repmlp: error:") and "does not exist" in proc.stderr
@@ -291,7 +308,7 @@ def test_face_training_with_torchrun(face_data, tmp_path):
     args[args.index("--lr-steps") + 1] = "6"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         "-m", "repmlp", "train", "--task", "face", "--data", str(face_data / "train"),
+         "-m", "repmlp", "train", "--task", "face", "--data-dir", str(face_data / "train"),
          "--output", str(tmp_path / "ddp"), *args],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -336,17 +353,17 @@ def test_face_eval_refuses_checkpoints_of_other_tasks(face_data, tmp_path, capsy
 
 
 def test_face_training_sizes_models_and_identities(face_data, tmp_path, capsys):
-    base = ["train", "--task", "face", "--data", str(face_data / "train"), "--iterations", "1",
+    base = ["train", "--task", "face", "--data-dir", str(face_data / "train"), "--iterations", "1",
             "--batch-size", "2", "--device", "cpu", "--workers", "0"]  # fmt: skip
     small = {"width": 16, "embedding_dim": 24, "img_size": 32}
-    mfn = ["--model", "mobilefacenet", "--model-kwargs", json.dumps(small)]
-    # --model-kwargs' img_size alone sizes the data too (it used to be --img-size's 96: a crash).
+    mfn = ["--model", "mobilefacenet", *model_arg_options(small)]
+    # --model-arg img_size alone sizes the data too (it used to be --img-size's 96: a crash).
     out = tmp_path / "mfn"
     assert cli_main([*base, *mfn, "--output", str(out)]) == 0
     assert json.loads(read_metadata(out / "deploy.safetensors")["model_kwargs"])["img_size"] == 32
     capsys.readouterr()
     bad = [
-        ([*mfn, "--img-size", "64"], "--model-kwargs img_size 32 differs from --img-size 64"),
+        ([*mfn, "--img-size", "64"], "--model-arg img_size 32 differs from --img-size 64"),
         # Face models return an embedding (N, embedding_dim); a classifier is refused, not trained.
         (
             ["--model", "repmlp_fmnist", "--img-size", "32"],

@@ -24,6 +24,7 @@ from repmlp.tasks.segmentation import poly_lr, sliding_window_logits
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
+    model_arg_options,
     run_cli,
     subprocess_env,
     user_error_line,
@@ -210,7 +211,7 @@ def test_cityscapes_layout_and_errors(city, tmp_path):
 
 
 TRAIN_ARGS = [
-    "--model", "pspnet_repmlp_res50", "--model-kwargs", json.dumps(TINY), "--crop-size", "64",
+    "--model", "pspnet_repmlp_res50", *model_arg_options(TINY), "--crop-size", "64",
     "--batch-size", "2", "--epochs", "4", "--lr", "0.01", "--device", "cpu", "--workers", "0",
     "--log-interval", "3",
 ]  # fmt: skip
@@ -219,14 +220,19 @@ TRAIN_ARGS = [
 @pytest.fixture(scope="module")
 def trained_seg(city):
     out = city / "run"
-    assert cli_main(["train", "--task", "seg", "--data", str(city), "--output", str(out), *TRAIN_ARGS]) == 0
+    assert (
+        cli_main(["train", "--task", "seg", "--data-dir", str(city), "--output", str(out), *TRAIN_ARGS]) == 0
+    )
     return out
 
 
 def test_seg_batch_of_one_is_a_clear_error(city, capsys):
     args = list(TRAIN_ARGS)
     args[args.index("--batch-size") + 1] = "1"
-    assert cli_main(["train", "--task", "seg", "--data", str(city), "--output", str(city / "b1"), *args]) == 2
+    assert (
+        cli_main(["train", "--task", "seg", "--data-dir", str(city), "--output", str(city / "b1"), *args])
+        == 2
+    )
     assert "BatchNorm batches of 1" in capsys.readouterr().err
 
 
@@ -235,7 +241,7 @@ def test_seg_kill_and_resume_gives_the_same_weights(city, tmp_path):
         "train",
         "--task",
         "seg",
-        "--data",
+        "--data-dir",
         str(city),
         *TRAIN_ARGS,
         "--iterations",
@@ -256,7 +262,7 @@ def test_seg_kill_and_resume_gives_the_same_weights(city, tmp_path):
     ],
 )
 def test_seg_bad_options_are_one_line(city, tmp_path, capsys, option, message):
-    args = ["train", "--task", "seg", "--data", str(city), "--output", str(tmp_path / "o"), *TRAIN_ARGS]
+    args = ["train", "--task", "seg", "--data-dir", str(city), "--output", str(tmp_path / "o"), *TRAIN_ARGS]
     assert cli_main([*args, *option]) == 2
     assert message in user_error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
@@ -274,7 +280,7 @@ def test_seg_training_loss_falls(trained_seg):
 def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, capsys):
     out_json = city / "seg_metrics.json"
     rc = cli_main([
-        "eval", "--task", "seg", "--checkpoint", str(trained_seg / "model.safetensors"), "--data", str(city),
+        "eval", "--task", "seg", "--checkpoint", str(trained_seg / "model.safetensors"), "--data-dir", str(city),
         "--check-conversion", "--device", "cpu", "--workers", "0", "--output-json", str(out_json),
     ])  # fmt: skip
     assert rc == 0
@@ -293,18 +299,18 @@ def test_seg_eval_sliding_window_and_converted_model_agree(city, trained_seg, ca
     assert "mIoU" in capsys.readouterr().out
     # --json prints the same metrics, as for classification.
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
-                   "--data", str(city), "--device", "cpu", "--workers", "0", "--json"])  # fmt: skip
+                   "--data-dir", str(city), "--device", "cpu", "--workers", "0", "--json"])  # fmt: skip
     assert rc == 0 and json.loads(capsys.readouterr().out)["confusion_matrix"] == m["confusion_matrix"]
     # A RepMLP model cannot predict whole 80x112 images in one pass: clear error.
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
-                   "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
+                   "--data-dir", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
     assert rc == 2 and "use --mode slide" in capsys.readouterr().err
 
 
 def test_seg_backbone_weights_error_through_cli(city, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     proc = run_cli(
-        "train", "--task", "seg", "--data", city, "--output", tmp_path / "o", *TRAIN_ARGS,
+        "train", "--task", "seg", "--data-dir", city, "--output", tmp_path / "o", *TRAIN_ARGS,
         "--backbone-weights", tmp_path / "junk.safetensors",
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith("repmlp: error: --backbone-weights")
@@ -319,7 +325,7 @@ def test_seg_training_with_torchrun(city, tmp_path):
     args[args.index("--batch-size") + 1] = "4"  # 2 per process: BatchNorm needs more than one sample
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
-         "-m", "repmlp", "train", "--task", "seg", "--data", str(city),
+         "-m", "repmlp", "train", "--task", "seg", "--data-dir", str(city),
          "--output", str(tmp_path / "ddp"), *args],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -347,27 +353,27 @@ def test_seg_eval_refuses_checkpoints_of_other_tasks(city, tmp_path, capsys):
         kwargs = {"img_size": 32, "width": 16} if name == "mobilefacenet" else {}
         save_model(path, model, name=name, model_kwargs=kwargs, form="deploy" if i else "train", extra=extra)
         rc = cli_main(
-            ["eval", "--task", "seg", "--checkpoint", str(path), "--data", str(city), "--device", "cpu"]
+            ["eval", "--task", "seg", "--checkpoint", str(path), "--data-dir", str(city), "--device", "cpu"]
         )
         line = _user_error(capsys)
         assert rc == 2 and message in line and "not a PSPNet segmentation model" in line
 
 
 def test_seg_training_sizes_and_models(city, tmp_path, capsys):
-    base = ["train", "--task", "seg", "--data", str(city), "--batch-size", "2", "--epochs", "1",
+    base = ["train", "--task", "seg", "--data-dir", str(city), "--batch-size", "2", "--epochs", "1",
             "--device", "cpu", "--workers", "0", "--output"]  # fmt: skip
     small = {"widths": [16, 32, 64, 64], "head_channels": 8, "aux_channels": 8}
-    # --model-kwargs' img_size alone sets the crop (no --crop-size): one size for data and model.
-    sized = ["--model", "pspnet_res50", "--model-kwargs", json.dumps({**small, "img_size": 48})]
+    # --model-arg img_size alone sets the crop (no --crop-size): one size for data and model.
+    sized = ["--model", "pspnet_res50", *model_arg_options({**small, "img_size": 48})]
     assert cli_main([*base, str(tmp_path / "ok"), *sized]) == 0
     meta = read_metadata(tmp_path / "ok" / "deploy.safetensors")
     assert json.loads(meta["extra"])["crop_size"] == 48 and json.loads(meta["model_kwargs"])["img_size"] == 48
     # Without RepMLPs the model takes whole 80x112 images in one pass.
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(tmp_path / "ok" / "deploy.safetensors"),
-                   "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
+                   "--data-dir", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
     assert rc == 0 and "(whole, crop 48)" in capsys.readouterr().out
     bad = [
-        ([*sized, "--crop-size", "64"], "--model-kwargs img_size 48 differs from --crop-size 64"),
+        ([*sized, "--crop-size", "64"], "--model-arg img_size 48 differs from --crop-size 64"),
         (["--model", "repmlp_fmnist", "--crop-size", "64"], "model 'repmlp_fmnist' is not a PSPNet"),
     ]
     for extra, message in bad:
@@ -377,7 +383,7 @@ def test_seg_training_sizes_and_models(city, tmp_path, capsys):
 
 def test_seg_eval_names_diverged_weights(city, trained_seg, tmp_path, capsys):
     model, info = load_model(trained_seg / "model.safetensors")
-    common = ["--data", str(city), "--limit", "1", "--device", "cpu", "--workers", "0"]
+    common = ["--data-dir", str(city), "--val-limit", "1", "--device", "cpu", "--workers", "0"]
 
     def save_eval(name: str, *extra: str) -> int:
         save_model(tmp_path / name, model, name=info["model"], model_kwargs=info["model_kwargs"], form="train",
@@ -400,7 +406,7 @@ def test_seg_help_description_is_a_whole_sentence(phase, capsys):
 
 def test_seg_eval_whole_mode_error_comes_before_progress_bars(city, trained_seg, capsys):
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
-                   "--data", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
+                   "--data-dir", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
     assert rc == 2
     err = capsys.readouterr().err  # exactly the message: no (cleared) progress bar text before it
     assert (

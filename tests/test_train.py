@@ -182,7 +182,8 @@ def test_train_config_defaults_are_the_fmnist_preset():
 
     cfg = TrainConfig()
     assert cfg.preset == "fmnist"
-    assert {k: getattr(cfg, k) for k in PRESETS["fmnist"]} == PRESETS["fmnist"]
+    recipe = PRESETS["fmnist"].to_dict()
+    assert {k: getattr(cfg, k) for k in recipe} == recipe
 
 
 def test_cifar10_batches_run(data, tmp_path, capsys):

@@ -12,72 +12,102 @@ line. The paper's settings (Sec. 4.1, 4.2):
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["PRESETS", "DEFAULT_PRESET"]
+__all__ = ["Recipe", "PRESETS", "DEFAULT_PRESET"]
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "fmnist": {
-        "model": "repmlp_fmnist",
-        "epochs": 5,
-        "batch_size": 256,
-        "optimizer": "sgd",
-        "lr": 0.2,
-        "min_lr": 0.0,
-        "momentum": 0.9,
-        "nesterov": True,
-        "weight_decay": 5e-5,
-        "schedule": "cosine",
-        "warmup_epochs": 0.5,
-        "label_smoothing": 0.1,
-        "mixup": 0.0,
-        "pad": 0,
-        "flip": True,
-        "autoaugment": False,
-        "img_size": None,
+
+@dataclass(frozen=True)
+class Recipe:
+    """The training options a preset sets (each overridable on the command line); the classification
+    run's :class:`~repmlp.tasks.classification.TrainConfig` takes its defaults from ``PRESETS["fmnist"]``."""
+
+    model: str
+    epochs: int
+    batch_size: int
+    optimizer: str
+    lr: float
+    min_lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    schedule: str
+    warmup_epochs: float
+    label_smoothing: float
+    mixup: float
+    pad: int
+    flip: bool
+    autoaugment: bool
+    img_size: int | None
+    channels_last: bool | None  # None: on for CUDA
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+PRESETS: dict[str, Recipe] = {
+    "fmnist": Recipe(
+        model="repmlp_fmnist",
+        epochs=5,
+        batch_size=256,
+        optimizer="sgd",
+        lr=0.2,
+        min_lr=0.0,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=5e-5,
+        schedule="cosine",
+        warmup_epochs=0.5,
+        label_smoothing=0.1,
+        mixup=0.0,
+        pad=0,
+        flip=True,
+        autoaugment=False,
+        img_size=None,
         # Measured on a 2-core CPU: the Local Perceptron's convs train ~1.7x faster channels-last.
-        "channels_last": True,
-    },
-    "cifar": {
-        "model": "repmlp_cifar",
-        "epochs": 100,
-        "batch_size": 128,
-        "optimizer": "sgd",
-        "lr": 0.2,
-        "min_lr": 0.0,
-        "momentum": 0.9,
-        "nesterov": False,
-        "weight_decay": 1e-4,
-        "schedule": "cosine",
-        "warmup_epochs": 0.0,
-        "label_smoothing": 0.0,
-        "mixup": 0.0,
-        "pad": 4,
-        "flip": True,
-        "autoaugment": False,
-        "img_size": None,
-        "channels_last": None,  # on CUDA
-    },
-    "imagenet": {
-        "model": "repmlp_res50",
-        "epochs": 100,
-        "batch_size": 256,
-        "optimizer": "sgd",
-        "lr": 0.1,
-        "min_lr": 0.0,
-        "momentum": 0.9,
-        "nesterov": False,
-        "weight_decay": 1e-4,
-        "schedule": "cosine",
-        "warmup_epochs": 0.0,
-        "label_smoothing": 0.0,
-        "mixup": 0.2,
-        "pad": 0,
-        "flip": True,
-        "autoaugment": True,
-        "img_size": 224,
-        "channels_last": None,
-    },
+        channels_last=True,
+    ),
+    "cifar": Recipe(
+        model="repmlp_cifar",
+        epochs=100,
+        batch_size=128,
+        optimizer="sgd",
+        lr=0.2,
+        min_lr=0.0,
+        momentum=0.9,
+        nesterov=False,
+        weight_decay=1e-4,
+        schedule="cosine",
+        warmup_epochs=0.0,
+        label_smoothing=0.0,
+        mixup=0.0,
+        pad=4,
+        flip=True,
+        autoaugment=False,
+        img_size=None,
+        channels_last=None,  # on CUDA
+    ),
+    "imagenet": Recipe(
+        model="repmlp_res50",
+        epochs=100,
+        batch_size=256,
+        optimizer="sgd",
+        lr=0.1,
+        min_lr=0.0,
+        momentum=0.9,
+        nesterov=False,
+        weight_decay=1e-4,
+        schedule="cosine",
+        warmup_epochs=0.0,
+        label_smoothing=0.0,
+        mixup=0.2,
+        pad=0,
+        flip=True,
+        autoaugment=True,
+        img_size=224,
+        channels_last=None,
+    ),
 }
 
 # The preset a data set gets when --preset is not given.

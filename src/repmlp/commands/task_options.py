@@ -24,8 +24,8 @@ __all__ = ["TASK_OPTIONS"]
 
 
 def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """``--data-dir`` (as classification calls it; ``--data``, the old spelling, still works)."""
-    parser.add_argument("--data-dir", "--data", dest="data", required=True, help=help)
+    """``--data-dir``, as classification calls it."""
+    parser.add_argument("--data-dir", required=True, help=help)
 
 
 def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +70,6 @@ def add_common_train_arguments(
         metavar="KEY=VALUE",
         help="extra model option, VALUE as JSON (e.g. --model-arg img_size=64); repeatable",
     )
-    parser.add_argument("--model-kwargs", default=None, help="(old spelling) JSON object of model options")
     parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
     parser.add_argument(
         "--batch-size",
@@ -154,7 +153,7 @@ def face_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--img-size",
         type=int_at_least(16),
         default=None,
-        help="face crop size (default: --model-kwargs' img_size, else 96)",
+        help="face crop size (default: --model-arg img_size, else 96)",
     )
 
 
@@ -217,7 +216,7 @@ def seg_train_arguments(parser: argparse.ArgumentParser) -> None:
         "--crop-size",
         type=int_at_least(8),
         default=None,
-        help="training crop, the model's img_size (default: --model-kwargs' img_size, else 713)",
+        help="training crop, the model's img_size (default: --model-arg img_size, else 713)",
     )
     parser.add_argument(
         "--scale-min", type=positive_float, default=0.5, help="random scale lower bound (0.5)"
@@ -250,8 +249,6 @@ def seg_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--val-limit",
-        "--limit",
-        dest="limit",
         type=int_at_least(1),
         default=None,
         help="evaluate the first N images only",

@@ -29,6 +29,11 @@ from ._common import (
 log = logging.getLogger(__name__)
 
 TASKS = ("cls", "face", "seg")
+# task -> phase -> the name of its config class in its module
+CONFIGS = {
+    "face": {"train": "FaceTrainConfig", "eval": "FaceEvalConfig"},
+    "seg": {"train": "SegTrainConfig", "eval": "SegEvalConfig"},
+}
 
 
 def _nonneg_int(text: str) -> int:
@@ -95,10 +100,9 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
         task_args = parser.parse_args(task_argv(args.argv, command))
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-    for k in ("verbose", "quiet"):
-        setattr(task_args, k, getattr(args, k, False))
-    task_args.task = args.task
-    return int(getattr(module, "train" if phase == "train" else "evaluate")(task_args) or 0)
+    # The task's typed config, built here at the command line's boundary.
+    config = getattr(module, CONFIGS[args.task][phase]).from_args(task_args)
+    return int(getattr(module, "train" if phase == "train" else "evaluate")(config) or 0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -211,7 +215,7 @@ def resolve_config(args: argparse.Namespace):
     from ..tasks.classification import TrainConfig
 
     preset = args.preset or DEFAULT_PRESET[args.dataset]
-    values = dict(PRESETS[preset])
+    values = PRESETS[preset].to_dict()
     for k in list(values):
         given = getattr(args, k, None)
         if given is not None:

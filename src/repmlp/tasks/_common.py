@@ -6,22 +6,16 @@ import argparse
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from ..engine import (  # noqa: F401 - re-exported for the tasks
-    DistInfo,
-    all_reduce_sum,
-    cleanup_distributed,
-    progress,
-    setup_distributed,
-    unwrap,
-)
+from ..engine import DistInfo
 from ..errors import UserError
 
 log = logging.getLogger(__name__)
@@ -34,21 +28,69 @@ def per_process_batch(global_batch: int, procs: DistInfo, flag: str = "--batch-s
     return global_batch // procs.world
 
 
-def parse_model_kwargs(text: str | None) -> dict[str, Any]:
-    """``--model-kwargs`` JSON object -> dict (e.g. ``'{"img_size": 64}'``)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--model-kwargs is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise UserError("--model-kwargs must be a JSON object, e.g. '{\"img_size\": 64}'")
-    return value
+_T = TypeVar("_T", bound="TrainOptions")
+_E = TypeVar("_E", bound="EvalOptions")
+
+
+@dataclass
+class TrainOptions:
+    """The training options every task shares, typed (built from the parsed command line by
+    :meth:`from_args`); a task's config adds its own fields. The options of :data:`RUNTIME` do not
+    change the maths, so a resumed run may change them; a resume must repeat every other field."""
+
+    data_dir: str
+    output: str
+    model: str
+    model_arg: list[tuple[str, Any]]
+    init: str | None
+    batch_size: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    seed: int
+    train_limit: int | None
+    workers: int
+    log_interval: int
+    resume: bool
+    ckpt_every: int
+    device: str
+    amp: bool | None
+    threads: int | None
+    stop_after_steps: int | None
+
+    RUNTIME: ClassVar[frozenset[str]] = frozenset(
+        {"data_dir", "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every",
+         "stop_after_steps"}
+    )  # fmt: skip
+
+    @classmethod
+    def from_args(cls: type[_T], args: argparse.Namespace) -> _T:
+        """The config of a parsed command line (every field must be an option there)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def maths(self) -> dict[str, Any]:
+        """The fields a resume must repeat: every declared one but :data:`RUNTIME`'s."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.RUNTIME}
+
+
+@dataclass
+class EvalOptions:
+    """The evaluation options every task shares, typed (see :class:`TrainOptions`)."""
+
+    checkpoint: str
+    check_conversion: bool
+    json: bool
+    output_json: str | None
+    workers: int
+    device: str
+
+    @classmethod
+    def from_args(cls: type[_E], args: argparse.Namespace) -> _E:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, default: int) -> int:
-    """The one square input size of a run: ``--model-kwargs``' ``img_size`` or ``flag`` (``value``).
+    """The one square input size of a run: ``--model-arg img_size`` or ``flag`` (``value``).
 
     The data are sized with it and the model built for it (written into ``kwargs``), so the two cannot
     disagree; giving both with different values is a :class:`UserError`. ``default`` when neither is given.
@@ -57,10 +99,10 @@ def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, defau
     if isinstance(given, (list, tuple)) and len(given) == 2 and given[0] == given[1]:
         given = given[0]
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
-        raise UserError(f"--model-kwargs img_size must be one integer (square inputs), got {given!r}")
+        raise UserError(f"--model-arg img_size must be one integer (square inputs), got {given!r}")
     if given is not None and value is not None and given != value:
         raise UserError(
-            f"--model-kwargs img_size {given} differs from {flag} {value}: the model is built for the "
+            f"--model-arg img_size {given} differs from {flag} {value}: the model is built for the "
             f"size of its inputs; give one of them"
         )
     size = given if given is not None else value if value is not None else default
@@ -137,35 +179,25 @@ class EpochSeeded(Dataset):
             return self.dataset[index]
 
 
-# Options that do not change the maths: a resumed run may change them.
-RUNTIME_OPTIONS = {
-    "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every", "data",
-    "verbose", "quiet", "task", "show_help", "stop_after_steps",
-}  # fmt: skip
+def model_options(cfg: TrainOptions) -> dict[str, Any]:
+    """The model's options (``--model-arg KEY=VALUE``, the last of a key wins)."""
+    return dict(cfg.model_arg)
 
 
-def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The model's options: ``--model-kwargs`` JSON (the old spelling) updated by ``--model-arg K=V``."""
-    return {**parse_model_kwargs(args.model_kwargs), **dict(args.model_arg)}
-
-
-def check_train_options(args: argparse.Namespace) -> None:
+def check_train_options(args: TrainOptions) -> None:
     """Range checks argparse cannot do alone; each bad option is one :class:`UserError`."""
     if not 0 <= args.momentum < 1:
         raise UserError(f"--momentum must be in [0, 1), got {args.momentum}")
 
 
-def start_run(
-    args: argparse.Namespace, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]
-):
+def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
     from ..engine import LoopOptions, check_output
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
-    # Every option but the runtime ones changes the maths: a resume must repeat them.
-    maths = {k: v for k, v in vars(args).items() if k not in RUNTIME_OPTIONS and k != "parser"}
-    config = {**maths, "model_kwargs": model_kwargs, "amp": amp}
+    # Every declared option but the runtime ones changes the maths: a resume must repeat them.
+    config = {**args.maths(), "model_kwargs": model_kwargs, "amp": amp}
     opts = LoopOptions(
         output=Path(args.output),
         config=json.loads(json.dumps(config, default=str)),
@@ -180,7 +212,7 @@ def start_run(
     return opts, check_output(opts.output, args.resume, procs)
 
 
-def training_loader(dataset: Dataset, args: argparse.Namespace, procs: DistInfo, batch_size: int):
+def training_loader(dataset: Dataset, args: TrainOptions, procs: DistInfo, batch_size: int):
     """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``,
     ``--train-limit``)."""
     from ..data.loader import FolderLoader

@@ -54,6 +54,7 @@ from ..engine import write_metrics_csv as _write_csv
 from ..errors import UserError
 from ..files import CheckpointError
 from ..metrics import topk_correct
+from ..recipes import PRESETS
 
 __all__ = [
     "METRIC_FIELDS",
@@ -85,6 +86,9 @@ METRIC_FIELDS = [
 ]
 
 
+_DEFAULT = PRESETS["fmnist"]  # the main job's recipe: TrainConfig's defaults
+
+
 @dataclass
 class TrainConfig:
     """Every option of a classification run (JSON-serialisable; stored in the checkpoint).
@@ -96,25 +100,25 @@ class TrainConfig:
     data_dir: str | None = None
     download: bool = False
     preset: str = "fmnist"
-    model: str = "repmlp_fmnist"
+    model: str = _DEFAULT.model
     model_args: dict[str, Any] = field(default_factory=dict)
-    epochs: int = 5
-    batch_size: int = 256  # global, split over the processes
+    epochs: int = _DEFAULT.epochs
+    batch_size: int = _DEFAULT.batch_size  # global, split over the processes
     eval_batch_size: int = 512
-    optimizer: str = "sgd"
-    lr: float = 0.2
-    min_lr: float = 0.0
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-5
-    schedule: str = "cosine"
-    warmup_epochs: float = 0.5
-    label_smoothing: float = 0.1
-    mixup: float = 0.0
-    pad: int = 0
-    flip: bool = True
-    autoaugment: bool = False
-    img_size: int | None = None
+    optimizer: str = _DEFAULT.optimizer
+    lr: float = _DEFAULT.lr
+    min_lr: float = _DEFAULT.min_lr
+    momentum: float = _DEFAULT.momentum
+    nesterov: bool = _DEFAULT.nesterov
+    weight_decay: float = _DEFAULT.weight_decay
+    schedule: str = _DEFAULT.schedule
+    warmup_epochs: float = _DEFAULT.warmup_epochs
+    label_smoothing: float = _DEFAULT.label_smoothing
+    mixup: float = _DEFAULT.mixup
+    pad: int = _DEFAULT.pad
+    flip: bool = _DEFAULT.flip
+    autoaugment: bool = _DEFAULT.autoaugment
+    img_size: int | None = _DEFAULT.img_size
     init: str | None = None  # a model file whose weights start the run (--init)
     train_limit: int | None = None
     val_limit: int | None = None
@@ -123,7 +127,7 @@ class TrainConfig:
     amp: bool | None = None
     # Runtime options: they do not change the maths, so a resumed run may change them.
     device: str = "auto"
-    channels_last: bool | None = True  # None: on for CUDA
+    channels_last: bool | None = _DEFAULT.channels_last  # None: on for CUDA
     workers: int = 2
     ckpt_every: int = 0
     output: str = "runs/latest"

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import build_model
+from ..engine import build_model, progress, unwrap
 from ..errors import UserError
 from ..finetune import report_lines
 from ._common import (
+    EvalOptions,
+    TrainOptions,
     check_finite,
     check_train_options,
     evaluate_both_forms,
     load_for_eval,
     model_options,
     per_process_batch,
-    progress,
     require_task_model,
     resolve_img_size,
     save_run,
     start_run,
     training_loader,
-    unwrap,
     write_json,
 )
 
@@ -51,6 +52,30 @@ log = logging.getLogger(__name__)
 
 PAPER_LR_STEPS = (252_000, 364_000, 406_000)
 PAPER_ITERATIONS = 420_000
+
+
+@dataclass
+class FaceTrainConfig(TrainOptions):
+    """``repmlp train --task face``: the shared training options and the face pipeline's own."""
+
+    head_weight_decay: float
+    iterations: int
+    lr_steps: list[int] | None
+    am_scale: float
+    am_margin: float
+    img_size: int | None
+
+
+@dataclass
+class FaceEvalConfig(EvalOptions):
+    """``repmlp eval --task face``: verification pairs and/or an identification probe and gallery."""
+
+    pairs: str | None
+    pairs_root: str | None
+    folds: int
+    probe: str | None
+    gallery: str | None
+    batch_size: int
 
 
 class FaceTrainModule(nn.Module):
@@ -81,20 +106,20 @@ def _param_groups(module: FaceTrainModule, wd: float, head_wd: float) -> list[di
     return [{"params": base, "weight_decay": wd}, {"params": heads, "weight_decay": head_wd}]
 
 
-def face_lr(args: argparse.Namespace, step: int) -> list[float]:
+def face_lr(args: FaceTrainConfig, step: int) -> list[float]:
     """Learning rate of both parameter groups at ``step``: ``--lr`` divided by 10 at each ``--lr-steps``."""
     lr = args.lr * 0.1 ** sum(step >= s for s in lr_steps(args))
     return [lr, lr]
 
 
-def lr_steps(args: argparse.Namespace) -> list[int]:
+def lr_steps(args: FaceTrainConfig) -> list[int]:
     """``--lr-steps``, by default the paper's (252k, 364k, 406k of 420k) scaled to ``--iterations``."""
     if args.lr_steps is not None:
         return list(args.lr_steps)
     return [max(1, round(s * args.iterations / PAPER_ITERATIONS)) for s in PAPER_LR_STEPS]
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_options(args: FaceTrainConfig) -> None:
     """Option checks of a face run (one :class:`UserError` each), before anything is loaded."""
     check_train_options(args)
     if not 0 <= args.am_margin < 2:
@@ -103,7 +128,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError(f"--lr-steps {args.lr_steps[-1]} is past --iterations {args.iterations}")
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: FaceTrainConfig) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
     from ..engine import run_in_processes
 
@@ -111,7 +136,7 @@ def train(args: argparse.Namespace) -> int:
     return run_in_processes(args, _train)
 
 
-def _train(args: argparse.Namespace, procs) -> None:
+def _train(args: FaceTrainConfig, procs) -> None:
     from ..data.face import FaceFolder
     from ..engine import prepare_module, train_loop, write_run_report
     from ..losses import AMSoftmax
@@ -119,10 +144,12 @@ def _train(args: argparse.Namespace, procs) -> None:
     torch.manual_seed(args.seed)
     kwargs = model_options(args)
     size = resolve_img_size(kwargs, "--img-size", args.img_size, 96)
-    dataset = FaceFolder(args.data, train=True, size=size)
+    dataset = FaceFolder(args.data_dir, train=True, size=size)
     if len(dataset.classes) < 2:
         # One class makes the AM-Softmax loss 0 whatever the embedding: nothing would be learnt.
-        raise UserError(f"{args.data} holds {len(dataset.classes)} identity; face training needs at least 2")
+        raise UserError(
+            f"{args.data_dir} holds {len(dataset.classes)} identity; face training needs at least 2"
+        )
     model, _ = build_model(args.model, kwargs)
     require_task_model(model, "face", args.model)
     init = _init_trunk(model, args.init, procs)
@@ -153,7 +180,7 @@ def _train(args: argparse.Namespace, procs) -> None:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
         save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
         section = [
-            f"- Data: {loader.num_samples} face crops of {len(dataset.classes)} identities ({args.data})",
+            f"- Data: {loader.num_samples} face crops of {len(dataset.classes)} identities ({args.data_dir})",
             f"- Model: `{args.model}` {kwargs}, AM-Softmax s={args.am_scale:g} m={args.am_margin:g}",
             f"- Recipe: {args.iterations} iterations, batch {args.batch_size}, SGD lr {args.lr:g} "
             f"(/10 at {lr_steps(args)}), momentum {args.momentum:g}, weight decay {args.weight_decay:g} "
@@ -245,7 +272,7 @@ def face_metrics(
     return result
 
 
-def read_face_sets(args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
+def read_face_sets(args: FaceEvalConfig) -> tuple[Any, int, Any, Any]:
     """Read the evaluation sets of ``args``: ``(pairs or None, folds, probe or None, gallery or None)``.
 
     Every problem is a :class:`UserError` raised here, before a progress bar starts.
@@ -273,7 +300,7 @@ def read_face_sets(args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
     return pairs, folds, probe, gallery
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def evaluate(args: FaceEvalConfig) -> int:
     """``repmlp eval --task face``: metrics on the converted model's embeddings."""
     from ..engine import resolve_device
 

@@ -14,10 +14,10 @@ without RepMLPs only).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +25,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import build_model
+from ..engine import (
+    DistInfo,
+    all_reduce_sum,
+    build_model,
+    cleanup_distributed,
+    progress,
+    setup_distributed,
+    unwrap,
+)
 from ..errors import UserError
 from ..finetune import report_lines
 from ._common import (
-    DistInfo,
-    all_reduce_sum,
+    EvalOptions,
+    TrainOptions,
     check_train_options,
-    cleanup_distributed,
     evaluate_both_forms,
     load_for_eval,
     model_options,
     non_finite,
     per_process_batch,
-    progress,
     require_task_model,
     resolve_img_size,
     save_run,
-    setup_distributed,
     start_run,
     training_loader,
-    unwrap,
     write_json,
 )
 
@@ -64,6 +68,32 @@ log = logging.getLogger(__name__)
 def poly_lr(base: float, iteration: int, max_iterations: int, power: float = 0.9) -> float:
     """Poly policy: ``base * (1 - iteration / max_iterations) ** power``."""
     return base * (1.0 - min(iteration, max_iterations) / max_iterations) ** power
+
+
+@dataclass
+class SegTrainConfig(TrainOptions):
+    """``repmlp train --task seg``: the shared training options and PSPNet's own."""
+
+    epochs: int
+    iterations: int | None
+    power: float
+    head_lr_mult: float
+    crop_size: int | None
+    scale_min: float
+    scale_max: float
+    aux_weight: float
+    train_split: str
+
+
+@dataclass
+class SegEvalConfig(EvalOptions):
+    """``repmlp eval --task seg``: a split of a Cityscapes folder, sliding-window or whole images."""
+
+    data_dir: str
+    split: str
+    mode: str
+    crop_size: int | None
+    val_limit: int | None
 
 
 class SegTrainModule(nn.Module):
@@ -93,14 +123,14 @@ def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[st
     ]
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_options(args: SegTrainConfig) -> None:
     """Option checks of a segmentation run (one :class:`UserError` each), before anything is loaded."""
     check_train_options(args)
     if args.scale_min > args.scale_max:
         raise UserError(f"--scale-min {args.scale_min} is larger than --scale-max {args.scale_max}")
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: SegTrainConfig) -> int:
     """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
     from ..engine import run_in_processes
 
@@ -109,7 +139,7 @@ def train(args: argparse.Namespace) -> int:
 
 
 def _build(
-    args: argparse.Namespace, kwargs: dict[str, Any], procs: DistInfo
+    args: SegTrainConfig, kwargs: dict[str, Any], procs: DistInfo
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The PSPNet of ``args``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
     it and what was loaded (``None`` without ``--init``)."""
@@ -138,7 +168,7 @@ def _build(
     return model, init
 
 
-def _check_batches(args: argparse.Namespace, procs: DistInfo, images: int) -> int:
+def _check_batches(args: SegTrainConfig, procs: DistInfo, images: int) -> int:
     """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
     per_process = per_process_batch(args.batch_size, procs)
     sync_bn = procs.enabled and procs.device.type == "cuda"
@@ -154,7 +184,7 @@ def _check_batches(args: argparse.Namespace, procs: DistInfo, images: int) -> in
     return per_process
 
 
-def _train(args: argparse.Namespace, procs: DistInfo) -> None:
+def _train(args: SegTrainConfig, procs: DistInfo) -> None:
     from ..data.cityscapes import CityscapesSegmentation
     from ..engine import prepare_module, train_loop, write_run_report
 
@@ -163,7 +193,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
     # The crops are the model's inputs: its RepMLPs are built for exactly that size.
     crop = resolve_img_size(kwargs, "--crop-size", args.crop_size, 713)
     dataset = CityscapesSegmentation(
-        args.data, args.train_split, crop_size=crop, scale_range=(args.scale_min, args.scale_max)
+        args.data_dir, args.train_split, crop_size=crop, scale_range=(args.scale_min, args.scale_max)
     )
     per_process = _check_batches(args, procs, min(len(dataset), args.train_limit or len(dataset)))
     model, init = _build(args, kwargs, procs)
@@ -194,7 +224,7 @@ def _train(args: argparse.Namespace, procs: DistInfo) -> None:
         meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
         save_run(opts.output, model, args.model, kwargs, meta, history)
         section = [
-            f"- Data: {loader.num_samples} images of {args.data} ({args.train_split}), crops {crop}x{crop}, "
+            f"- Data: {loader.num_samples} images of {args.data_dir} ({args.train_split}), crops {crop}x{crop}, "
             f"scale {args.scale_min:g}-{args.scale_max:g}",
             f"- Model: `{args.model}` {kwargs}, auxiliary loss weight {args.aux_weight:g}",
             f"- Recipe: {max_it} iterations, batch {args.batch_size}, SGD poly lr {args.lr:g} (power "
@@ -312,7 +342,7 @@ def _fixed_resolution(model: nn.Module) -> bool:
     return any(isinstance(m, RepMLPBlock) for m in model.modules())
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def evaluate(args: SegEvalConfig) -> int:
     """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
     from ..data.cityscapes import CityscapesSegmentation
 
@@ -323,9 +353,9 @@ def evaluate(args: argparse.Namespace) -> int:
             raise UserError(
                 "--check-conversion needs a training-form checkpoint (this one is already converted)"
             )
-        dataset = CityscapesSegmentation(args.data, args.split)
-        if args.limit:
-            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+        dataset = CityscapesSegmentation(args.data_dir, args.split)
+        if args.val_limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(args.val_limit, len(dataset))))
         crop = _crop_of(info["model_kwargs"], args.crop_size)
         if args.mode == "whole" and _fixed_resolution(deployed):  # checked before any progress bar
             h, w = _crop_of(info["model_kwargs"], None)

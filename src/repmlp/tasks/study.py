@@ -133,7 +133,7 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
     from ..recipes import PRESETS
     from .classification import TrainConfig
 
-    recipe = {k: v for k, v in PRESETS["cifar"].items() if k in TrainConfig.__dataclass_fields__}
+    recipe = PRESETS["cifar"].to_dict()
     recipe.update(
         model=model,
         model_args=opts.model_args(),
