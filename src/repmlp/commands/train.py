@@ -107,8 +107,6 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import HelpFormatter
-    from ..data import DATASETS
-    from ..recipes import PRESETS
 
     p = subparsers.add_parser(
         "train",
@@ -118,7 +116,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=HelpFormatter,
     )
     add_task_option(p)
-    g = p.add_argument_group("data")
+    _add_data_options(p)
+    _add_recipe_options(p)
+    _add_run_options(p)
+    p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
+    return p
+
+
+def _add_data_options(parser: argparse.ArgumentParser) -> None:
+    """The data set options of ``repmlp train``."""
+    from ..data import DATASETS
+
+    g = parser.add_argument_group("data")
     g.add_argument("--dataset", choices=DATASETS, default="fashion-mnist", help="(default: fashion-mnist)")
     g.add_argument(
         "--data-dir",
@@ -132,7 +141,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument(
         "--workers", type=_nonneg_int, default=2, help="image decoding processes (imagefolder; default: 2)"
     )
-    g = p.add_argument_group("model and recipe (defaults come from --preset)")
+
+
+def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
+    """The model and recipe options (their defaults come from ``--preset``)."""
+    from ..recipes import PRESETS
+
+    g = parser.add_argument_group("model and recipe (defaults come from --preset)")
     g.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -188,7 +203,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "a classifier for another number of classes is re-initialised; without --model, the file's model "
         "and options are used",
     )
-    g = p.add_argument_group("run")
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the run itself: folder, resume, checkpoints, what the end of the run does."""
+    g = parser.add_argument_group("run")
     g.add_argument("--output", default=None, help="run folder (default: runs/<date>-<time>)")
     add_run_arguments(
         g,
@@ -205,8 +224,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--bench-batch-size", type=int_at_least(1), default=128)
     g.add_argument("--no-export", action="store_true", help="skip the ONNX export")
     g.add_argument("--no-bench", action="store_true", help="skip the speed benchmark")
-    p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
-    return p
 
 
 def resolve_config(args: argparse.Namespace):
