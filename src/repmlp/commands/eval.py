@@ -58,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.task != "cls":
         return run_task(args, "eval", "eval")
-    from ..tasks.classification import evaluate
+    from ..tasks.classification import EvalConfig, evaluate
 
-    return evaluate(args)
+    return evaluate(EvalConfig.from_args(args))

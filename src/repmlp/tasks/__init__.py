@@ -5,9 +5,10 @@
 - :mod:`repmlp.tasks.face`: face recognition (paper Sec. 4.3), ``--task face``.
 - :mod:`repmlp.tasks.segmentation`: semantic segmentation (paper Sec. 4.4), ``--task seg``.
 
-Every task exposes ``evaluate(args) -> int`` (``repmlp eval``); face and segmentation also
-``train(args) -> int``, over the namespace of their options (:mod:`repmlp.commands.task_options`), and
-classification ``run_training(TrainConfig)`` (``repmlp train`` builds the config from its options).
+Every task takes typed configs (dataclasses the commands build from the parsed options) and exposes
+``evaluate(config) -> int`` (``repmlp eval``) and its training entry: ``train(FaceTrainConfig |
+SegTrainConfig) -> int``, classification's ``run_training(TrainConfig)``. The face and segmentation
+options are defined in :mod:`repmlp.commands.task_options`.
 The study (:mod:`repmlp.tasks.study`) trains classification runs; each task's report is its own module.
 """
 

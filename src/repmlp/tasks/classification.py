@@ -61,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "lr_at",
+    "EvalConfig",
     "evaluate",
     "evaluate_model",
     "run_training",
@@ -521,13 +522,30 @@ def config_json(cfg: TrainConfig) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
 
 
-def evaluate(args: argparse.Namespace) -> int:
-    """``repmlp eval`` (``--task cls``): top-1/top-5 and loss of a model file on a data set, printed.
+@dataclass
+class EvalConfig:
+    """``repmlp eval`` (``--task cls``): a model file and the data set to score it on (``dataset`` and
+    ``data_dir`` default to the ones the file was trained on)."""
 
-    ``args``: ``checkpoint``, ``dataset`` and ``data_dir`` (default: the ones the file was trained on),
-    ``download``, ``val_limit``, ``img_size``, ``batch_size``, ``workers``, ``device``, ``json``. A file
-    whose classes, channels or input size do not fit the data set is a :class:`CheckpointError`.
-    """
+    checkpoint: str | None
+    dataset: str | None = None
+    data_dir: str | None = None
+    download: bool = False
+    val_limit: int | None = None
+    img_size: int | None = None
+    batch_size: int = 512
+    workers: int = 2
+    device: str = "auto"
+    json: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EvalConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def evaluate(args: EvalConfig) -> int:
+    """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``). A file whose
+    classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     from ..checkpoint import load_model
