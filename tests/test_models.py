@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import timm
 import torch
@@ -11,7 +13,7 @@ from torch import nn
 import repmlp
 from repmlp import create_model, list_models, reparameterize_model
 from repmlp.models import RepMLPBottleneck, RepMLPLightBlock, ResNet
-from repmlp.models.blocks import parse_stages
+from repmlp.models.blocks import RepMLPSpec, StageSpec, make_stage, parse_stages
 from zoo import shallow
 
 # Models this helper owns, with kwargs that keep a float64 forward pass cheap while exercising the same
@@ -133,6 +135,25 @@ def test_stage_selection_replaces_only_stride1_blocks() -> None:
     assert parse_stages("c3+c4") == parse_stages((3, 4)) == parse_stages(["c3", 4]) == (1, 2)
     with pytest.raises(ValueError, match="unknown stage"):
         parse_stages("c6")
+
+
+def test_stage_spec_composes_its_blocks() -> None:
+    """A stage is what its spec says: the strided first block a plain bottleneck at the first dilation,
+    the stride-1 ones RepMLP Bottlenecks, a Non-local block where asked; ``keep_first`` keeps a stride-1
+    first block plain (the face ResNets, PSPNet's un-strided c4)."""
+    rep = RepMLPSpec(partition=4, groups=2, kernel_sizes=(1, 3))
+    spec = StageSpec(depth=3, width=64, stride=2, dilation=2, repmlp=rep, nonlocal_before=(2,))
+    stage, res = make_stage(spec, 32, (16, 16))
+    assert res == (8, 8)
+    kinds = [type(b).__name__ for b in stage]
+    assert kinds == ["Bottleneck", "RepMLPBottleneck", "NonLocalBlock", "RepMLPBottleneck"]
+    assert stage[0].conv2.conv.stride == (2, 2) and stage[0].conv2.conv.dilation == (1, 1)
+    assert stage[1].repmlp.resolution == (8, 8)  # built for the strided map
+    unstrided = StageSpec(depth=2, width=64, dilation=2, first_dilation=2, repmlp=rep)
+    assert type(make_stage(unstrided, 32, (8, 8))[0][0]).__name__ == "RepMLPBottleneck"
+    kept, res = make_stage(replace(unstrided, keep_first=True), 32, (8, 8))
+    assert res == (8, 8) and [type(b).__name__ for b in kept] == ["Bottleneck", "RepMLPBottleneck"]
+    assert kept[0].conv2.conv.dilation == (2, 2) and kept[0].conv2.conv.stride == (1, 1)
 
 
 def test_nl_and_gc_placement() -> None:

@@ -1,4 +1,4 @@
-"""Building blocks of the paper's models and a configurable ResNet-50-style network.
+"""Building blocks of the paper's models and a ResNet-50-style network composed of stage specifications.
 
 Every conv-BN pair is a :class:`repmlp.ConvBN` (and every RepMLP a :class:`repmlp.RepMLPBlock`), so a
 model built with ``deploy=True`` has exactly the structure of ``reparameterize_model(model)`` and
@@ -9,6 +9,7 @@ options are sequences ordered c2..c5 (or one value for all stages).
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -27,7 +28,11 @@ __all__ = [
     "RepMLPLightBlock",
     "NonLocalBlock",
     "GlobalContextBlock",
+    "RepMLPSpec",
+    "StageSpec",
+    "make_stage",
     "ResNet",
+    "check_input_size",
     "parse_stages",
     "per_stage",
     "conv_out_size",
@@ -314,20 +319,120 @@ class GlobalContextBlock(nn.Module):
         return x + self.transform(context)
 
 
-BlockFactory = Callable[..., nn.Module]
+@dataclass(frozen=True)
+class RepMLPSpec:
+    """How a stage builds its RepMLP blocks (paper Sec. 3.5: RepMLP Bottleneck; Appendix A: Light Block).
+
+    ``block``: ``"bottleneck"`` or ``"light"``; ``partition``: ``h = w`` (or ``(h, w)``); ``reduction``:
+    ``r``; ``groups``: ``g``; ``kernel_sizes``: the Local Perceptron's; ``global_reduction``: FC1's;
+    ``mid_channels``: a RepMLP Bottleneck's width after its first 1x1 conv (default ``C_out/4``).
+    """
+
+    block: str = "bottleneck"
+    partition: int | tuple[int, int] = 7
+    reduction: int = 2
+    groups: int = 8
+    kernel_sizes: tuple[int, ...] = (1, 3, 5)
+    global_reduction: int = 1
+    mid_channels: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block not in ("bottleneck", "light"):
+            raise ValueError(f"repmlp_block must be 'bottleneck' or 'light', got {self.block!r}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One ResNet stage: ``depth`` blocks of output width ``width``, the first strided by ``stride``.
+
+    ``dilation`` is the 3x3 convs' dilation; the first block takes ``first_dilation`` (the previous
+    stage's, torchvision's ``replace_stride_with_dilation`` convention). ``mid_channels``: bottleneck
+    width (default ``width/4``). With ``repmlp`` every stride-1 block becomes a RepMLP block (the paper
+    keeps the stride-2 bottlenecks), except the first when ``keep_first`` (then the stage's first block
+    stays the plain bottleneck whatever its stride). ``gc_ratio``: the bottlenecks get a GC block of
+    that ratio; ``nonlocal_before``: a Non-local block is inserted before each of these block indices.
+    """
+
+    depth: int
+    width: int
+    stride: int = 1
+    dilation: int = 1
+    first_dilation: int = 1
+    mid_channels: int | None = None
+    repmlp: RepMLPSpec | None = None
+    keep_first: bool = False
+    gc_ratio: int | None = None
+    nonlocal_before: tuple[int, ...] = ()
+
+
+def make_stage(
+    spec: StageSpec, in_channels: int, resolution: tuple[int, int], *, deploy: bool = False
+) -> tuple[nn.Sequential, tuple[int, int]]:
+    """The blocks of ``spec`` after an input of ``in_channels`` channels at ``resolution`` ``(H, W)``.
+
+    Returns the stage ``(N, in_channels, H, W) -> (N, width, H', W')`` and its output ``(H', W')``,
+    the resolution its RepMLPs are built for.
+    """
+    res = resolution
+    if spec.stride != 1:
+        d = spec.first_dilation
+        res = (conv_out_size(res[0], 3, spec.stride, d, d), conv_out_size(res[1], 3, spec.stride, d, d))
+    blocks: list[nn.Module] = []
+    c_in = in_channels
+    for j in range(spec.depth):
+        stride, dilation = (spec.stride, spec.first_dilation) if j == 0 else (1, spec.dilation)
+        if j in spec.nonlocal_before:
+            blocks.append(NonLocalBlock(c_in, deploy=deploy))
+        if spec.repmlp is not None and stride == 1 and (j > 0 or not spec.keep_first):
+            blocks.append(_repmlp_block(spec.repmlp, c_in, spec.width, res, deploy))
+        else:
+            # Built before its bottleneck: the parameters are created (and drawn) in module order.
+            gc = GlobalContextBlock(spec.width, ratio=spec.gc_ratio) if spec.gc_ratio else None
+            blocks.append(
+                Bottleneck(
+                    c_in,
+                    spec.width,
+                    mid_channels=spec.mid_channels,
+                    stride=stride,
+                    dilation=dilation,
+                    context=gc,
+                    deploy=deploy,
+                )
+            )
+        c_in = spec.width
+    return nn.Sequential(*blocks), res
+
+
+def _repmlp_block(
+    spec: RepMLPSpec, in_channels: int, out_channels: int, resolution: tuple[int, int], deploy: bool
+) -> nn.Module:
+    """A RepMLP Bottleneck or RepMLP Light Block ``(N, C_in, H, W) -> (N, C_out, H, W)`` at ``resolution``."""
+    options = repmlp_options(spec.groups, spec.kernel_sizes, spec.global_reduction, deploy)
+    if spec.block == "light":
+        return RepMLPLightBlock(
+            in_channels, out_channels, resolution, spec.partition, reduction=spec.reduction, **options
+        )
+    return RepMLPBottleneck(
+        in_channels,
+        out_channels,
+        resolution,
+        spec.partition,
+        mid_channels=spec.mid_channels,
+        reduction=spec.reduction,
+        **options,
+    )
 
 
 class ResNet(PooledClassifierMixin, nn.Module):
-    """A ResNet-50-style network whose stages can use RepMLP Bottlenecks or RepMLP Light Blocks.
+    """A ResNet-50-style network composed of a stem, four stages (c2..c5) from :class:`StageSpec` s and
+    a pooled linear classifier.
 
-    With the defaults it is torchvision's ``resnet50`` (same parameters in the same order). In every
-    stage listed in ``repmlp_stages`` each stride-1 block is replaced by ``repmlp_block`` (the paper
-    keeps the stride-2 bottlenecks; c2's first block has stride 1 and is replaced too).
+    The ResNet-50 family's stages (torchvision's ``resnet50`` with RepMLP, Non-local or GC blocks) come
+    from :func:`repmlp.models.resnet.repmlp_res50_stages`; PSPNet dilates them, the face ResNets give
+    their own stem and widths.
 
     Args:
-        layers: blocks per stage (c2..c5).
-        widths: output channels per stage.
-        mid_channels: bottleneck (3x3 conv) width per stage; default ``widths/4``.
+        specs: the four stages c2..c5, in order.
         num_classes: classifier outputs; 0 for no classifier (``forward`` returns pooled features).
         global_pool: ``"avg"`` (global average pooling before the classifier) or ``""`` (none: with
             ``num_classes=0`` ``forward`` returns the c5 map), as timm's models.
@@ -336,14 +441,6 @@ class ResNet(PooledClassifierMixin, nn.Module):
         stem: replacement stem module (default: torchvision's 7x7/2 conv-BN-ReLU + 3x3/2 max pool);
             ``stem_channels`` its output channels and ``stem_size`` a function mapping the input
             ``(H, W)`` to its output ``(H, W)``.
-        strides, dilations: per stage; a stage's first block uses the previous stage's dilation
-            (torchvision's ``replace_stride_with_dilation`` convention).
-        repmlp_stages: stages using RepMLP blocks (``"c3+c4"``, ``(3, 4)``, ...).
-        repmlp_block: ``"bottleneck"`` (RepMLP Bottleneck) or ``"light"`` (RepMLP Light Block).
-        reduction: ``r`` per stage; groups: ``g`` per stage; partition: ``h = w`` (or ``(h, w)``) per
-            stage; kernel_sizes: Local Perceptron kernels; global_reduction: FC1 reduction per stage.
-        gc_stages, gc_ratio: stages whose bottlenecks get a GC block on the residual branch.
-        nonlocal_blocks: ``{stage: (block indices, ...)}`` - a Non-local block is inserted before each.
         deploy: build the inference structure.
 
     Shapes: ``(N, in_chans, H, W)`` -> ``(N, num_classes)``.
@@ -354,10 +451,8 @@ class ResNet(PooledClassifierMixin, nn.Module):
 
     def __init__(
         self,
-        layers: Sequence[int] = (3, 4, 6, 3),
+        specs: Sequence[StageSpec],
         *,
-        widths: Sequence[int] = (256, 512, 1024, 2048),
-        mid_channels: Sequence[int] | None = None,
         num_classes: int = 1000,
         global_pool: str = "avg",
         in_chans: int = 3,
@@ -365,43 +460,18 @@ class ResNet(PooledClassifierMixin, nn.Module):
         stem: nn.Module | None = None,
         stem_channels: int = 64,
         stem_size: Callable[[tuple[int, int]], tuple[int, int]] | None = None,
-        strides: Sequence[int] = (1, 2, 2, 2),
-        dilations: Sequence[int] = (1, 1, 1, 1),
-        repmlp_stages: Sequence[int | str] | str | None = (),
-        repmlp_block: str = "bottleneck",
-        reduction: int | Sequence[int] = (2, 2, 4, 4),
-        groups: int | Sequence[int] = 8,
-        partition: int | Sequence[Any] = 7,
-        kernel_sizes: Sequence[int] | Sequence[Sequence[int]] = (1, 3, 5),
-        global_reduction: int | Sequence[int] = 1,
-        gc_stages: Sequence[int | str] | str | None = (),
-        gc_ratio: int = 16,
-        nonlocal_blocks: dict[int | str, Sequence[int]] | None = None,
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        n = len(layers)
-        if n != 4:
-            raise ValueError(f"layers must give 4 stages (c2..c5), got {layers!r}")
-        if repmlp_block not in ("bottleneck", "light"):
-            raise ValueError(f"repmlp_block must be 'bottleneck' or 'light', got {repmlp_block!r}")
+        if len(specs) != 4:
+            raise ValueError(f"a ResNet has 4 stages (c2..c5), got {len(specs)}")
         self.num_classes, self.in_chans = num_classes, in_chans
         size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.img_size: tuple[int, int] = (int(size[0]), int(size[1]))
-        widths = per_stage(widths, n, "widths")
-        mids = per_stage(mid_channels, n, "mid_channels") if mid_channels is not None else (None,) * n
-        strides, dilations = per_stage(strides, n, "strides"), per_stage(dilations, n, "dilations")
-        reduction, groups = per_stage(reduction, n, "reduction"), per_stage(groups, n, "groups")
-        partitions = per_stage(partition, n, "partition") if _is_per_stage(partition, n) else (partition,) * n
-        kernels = kernel_sizes if _is_nested(kernel_sizes) else (tuple(kernel_sizes),) * n
-        kernels = per_stage(tuple(tuple(k) for k in kernels), n, "kernel_sizes")
-        global_reduction = per_stage(global_reduction, n, "global_reduction")
-        self.repmlp_stages = parse_stages(repmlp_stages)
-        gc = parse_stages(gc_stages)
-        nl = {parse_stages([k])[0]: tuple(v) for k, v in (nonlocal_blocks or {}).items()}
-
+        self.stage_specs = tuple(specs)
+        self.repmlp_stages = tuple(i for i, spec in enumerate(self.stage_specs) if spec.repmlp is not None)
         if stem is None:
-            self.stem = _TorchvisionStem(in_chans, stem_channels, deploy=deploy)
+            self.stem: nn.Module = _TorchvisionStem(in_chans, stem_channels, deploy=deploy)
             res = _TorchvisionStem.out_size(self.img_size)
         else:
             if stem_size is None:
@@ -413,66 +483,15 @@ class ResNet(PooledClassifierMixin, nn.Module):
         # timm's feature_info: module, channels and reduction (input size / map size) of each feature.
         scale = max(1, round(self.img_size[0] / max(res[0], 1)))
         self.feature_info = [dict(num_chs=stem_channels, reduction=scale, module="stem")]
-
         self.stage_resolutions: list[tuple[int, int]] = []
         stages: list[nn.Module] = []
-        c_in, prev_dilation = stem_channels, 1
-        for i in range(n):
-            blocks: list[nn.Module] = []
-            for j in range(layers[i]):
-                stride = strides[i] if j == 0 else 1
-                dilation = prev_dilation if j == 0 else dilations[i]
-                if stride != 1:
-                    res = (
-                        conv_out_size(res[0], 3, stride, dilation, dilation),
-                        conv_out_size(res[1], 3, stride, dilation, dilation),
-                    )
-                if j in nl.get(i, ()):
-                    blocks.append(NonLocalBlock(c_in, deploy=deploy))
-                if i in self.repmlp_stages and stride == 1:
-                    common = dict(
-                        groups=groups[i],
-                        kernel_sizes=kernels[i],
-                        global_reduction=global_reduction[i],
-                        deploy=deploy,
-                    )
-                    if repmlp_block == "bottleneck":
-                        blocks.append(
-                            RepMLPBottleneck(
-                                c_in,
-                                widths[i],
-                                res,
-                                partitions[i],
-                                mid_channels=mids[i],
-                                reduction=reduction[i],
-                                **common,
-                            )
-                        )
-                    else:
-                        blocks.append(
-                            RepMLPLightBlock(
-                                c_in, widths[i], res, partitions[i], reduction=reduction[i], **common
-                            )
-                        )
-                else:
-                    context = GlobalContextBlock(widths[i], ratio=gc_ratio) if i in gc else None
-                    blocks.append(
-                        Bottleneck(
-                            c_in,
-                            widths[i],
-                            mid_channels=mids[i],
-                            stride=stride,
-                            dilation=dilation,
-                            context=context,
-                            deploy=deploy,
-                        )
-                    )
-                c_in = widths[i]
-            prev_dilation = dilations[i]
+        c_in = stem_channels
+        for i, spec in enumerate(self.stage_specs):
+            stage, res = make_stage(spec, c_in, res, deploy=deploy)
+            stages.append(stage)
             self.stage_resolutions.append(res)
-            stages.append(nn.Sequential(*blocks))
-            scale *= strides[i]
-            self.feature_info.append(dict(num_chs=widths[i], reduction=scale, module=f"layer{i + 1}"))
+            c_in, scale = spec.width, scale * spec.stride
+            self.feature_info.append(dict(num_chs=c_in, reduction=scale, module=f"layer{i + 1}"))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.num_features = self.head_hidden_size = c_in
         self.reset_classifier(num_classes, global_pool)
@@ -481,13 +500,11 @@ class ResNet(PooledClassifierMixin, nn.Module):
     def stages(self) -> list[nn.Module]:
         return [self.layer1, self.layer2, self.layer3, self.layer4]
 
-    def check_input(self, x: Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (RepMLPs fix the size)."""
-        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
-
     def forward_stages(self, x: Tensor) -> list[Tensor]:
         """Outputs of c2, c3, c4, c5: ``[(N, widths[i], H_i, W_i)]`` (``stage_resolutions``)."""
-        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
+        # Only the RepMLPs fix the input size: a plain ResNet pools whatever its stages see.
+        fixed = len(self.repmlp_stages) > 0
+        check_input_size(x, "this model's RepMLP layers are", self.in_chans, self.img_size, fixed)
         c2 = self.layer1(self.stem(x))  # written out: TorchScript iterates no list of unlike modules
         c3 = self.layer2(c2)
         c4 = self.layer3(c3)
@@ -518,7 +535,9 @@ class ResNet(PooledClassifierMixin, nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take, last = feature_take_indices(len(self.feature_info), indices)
-        _check_resnet_input(x, self.in_chans, self.img_size, len(self.repmlp_stages) > 0)
+        # Only the RepMLPs fix the input size: a plain ResNet pools whatever its stages see.
+        fixed = len(self.repmlp_stages) > 0
+        check_input_size(x, "this model's RepMLP layers are", self.in_chans, self.img_size, fixed)
         x = self.stem(layers.cpu_channels_last(x))  # as forward_features: the same kernels, the same bits
         outs = [x] if 0 in take else []
         for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
@@ -555,28 +574,27 @@ class ResNet(PooledClassifierMixin, nn.Module):
 
 
 @torch.jit.ignore  # Python-side check: TorchScript calls it as Python
-def _check_resnet_input(x: Tensor, in_chans: int, img_size: Any, fixed: bool = True) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)``, with ``(H, W) == img_size`` when
-    ``fixed`` and ``img_size`` is given (see :mod:`repmlp.checks`)."""
-    checks.check_input_shape(
-        x, (in_chans, None, None), f"expected input (N, {in_chans}, H, W), got {{shape}}"
-    )
-    if fixed and img_size is not None:
+def check_input_size(x: Tensor, subject: str, in_chans: int, img_size: Any, fixed: bool) -> None:
+    """The models' one input check: raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)``, with
+    ``(H, W) == img_size`` when ``fixed`` (see :mod:`repmlp.checks`).
+
+    ``subject`` names what fixes the size in the message (``"MobileFaceNet is"``, ``"this model's RepMLP
+    layers are"``): a fixed-size layer fed another size would fail deep inside, or silently change
+    meaning (a GDConv no longer reducing to 1x1), so the error says which size to build for.
+    """
+    h, w = int(img_size[0]), int(img_size[1])
+    size = h if h == w else (h, w)
+    want = f"(N, {in_chans}, H, W)"
+    if fixed:
+        want = f"(N, {in_chans}, {h}, {w}) (in_chans={in_chans}, img_size={size})"
+    checks.check_input_shape(x, (in_chans, None, None), f"expected input {want}, got {{shape}}")
+    if fixed:
         checks.check_input_shape(
             x,
-            (in_chans, *img_size),
-            f"this model's RepMLP layers are built for {img_size[0]}x{img_size[1]} inputs, got {{h}}x{{w}}; "
-            "build it with img_size={h} for that resolution",
+            (in_chans, h, w),
+            f"{subject} built for {h}x{w} inputs, got {{h}}x{{w}}: img_size={size} takes "
+            f"(N, {in_chans}, {h}, {w}); build it with img_size={{h}} for that resolution",
         )
-
-
-def _is_per_stage(value: Any, n: int) -> bool:
-    """A per-stage partition is a length-n sequence whose items are ints or pairs (an (h, w) pair is not)."""
-    return isinstance(value, (list, tuple)) and len(value) == n and n != 2
-
-
-def _is_nested(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple))
 
 
 class _TorchvisionStem(nn.Module):

@@ -12,13 +12,14 @@ loss (:class:`repmlp.losses.AMSoftmax`), so the deployed model is the embedding 
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .. import checks
 from ..layers import ConvBN
+from .blocks import ConvBNReLU, RepMLPSpec, ResNet, StageSpec, check_input_size, parse_stages, per_stage
 from .head import layer_like
 from .registry import register_model
 
@@ -27,21 +28,11 @@ __all__ = [
     "FaceResNet",
     "DeepStem",
     "EmbeddingHead",
+    "face_stages",
     "mobilefacenet",
     "face_resnet",
     "repmlp_face_resnet",
 ]
-
-
-def _check_face_input(x: Tensor, model: str, in_chans: int, img_size: int) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)`` (see :mod:`repmlp.checks`)."""
-    s = img_size
-    checks.check_input_shape(
-        x,
-        (in_chans, s, s),
-        f"{model} built for {s}x{s} inputs: img_size={s} takes (N, {in_chans}, {s}, {s}), got {{shape}}; "
-        "build it with img_size={w} for that resolution",
-    )
 
 
 def _check_pool(model: str, global_pool: str, own: str) -> str:
@@ -158,17 +149,11 @@ class MobileFaceNet(nn.Module):
         self.num_classes = embedding_dim
         self._deploy = deploy
 
-    def check_input(self, x: Tensor) -> None:
-        """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, img_size, img_size)``.
-
-        The GDConv's kernel is the last map's size: other inputs would not be reduced to 1x1, and the
-        "embedding" would silently be a flattened map of another width.
-        """
-        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
-
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> the last map before the GDConv ``(N, num_features, S/16, S/16)``."""
-        _check_face_input(x, "MobileFaceNet", self.in_chans, self.img_size)
+        # The GDConv's kernel is the last map's size: another input size would not be reduced to 1x1,
+        # and the "embedding" would silently be a flattened map of another width.
+        check_input_size(x, "MobileFaceNet is", self.in_chans, (self.img_size, self.img_size), True)
         for i, layer in enumerate(self.features):  # all but the GDConv and the embedding layer
             if i < len(self.features) - 2:
                 x = layer(x)
@@ -255,8 +240,6 @@ class DeepStem(nn.Module):
 
     def __init__(self, in_chans: int, channels: int, *, deploy: bool = False) -> None:
         super().__init__()
-        from .blocks import ConvBNReLU
-
         half = channels // 2
         self.convs = nn.Sequential(
             ConvBNReLU(in_chans, half, 3, 2, deploy=deploy),
@@ -313,10 +296,7 @@ class FaceResNet(nn.Module):
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        from .blocks import RepMLPBottleneck, ResNet, parse_stages
-
         self.global_pool = _check_pool("FaceResNet", global_pool, "flatten")
-
         if stem not in ("resnet", "deep"):
             raise ValueError(f"stem must be 'resnet' or 'deep', got {stem!r}")
         stem_opts: dict[str, Any] = {}
@@ -324,15 +304,16 @@ class FaceResNet(nn.Module):
             stem_opts = dict(
                 stem=DeepStem(in_chans, stem_channels, deploy=deploy), stem_size=DeepStem.out_size
             )
-
         if img_size % 32:
             raise ValueError(f"FaceResNet needs img_size divisible by 32 (c5 is img_size/32), got {img_size}")
         self.embedding_dim, self.img_size, self.in_chans = embedding_dim, img_size, in_chans
         self.num_classes = embedding_dim
+        self.repmlp_stages = parse_stages(repmlp_stages)
+        repmlp = RepMLPSpec(
+            partition=partition, reduction=reduction, groups=groups, kernel_sizes=tuple(kernel_sizes)
+        )
         self.trunk = ResNet(
-            layers,
-            widths=widths,
-            mid_channels=widths,
+            face_stages(layers, widths, self.repmlp_stages, repmlp),
             num_classes=0,
             in_chans=in_chans,
             img_size=img_size,
@@ -340,21 +321,6 @@ class FaceResNet(nn.Module):
             deploy=deploy,
             **stem_opts,
         )
-        self.repmlp_stages = parse_stages(repmlp_stages)
-        for i in self.repmlp_stages:
-            stage, res, width = self.trunk.stages[i], self.trunk.stage_resolutions[i], widths[i]
-            for j in range(1, len(stage)):
-                stage[j] = RepMLPBottleneck(
-                    width,
-                    width,
-                    res,
-                    partition,
-                    mid_channels=width // 4,
-                    reduction=reduction,
-                    groups=groups,
-                    kernel_sizes=kernel_sizes,
-                    deploy=deploy,
-                )
         h, w = self.trunk.stage_resolutions[-1]
         self.head = EmbeddingHead(widths[-1], h, embedding_dim, deploy)
         # timm's contract: the embedding FC is the "classifier", the flattened c5 map its input.
@@ -363,12 +329,12 @@ class FaceResNet(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> c5 map ``(N, num_features, S/32, S/32)``."""
-        _check_face_input(x, "FaceResNet", self.in_chans, self.img_size)
+        check_input_size(x, "FaceResNet is", self.in_chans, (self.img_size, self.img_size), True)
         return self.trunk.forward_features(x)
 
     def forward_intermediates(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
         """timm's intermediate-feature API (:meth:`ResNet.forward_intermediates` of the trunk)."""
-        _check_face_input(x, "FaceResNet", self.in_chans, self.img_size)
+        check_input_size(x, "FaceResNet is", self.in_chans, (self.img_size, self.img_size), True)
         return self.trunk.forward_intermediates(x, *args, **kwargs)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
@@ -399,6 +365,30 @@ class FaceResNet(nn.Module):
         fc = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
         bn_out = nn.BatchNorm1d(num_classes) if num_classes > 0 and train_form else nn.Identity()
         self.head.fc, self.head.bn_out = layer_like(self, fc), layer_like(self, bn_out)
+
+
+def face_stages(
+    layers: Sequence[int], widths: Sequence[int], repmlp_stages: Sequence[int], repmlp: RepMLPSpec
+) -> tuple[StageSpec, ...]:
+    """FaceResNet's c2..c5: ``layers`` bottlenecks whose three convs all have ``widths[i]`` channels,
+    c3..c5 strided, and in the stages of ``repmlp_stages`` (0-based) RepMLP Bottlenecks after the first
+    block: ``repmlp`` with the paper's Sec. 3.5 widths (``widths[i]/4`` after the first 1x1 conv).
+    """
+    n = len(layers)
+    if n != 4:
+        raise ValueError(f"layers must give 4 stages (c2..c5), got {layers!r}")
+    widths = per_stage(widths, n, "widths")
+    return tuple(
+        StageSpec(
+            depth=layers[i],
+            width=widths[i],
+            stride=1 if i == 0 else 2,
+            mid_channels=widths[i],
+            repmlp=replace(repmlp, mid_channels=widths[i] // 4) if i in repmlp_stages else None,
+            keep_first=True,
+        )
+        for i in range(n)
+    )
 
 
 def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any], default: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ the paper's parameter counts are of that model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import Bottleneck, ConvBNReLU, ResNet, _check_resnet_input
+from .blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
 from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
-from .resnet import repmlp_res50, repmlp_res50_g4_8
+from .resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
 
@@ -101,7 +102,7 @@ class PSPNet(nn.Module):
 
         self.num_classes, self.in_chans, self.img_size = num_classes, backbone.in_chans, backbone.img_size
         # The features skip the ResNet's own forward (and its input check): PSPNet checks the input.
-        self._fixed_size = backbone.img_size if backbone.repmlp_stages else None
+        self._fixed_input_size = len(backbone.repmlp_stages) > 0
         self.backbone = FeatureListNet(backbone, out_indices=(1, 2, 3, 4))
         self.ppm = PyramidPooling(c5_channels, bins, deploy=deploy)
         self.head = _SegHead(self.ppm.out_channels, head_channels, num_classes, dropout, deploy)
@@ -111,7 +112,9 @@ class PSPNet(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        _check_resnet_input(x, self.in_chans, self._fixed_size)
+        check_input_size(
+            x, "this model's RepMLP layers are", self.in_chans, self.img_size, self._fixed_input_size
+        )
         size = x.shape[-2:]
         c2, c3, c4, c5 = self.backbone(x)
         out = F.interpolate(self.head(self.ppm(c5)), size=size, mode="bilinear", align_corners=True)
@@ -164,13 +167,16 @@ def pspnet_res50(
     """PSPNet with a ResNet-50 backbone, c4/c5 dilated 2/4 (output stride 8), 19 Cityscapes classes.
 
     Extra options: ``bins``, ``head_channels``, ``aux_channels``, ``dropout``, ``aux`` (PSPNet's) and
-    any :class:`ResNet` option (``widths``, ``mid_channels``, ``layers`` via ``repmlp_res50``, ...).
+    the stage options of :func:`~repmlp.models.resnet.repmlp_res50_stages` (``widths``, ``mid_channels``,
+    ``layers``, ``strides``, ``dilations``, ...).
     """
     own, rest = _seg_kwargs(dict(kwargs))
-    rest.setdefault("strides", (1, 2, 1, 1))
-    rest.setdefault("dilations", (1, 1, 2, 4))
-    backbone = repmlp_res50(
-        stages=(), num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **rest
+    model_options, stage_options = split_resnet_kwargs(rest)
+    strides = stage_options.pop("strides", (1, 2, 1, 1))
+    dilations = stage_options.pop("dilations", (1, 1, 2, 4))
+    specs = _dilated(repmlp_res50_stages(stages=(), **stage_options), strides, dilations)
+    backbone = ResNet(
+        specs, num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **model_options
     )
     return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
 
@@ -191,31 +197,38 @@ def pspnet_repmlp_res50(
     Extra options as :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
     """
     own, rest = _seg_kwargs(dict(kwargs))
-    rest.setdefault("strides", (1, 2, 1, 1))
-    rest.setdefault("dilations", (1, 1, 1, 2))
-    rest.setdefault("global_reduction", (1, 4, 8, 1))
-    backbone = repmlp_res50_g4_8(num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **rest)
-    _keep_first_bottlenecks(backbone, rest["dilations"], deploy)
+    model_options, stage_options = split_resnet_kwargs(rest)
+    strides = stage_options.pop("strides", (1, 2, 1, 1))
+    dilations = stage_options.pop("dilations", (1, 1, 1, 2))
+    imagenet = {**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **stage_options}
+    specs = _dilated(repmlp_res50_stages(**imagenet), strides, dilations)
+    backbone = ResNet(
+        specs, num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **model_options
+    )
     return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
 
 
-def _keep_first_bottlenecks(backbone: ResNet, dilations: Sequence[int], deploy: bool) -> None:
-    """Restore the first block of every RepMLP stage to the ImageNet model's plain bottleneck.
+def _dilated(
+    specs: Sequence[StageSpec], strides: int | Sequence[int], dilations: int | Sequence[int]
+) -> tuple[StageSpec, ...]:
+    """The ImageNet backbone's stages with segmentation's ``strides`` and ``dilations`` (one per stage,
+    or one for all).
 
-    The ImageNet RepMLP-Res50 keeps each stage's first (stride-2) bottleneck; un-striding c4 for
-    segmentation must not turn it into a RepMLP Bottleneck, or the backbone would no longer be the
-    pretrained one (and c4 would gain a sixth RepMLP). The block's dilation follows the ResNet
-    convention (a stage's first block uses the previous stage's dilation).
+    A stage's first block takes the previous stage's dilation (torchvision's
+    ``replace_stride_with_dilation`` convention). Every stage's first block stays the ImageNet model's
+    plain bottleneck (``keep_first``): the ImageNet RepMLP-Res50 keeps each stage's first (stride-2)
+    bottleneck, and un-striding c4 must not turn it into a RepMLP Bottleneck, or the backbone would no
+    longer be the pretrained one (and c4 would gain a sixth RepMLP).
     """
-    for i in backbone.repmlp_stages:
-        stage = backbone.stages[i]
-        first = stage[0]
-        if isinstance(first, Bottleneck):
-            continue
-        c_in = first.conv1.conv.in_channels
-        c_out = first.conv4.conv.out_channels
-        dilation = dilations[i - 1] if i > 0 else 1
-        stage[0] = Bottleneck(c_in, c_out, stride=1, dilation=dilation, deploy=deploy)
+    strides, dilations = (
+        per_stage(strides, len(specs), "strides"),
+        per_stage(dilations, len(specs), "dilations"),
+    )
+    previous = (1, *dilations[:-1])
+    return tuple(
+        replace(spec, stride=s, dilation=d, first_dilation=p, keep_first=True)
+        for spec, s, d, p in zip(specs, strides, dilations, previous, strict=True)
+    )
 
 
 def _is_reinitialised(key: str) -> bool:

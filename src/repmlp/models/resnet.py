@@ -1,15 +1,18 @@
 """RepMLP-ResNet-50 family (paper Sec. 3.5, 4.2, Appendix A) and the Non-local / GC baselines.
 
-All are :class:`~repmlp.models.blocks.ResNet` configurations; see its docstring for the options.
+Each is a :class:`~repmlp.models.blocks.ResNet` composed of the stages :func:`repmlp_res50_stages`
+specifies (torchvision's ResNet-50 stages, with RepMLP, Non-local or GC blocks where the model has them).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
-from .blocks import ResNet
+from .blocks import RepMLPSpec, ResNet, StageSpec, parse_stages, per_stage
 from .registry import register_model
 
 __all__ = [
+    "repmlp_res50_stages",
+    "split_resnet_kwargs",
     "repmlp_res50",
     "repmlp_res50_g8_16",
     "repmlp_res50_g8_8",
@@ -20,6 +23,104 @@ __all__ = [
 ]
 
 _LAYERS_50 = (3, 4, 6, 3)
+_WIDTHS_50 = (256, 512, 1024, 2048)
+# The ResNet's own options (stem, head, input); the others specify its stages.
+_MODEL_OPTIONS = ("num_classes", "global_pool", "in_chans", "img_size", "stem", "stem_channels", "stem_size")
+
+
+def repmlp_res50_stages(
+    *,
+    stages: Sequence[int | str] | str | None = ("c3", "c4"),
+    block: str = "bottleneck",
+    reduction: int | Sequence[int] = (2, 2, 4, 4),
+    groups: int | Sequence[int] = 8,
+    partition: int | Sequence[Any] = 7,
+    kernel_sizes: Sequence[int] | Sequence[Sequence[int]] = (1, 3, 5),
+    global_reduction: int | Sequence[int] = 1,
+    layers: Sequence[int] = _LAYERS_50,
+    widths: Sequence[int] = _WIDTHS_50,
+    mid_channels: Sequence[int] | None = None,
+    strides: Sequence[int] = (1, 2, 2, 2),
+    dilations: Sequence[int] = (1, 1, 1, 1),
+    gc_stages: Sequence[int | str] | str | None = (),
+    gc_ratio: int = 16,
+    nonlocal_blocks: dict[int | str, Sequence[int]] | None = None,
+) -> tuple[StageSpec, ...]:
+    """The four stages (c2..c5) of a ResNet-50 with RepMLP blocks in ``stages`` (``"c3+c4"``, ``(3, 4)``).
+
+    Per-stage options take one value or one per stage (c2..c5): ``reduction`` (``r``), ``groups`` (``g``),
+    ``partition`` (``h = w`` or ``(h, w)``), ``kernel_sizes`` (Local Perceptron kernels), ``global_reduction``
+    (FC1), ``widths``, ``mid_channels`` (bottleneck width, default ``widths/4``), ``strides``, ``dilations``.
+    ``block``: ``"bottleneck"`` (RepMLP Bottleneck) or ``"light"`` (RepMLP Light Block); ``gc_stages``:
+    stages whose bottlenecks get a GC block (``gc_ratio``); ``nonlocal_blocks``: ``{stage: (block
+    indices, ...)}``, a Non-local block before each. ``stages=()`` with the defaults is torchvision's
+    ``resnet50``.
+    """
+    n = len(layers)
+    if n != 4:
+        raise ValueError(f"layers must give 4 stages (c2..c5), got {layers!r}")
+    if block not in ("bottleneck", "light"):
+        raise ValueError(f"repmlp_block must be 'bottleneck' or 'light', got {block!r}")
+    widths = per_stage(widths, n, "widths")
+    mids = per_stage(mid_channels, n, "mid_channels") if mid_channels is not None else (None,) * n
+    strides, dilations = per_stage(strides, n, "strides"), per_stage(dilations, n, "dilations")
+    reduction, groups = per_stage(reduction, n, "reduction"), per_stage(groups, n, "groups")
+    partitions = per_stage(partition, n, "partition") if _is_per_stage(partition, n) else (partition,) * n
+    kernels = kernel_sizes if _is_nested(kernel_sizes) else (tuple(kernel_sizes),) * n
+    kernels = per_stage(tuple(tuple(k) for k in kernels), n, "kernel_sizes")
+    global_reduction = per_stage(global_reduction, n, "global_reduction")
+    repmlp, gc = parse_stages(stages), parse_stages(gc_stages)
+    nl = {parse_stages([k])[0]: tuple(v) for k, v in (nonlocal_blocks or {}).items()}
+    return tuple(
+        StageSpec(
+            depth=layers[i],
+            width=widths[i],
+            stride=strides[i],
+            dilation=dilations[i],
+            first_dilation=dilations[i - 1] if i > 0 else 1,
+            mid_channels=mids[i],
+            repmlp=RepMLPSpec(
+                block=block,
+                partition=_tuple(partitions[i]),
+                reduction=reduction[i],
+                groups=groups[i],
+                kernel_sizes=kernels[i],
+                global_reduction=global_reduction[i],
+                mid_channels=mids[i],
+            )
+            if i in repmlp
+            else None,
+            gc_ratio=gc_ratio if i in gc else None,
+            nonlocal_before=nl.get(i, ()),
+        )
+        for i in range(n)
+    )
+
+
+def split_resnet_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword arguments into :class:`ResNet`'s own and :func:`repmlp_res50_stages`'s."""
+    own = {k: v for k, v in kwargs.items() if k in _MODEL_OPTIONS}
+    return own, {k: v for k, v in kwargs.items() if k not in _MODEL_OPTIONS}
+
+
+def _resnet(kwargs: dict[str, Any], deploy: bool) -> ResNet:
+    """A ResNet of the stages and model options in ``kwargs`` (the registered models' arguments)."""
+    own, stage_options = split_resnet_kwargs(kwargs)
+    return ResNet(repmlp_res50_stages(**stage_options), deploy=deploy, **own)
+
+
+def _tuple(value: Any) -> Any:
+    """Lists as tuples (a frozen spec holds no mutable values); anything else unchanged."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _is_per_stage(value: Any, n: int) -> bool:
+    """A per-stage partition is a length-n sequence whose items are ints or pairs (an (h, w) pair is not)."""
+    return isinstance(value, (list, tuple)) and len(value) == n and n != 2
+
+
+def _is_nested(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple))
 
 
 def _cfg(size: int, fixed: bool = True) -> dict[str, Any]:
@@ -56,34 +157,26 @@ def repmlp_res50(
     Defaults: the paper's 78.55% model (c3+c4, ``r = 2,2,4,4`` for c2..c5, ``g = 8``, ``h = w = 7``,
     ``K = 1,3,5``, 224x224). ``stages=()`` is exactly torchvision's ``resnet50``. ``reduction``,
     ``groups``, ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); further
-    keyword arguments go to :class:`ResNet` (``layers``, ``strides``, ``dilations``, ...).
+    keyword arguments go to :func:`repmlp_res50_stages` (``layers``, ``strides``, ``dilations``, ...)
+    or :class:`ResNet` (``global_pool``, ``stem_channels``, ...).
     """
-    return ResNet(
-        kwargs.pop("layers", _LAYERS_50),
-        repmlp_stages=stages,
-        repmlp_block=block,
-        reduction=reduction,
-        groups=groups,
-        partition=partition,
-        kernel_sizes=kernel_sizes,
-        global_reduction=global_reduction,
-        img_size=img_size,
-        num_classes=num_classes,
-        in_chans=in_chans,
-        deploy=deploy,
-        **kwargs,
+    options = dict(stages=stages, block=block, reduction=reduction, groups=groups, partition=partition)
+    options.update(kernel_sizes=kernel_sizes, global_reduction=global_reduction)
+    options.update(img_size=img_size, num_classes=num_classes, in_chans=in_chans)
+    return _resnet({**options, **kwargs}, deploy)
+
+
+def res50_320_options(c3_groups: int, c4_groups: int) -> dict[str, Any]:
+    """Stage options of the paper's 320x320 comparisons: c3+c4, ``h = w = 10``, ``K = 1,3,5,7``,
+    ``r = 2,2,4,4``, ``g`` = ``c3_groups`` in c3 and ``c4_groups`` in c4."""
+    return dict(
+        stages=("c3", "c4"), groups=(8, c3_groups, c4_groups, 8), partition=10, kernel_sizes=(1, 3, 5, 7)
     )
 
 
 def _res50_320(c3_groups: int, c4_groups: int, **kwargs: Any) -> ResNet:
-    """Paper Table comparisons at 320x320: c3+c4, ``h = w = 10``, ``K = 1,3,5,7``, ``r = 2,2,4,4``."""
-    opts: dict[str, Any] = dict(
-        stages=("c3", "c4"),
-        groups=(8, c3_groups, c4_groups, 8),
-        partition=10,
-        kernel_sizes=(1, 3, 5, 7),
-        img_size=320,
-    )
+    """A RepMLP-Res50 of :func:`res50_320_options` at 320x320."""
+    opts: dict[str, Any] = dict(res50_320_options(c3_groups, c4_groups), img_size=320)
     opts.update(kwargs)
     return repmlp_res50(**opts)
 
@@ -131,15 +224,9 @@ def nl_res50(
     right before its last residual block - the Non-local paper's ImageNet-style "1 block in res4".
     """
     layers = kwargs.pop("layers", _LAYERS_50)
-    return ResNet(
-        layers,
-        nonlocal_blocks={4: (layers[2] - 1,)},
-        num_classes=num_classes,
-        in_chans=in_chans,
-        img_size=img_size,
-        deploy=deploy,
-        **kwargs,
-    )
+    options = dict(stages=(), layers=layers, nonlocal_blocks={4: (layers[2] - 1,)})
+    options.update(num_classes=num_classes, in_chans=in_chans, img_size=img_size)
+    return _resnet({**options, **kwargs}, deploy)
 
 
 @register_model(**_cfg(320, fixed=False))
@@ -156,13 +243,6 @@ def gc_res50(
     """GC-Res50: ResNet-50 with a GC block (ratio 1/16) after the last 1x1 conv of every bottleneck of
     c3, c4 and c5 (GCNet's ImageNet setting).
     """
-    return ResNet(
-        kwargs.pop("layers", _LAYERS_50),
-        gc_stages=("c3", "c4", "c5"),
-        gc_ratio=gc_ratio,
-        num_classes=num_classes,
-        in_chans=in_chans,
-        img_size=img_size,
-        deploy=deploy,
-        **kwargs,
-    )
+    options = dict(stages=(), gc_stages=("c3", "c4", "c5"), gc_ratio=gc_ratio)
+    options.update(num_classes=num_classes, in_chans=in_chans, img_size=img_size)
+    return _resnet({**options, **kwargs}, deploy)
