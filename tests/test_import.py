@@ -239,8 +239,8 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
 def test_eval_transform_is_the_published_preprocessing():
     from PIL import Image
 
-    from repmlp.commands.import_ import eval_preprocessing
     from repmlp.data import eval_transform
+    from repmlp.importer import eval_preprocessing
 
     pp = eval_preprocessing("repmlpnet_b224")
     assert (pp["crop_pct"], pp["crop_mode"], pp["interpolation"]) == (0.875, "squash", "bilinear")

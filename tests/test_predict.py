@@ -334,7 +334,7 @@ def test_readme_example_runs(files, tmp_path, monkeypatch):
 
 
 def test_imported_imagenet_models_get_imagenet_class_names():
-    from repmlp.commands.import_ import imagenet_class_names
+    from repmlp.importer import imagenet_class_names
 
     names = imagenet_class_names(1000)
     assert len(names) == 1000 and names[0].startswith("tench") and names[999].startswith("toilet tissue")

@@ -15,11 +15,25 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["BenchRow", "benchmark", "time_forward", "render_markdown", "default_input_size"]
+from .errors import UserError
+
+__all__ = [
+    "BenchRow",
+    "benchmark",
+    "time_forward",
+    "render_markdown",
+    "default_input_size",
+    "model_input_size",
+    "check_forward",
+    "models_to_bench",
+    "in_precision",
+]
 
 log = logging.getLogger(__name__)
 
@@ -214,3 +228,104 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
     if note:
         lines += ["", note]
     return "\n".join(lines)
+
+
+def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
+    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(1, *input_size))
+    except (RuntimeError, ValueError) as exc:
+        size = "x".join(str(s) for s in input_size)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
+
+
+def models_to_bench(
+    names: Sequence[str] | None,
+    checkpoints: Sequence[Path] | None,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    img_size: int | None = None,
+) -> tuple[dict[str, nn.Module], tuple[int, ...], dict[str, str]]:
+    """What ``repmlp bench`` times: registered ``names`` (random weights) or model files ``checkpoints``.
+
+    Returns name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form;
+    models that take different input sizes, or not the given one, are a :class:`UserError`.
+    """
+    from .checkpoint import load_model
+    from .engine import build_model
+
+    models: dict[str, nn.Module] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    forms: dict[str, str] = {}
+    if names:
+        for name in dict.fromkeys(names):
+            model, _ = build_model(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)
+            model.eval()  # measured and exported as an inference model
+            c, h, w = default_input_size(model)
+            if in_chans is not None:
+                c = in_chans
+            if img_size is not None:
+                h = w = img_size
+            models[name], sizes[name], forms[name] = model, (c, h, w), "train"
+    else:
+        paths = list(dict.fromkeys(checkpoints or []))
+        for path in paths:
+            model, info = load_model(path, device="cpu")
+            label = f"{info['model']} ({Path(path).name})" if len(paths) > 1 else info["model"]
+            models[label] = model
+            sizes[label] = model_input_size(model, info, img_size)
+            forms[label] = info["form"]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
+        raise UserError(
+            f"the models take different input sizes ({listed}); pass --img-size or bench them apart"
+        )
+    input_size = next(iter(sizes.values()))
+    for name, model in models.items():
+        check_forward(model, input_size, name)
+    return models, input_size, forms
+
+
+def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
+    """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
+    from .convert import reparameterize_model
+    from .deploy import precision_of, to_precision
+
+    if precision_of(model) != "fp32":
+        return model
+    gen = torch.Generator().manual_seed(0)
+    calibration = [torch.randn(8, *input_size, generator=gen)] if precision == "int8" else None
+    try:
+        return to_precision(reparameterize_model(model), precision, calibration, input_size=input_size)
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
+
+
+def model_input_size(
+    model: nn.Module, info: dict[str, Any], img_size: int | None = None
+) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the model in a file: ``img_size``, else what the file recorded, else defaults.
+
+    Looks at, in order: the file's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
+    the model's timm config, and finally ``(3, 224, 224)``.
+    """
+    extra = info.get("extra") or {}
+    kwargs = info.get("model_kwargs") or {}
+    recorded = extra.get("input_size")
+    if isinstance(recorded, Sequence) and len(recorded) == 3:
+        c, h, w = (int(s) for s in recorded)
+    else:
+        c, h, w = default_input_size(model)
+        c = int(kwargs.get("in_chans", c))
+        size = kwargs.get("img_size")
+        if isinstance(size, int):
+            h = w = size
+        elif isinstance(size, Sequence) and len(size) == 2:
+            h, w = (int(s) for s in size)
+    if img_size is not None:
+        h = w = img_size
+    return c, h, w

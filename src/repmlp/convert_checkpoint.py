@@ -189,8 +189,8 @@ def convert_checkpoint(
     deployed model on :func:`check_inputs`; a difference above ``tolerance * max(1, max |output|)`` is a
     :class:`UserError` and nothing is written.
     """
+    from .bench import model_input_size
     from .checkpoint import load_model
-    from .predict import model_input_size
 
     output = output or default_output(checkpoint)
     if output.exists() and output.resolve() == checkpoint.resolve():

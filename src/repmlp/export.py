@@ -32,6 +32,7 @@ __all__ = [
     "export_torchscript",
     "export_program",
     "missing_onnx_packages",
+    "write_int8_onnx",
     "DEFAULT_RTOL",
 ]
 
@@ -282,3 +283,16 @@ def export_program(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def write_int8_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int]) -> None:
+    """An int8 model file's quantized ONNX graph (``model.onnx``, stored as bytes) written as ``path``,
+    atomically, once it has run on a batch of ``input_size`` inputs (``ExportError`` if it does not)."""
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(2, *input_size))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        size = "x".join(map(str, input_size))
+        raise ExportError(f"the int8 graph does not run on {size} inputs: {_first_line(exc)}") from exc
+    with _staging(Path(path)) as staged:
+        staged.write_bytes(model.onnx.numpy().tobytes())

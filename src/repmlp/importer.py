@@ -25,7 +25,16 @@ from torch import Tensor, nn
 from .errors import UserError
 from .reparam import fuse_bn
 
-__all__ = ["WeightsImportError", "read_state_dict", "import_checkpoint", "ImportResult", "detect_layout"]
+__all__ = [
+    "WeightsImportError",
+    "read_state_dict",
+    "import_checkpoint",
+    "import_to_file",
+    "ImportResult",
+    "detect_layout",
+    "eval_preprocessing",
+    "imagenet_class_names",
+]
 
 
 class WeightsImportError(UserError, ValueError):
@@ -364,3 +373,50 @@ def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike
         ]
         raise WeightsImportError(f"{path} does not fit {model.__class__.__name__}: {'; '.join(parts)}")
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)
+
+
+def eval_preprocessing(name: str) -> dict[str, object]:
+    """How the published top-1 of ``name`` was measured: the model's default cfg (resize/crop/mean/std)."""
+    from .models import model_default_cfg
+
+    cfg = model_default_cfg(name)
+    keys = ("input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
+    return {k: list(cfg[k]) if isinstance(cfg.get(k), tuple) else cfg.get(k) for k in keys if k in cfg}
+
+
+def imagenet_class_names(num_classes: int) -> list[str] | None:
+    """ImageNet-1k's class names (timm's ``ImageNetInfo`` descriptions, e.g. ``"tench, Tinca tinca"``)
+    for a 1000-class model; ``None`` for any other number of classes (the file then has none)."""
+    if num_classes != 1000:
+        return None
+    from timm.data import ImageNetInfo
+
+    return list(ImageNetInfo().label_descriptions())
+
+
+def import_to_file(
+    path: str | os.PathLike, name: str, model_args: dict[str, Any] | None, output: str | os.PathLike
+) -> ImportResult:
+    """:func:`import_checkpoint`, then the model file ``repmlp import`` writes: the imported model with
+    its input size, the preprocessing its published accuracy was measured with, and ImageNet-1k's class
+    names for a 1000-class model (what ``repmlp predict`` shows)."""
+    from .checkpoint import save_model
+
+    result = import_checkpoint(path, name, model_args)
+    model = result["model"]
+    img = getattr(model, "img_size", (224, 224))
+    extra: dict[str, Any] = {
+        "imported_from": Path(path).name,
+        "layout": result["layout"],
+        "input_size": [int(getattr(model, "in_chans", 3)), int(img[0]), int(img[1])],
+        "eval_preprocessing": eval_preprocessing(name),
+    }
+    classes = imagenet_class_names(
+        result["model_kwargs"].get("num_classes", getattr(model, "num_classes", 0))
+    )
+    if classes:
+        extra["classes"] = classes
+    save_model(
+        output, model, name=name, model_kwargs=result["model_kwargs"], form=result["form"], extra=extra
+    )
+    return result

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .bench import model_input_size
 from .errors import UserError
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
     "Predictor",
     "FileResult",
     "load_model",
-    "model_input_size",
     "expand_inputs",
     "image_to_channels",
     "read_labels",
@@ -81,34 +81,6 @@ class FileResult:
     path: str
     top_k: list[Prediction] | None = None
     error: str | None = None
-
-
-def model_input_size(
-    model: nn.Module, info: dict[str, Any], img_size: int | None = None
-) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a file: ``img_size``, else what the file recorded, else defaults.
-
-    Looks at, in order: the file's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
-    the model's timm config, and finally ``(3, 224, 224)``.
-    """
-    from .bench import default_input_size
-
-    extra = info.get("extra") or {}
-    kwargs = info.get("model_kwargs") or {}
-    recorded = extra.get("input_size")
-    if isinstance(recorded, Sequence) and len(recorded) == 3:
-        c, h, w = (int(s) for s in recorded)
-    else:
-        c, h, w = default_input_size(model)
-        c = int(kwargs.get("in_chans", c))
-        size = kwargs.get("img_size")
-        if isinstance(size, int):
-            h = w = size
-        elif isinstance(size, Sequence) and len(size) == 2:
-            h, w = (int(s) for s in size)
-    if img_size is not None:
-        h = w = img_size
-    return c, h, w
 
 
 def _num_classes(model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]) -> int:

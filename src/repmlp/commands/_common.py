@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import UserError
@@ -140,18 +139,7 @@ def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Mo
 def checkpoint_input_size(
     model: nn.Module, info: dict[str, Any], img_size: int | None = None
 ) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.predict.model_input_size`)."""
-    from ..predict import model_input_size
+    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.bench.model_input_size`)."""
+    from ..bench import model_input_size
 
     return model_input_size(model, info, img_size)
-
-
-def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
-    try:
-        with torch.inference_mode():
-            model(torch.zeros(1, *input_size))
-    except (RuntimeError, ValueError) as exc:
-        size = "x".join(str(s) for s in input_size)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None

@@ -12,18 +12,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from torch import nn
-
-from ..engine import build_model, hardware_summary, resolve_device
-from ..errors import UserError
-from ._common import (
-    add_device_argument,
-    check_forward,
-    check_report_output,
-    checkpoint_input_size,
-    int_at_least,
-    load_checkpoint,
-)
+from ..engine import hardware_summary, resolve_device
+from ._common import add_device_argument, check_report_output, int_at_least
 
 log = logging.getLogger(__name__)
 
@@ -67,72 +57,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def _models(args: argparse.Namespace) -> tuple[dict[str, nn.Module], tuple[int, ...], dict[str, str]]:
-    """Name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form."""
-    from ..bench import default_input_size
-
-    models: dict[str, nn.Module] = {}
-    sizes: dict[str, tuple[int, ...]] = {}
-    forms: dict[str, str] = {}
-    if args.model:
-        for name in dict.fromkeys(args.model):
-            model, _ = build_model(
-                name, num_classes=args.num_classes, in_chans=args.in_chans, img_size=args.img_size
-            )
-            model.eval()  # measured and exported as an inference model
-            c, h, w = default_input_size(model)
-            if args.in_chans is not None:
-                c = args.in_chans
-            if args.img_size is not None:
-                h = w = args.img_size
-            models[name], sizes[name], forms[name] = model, (c, h, w), "train"
-    else:
-        for path in dict.fromkeys(args.checkpoint):
-            model, info = load_checkpoint(path)
-            label = f"{info['model']} ({path.name})" if len(args.checkpoint) > 1 else info["model"]
-            models[label] = model
-            sizes[label] = checkpoint_input_size(model, info, args.img_size)
-            forms[label] = info["form"]
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
-        raise UserError(
-            f"the models take different input sizes ({listed}); pass --img-size or bench them apart"
-        )
-    input_size = next(iter(sizes.values()))
-    for name, model in models.items():
-        check_forward(model, input_size, name)
-    return models, input_size, forms
-
-
-def _in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
-    """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
-    import torch
-
-    from .. import reparameterize_model
-    from ..deploy import precision_of, to_precision
-
-    if precision_of(model) != "fp32":
-        return model
-    gen = torch.Generator().manual_seed(0)
-    calibration = [torch.randn(8, *input_size, generator=gen)] if precision == "int8" else None
-    try:
-        return to_precision(reparameterize_model(model), precision, calibration, input_size=input_size)
-    except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..bench import benchmark, render_markdown
+    from ..bench import benchmark, in_precision, models_to_bench, render_markdown
     from ..checkpoint import atomic_write_text
     from ..deploy import precision_of
 
     check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)
-    models, input_size, forms = _models(args)
+    models, input_size, forms = models_to_bench(
+        args.model,
+        args.checkpoint,
+        num_classes=args.num_classes,
+        in_chans=args.in_chans,
+        img_size=args.img_size,
+    )
     rows = []
     if args.precision != "fp32":
-        models = {n: _in_precision(m, args.precision, input_size) for n, m in models.items()}
+        models = {n: in_precision(m, args.precision, input_size) for n, m in models.items()}
         forms = dict.fromkeys(models, "deploy")
     for name, model in models.items():
         # A deployed checkpoint has no training-time form left to time.

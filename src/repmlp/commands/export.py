@@ -11,8 +11,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..bench import check_forward
 from ..errors import UserError
-from ._common import check_forward, checkpoint_input_size, int_at_least, load_checkpoint
+from ._common import checkpoint_input_size, int_at_least, load_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, P
 
 def run(args: argparse.Namespace) -> int:
     from .. import reparameterize_model
-    from ..export import ExportError, export_onnx, export_program, export_torchscript
+    from ..export import ExportError, export_onnx, export_program, export_torchscript, write_int8_onnx
 
     paths = output_paths(args.checkpoint, args.output, args.format)
     for path in paths.values():
@@ -73,7 +74,16 @@ def run(args: argparse.Namespace) -> int:
     model, info = load_checkpoint(args.checkpoint)
     input_size = checkpoint_input_size(model, info, args.img_size)
     if info.get("precision") == "int8":
-        return _export_int8(model, info, paths, input_size)
+        if "torchscript" in paths:
+            raise UserError(
+                "an int8 checkpoint holds an onnxruntime graph: it exports to ONNX only (--format onnx)"
+            )
+        try:
+            write_int8_onnx(model, paths["onnx"], input_size)
+        except ExportError as exc:
+            raise UserError(str(exc)) from None
+        print(f"wrote {paths['onnx']} ({info['model']}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
+        return 0
     if info.get("precision", "fp32") != "fp32":
         log.warning("%s holds %s weights: they are exported as float32", args.checkpoint, info["precision"])
     if info["form"] == "train":
@@ -99,27 +109,4 @@ def run(args: argparse.Namespace) -> int:
         except ExportError as exc:
             raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
         print(f"wrote {path} ({info['model']}, deployed, input Nx{size}; {how})")
-    return 0
-
-
-def _export_int8(model, info: dict, paths: dict[str, Path], input_size: tuple[int, int, int]) -> int:  # noqa: ANN001
-    """An int8 file already holds its quantized ONNX graph: check it runs, then write it as is."""
-    import torch
-
-    from ..checkpoint import atomic_write_bytes
-
-    if "torchscript" in paths:
-        raise UserError(
-            "an int8 checkpoint holds an onnxruntime graph: it exports to ONNX only (--format onnx)"
-        )
-    try:
-        with torch.inference_mode():
-            model(torch.zeros(2, *input_size))
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
-        raise UserError(
-            f"the int8 graph does not run on {'x'.join(map(str, input_size))} inputs: {exc}"
-        ) from None
-    path = paths["onnx"]
-    atomic_write_bytes(path, model.onnx.numpy().tobytes())
-    print(f"wrote {path} ({info['model']}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
     return 0

@@ -48,28 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def eval_preprocessing(name: str) -> dict[str, object]:
-    """How the published top-1 of ``name`` was measured: the model's default cfg (resize/crop/mean/std)."""
-    from ..models import model_default_cfg
-
-    cfg = model_default_cfg(name)
-    keys = ("input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
-    return {k: list(cfg[k]) if isinstance(cfg.get(k), tuple) else cfg.get(k) for k in keys if k in cfg}
-
-
-def imagenet_class_names(num_classes: int) -> list[str] | None:
-    """ImageNet-1k's class names (timm's ``ImageNetInfo`` descriptions, e.g. ``"tench, Tinca tinca"``)
-    for a 1000-class model; ``None`` for any other number of classes (the file then has none)."""
-    if num_classes != 1000:
-        return None
-    from timm.data import ImageNetInfo
-
-    return list(ImageNetInfo().label_descriptions())
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import save_model
-    from ..importer import import_checkpoint
+    from ..importer import import_to_file
 
     out: Path = args.output
     if out.suffix != ".safetensors":
@@ -78,24 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--output {out} is a folder")
     if out.exists() and args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
         raise UserError(f"--output {out} would overwrite the checkpoint being read")
-    result = import_checkpoint(args.checkpoint, args.model, dict(args.model_arg))
-    model = result["model"]
-    img = getattr(model, "img_size", (224, 224))
-    extra = {
-        "imported_from": args.checkpoint.name,
-        "layout": result["layout"],
-        "input_size": [int(getattr(model, "in_chans", 3)), int(img[0]), int(img[1])],
-        "eval_preprocessing": eval_preprocessing(args.model),
-    }
-    classes = imagenet_class_names(
-        result["model_kwargs"].get("num_classes", getattr(model, "num_classes", 0))
-    )
-    if classes:
-        extra["classes"] = classes  # what `repmlp predict` shows
-    save_model(
-        out, model, name=args.model, model_kwargs=result["model_kwargs"], form=result["form"], extra=extra
-    )
-    params = sum(p.numel() for p in model.parameters())
+    result = import_to_file(args.checkpoint, args.model, dict(args.model_arg), out)
+    params = sum(p.numel() for p in result["model"].parameters())
     print(
         f"imported {args.checkpoint.name} ({result['layout']} layout, {result['form']} form) as "
         f"{args.model}: {params / 1e6:.2f}M parameters -> {out}"

@@ -548,9 +548,9 @@ def evaluate(args: EvalConfig) -> int:
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
+    from ..bench import model_input_size
     from ..checkpoint import load_model
     from ..engine import resolve_device
-    from ..predict import model_input_size
 
     device = resolve_device(args.device)
     model, info = load_model(args.checkpoint, device=device)
