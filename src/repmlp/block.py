@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from . import checks
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, partition, to_group_rows, unpartition
-from .reparam import absorb_bn_into_fc, merge_fc3, ntuple
+from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
 __all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
 
@@ -38,10 +38,6 @@ def _positive_size(value: int | Sequence[int], dims: int, name: str) -> tuple[in
     if min(size) < 1:
         raise ValueError(f"{name} must be positive, got {value!r}")
     return size
-
-
-def _x(size: Sequence[int]) -> str:
-    return "x".join(str(v) for v in size)  # 3x5: sizes as messages write them
 
 
 class GlobalPerceptron(nn.Module):
@@ -290,9 +286,11 @@ def _kernel_sizes(
     for k in kernel_sizes:
         size = _positive_size(k, len(part), "kernel_sizes")
         if any(v % 2 == 0 for v in size):
-            raise ValueError(f"kernel_sizes must be odd (same padding), got {_x(size)}")
+            raise ValueError(f"kernel_sizes must be odd (same padding), got {format_size(size)}")
         if any(v > p for v, p in zip(size, part, strict=True)):
-            raise ValueError(f"kernel_sizes entry {_x(size)} is larger than the partition {_x(part)}")
+            raise ValueError(
+                f"kernel_sizes entry {format_size(size)} is larger than the partition {format_size(part)}"
+            )
         kernels.append(size)
     return tuple(kernels)
 

@@ -32,6 +32,7 @@ __all__ = [
     "merge_fc3",
     "pair",
     "ntuple",
+    "format_size",
     "ConvBranch",
 ]
 
@@ -137,14 +138,15 @@ def _conv_geometry(kernel: Tensor, partition: int | Sequence[int], groups: int) 
     if groups < 1 or out_ch % groups:
         raise ValueError(f"groups={groups} must divide the kernel's {out_ch} output channels")
     if any(k % 2 == 0 for k in ksize):
-        raise ValueError(f"kernel size must be odd for same padding, got {_x(ksize)}")
+        raise ValueError(f"kernel size must be odd for same padding, got {format_size(ksize)}")
     if any(k > p for k, p in zip(ksize, size, strict=True)):
-        raise ValueError(f"kernel {_x(ksize)} is larger than the partition {_x(size)}")
+        raise ValueError(f"kernel {format_size(ksize)} is larger than the partition {format_size(size)}")
     return size
 
 
-def _x(size: Sequence[int]) -> str:
-    return "x".join(str(v) for v in size)  # 3x5, as the sizes are written in messages
+def format_size(size: Sequence[int]) -> str:
+    """``(3, 5)`` as ``"3x5"``: kernel and partition sizes as error messages write them."""
+    return "x".join(str(v) for v in size)
 
 
 def conv_to_fc(
