@@ -1,7 +1,7 @@
 """repmlp: RepMLP (Ding et al.), re-parameterizing convolutions into fully-connected layers."""
 
 from ._version import __version__ as __version__  # repmlp.__version__
-from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock
+from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock, RepMLPBlock1d
 from .convert import fuse_conv_bn, reparameterize_model
 from .deploy import PRECISIONS, to_precision
 from .layers import ConvBN, GroupwiseLinear
@@ -12,6 +12,7 @@ from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
 
 __all__ = [
     "RepMLPBlock",
+    "RepMLPBlock1d",
     "GlobalPerceptron",
     "PartitionPerceptron",
     "LocalPerceptron",

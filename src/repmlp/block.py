@@ -9,10 +9,15 @@ Training-time block::
 
 After :meth:`RepMLPBlock.reparameterize` the block computes the same function with three FC layers:
 FC1 (Global Perceptron's BN absorbed), FC2 and FC3 (BN1d and every conv branch merged).
+
+:class:`RepMLPBlock1d` is the same block for sequences ``(N, C, L)``: partitions of length ``l``, 1-D
+convs in the Local Perceptron, and the same conversion (:func:`repmlp.reparam.merge_fc3` in 1-D).
+Both share the perceptrons and the construction, validation and conversion (:class:`_RepMLPBlockBase`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,52 +27,62 @@ from torch import Tensor, nn
 from . import checks
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, partition, to_group_rows, unpartition
-from .reparam import absorb_bn_into_fc, merge_fc3, pair
+from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
-__all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock"]
+__all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
 
 
-def _positive_pair(value: int | Sequence[int], name: str) -> tuple[int, int]:
-    a, b = pair(value, name)
-    if a < 1 or b < 1:
+def _positive_size(value: int | Sequence[int], dims: int, name: str) -> tuple[int, ...]:
+    """``value`` as a ``dims``-tuple of positive ints (an int is repeated); ``ValueError`` naming ``name``."""
+    size = ntuple(value, dims, name)
+    if min(size) < 1:
         raise ValueError(f"{name} must be positive, got {value!r}")
-    return a, b
+    return size
 
 
 class GlobalPerceptron(nn.Module):
     """Adds inter-partition correlations onto every partition (paper Sec. 3.2).
 
     Average-pools each ``(h, w)`` partition to one pixel, then BN -> FC1 -> ReLU -> FC2 on the
-    flattened ``(C, Hp, Wp)`` vector. FC1 maps ``C*Hp*Wp`` to ``C*Hp*Wp // reduction``.
+    flattened ``(C, Hp, Wp)`` vector. FC1 maps ``C*Hp*Wp`` to ``C*Hp*Wp // reduction``. With 1-tuples
+    ``parts = (Lp,)`` and ``partition = (l,)`` the same on sequences (``BatchNorm1d``, 1-D pooling).
 
-    Shapes: ``(N, C, Hp*h, Wp*w)`` -> ``(N, C, Hp, Wp)`` (one value per channel and partition).
+    Shapes: ``(N, C, Hp*h, Wp*w)`` -> ``(N, C, Hp, Wp)`` (one value per channel and partition);
+    1-D: ``(N, C, Lp*l)`` -> ``(N, C, Lp)``.
     """
 
     def __init__(
         self,
         channels: int,
-        parts: tuple[int, int],
-        partition: tuple[int, int],
+        parts: tuple[int, ...],
+        partition: tuple[int, ...],
         reduction: int = 1,
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        self.channels, self.parts, self.partition = channels, parts, partition
-        width = channels * parts[0] * parts[1]
+        self.channels, self.parts, self.partition = channels, tuple(parts), tuple(partition)
+        if len(self.parts) != len(self.partition) or len(self.partition) not in (1, 2):
+            raise ValueError(f"parts {parts} and partition {partition} must both be 1-D or both 2-D")
+        width = channels * math.prod(self.parts)
         if not isinstance(reduction, int) or isinstance(reduction, bool) or reduction < 1:
             raise ValueError(f"global_reduction must be a positive int, got {reduction!r}")
         if width // reduction < 1:
             raise ValueError(f"global_reduction={reduction} leaves FC1 no outputs (input width {width})")
-        self.bn: nn.BatchNorm2d | None = None if deploy else nn.BatchNorm2d(channels)
+        two_d = len(self.partition) == 2
+        bn = nn.BatchNorm2d(channels) if two_d else nn.BatchNorm1d(channels)
+        self.bn: nn.modules.batchnorm._BatchNorm | None = None if deploy else bn
+        # A pooling module, not F.avg_pool1d/2d in forward: TorchScript compiles only the one it holds.
+        self.pool = nn.AvgPool2d(self.partition) if two_d else nn.AvgPool1d(self.partition)
         self.fc1 = nn.Linear(width, width // reduction)
         self.fc2 = nn.Linear(width // reduction, width)
 
     def forward(self, x: Tensor) -> Tensor:
-        v = F.avg_pool2d(x, self.partition)
+        v = self.pool(x)  # (N, C, *parts)
         if self.bn is not None:
             v = self.bn(v)
+        shape = v.shape
         v = self.fc2(F.relu(self.fc1(v.flatten(1)), inplace=True))
-        return v.reshape(x.shape[0], self.channels, self.parts[0], self.parts[1])
+        return v.reshape(shape)
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -83,16 +98,18 @@ class GlobalPerceptron(nn.Module):
 class PartitionPerceptron(nn.Module):
     """FC3 (groupwise FC over a whole partition) followed, during training, by ``BatchNorm1d(O*h*w)``.
 
+    ``partition`` is ``(h, w)``, or ``(l,)`` for sequences (``h*w`` below is then ``l``).
+
     Shapes: per-group rows ``(g, B, C/g*h*w)`` -> ``(g, B, O/g*h*w)``.
     """
 
     def __init__(
-        self, in_channels: int, out_channels: int, partition: tuple[int, int], groups: int, deploy: bool
+        self, in_channels: int, out_channels: int, partition: tuple[int, ...], groups: int, deploy: bool
     ) -> None:
         super().__init__()
-        h, w = partition
-        self.fc3 = GroupwiseLinear(in_channels * h * w, out_channels * h * w, groups, bias=deploy)
-        self.bn: nn.BatchNorm1d | None = None if deploy else nn.BatchNorm1d(out_channels * h * w)
+        volume = math.prod(partition)
+        self.fc3 = GroupwiseLinear(in_channels * volume, out_channels * volume, groups, bias=deploy)
+        self.bn: nn.BatchNorm1d | None = None if deploy else nn.BatchNorm1d(out_channels * volume)
 
     def forward(self, rows: Tensor) -> Tensor:
         y = self.fc3(rows)
@@ -106,23 +123,26 @@ class PartitionPerceptron(nn.Module):
 class LocalPerceptron(nn.Module):
     """Parallel groupwise conv+BN branches on the partition map, summed (training time only).
 
-    Shapes: ``(B, C, h, w)`` -> ``(B, O, h, w)``.
+    Every kernel size is a ``(kh, kw)`` pair (``nn.Conv2d``) or, for sequences, a 1-tuple ``(k,)``
+    (``nn.Conv1d``); all of one kind.
+
+    Shapes: ``(B, C, h, w)`` -> ``(B, O, h, w)``; 1-D: ``(B, C, l)`` -> ``(B, O, l)``.
     """
 
     def __init__(
-        self, in_channels: int, out_channels: int, kernel_sizes: Sequence[tuple[int, int]], groups: int
+        self, in_channels: int, out_channels: int, kernel_sizes: Sequence[tuple[int, ...]], groups: int
     ) -> None:
         super().__init__()
-        self.kernel_sizes = tuple(kernel_sizes)
+        self.kernel_sizes = tuple(tuple(k) for k in kernel_sizes)
         self.branches = nn.ModuleList(
-            ConvBN(in_channels, out_channels, k, groups=groups) for k in self.kernel_sizes
+            ConvBN(in_channels, out_channels, k, groups=groups, dims=len(k)) for k in self.kernel_sizes
         )
 
     def forward(self, x: Tensor) -> Tensor:
         # Measured on CPU (benchmarks/bench_block.py (b), (c)): without autograd, channels_last convs are a
         # little faster on these small maps; in a training step NCHW is faster, as BatchNorm's backward is
         # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout.
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and x.dim() == 4:  # channels_last exists for 4-d tensors only
             x = x.contiguous(memory_format=torch.channels_last)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
         for branch in self.branches:
@@ -154,7 +174,128 @@ def _from_group_rows_like(x: Tensor, y: Tensor, n: int, hp: int, wp: int, h: int
     return from_group_rows(y, n, hp, wp, h, w, channels_last=channels_last)
 
 
-class RepMLPBlock(nn.Module):
+class _RepMLPBlockBase(nn.Module):
+    """Construction, validation and conversion shared by :class:`RepMLPBlock` and :class:`RepMLPBlock1d`.
+
+    ``size`` is the input's spatial size (``(H, W)`` or ``(L,)``) and ``size_name`` the argument that
+    gave it, for error messages; ``partition`` and every kernel size have as many dimensions. Subclasses
+    implement ``forward``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        size: int | Sequence[int],
+        partition: int | Sequence[int],
+        *,
+        dims: int,
+        size_name: str,
+        groups: int,
+        kernel_sizes: Sequence[int | Sequence[int]],
+        global_reduction: int,
+        global_perceptron: bool,
+        deploy: bool,
+    ) -> None:
+        super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+            )
+        self.size = _positive_size(size, dims, size_name)
+        self.partition = _positive_size(partition, dims, "partition")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_sizes = _kernel_sizes(kernel_sizes, self.partition)
+        # ceil: padded size / partition; the padding goes at the end of each dimension.
+        self.parts = tuple(-(-n // p) for n, p in zip(self.size, self.partition, strict=True))
+        self.padding = tuple(k * p - n for k, p, n in zip(self.parts, self.partition, self.size, strict=True))
+
+        has_global = global_perceptron and math.prod(self.parts) > 1
+        self.global_perceptron = (
+            GlobalPerceptron(in_channels, self.parts, self.partition, global_reduction, deploy)
+            if has_global
+            else None
+        )
+        self.partition_perceptron = PartitionPerceptron(
+            in_channels, out_channels, self.partition, groups, deploy
+        )
+        self.local_perceptron = (
+            LocalPerceptron(in_channels, out_channels, self.kernel_sizes, groups)
+            if self.kernel_sizes and not deploy
+            else None
+        )
+        self._deploy = deploy
+
+    @property
+    def deploy(self) -> bool:
+        return self._deploy
+
+    @torch.no_grad()
+    def merged_fc3(self) -> tuple[Tensor, Tensor]:
+        """The inference FC3 kernel ``(O*h*w, C*h*w/g)`` and bias ``(O*h*w,)`` of this block (1-D: ``l``
+        for ``h*w``).
+
+        FC3 with its BN1d fused, plus every Local Perceptron branch (conv-BN fused, converted to an
+        FC), by :func:`repmlp.reparam.merge_fc3`. Uses running statistics: call in eval mode for the
+        result to be equivalent. Half-precision blocks are merged in float32 and rounded once.
+        """
+        pp = self.partition_perceptron
+        branches = [] if self.local_perceptron is None else self.local_perceptron.branches
+        return merge_fc3(
+            pp.fc3.weight,
+            pp.fc3.bias,
+            pp.bn,
+            [(b.conv.weight, b.conv.bias, b.bn) for b in branches],
+            self.partition,
+            self.groups,
+        )
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Convert in place into the inference form: FC1, FC2, FC3 only (paper Sec. 3.4).
+
+        Equivalent only in eval mode (BatchNorm running statistics are what gets merged).
+        """
+        if self._deploy:
+            return
+        weight, bias = self.merged_fc3()
+        fc3 = GroupwiseLinear(weight.shape[1] * self.groups, weight.shape[0], self.groups, bias=True)
+        fc3 = fc3.to(device=weight.device, dtype=weight.dtype).train(self.training)  # mode picks the FC3 form
+        fc3.weight.copy_(weight)
+        fc3.bias.copy_(bias)
+        self.partition_perceptron.fc3 = fc3
+        self.partition_perceptron.bn = None
+        self.local_perceptron = None
+        if self.global_perceptron is not None:
+            self.global_perceptron.reparameterize()
+        self._deploy = True
+
+
+def _kernel_sizes(
+    kernel_sizes: Sequence[int | Sequence[int]], part: tuple[int, ...]
+) -> tuple[tuple[int, ...], ...]:
+    """Validate the Local Perceptron's kernel sizes against the partition ``part``; return them as tuples."""
+    if not isinstance(kernel_sizes, Sequence) or isinstance(kernel_sizes, str):
+        raise ValueError(
+            f"kernel_sizes must be a sequence of kernel sizes such as (1, 3, 5), got {kernel_sizes!r}"
+        )
+    kernels = []
+    for k in kernel_sizes:
+        size = _positive_size(k, len(part), "kernel_sizes")
+        if any(v % 2 == 0 for v in size):
+            raise ValueError(f"kernel_sizes must be odd (same padding), got {format_size(size)}")
+        if any(v > p for v, p in zip(size, part, strict=True)):
+            raise ValueError(
+                f"kernel_sizes entry {format_size(size)} is larger than the partition {format_size(part)}"
+            )
+        kernels.append(size)
+    return tuple(kernels)
+
+
+class RepMLPBlock(_RepMLPBlockBase):
     """RepMLP: Global, Partition and Local Perceptron, re-parameterizable into three FC layers.
 
     Args:
@@ -188,54 +329,20 @@ class RepMLPBlock(nn.Module):
         global_perceptron: bool = True,
         deploy: bool = False,
     ) -> None:
-        super().__init__()
-        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(
-                f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
-            )
-        self.resolution = _positive_pair(resolution, "resolution")
-        self.partition = _positive_pair(partition, "partition")
-        h, w = self.partition
-        if not isinstance(kernel_sizes, Sequence) or isinstance(kernel_sizes, str):
-            raise ValueError(
-                f"kernel_sizes must be a sequence of kernel sizes such as (1, 3, 5), got {kernel_sizes!r}"
-            )
-        kernels = []
-        for k in kernel_sizes:
-            kh, kw = _positive_pair(k, "kernel_sizes")
-            if kh % 2 == 0 or kw % 2 == 0:
-                raise ValueError(f"kernel_sizes must be odd (same padding), got {kh}x{kw}")
-            if kh > h or kw > w:
-                raise ValueError(f"kernel_sizes entry {kh}x{kw} is larger than the partition {h}x{w}")
-            kernels.append((kh, kw))
-        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_sizes = tuple(kernels)
-        H, W = self.resolution
-        self.parts = (-(-H // h), -(-W // w))  # ceil: padded resolution / partition
-        self.padding = (self.parts[0] * h - H, self.parts[1] * w - W)
-
-        has_global = global_perceptron and self.parts != (1, 1)
-        self.global_perceptron = (
-            GlobalPerceptron(in_channels, self.parts, self.partition, global_reduction, deploy)
-            if has_global
-            else None
+        super().__init__(
+            in_channels,
+            out_channels,
+            resolution,
+            partition,
+            dims=2,
+            size_name="resolution",
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_reduction=global_reduction,
+            global_perceptron=global_perceptron,
+            deploy=deploy,
         )
-        self.partition_perceptron = PartitionPerceptron(
-            in_channels, out_channels, self.partition, groups, deploy
-        )
-        self.local_perceptron = (
-            LocalPerceptron(in_channels, out_channels, self.kernel_sizes, groups)
-            if self.kernel_sizes and not deploy
-            else None
-        )
-        self._deploy = deploy
-
-    @property
-    def deploy(self) -> bool:
-        return self._deploy
+        self.resolution: tuple[int, int] = (self.size[0], self.size[1])
 
     def extra_repr(self) -> str:
         return (
@@ -275,41 +382,85 @@ class RepMLPBlock(nn.Module):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out
 
-    @torch.no_grad()
-    def merged_fc3(self) -> tuple[Tensor, Tensor]:
-        """The inference FC3 kernel ``(O*h*w, C*h*w/g)`` and bias ``(O*h*w,)`` of this block.
 
-        FC3 with its BN1d fused, plus every Local Perceptron branch (conv-BN fused, converted to an
-        FC), by :func:`repmlp.reparam.merge_fc3`. Uses running statistics: call in eval mode for the
-        result to be equivalent. Half-precision blocks are merged in float32 and rounded once.
-        """
-        pp = self.partition_perceptron
-        branches = [] if self.local_perceptron is None else self.local_perceptron.branches
-        return merge_fc3(
-            pp.fc3.weight,
-            pp.fc3.bias,
-            pp.bn,
-            [(b.conv.weight, b.conv.bias, b.bn) for b in branches],
-            self.partition,
-            self.groups,
+class RepMLPBlock1d(_RepMLPBlockBase):
+    """RepMLP for sequences: the 2-D block's perceptrons and exact conversion on ``(N, C, L)`` tensors.
+
+    Partitions are ``l`` consecutive positions; the Global Perceptron pools each to one value per
+    channel, FC3 maps a whole ``(C, l)`` partition, and the Local Perceptron runs 1-D convs. After
+    :meth:`reparameterize` only FC1, FC2 and FC3 remain, as in 2-D (:func:`repmlp.reparam.merge_fc3`
+    with 1-D kernels).
+
+    Args:
+        in_channels: ``C``.
+        out_channels: ``O``.
+        length: ``L`` of the input the block will see.
+        partition: ``l``, the length of each partition (int or 1-tuple). An ``L`` that is not a
+            multiple is zero-padded at the end and the output cropped back.
+        groups: ``g`` of FC3 and every Local Perceptron conv.
+        kernel_sizes: Local Perceptron branches, each an odd int (or 1-tuple) no larger than ``l``;
+            empty for none.
+        global_reduction: FC1 output width = ``C*Lp // global_reduction`` (rounded down).
+        global_perceptron: ``False`` drops the Global Perceptron (it is also absent when the padded
+            input is a single partition).
+        deploy: build the inference form (FC1, FC2, FC3 with bias; no BN, no conv).
+
+    Shapes: ``(N, C, L)`` -> ``(N, O, L)``.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        length: int,
+        partition: int | Sequence[int],
+        *,
+        groups: int = 1,
+        kernel_sizes: Sequence[int | Sequence[int]] = (1, 3, 5, 7),
+        global_reduction: int = 1,
+        global_perceptron: bool = True,
+        deploy: bool = False,
+    ) -> None:
+        super().__init__(
+            in_channels,
+            out_channels,
+            length,
+            partition,
+            dims=1,
+            size_name="length",
+            groups=groups,
+            kernel_sizes=kernel_sizes,
+            global_reduction=global_reduction,
+            global_perceptron=global_perceptron,
+            deploy=deploy,
+        )
+        self.length: int = length
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_channels={self.in_channels}, out_channels={self.out_channels}, length={self.length}, "
+            f"partition={self.partition[0]}, groups={self.groups}, kernel_sizes={self.kernel_sizes}, "
+            f"deploy={self._deploy}"
         )
 
-    @torch.no_grad()
-    def reparameterize(self) -> None:
-        """Convert in place into the inference form: FC1, FC2, FC3 only (paper Sec. 3.4).
-
-        Equivalent only in eval mode (BatchNorm running statistics are what gets merged).
-        """
-        if self._deploy:
-            return
-        weight, bias = self.merged_fc3()
-        fc3 = GroupwiseLinear(weight.shape[1] * self.groups, weight.shape[0], self.groups, bias=True)
-        fc3 = fc3.to(device=weight.device, dtype=weight.dtype).train(self.training)  # mode picks the FC3 form
-        fc3.weight.copy_(weight)
-        fc3.bias.copy_(bias)
-        self.partition_perceptron.fc3 = fc3
-        self.partition_perceptron.bn = None
-        self.local_perceptron = None
+    def forward(self, x: Tensor) -> Tensor:
+        checks.check_input_shape(
+            x,
+            (self.in_channels, self.length),
+            f"RepMLPBlock1d expected input of shape (N, {self.in_channels}, {self.length}), got {{shape}}",
+        )
+        n, c, o = x.shape[0], self.in_channels, self.out_channels
+        (l,), (lp,), g = self.partition, self.parts, self.groups
+        if self.padding[0]:
+            x = F.pad(x, (0, self.padding[0]))
+        parts = x.reshape(n, c, lp, l).transpose(1, 2).reshape(n * lp, c, l)  # (N*Lp, C, l)
         if self.global_perceptron is not None:
-            self.global_perceptron.reparameterize()
-        self._deploy = True
+            # (N, C, Lp) -> one value per partition and channel, broadcast over the partition's positions.
+            parts = parts + self.global_perceptron(x).transpose(1, 2).reshape(n * lp, c, 1)
+        b = n * lp
+        rows = parts.reshape(b, g, c // g * l).transpose(0, 1)  # (g, N*Lp, C/g*l)
+        out = self.partition_perceptron(rows).transpose(0, 1).reshape(b, o, l)
+        if self.local_perceptron is not None:
+            out = out + self.local_perceptron(parts)
+        out = out.reshape(n, lp, o, l).transpose(1, 2).reshape(n, o, lp * l)
+        return out[:, :, : self.length] if self.padding[0] else out

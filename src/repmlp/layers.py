@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import fc3_uses_onednn, groupwise_fc
-from .reparam import fuse_bn, pair
+from .reparam import fuse_bn, ntuple
 
 # A torch.fx leaf: a traced graph calls groupwise_fc as the module does, so it makes the same FC3 choice
 # when it runs (bitwise the eager result) instead of freezing one form into the graph.
@@ -16,13 +16,19 @@ torch.fx.wrap("groupwise_fc")
 __all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2", "cpu_channels_last", "prepare_fc3"]
 
 
+# Conv and BatchNorm classes by spatial dimensionality (1-D sequences, 2-D images, 3-D volumes).
+_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
 class ConvBN(nn.Module):
     """Conv followed by BatchNorm; :meth:`reparameterize` folds the BN into a conv with bias.
 
     ``deploy=True`` builds the fused form (a single conv with bias) directly, so a converted state
-    dict loads into it. Submodule names: ``conv`` and, before conversion, ``bn``.
+    dict loads into it. Submodule names: ``conv`` and, before conversion, ``bn``. ``dims`` picks
+    ``nn.Conv1d``/``2d``/``3d`` (and the matching BatchNorm); sizes are ints or ``dims``-tuples.
 
-    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')`` as ``nn.Conv2d``.
+    Shapes: ``(N, C_in, *spatial)`` -> ``(N, C_out, *spatial')`` as the conv; 2-D by default.
     """
 
     def __init__(
@@ -36,16 +42,19 @@ class ConvBN(nn.Module):
         groups: int = 1,
         *,
         deploy: bool = False,
+        dims: int = 2,
     ) -> None:
         super().__init__()
-        kh, kw = pair(kernel_size, "kernel_size")
-        dh, dw = pair(dilation, "dilation")
+        if dims not in _CONV:
+            raise ValueError(f"dims must be 1, 2 or 3, got {dims!r}")
+        kernel = ntuple(kernel_size, dims, "kernel_size")
+        dilations = ntuple(dilation, dims, "dilation")
         if padding is None:
-            padding = (dh * (kh - 1) // 2, dw * (kw - 1) // 2)
-        self.conv = nn.Conv2d(
-            in_channels, out_channels, (kh, kw), stride, padding, (dh, dw), groups, bias=deploy
+            padding = tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilations, strict=True))
+        self.conv = _CONV[dims](
+            in_channels, out_channels, kernel, stride, padding, dilations, groups, bias=deploy
         )
-        self.bn: nn.BatchNorm2d | None = None if deploy else nn.BatchNorm2d(out_channels)
+        self.bn: nn.modules.batchnorm._BatchNorm | None = None if deploy else _BN[dims](out_channels)
 
     @property
     def deploy(self) -> bool:
@@ -62,7 +71,7 @@ class ConvBN(nn.Module):
             return
         weight, bias = fuse_bn(self.conv.weight, self.bn, self.conv.bias)
         c = self.conv
-        fused = nn.Conv2d(
+        fused = type(c)(
             c.in_channels, c.out_channels, c.kernel_size, c.stride, c.padding, c.dilation, c.groups, bias=True
         ).to(device=weight.device, dtype=weight.dtype)
         fused.weight.copy_(weight)

@@ -7,11 +7,17 @@ Layout convention for a *groupwise FC* (the paper's FC3): its kernel is a 2-D te
 ``(O*h*w, C*h*w/g)``, exactly the weight of a grouped 1x1 conv with ``C*h*w`` input channels,
 ``O*h*w`` output channels and ``g`` groups, reshaped to 2-D. Rows are ordered ``(o, y, x)`` and
 columns ``(c_local, y', x')`` where ``c_local`` indexes the ``C/g`` input channels of the row's group.
+
+The conv-to-FC functions take any number of spatial dimensions (1-D sequences, 2-D images, 3-D
+volumes): a partition ``(s_1, ..., s_d)`` and kernels ``(O, C/g, k_1, ..., k_d)``; the FC kernel is
+then ``(O*S, C*S/g)`` with ``S = s_1*...*s_d``, rows ``(o, *position)``, in the same layout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -25,6 +31,8 @@ __all__ = [
     "absorb_bn_into_fc",
     "merge_fc3",
     "pair",
+    "ntuple",
+    "format_size",
     "ConvBranch",
 ]
 
@@ -32,7 +40,7 @@ __all__ = [
 # maths is the same affine map of the running statistics. The one definition (convert.py imports it).
 _BN = (nn.modules.batchnorm._BatchNorm,)
 
-# One Local Perceptron branch as merge_fc3 takes it: conv kernel ``(O, C/g, kh, kw)``, conv bias ``(O,)``
+# One Local Perceptron branch as merge_fc3 takes it: conv kernel ``(O, C/g, *k)``, conv bias ``(O,)``
 # or ``None``, and the BatchNorm that follows the conv or ``None`` (a branch already fused).
 ConvBranch = tuple[Tensor, Tensor | None, nn.Module | None]
 
@@ -44,6 +52,19 @@ def pair(value: int | Sequence[int], name: str = "value") -> tuple[int, int]:
     if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
         return int(value[0]), int(value[1])
     raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+
+
+def ntuple(value: int | Sequence[int], dims: int, name: str = "value") -> tuple[int, ...]:
+    """Return ``value`` as a ``dims``-tuple of ints, accepting an int or a length-``dims`` sequence."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * dims
+    if (
+        isinstance(value, Sequence)
+        and len(value) == dims
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return tuple(int(v) for v in value)
+    raise ValueError(f"{name} must be an int or a sequence of {dims} ints, got {value!r}")
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -74,9 +95,10 @@ def fuse_bn(weight: Tensor, bn: nn.Module, bias: Tensor | None = None) -> tuple[
     """Fold an eval-mode BatchNorm into the conv or FC kernel that precedes it (paper Eq. 16).
 
     Args:
-        weight: kernel whose first dimension is the BN's channel count: ``(O, C/g, kh, kw)`` for a
-            conv, ``(O, P)`` for an FC (for FC3, ``O*h*w`` rows and a ``BatchNorm1d(O*h*w)``).
-        bn: ``BatchNorm1d``/``2d``; its running statistics are used whatever its mode.
+        weight: kernel whose first dimension is the BN's channel count: ``(O, C/g, *k)`` for a
+            conv of any dimensionality, ``(O, P)`` for an FC (for FC3, ``O*h*w`` rows and a
+            ``BatchNorm1d(O*h*w)``).
+        bn: ``BatchNorm1d``/``2d``/``3d``; its running statistics are used whatever its mode.
         bias: optional bias of the preceding layer, ``(O,)``.
 
     Returns:
@@ -93,19 +115,38 @@ def fuse_bn(weight: Tensor, bn: nn.Module, bias: Tensor | None = None) -> tuple[
     return w.to(weight.dtype).contiguous(), b.to(weight.dtype).contiguous()
 
 
-def _check_conv(kernel: Tensor, partition: tuple[int, int], groups: int) -> None:
-    if kernel.dim() != 4:
-        raise ValueError(f"kernel must be (O, C/g, kh, kw), got shape {tuple(kernel.shape)}")
-    out_ch, _, kh, kw = kernel.shape
-    h, w = partition
-    if h < 1 or w < 1:
-        raise ValueError(f"partition must be positive, got {partition}")
+def _conv_geometry(kernel: Tensor, partition: int | Sequence[int], groups: int) -> tuple[int, ...]:
+    """Check a conv kernel ``(O, C/g, *k)`` against its partition; return the partition as a tuple.
+
+    The kernel's dimensionality decides the partition's: an int partition is repeated, a sequence must
+    have one size per spatial dimension of the kernel.
+    """
+    dims = kernel.dim() - 2
+    if not 1 <= dims <= 3:
+        raise ValueError(
+            f"kernel must be (O, C/g, *k) with 1 to 3 spatial sizes, got shape {tuple(kernel.shape)}"
+        )
+    if not isinstance(partition, int) and isinstance(partition, Sequence) and len(partition) != dims:
+        raise ValueError(
+            f"kernel of shape {tuple(kernel.shape)} has {dims} spatial dimensions but partition "
+            f"{tuple(partition)} has {len(partition)}"
+        )
+    size = ntuple(partition, dims, "partition")
+    if min(size) < 1:
+        raise ValueError(f"partition must be positive, got {size}")
+    out_ch, ksize = kernel.shape[0], tuple(kernel.shape[2:])
     if groups < 1 or out_ch % groups:
         raise ValueError(f"groups={groups} must divide the kernel's {out_ch} output channels")
-    if kh % 2 == 0 or kw % 2 == 0:
-        raise ValueError(f"kernel size must be odd for same padding, got {kh}x{kw}")
-    if kh > h or kw > w:
-        raise ValueError(f"kernel {kh}x{kw} is larger than the partition {h}x{w}")
+    if any(k % 2 == 0 for k in ksize):
+        raise ValueError(f"kernel size must be odd for same padding, got {format_size(ksize)}")
+    if any(k > p for k, p in zip(ksize, size, strict=True)):
+        raise ValueError(f"kernel {format_size(ksize)} is larger than the partition {format_size(size)}")
+    return size
+
+
+def format_size(size: Sequence[int]) -> str:
+    """``(3, 5)`` as ``"3x5"``: kernel and partition sizes as error messages write them."""
+    return "x".join(str(v) for v in size)
 
 
 def conv_to_fc(
@@ -114,37 +155,46 @@ def conv_to_fc(
     partition: int | Sequence[int],
     groups: int = 1,
 ) -> tuple[Tensor, Tensor | None]:
-    """FC equivalent of a (groupwise) stride-1 same-padded conv on an ``(C, h, w)`` partition.
+    """FC equivalent of a (groupwise) stride-1 same-padded conv on a ``(C, *partition)`` partition.
 
-    Built directly: ``W[(o,y,x),(c,y',x')] = kernel[o, c, y'-y+kh//2, x'-x+kw//2]`` (zero outside the
-    kernel), by stacking shifted windows of the zero-padded kernel. Memory is proportional to the output,
-    unlike the paper's identity-matrix construction (:func:`conv_to_fc_identity`), which gives the
-    identical kernel but allocates a ``(C*h*w/g)^2 * g`` identity and convolves it.
+    Built directly: in 2-D, ``W[(o,y,x),(c,y',x')] = kernel[o, c, y'-y+kh//2, x'-x+kw//2]`` (zero
+    outside the kernel), and alike in 1-D and 3-D, by stacking shifted windows of the zero-padded
+    kernel. Memory is proportional to the output, unlike the paper's identity-matrix construction
+    (:func:`conv_to_fc_identity`), which gives the identical kernel but allocates a
+    ``(C*S/g)^2 * g`` identity and convolves it.
 
     Args:
-        kernel: ``(O, C/g, kh, kw)``, odd ``kh <= h``, ``kw <= w``.
+        kernel: ``(O, C/g, *k)`` with 1 to 3 odd sizes ``k_i <= s_i``; 2-D: ``(O, C/g, kh, kw)``.
         bias: ``(O,)`` or ``None``.
-        partition: ``(h, w)`` or an int.
+        partition: ``(s_1, ..., s_d)`` (2-D: ``(h, w)``), one size per spatial dimension of the
+            kernel, or an int for all of them.
         groups: conv groups ``g``.
 
     Returns:
-        ``fc_weight`` of shape ``(O*h*w, C*h*w/g)`` (grouped-1x1-conv layout, contiguous, the
-        kernel's dtype and device) and ``fc_bias`` of shape ``(O*h*w,)`` or ``None``.
+        ``fc_weight`` of shape ``(O*S, C*S/g)``, ``S = s_1*...*s_d`` (grouped-1x1-conv layout, contiguous,
+        the kernel's dtype and device), and ``fc_bias`` of shape ``(O*S,)`` or ``None``.
     """
-    h, w = pair(partition, "partition")
-    _check_conv(kernel, (h, w), groups)
-    out_ch, cg, kh, kw = kernel.shape
-    ph, pw = kh // 2, kw // 2
-    # Zero-pad the kernel to (2h-1, 2w-1): the (h, w) window ending opposite output point (y, x) is
-    # then exactly that output row of the FC kernel. Stacking the h*w windows writes the result once,
-    # so memory is one FC kernel (no identity matrix) and autograd flows through pad/stack.
-    big = F.pad(kernel.to(_compute_dtype(kernel)), (w - 1 - pw, w - 1 - pw, h - 1 - ph, h - 1 - ph))
-    rows = [
-        big[:, :, h - 1 - y : 2 * h - 1 - y, w - 1 - x : 2 * w - 1 - x] for y in range(h) for x in range(w)
-    ]
-    fc = torch.stack(rows, dim=1)  # (O, h*w, C/g, h, w)
-    fc_weight = fc.reshape(out_ch * h * w, cg * h * w).to(kernel.dtype).contiguous()
-    fc_bias = None if bias is None else bias.repeat_interleave(h * w).contiguous()
+    size = _conv_geometry(kernel, partition, groups)
+    out_ch, cg = kernel.shape[:2]
+    volume = math.prod(size)
+    # Zero-pad the kernel to (2s-1) in every dimension: the window of the partition's size ending
+    # opposite output point p is then exactly that output row of the FC kernel. Stacking the windows
+    # writes the result once, so memory is one FC kernel (no identity matrix) and autograd flows
+    # through pad/stack. F.pad takes the last dimension first.
+    pads = [s - 1 - k // 2 for s, k in zip(size, kernel.shape[2:], strict=True)]
+    big = F.pad(kernel.to(_compute_dtype(kernel)), [p for p in reversed(pads) for _ in range(2)])
+
+    def window(point: tuple[int, ...]) -> tuple[slice, ...]:
+        return (
+            slice(None),
+            slice(None),
+            *(slice(s - 1 - q, 2 * s - 1 - q) for s, q in zip(size, point, strict=True)),
+        )
+
+    rows = [big[window(point)] for point in itertools.product(*(range(s) for s in size))]
+    fc = torch.stack(rows, dim=1)  # (O, S, C/g, *size)
+    fc_weight = fc.reshape(out_ch * volume, cg * volume).to(kernel.dtype).contiguous()
+    fc_bias = None if bias is None else bias.repeat_interleave(volume).contiguous()
     return fc_weight, fc_bias
 
 
@@ -155,6 +205,9 @@ def _no_tf32() -> contextlib.AbstractContextManager:
     )
 
 
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
 def conv_to_fc_identity(
     kernel: Tensor,
     bias: Tensor | None,
@@ -163,21 +216,23 @@ def conv_to_fc_identity(
 ) -> tuple[Tensor, Tensor | None]:
     """The paper's construction (Alg. 1): convolve an identity matrix reshaped to feature maps.
 
-    Same contract and result as :func:`conv_to_fc`; kept as the reference the direct construction
-    is tested against, and for the benchmark. Allocates ``(C*h*w/g) x C x h x w`` for the identity.
+    Same contract and result as :func:`conv_to_fc` (1 to 3 spatial dimensions); kept as the reference
+    the direct construction is tested against, and for the benchmark. Allocates ``(C*S/g) x C x
+    *partition`` for the identity.
     """
-    h, w = pair(partition, "partition")
-    _check_conv(kernel, (h, w), groups)
-    out_ch, cg, kh, kw = kernel.shape
+    size = _conv_geometry(kernel, partition, groups)
+    out_ch, cg = kernel.shape[:2]
     dtype = _compute_dtype(kernel)
-    n = cg * h * w
-    eye = torch.eye(n, dtype=dtype, device=kernel.device).repeat(1, groups).reshape(n, cg * groups, h, w)
+    volume = math.prod(size)
+    n = cg * volume
+    eye = torch.eye(n, dtype=dtype, device=kernel.device).repeat(1, groups).reshape(n, cg * groups, *size)
+    padding = tuple(k // 2 for k in kernel.shape[2:])
     # cuDNN may run float32 convolutions in TF32 (10-bit mantissa), which would round the kernel's
     # entries; this construction is the exact reference, so TF32 is switched off for its conv.
     with _no_tf32():
-        fc = F.conv2d(eye, kernel.to(dtype), padding=(kh // 2, kw // 2), groups=groups)
-    fc_weight = fc.reshape(n, out_ch * h * w).t().to(kernel.dtype).contiguous()
-    fc_bias = None if bias is None else bias.repeat_interleave(h * w).contiguous()
+        fc = _CONV[len(size)](eye, kernel.to(dtype), padding=padding, groups=groups)
+    fc_weight = fc.reshape(n, out_ch * volume).t().to(kernel.dtype).contiguous()
+    fc_bias = None if bias is None else bias.repeat_interleave(volume).contiguous()
     return fc_weight, fc_bias
 
 
@@ -185,7 +240,8 @@ def absorb_bn_into_fc(weight: Tensor, bias: Tensor | None, bn: nn.Module) -> tup
     """Absorb a BatchNorm that *precedes* an FC into the FC (paper Appendix C).
 
     The FC's input is the BN's output flattened channel-major, so each of the BN's ``C`` channels
-    covers ``P / C`` consecutive inputs (in the Global Perceptron: the ``Hp*Wp`` partition means).
+    covers ``P / C`` consecutive inputs (in the Global Perceptron: the ``Hp*Wp`` partition means, or
+    ``Lp`` in 1-D); any dimensionality, as only that count matters.
 
     Args:
         weight: FC kernel ``(Q, P)``, ``P`` a multiple of the BN's channel count.
@@ -253,14 +309,15 @@ def merge_fc3(
     ``weight``'s dtype. Running statistics are used: equivalent to the eval-mode block.
 
     Args:
-        weight: FC3 kernel ``(O*h*w, C*h*w/g)`` in grouped-1x1-conv layout (see the module docstring).
+        weight: FC3 kernel ``(O*h*w, C*h*w/g)`` in grouped-1x1-conv layout (see the module docstring);
+            here ``h*w`` stands for the partition's volume whatever its dimensionality (``l`` in 1-D).
         bias: FC3 bias ``(O*h*w,)`` or ``None``.
         bn: the BatchNorm after FC3, or ``None`` (already fused). Its ``C'`` channels each scale
             ``O*h*w/C'`` consecutive rows: ``BatchNorm1d(O*h*w)`` in RepMLP-Res50, RepMLPNet's
             ``BatchNorm2d(S)`` (``S`` share-sets of ``h*w`` outputs each) there.
-        branches: ``(kernel (O, C/g, kh, kw), bias (O,) or None, bn or None)`` per Local Perceptron
-            branch; odd ``kh <= h``, ``kw <= w``.
-        partition: ``(h, w)`` or an int.
+        branches: ``(kernel (O, C/g, *k), bias (O,) or None, bn or None)`` per Local Perceptron
+            branch, as :func:`conv_to_fc` takes them (odd sizes, no larger than the partition).
+        partition: ``(h, w)``, ``(l,)``, any partition :func:`conv_to_fc` takes, or an int.
         groups: ``g`` of FC3 and of every branch.
 
     Returns:
