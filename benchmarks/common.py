@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -19,21 +18,12 @@ from pathlib import Path
 
 import torch
 
+from repmlp.engine import cpu_name
+
 # Make `import repmlp` work from a plain checkout (e.g. on the GPU machine, where it is not installed).
 _SRC = Path(__file__).resolve().parents[1] / "src"
 if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (falls back to ``platform.processor()``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def hardware(device: torch.device) -> str:
