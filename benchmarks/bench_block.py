@@ -5,12 +5,14 @@
 (b) one training step (forward + backward + SGD step) of the training-time block vs the paper's
     training-time formulation (FC3 as grouped 1x1 conv + BN1d, each Local Perceptron branch a grouped
     conv + BN in NCHW) - goal >= 3x;
-(c) batch 1: our deployed block vs our training-time block (eval mode, ``no_grad``) - goal >= 1x.
+(c) batch 1: our deployed block vs our training-time block (eval mode, ``no_grad``) - goal >= 1x;
+(d) the 1-D block (``RepMLPBlock1d``, ``(N, C, L)``) beside a 2-D block with as many partitions of as
+    many positions: deployed vs training-time (eval mode, ``no_grad``), batch 32.
 
 The paper blocks (``paper_block.py``) are built with copies of our block's weights and checked to give
 the same outputs before anything is timed. Times are medians of interleaved rounds (``common.py``).
 
-    python3 benchmarks/bench_block.py [--device cuda] [--quick]
+    python3 benchmarks/bench_block.py [--device cuda] [--quick] [--sections abcd]
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from common import device_arg, hardware, set_tf32, table, time_interleaved
 from paper_block import paper_block_from
-from repmlp import RepMLPBlock, reparameterize_model
+from repmlp import RepMLPBlock, RepMLPBlock1d, reparameterize_model
 
 log = logging.getLogger("bench_block")
 
@@ -167,9 +169,46 @@ def bench_batch1(device: torch.device, rounds: int, round_s: float) -> list[list
     return rows
 
 
+# (channels, 2-D resolution and partition, 1-D length and partition, groups): the two blocks of a row have
+# the same number of partitions (resolution/partition squared = length/partition) of the same size.
+PAIRS_1D = ((64, 32, 8, 1024, 64, 4), (128, 16, 8, 256, 64, 8))
+
+
+def bench_1d(device: torch.device, batch: int, rounds: int, round_s: float) -> list[list[str]]:
+    rows = []
+    for c, res, p2, length, p1, g in PAIRS_1D:
+        torch.manual_seed(0)
+        block_1d = RepMLPBlock1d(c, c, length, p1, groups=g)
+        randomize_bn(block_1d)
+        cases = {
+            f"2-D: C={c}, {res}x{res}, h=w={p2}, g={g}": (
+                make_block(device, c, res, p2, g).eval(),
+                (c, res, res),
+            ),
+            f"1-D: C={c}, L={length}, l={p1}, g={g}": (block_1d.to(device).eval(), (c, length)),
+        }
+        for label, (train_form, shape) in cases.items():
+            deployed = reparameterize_model(train_form)
+            x = torch.randn(batch, *shape, device=device)
+            with torch.no_grad():
+                check_close(deployed(x), train_form(x), f"{label}: deployed vs training-time")
+                t = time_interleaved(
+                    {"train-form": lambda: train_form(x), "deployed": lambda: deployed(x)},  # noqa: B023 - used here
+                    device,
+                    rounds=rounds,
+                    min_round_s=round_s,
+                )
+            ratio = t["train-form"] / t["deployed"]
+            rows.append(
+                [label, f"{batch / t['train-form']:.0f}", f"{batch / t['deployed']:.0f}", f"**{ratio:.2f}x**"]
+            )
+    return rows
+
+
 def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sections", default="abcd", help="which sections to run (default: abcd)")
     args = parser.parse_args()
     set_tf32(args.tf32)
     if args.tf32:
@@ -180,17 +219,22 @@ def main() -> None:
     round_s = 0.05 if args.quick else 0.3
     print(f"# bench_block on {args.device} (tf32={args.tf32})\n{hardware(device)}\n")
 
-    print(f"## (a) deployed block, batch {args.batch}, inference (goal >= 5x)")
-    header = ["config", "paper deployed img/s", "ours deployed img/s", "speed-up", "goal"]
-    print(table(header, bench_deployed(device, args.batch, rounds, round_s)) + "\n")
-
-    print(f"## (b) training step (fwd + bwd + SGD), batch {args.batch} (goal >= 3x)")
-    header = ["config", "paper train ms/step", "ours train ms/step", "speed-up", "goal"]
-    print(table(header, bench_training(device, args.batch, rounds, round_s)) + "\n")
-
-    print("## (c) batch 1, inference: deployed vs training-time block (goal >= 1x)")
-    header = ["config", "training-time ms", "deployed ms", "speed-up", "goal"]
-    print(table(header, bench_batch1(device, rounds, round_s)) + "\n")
+    if "a" in args.sections:
+        print(f"## (a) deployed block, batch {args.batch}, inference (goal >= 5x)")
+        header = ["config", "paper deployed img/s", "ours deployed img/s", "speed-up", "goal"]
+        print(table(header, bench_deployed(device, args.batch, rounds, round_s)) + "\n")
+    if "b" in args.sections:
+        print(f"## (b) training step (fwd + bwd + SGD), batch {args.batch} (goal >= 3x)")
+        header = ["config", "paper train ms/step", "ours train ms/step", "speed-up", "goal"]
+        print(table(header, bench_training(device, args.batch, rounds, round_s)) + "\n")
+    if "c" in args.sections:
+        print("## (c) batch 1, inference: deployed vs training-time block (goal >= 1x)")
+        header = ["config", "training-time ms", "deployed ms", "speed-up", "goal"]
+        print(table(header, bench_batch1(device, rounds, round_s)) + "\n")
+    if "d" in args.sections:
+        print(f"## (d) the 1-D block beside the 2-D block, batch {args.batch}: deployed vs training-time")
+        header = ["block", "training-time examples/s", "deployed examples/s", "speed-up"]
+        print(table(header, bench_1d(device, args.batch, rounds, round_s)) + "\n")
 
 
 if __name__ == "__main__":
