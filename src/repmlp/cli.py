@@ -51,7 +51,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` with errors as one line (``repmlp: error: ...``) instead of usage + message."""
 
     def __init__(self, *args, **kwargs) -> None:
-        # No prefix matching: "--data" (a face-task option) must not be taken for "--data-dir".
+        # No prefix matching: a task's options pass through the top-level parser, where an abbreviation
+        # could be taken for another option (e.g. "--val" for "--val-limit").
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 

@@ -30,7 +30,6 @@ def add_data_argument(parser: argparse.ArgumentParser, help: str) -> None:
 
 def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every task's evaluation shares (conversion check, JSON output, processes)."""
-
     parser.add_argument(
         "--check-conversion",
         action="store_true",
