@@ -139,22 +139,30 @@ def bench_training(device: torch.device, batch: int, rounds: int, round_s: float
     return rows
 
 
+def time_train_vs_deployed(
+    train_form: nn.Module, x: torch.Tensor, what: str, rounds: int, round_s: float
+) -> dict[str, float]:
+    """Seconds per inference pass (``no_grad``) of an eval-mode block and of its deployed form on ``x``,
+    interleaved, once the two are checked to give the same outputs: ``{"train-form", "deployed"}``."""
+    deployed = reparameterize_model(train_form)
+    with torch.no_grad():
+        check_close(deployed(x), train_form(x), what)
+        return time_interleaved(
+            {"train-form": lambda: train_form(x), "deployed": lambda: deployed(x)},
+            x.device,
+            rounds=rounds,
+            min_round_s=round_s,
+        )
+
+
 def bench_batch1(device: torch.device, rounds: int, round_s: float) -> list[list[str]]:
     rows = []
     for cfg in BATCH1_CONFIGS:
         cfg = dict(cfg)
         c, res = cfg["c"], cfg["res"]
         train_form = make_block(device, **cfg).eval()
-        deployed = reparameterize_model(train_form)
         x = torch.randn(1, c, res, res, device=device)
-        with torch.no_grad():
-            check_close(deployed(x), train_form(x), "deployed vs training-time")
-            t = time_interleaved(
-                {"train-form": lambda: train_form(x), "deployed": lambda: deployed(x)},  # noqa: B023 - used here
-                device,
-                rounds=rounds,
-                min_round_s=round_s,
-            )
+        t = time_train_vs_deployed(train_form, x, "deployed vs training-time", rounds, round_s)
         ratio = t["train-form"] / t["deployed"]
         ks = ",".join("x".join(map(str, k)) for k in train_form.kernel_sizes)
         rows.append(
@@ -188,16 +196,8 @@ def bench_1d(device: torch.device, batch: int, rounds: int, round_s: float) -> l
             f"1-D: C={c}, L={length}, l={p1}, g={g}": (block_1d.to(device).eval(), (c, length)),
         }
         for label, (train_form, shape) in cases.items():
-            deployed = reparameterize_model(train_form)
             x = torch.randn(batch, *shape, device=device)
-            with torch.no_grad():
-                check_close(deployed(x), train_form(x), f"{label}: deployed vs training-time")
-                t = time_interleaved(
-                    {"train-form": lambda: train_form(x), "deployed": lambda: deployed(x)},  # noqa: B023 - used here
-                    device,
-                    rounds=rounds,
-                    min_round_s=round_s,
-                )
+            t = time_train_vs_deployed(train_form, x, f"{label}: deployed vs training-time", rounds, round_s)
             ratio = t["train-form"] / t["deployed"]
             rows.append(
                 [label, f"{batch / t['train-form']:.0f}", f"{batch / t['deployed']:.0f}", f"**{ratio:.2f}x**"]

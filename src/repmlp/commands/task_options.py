@@ -114,7 +114,6 @@ def _int_list(text: str) -> list[int]:
 
 def face_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task face``."""
-
     add_data_argument(parser, "folder of aligned face crops, one sub-folder per identity")
     add_common_train_arguments(
         parser,
@@ -158,7 +157,6 @@ def face_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def face_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp eval --task face``."""
-
     parser.add_argument(
         "--checkpoint", required=True, help="model file written by `repmlp train --task face`"
     )
@@ -185,7 +183,6 @@ def face_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def seg_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp train --task seg``."""
-
     add_data_argument(parser, "Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)")
     add_common_train_arguments(
         parser,
@@ -233,7 +230,6 @@ def seg_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def seg_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``repmlp eval --task seg``."""
-
     parser.add_argument("--checkpoint", required=True, help="model file written by `repmlp train --task seg`")
     add_data_argument(parser, "Cityscapes root")
     parser.add_argument("--split", default="val", help="split to evaluate (default: val)")
