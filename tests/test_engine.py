@@ -54,6 +54,7 @@ class ToyTask:
     mixup do), so only a resume that restores all three continues bitwise."""
 
     def __init__(self, keep: Path | None = None, keep_at: int = 0) -> None:
+        self.mode = ""  # the loop's LoopResult.mode, set by run()
         self.epochs_seen: list[tuple[int, int, float]] = []
         self.keep, self.keep_at = keep, keep_at
 
@@ -87,6 +88,7 @@ def run(out: Path, task: ToyTask, state=None, **options) -> tuple[nn.Module, lis
     result = train_loop(
         net, optimizer, ToyLoader(), opts, DistInfo(), state, LoopHooks(task.step, task.end_epoch)
     )
+    task.mode = result.mode
     return net, result.history
 
 
@@ -112,6 +114,28 @@ def test_epoch_counted_run_calls_the_hooks_and_resumes_bitwise_mid_epoch(tmp_pat
     assert resumed_task.epochs_seen == full_task.epochs_seen[1:]  # the sums of epoch 2 came back too
     assert state_hash(resumed) == state_hash(full)
     assert resumed_history == history
+
+
+def test_compiled_steps_and_a_failed_compilation_that_falls_back_to_eager(tmp_path, monkeypatch, caplog):
+    eager_task, compiled_task, fallback_task = ToyTask(), ToyTask(), ToyTask()
+    eager, eager_history = run(tmp_path / "eager", eager_task, epochs=2)
+    compiled, history = run(tmp_path / "compiled", compiled_task, epochs=2, compile=True)
+    assert (eager_task.mode, compiled_task.mode) == ("eager", "compiled")
+    for a, b in zip(history, eager_history, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    with caplog.at_level("WARNING", logger="repmlp.engine.loop"):
+        fallback, fallback_history = run(tmp_path / "fallback", fallback_task, epochs=2, compile=True)
+    torch._dynamo.reset()
+    assert fallback_task.mode == "eager (compilation failed)"
+    assert [r.message for r in caplog.records if "torch.compile failed" in r.message] != []
+    assert len([r for r in caplog.records if "torch.compile failed" in r.message]) == 1
+    assert state_hash(fallback) == state_hash(eager) and fallback_history == eager_history
 
 
 def test_iteration_counted_run_logs_the_loss_and_may_end_inside_an_epoch(tmp_path):

@@ -182,6 +182,68 @@ def test_deployed_block_keeps_channels_last(groups: int) -> None:
     assert block(x).is_contiguous()
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 3), c=st.integers(1, 5), hp=st.integers(1, 3), wp=st.integers(1, 3), h=st.integers(1, 4)
+)
+def test_unpartition_channels_last_writes_the_same_values(n: int, c: int, hp: int, wp: int, h: int) -> None:
+    x = torch.randn(n, c, hp * h, wp * (h + 1), dtype=torch.float64)
+    parts = ops.partition(x, h, h + 1)
+    out = ops.unpartition(parts, n, hp, wp, channels_last=True)
+    assert torch.equal(out, x) and torch.equal(ops.unpartition(parts, n, hp, wp), x)
+    assert out.permute(0, 2, 3, 1).is_contiguous()  # channels_last memory, one partition included
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_pointwise_conv_as_linear_matches_conv(bias: bool) -> None:
+    x = torch.randn(3, 1, 5, 6, dtype=torch.float64)
+    weight = torch.randn(7, 1, 1, 1, dtype=torch.float64)
+    b = torch.randn(7, dtype=torch.float64) if bias else None
+    out = ops.pointwise_conv_as_linear(x, weight, b)
+    torch.testing.assert_close(out, F.conv2d(x, weight, b), rtol=1e-13, atol=1e-13)
+    assert ops.is_channels_last(out)
+
+
+def _step_grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+    return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["repmlp_fmnist", "repmlp_cifar_fc3_conv9"])
+def test_training_step_stays_channels_last_and_equal(name: str) -> None:
+    """A channels_last model trains channels_last from stem to head (no layer hands the next one NCHW),
+    with the outputs and gradients of the same model run in NCHW."""
+    torch.manual_seed(0)
+    kw = dict(widths=(4, 8, 8)) if name != "repmlp_fmnist" else {}
+    model = create_model(name, in_chans=1, **kw).double().train()
+    size = 28 if name == "repmlp_fmnist" else 32
+    x = torch.randn(4, 1, size, size, dtype=torch.float64)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref, ref_grads = _step_grads(model, x)
+    model.load_state_dict(state)
+    model.to(memory_format=torch.channels_last)
+    nchw_outputs: list[str] = []
+    for path, module in model.named_modules():
+        if path.count(".") <= 2 and path:
+            module.register_forward_hook(
+                lambda m, i, o, path=path: (
+                    nchw_outputs.append(path)
+                    if o.dim() == 4
+                    and o.shape[1] > 1
+                    and o.shape[2] * o.shape[3] > 1
+                    and not ops.is_channels_last(o)
+                    else None
+                )
+            )
+    out, grads = _step_grads(model, x.contiguous(memory_format=torch.channels_last))
+    assert nchw_outputs == []
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-9, msg=k)
+
+
 # Small configurations of every family, so tracing them stays cheap.
 _SMALL = {
     "repmlp_cifar": dict(widths=(8, 16, 32)),

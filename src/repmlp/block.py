@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .layers import ConvBN, GroupwiseLinear
-from .ops import from_group_rows, partition, to_group_rows, unpartition
+from .ops import from_group_rows, is_channels_last, partition, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
 __all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
@@ -170,8 +170,7 @@ def _from_group_rows_like(x: Tensor, y: Tensor, n: int, hp: int, wp: int, h: int
     A ``torch.fx`` leaf, since it branches on the input's layout. Shapes: ``y`` ``(g, N*hp*wp, O/g*h*w)``
     -> ``(N, O, hp*h, wp*w)``.
     """
-    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-    return from_group_rows(y, n, hp, wp, h, w, channels_last=channels_last)
+    return from_group_rows(y, n, hp, wp, h, w, channels_last=is_channels_last(x))
 
 
 class _RepMLPBlockBase(nn.Module):
@@ -377,7 +376,7 @@ class RepMLPBlock(_RepMLPBlockBase):
             b = parts.shape[0]
             rows = parts.reshape(b, g, cg * h * w).transpose(0, 1)
             fc = self.partition_perceptron(rows).transpose(0, 1).reshape(b, self.out_channels, h, w)
-            out = unpartition(fc + self.local_perceptron(parts), n, hp, wp)
+            out = unpartition_like(x, fc + self.local_perceptron(parts), n, hp, wp)
         if self.padding != (0, 0):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out

@@ -24,6 +24,9 @@ from torch import Tensor
 __all__ = [
     "partition",
     "unpartition",
+    "unpartition_like",
+    "is_channels_last",
+    "pointwise_conv_as_linear",
     "to_group_rows",
     "from_group_rows",
     "groupwise_fc",
@@ -66,10 +69,40 @@ def partition(x: Tensor, h: int, w: int) -> Tensor:
     return x.reshape(n, c, hp, h, wp, w).permute(0, 2, 4, 1, 3, 5).reshape(n * hp * wp, c, h, w)
 
 
-def unpartition(p: Tensor, n: int, hp: int, wp: int) -> Tensor:
-    """Inverse of :func:`partition`: ``(N*hp*wp, C, h, w)`` -> ``(N, C, hp*h, wp*w)``."""
+def unpartition(p: Tensor, n: int, hp: int, wp: int, channels_last: bool = False) -> Tensor:
+    """Inverse of :func:`partition`: ``(N*hp*wp, C, h, w)`` -> ``(N, C, hp*h, wp*w)``.
+
+    One copy either way; ``channels_last=True`` writes the result in channels_last memory order (as
+    :func:`from_group_rows`), so that a channels_last model's next layer gets the layout it runs in.
+    """
     _, c, h, w = p.shape
-    return p.reshape(n, hp, wp, c, h, w).permute(0, 3, 1, 4, 2, 5).reshape(n, c, hp * h, wp * w)
+    p = p.reshape(n, hp, wp, c, h, w)
+    if channels_last:
+        # contiguous(): with one partition the reshape is a view, still in the NCHW order
+        return p.permute(0, 1, 4, 2, 5, 3).reshape(n, hp * h, wp * w, c).contiguous().permute(0, 3, 1, 2)
+    return p.permute(0, 3, 1, 4, 2, 5).reshape(n, c, hp * h, wp * w)
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """Whether ``x`` is stored channels_last and not also plain contiguous (as with one channel or 1x1)."""
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+@torch.fx.wrap
+def unpartition_like(x: Tensor, p: Tensor, n: int, hp: int, wp: int) -> Tensor:
+    """:func:`unpartition` in ``x``'s memory format, so that a channels_last model stays channels_last
+    from block to block. A ``torch.fx`` leaf, since it branches on the layout.
+
+    Shapes: ``p`` ``(N*hp*wp, O, h, w)`` -> ``(N, O, hp*h, wp*w)``.
+    """
+    return unpartition(p, n, hp, wp, channels_last=is_channels_last(x))
+
+
+def pointwise_conv_as_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A 1x1 conv (stride 1, one group) as a matmul over the channels: ``(N, C, H, W)`` -> ``(N, O, H, W)``,
+    written channels_last. The same sums as ``F.conv2d(x, weight, bias)``; used to train layers whose
+    conv form is slow on CPU (oneDNN's weight gradient of a 1x1 conv on one input channel)."""
+    return F.linear(x.permute(0, 2, 3, 1), weight.flatten(1), bias).permute(0, 3, 1, 2)
 
 
 def to_group_rows(x: Tensor, h: int, w: int, groups: int) -> Tensor:

@@ -93,7 +93,7 @@ def add_limit_argument(group, flag: str, what: str) -> None:
 
 def add_run_arguments(group, *, resume_help: str, step: str) -> None:
     """The run flags every task's training shares: ``--resume``, ``--ckpt-every``, ``--device``, ``--amp``,
-    ``--threads`` (and the hidden ``--stop-after-steps``); ``step`` names a training step in the help
+    ``--threads``, ``--compile`` (and the hidden ``--stop-after-steps``); ``step`` names a training step in the help
     (optimizer step, iteration)."""
     group.add_argument("--resume", action="store_true", help=resume_help)
     group.add_argument(
@@ -111,6 +111,13 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
         help="mixed precision (default: on CUDA); it changes the maths, so a resumed run keeps it",
     )
     group.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+    group.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile the training step (default auto: on CUDA, off on CPU, where it measured slower); "
+        "a failed compilation falls back to eager with one logged line",
+    )
     # Hidden: a simulated crash after N steps (exit 3, no cleanup), for tests of --resume.
     group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)
 

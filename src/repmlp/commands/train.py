@@ -262,6 +262,7 @@ def resolve_config(args: argparse.Namespace):
         seed=args.seed,
         device=args.device,
         amp=args.amp,
+        compile=args.compile,
         workers=args.workers,
         ckpt_every=args.ckpt_every,
         output=output,

@@ -20,7 +20,16 @@ loop) and :mod:`.report` (metrics.csv, curves and report of a loss log). Their p
 importable from :mod:`repmlp.engine`.
 """
 
-from .devices import amp_dtype, build_model, cpu_name, hardware_summary, resolve_device, takes_img_size
+from .devices import (
+    amp_dtype,
+    build_model,
+    cpu_name,
+    hardware_summary,
+    keep_freed_memory,
+    resolve_compile,
+    resolve_device,
+    takes_img_size,
+)
 from .loop import (
     LoopHooks,
     LoopOptions,
@@ -74,6 +83,8 @@ __all__ = [
     "cpu_name",
     "gather_object",
     "hardware_summary",
+    "keep_freed_memory",
+    "resolve_compile",
     "loss_step",
     "optimizer_step",
     "option_flag",

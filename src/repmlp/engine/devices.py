@@ -109,3 +109,43 @@ def amp_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
     return torch.bfloat16
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
+_MMAP_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit systems
+_TRIM_BYTES = 1 << 30  # free memory at the heap's top kept before returning it to the OS
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse.
+
+    A CPU training step allocates and frees the same activation-sized buffers every step; by default glibc
+    maps each large one afresh from the OS, so every step page-faults its activations in again (about
+    10^4 faults a step for the main job's model). Once per process; returns whether it took effect
+    (``False`` where the C library is not glibc). The memory stays with the process until it ends.
+    """
+    import ctypes
+    import ctypes.util
+
+    if os.name != "posix":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+def resolve_compile(choice: str, device: torch.device) -> bool:
+    """``--compile`` -> whether to ``torch.compile`` the training step. ``auto``: on CUDA, off elsewhere.
+
+    Off on CPU because compiling measured slower there: inductor's CPU kernels for the BatchNorm
+    reductions over RepMLP's partition layouts are slower than the eager ones (benchmarks/bench_train.py).
+    """
+    if choice not in COMPILE_CHOICES:
+        raise UserError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    return choice == "on" or (choice == "auto" and device.type == "cuda")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .devices import amp_dtype
+from .devices import amp_dtype, keep_freed_memory
 from .processes import DistInfo, all_reduce_sum, unwrap
 from .report import LOSS_FIELDS, write_metrics_csv
 from .state import (
@@ -98,6 +98,7 @@ class LoopOptions:
     stop_after_steps: int | None = None  # a simulated crash (tests of --resume): exit 3 after N steps
     extra_state: dict[str, Any] = field(default_factory=dict)  # saved into the checkpoint as it is
     metric_fields: Sequence[str] = LOSS_FIELDS  # the columns of metrics.csv
+    compile: bool = False  # torch.compile the task's step on the module (see resolve_compile)
 
     def __post_init__(self) -> None:
         if (self.iterations is None) == (self.epochs is None):
@@ -112,6 +113,7 @@ class LoopResult:
     history: list[dict[str, Any]]
     seconds: float  # training time of this process (this invocation)
     replica_hashes: list[str]  # every process's state_hash of the final model, in rank order
+    mode: str = "eager"  # how the steps ran: "eager", "compiled" or "eager (compilation failed)"
 
 
 def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
@@ -161,12 +163,18 @@ class _Loop:
         self.saved_at = -1  # the step of the last checkpoint
         self.bar: Any = None
         self.start = self.mark = 0.0  # the run's start; the start of this epoch's unrecorded time
+        # The module the steps call: compiled lazily, on the first step (see first_compiled_step).
+        self.step_net = torch.compile(net) if opts.compile else net
+        self.mode = "compiled" if opts.compile else "eager"
+        self.compiled_once = False
 
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
         if self.procs.is_main:
             self.opts.output.mkdir(parents=True, exist_ok=True)
+        if self.procs.device.type == "cpu":
+            keep_freed_memory()
         self.start = time.perf_counter()
         with progress(None, self.total, "train", self.procs.is_main, initial=self.pos.step) as self.bar:
             while self.pos.step < self.total and self.epoch():
@@ -175,7 +183,8 @@ class _Loop:
         if self.saved_at != self.pos.step:
             self.save()
         self.write_metrics()  # again: a run killed between its last checkpoint and this file resumes here
-        return LoopResult(self.pos.history, seconds, replica_hashes(unwrap(self.net), self.procs))
+        hashes = replica_hashes(unwrap(self.net), self.procs)
+        return LoopResult(self.pos.history, seconds, hashes, self.mode)
 
     def epoch(self) -> bool:
         """Train the rest of the current epoch; returns ``False`` if the run ended inside it."""
@@ -199,15 +208,47 @@ class _Loop:
         lrs = self.opts.lr_at(pos.step)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        device = images.device
-        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
-            loss, stats = self.hooks.step(self.net, images, labels, pos)
-        optimizer_step(loss.float(), self.optimizer, self.scaler, pos.step)
+        if self.step_net is not self.net and not self.compiled_once:
+            stats = self.first_compiled_step(images, labels)
+        else:
+            stats = self.forward_backward(self.step_net, images, labels)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         for sums in (pos.epoch_acc, pos.window):
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
         return lrs[0]
+
+    def forward_backward(self, net: nn.Module, images: Tensor, labels: Tensor) -> dict[str, float]:
+        """The task's step on ``net`` under autocast, backward and the optimizer step: its statistics."""
+        device = images.device
+        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
+            loss, stats = self.hooks.step(net, images, labels, self.pos)
+        optimizer_step(loss.float(), self.optimizer, self.scaler, self.pos.step)
+        return stats
+
+    def first_compiled_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
+        """The first step through ``torch.compile``, which compiles the forward and then the backward: if
+        compilation fails (no C++ compiler, an unsupported operator), one logged line and the run goes on
+        eagerly. The RNG states and the module's buffers (BatchNorm statistics a compiled forward may have
+        updated) are put back first, and the optimizer has not stepped: the run is the eager run bitwise."""
+        from torch._dynamo.exc import TorchDynamoException
+        from torch._inductor.exc import InductorError
+
+        rngs = rng_state(images.device)  # the task's step may draw (dropout, mixup) before the module runs
+        buffers = {k: b.clone() for k, b in self.net.named_buffers()}
+        try:
+            stats = self.forward_backward(self.step_net, images, labels)
+        except (TorchDynamoException, InductorError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.warning("torch.compile failed (%s): training eagerly", reason[:200])
+            self.step_net, self.mode = self.net, "eager (compilation failed)"
+            set_rng_state(rngs, images.device)
+            with torch.no_grad():
+                for k, b in self.net.named_buffers():
+                    b.copy_(buffers[k])
+            stats = self.forward_backward(self.net, images, labels)
+        self.compiled_once = True
+        return stats
 
     def after_step(self, lr: float) -> None:
         """Progress bar, loss log, checkpoint, simulated crash."""

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from .. import checks, layers
 from ..block import RepMLPBlock
 from ..layers import ConvBN
+from ..ops import pointwise_conv_as_linear
 from .head import PooledClassifierMixin
 
 __all__ = [
@@ -50,7 +51,14 @@ class ConvBNReLU(ConvBN):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
+        conv = self.conv
+        pointwise = conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.padding == (0, 0)
+        if self.training and conv.in_channels == 1 and pointwise:
+            # A stem on one input channel (Fashion-MNIST): oneDNN's backward of this conv is slow, and its
+            # output would leave a channels_last model in NCHW. Eval mode (conversion, export) keeps conv.
+            x = pointwise_conv_as_linear(x, conv.weight, conv.bias)
+        else:
+            x = conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
         if self.bn is not None:
             x = self.bn(x)
         # In place: the conv/BN output is a fresh tensor that nothing else holds.

@@ -22,7 +22,7 @@ from .. import checks
 from ..block import GlobalPerceptron, RepMLPBlock
 from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition as to_partitions
-from ..ops import unpartition
+from ..ops import unpartition_like
 from .blocks import ConvBNReLU
 from .head import PooledClassifierMixin
 from .registry import register_model
@@ -109,7 +109,7 @@ class PartitionConvBlock(nn.Module):
         if self.local is not None:
             for branch in self.local:
                 out = out + branch(parts)
-        return unpartition(out, n, self.parts, self.parts)
+        return unpartition_like(x, out, n, self.parts, self.parts)
 
     @torch.no_grad()
     def reparameterize(self) -> None:

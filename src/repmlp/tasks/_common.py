@@ -57,10 +57,12 @@ class TrainOptions:
     amp: bool | None
     threads: int | None
     stop_after_steps: int | None
+    compile: str
 
+    # compile is a runtime option: a resumed run may change it (it changes rounding, not the maths).
     RUNTIME: ClassVar[frozenset[str]] = frozenset(
         {"data_dir", "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every",
-         "stop_after_steps"}
+         "stop_after_steps", "compile"}
     )  # fmt: skip
 
     @classmethod
@@ -193,7 +195,7 @@ def check_train_options(args: TrainOptions) -> None:
 def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
-    from ..engine import LoopOptions, check_output
+    from ..engine import LoopOptions, check_output, resolve_compile
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
     # Every declared option but the runtime ones changes the maths: a resume must repeat them.
@@ -208,6 +210,7 @@ def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model
         amp=amp,
         stop_after_steps=args.stop_after_steps,
         extra_state={"model_kwargs": model_kwargs},
+        compile=resolve_compile(args.compile, procs.device),
     )
     return opts, check_output(opts.output, args.resume, procs)
 

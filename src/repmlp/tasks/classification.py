@@ -47,6 +47,7 @@ from ..engine import (
     check_output,
     check_resumable,
     prepare_module,
+    resolve_compile,
     setup_distributed,
     train_loop,
 )
@@ -133,7 +134,18 @@ class TrainConfig:
     ckpt_every: int = 0
     output: str = "runs/latest"
 
-    RUNTIME = ("device", "workers", "ckpt_every", "output", "data_dir", "download", "eval_batch_size")
+    compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
+
+    RUNTIME = (
+        "device",
+        "workers",
+        "ckpt_every",
+        "output",
+        "data_dir",
+        "download",
+        "eval_batch_size",
+        "compile",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -269,6 +281,7 @@ class TrainResult:
     replica_hashes: list[str]
     dist_info: DistInfo
     init: dict[str, Any] | None = None  # repmlp.finetune.InitReport of --init, as a dict
+    mode: str = "eager"  # how the training steps ran (repmlp.engine.LoopResult.mode)
 
 
 def resumed_config(
@@ -484,6 +497,7 @@ def run_training(
         # The --init report travels in the checkpoint: a resumed run reports it without the file.
         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})},
         metric_fields=METRIC_FIELDS,
+        compile=resolve_compile(cfg.compile, di.device),
     )
     task = _Hooks(cfg, di, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
@@ -491,7 +505,7 @@ def run_training(
     loop = train_loop(net, optimizer, data.train, opts, di, state, LoopHooks(task.step, task.end_epoch))
     model.eval()
     return TrainResult(
-        model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di, init
+        model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, di, init, loop.mode
     )
 
 

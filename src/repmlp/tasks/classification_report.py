@@ -271,7 +271,7 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(hashes))
         + (" (identical)" if len(set(hashes)) == 1 else " (DIFFERENT)"),
         f"- Time: training {sum(r['epoch_s'] for r in result.history):.0f} s (this process: "
-        f"{result.train_seconds:.0f} s), whole command {outcome.total_s:.0f} s",
+        f"{result.train_seconds:.0f} s; {result.mode} training step), whole command {outcome.total_s:.0f} s",
     ]
 
 

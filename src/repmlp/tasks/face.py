@@ -175,7 +175,8 @@ def _train(args: FaceTrainConfig, procs) -> None:
             args.iterations,
             procs.world,
         )
-    history = train_loop(net, optimizer, loader, opts, procs, state).history
+    loop = train_loop(net, optimizer, loader, opts, procs, state)
+    history = loop.history
     if procs.is_main:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
         save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
@@ -184,7 +185,8 @@ def _train(args: FaceTrainConfig, procs) -> None:
             f"- Model: `{args.model}` {kwargs}, AM-Softmax s={args.am_scale:g} m={args.am_margin:g}",
             f"- Recipe: {args.iterations} iterations, batch {args.batch_size}, SGD lr {args.lr:g} "
             f"(/10 at {lr_steps(args)}), momentum {args.momentum:g}, weight decay {args.weight_decay:g} "
-            f"(head {args.head_weight_decay:g}), seed {args.seed}, {procs.world} process(es)",
+            f"(head {args.head_weight_decay:g}), seed {args.seed}, {procs.world} process(es), "
+            f"{loop.mode} training step",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task face`",
             *report_lines(init),

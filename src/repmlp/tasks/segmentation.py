@@ -219,7 +219,8 @@ def _train(args: SegTrainConfig, procs: DistInfo) -> None:
             len(loader),
             procs.world,
         )
-    history = train_loop(net, optimizer, loader, opts, procs, state).history
+    loop = train_loop(net, optimizer, loader, opts, procs, state)
+    history = loop.history
     if procs.is_main:
         meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
         save_run(opts.output, model, args.model, kwargs, meta, history)
@@ -229,7 +230,8 @@ def _train(args: SegTrainConfig, procs: DistInfo) -> None:
             f"- Model: `{args.model}` {kwargs}, auxiliary loss weight {args.aux_weight:g}",
             f"- Recipe: {max_it} iterations, batch {args.batch_size}, SGD poly lr {args.lr:g} (power "
             f"{args.power:g}, heads x{args.head_lr_mult:g}), momentum {args.momentum:g}, weight decay "
-            f"{args.weight_decay:g}, seed {args.seed}, {procs.world} process(es)",
+            f"{args.weight_decay:g}, seed {args.seed}, {procs.world} process(es), "
+            f"{loop.mode} training step",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task seg`",
             *report_lines(init),
