@@ -3,6 +3,9 @@ checks, the baseline's MACs beside the RepMLP1d model's, registration with repml
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -129,3 +132,11 @@ def test_registered_with_repmlp_and_timm(name: str) -> None:
     cfg = model.pretrained_cfg
     assert cfg["input_size"] == (1, 28, 28) and cfg["classifier"] == "head" and cfg["pool_size"] == (7,)
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 3)
+
+
+def test_readme_sequences_example_runs() -> None:
+    """The sequences example of README.md, executed as it is."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"<!-- sequences-example -->\s*```python\n(.*?)```", readme, re.S)
+    assert block, "README.md lost its sequences example"
+    exec(compile(block.group(1), "README.md", "exec"), {})
