@@ -127,6 +127,7 @@ def test_forward_backward_head_and_reset_classifier(name: str) -> None:
     "name, kwargs",
     [
         ("repmlp_fmnist", {}),
+        ("repmlp1d_fmnist", {}),
         ("repmlpnet_t224", dict(channels=(16, 32, 64, 128), depths=(1, 1, 1, 1), sharesets=(1, 4, 16, 32))),
         ("repmlp_face_resnet", dict(widths=(16, 32, 64, 128), stem_channels=8, groups=1)),
     ],

@@ -11,8 +11,6 @@ FC3 by :func:`repmlp.reparameterize_model`, or a groupwise conv1d-BN (``"conv"``
 ``repmlp1d_fmnist`` and its baseline of about the same MACs, ``conv1d_fmnist``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 
