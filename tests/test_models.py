@@ -29,6 +29,8 @@ SMALL: dict[str, dict] = {
     "repmlp_cifar_conv9": {"widths": (4, 8, 16)},
     "wide_convnet_cifar": {"widths": (8, 16, 32)},
     "repmlp_fmnist": {},
+    "repmlp1d_fmnist": {"widths": (8, 16, 32)},
+    "conv1d_fmnist": {"widths": (8, 16, 32)},
     "repmlp_res50": {**_QUARTER, "img_size": 96},
     "repmlp_res50_g8_16": {**_QUARTER, "img_size": 160},
     "repmlp_res50_g8_8": {**_QUARTER, "img_size": 160},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_UNSTACKED = ("mobilefacenet", "repmlp_cifar", "repmlp_fmnist", "wide_convnet")
+_UNSTACKED = ("mobilefacenet", "repmlp_cifar", "repmlp_fmnist", "wide_convnet", "repmlp1d_", "conv1d_")
 
 
 def shallow(name: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """repmlp's model zoo: the paper's models by name (``repmlp.create_model``), also registered with timm."""
 
-from . import cifar, face, pspnet, repmlpnet, resnet
+from . import cifar, face, pspnet, repmlpnet, resnet, sequence
 from .blocks import (
     Bottleneck,
     ConvBNReLU,
@@ -30,4 +30,5 @@ __all__ = [
     "face",
     "pspnet",
     "repmlpnet",
+    "sequence",
 ]
