@@ -28,6 +28,10 @@ for model in repmlp_res50_light repmlp_res50; do
     python3 benchmarks/profile_deploy.py --model "${model}"
     echo
 done
+echo "### benchmarks/bench_train.py: the training step before and after issue 19's work"
+echo
+python3 benchmarks/bench_train.py --profile
+echo
 echo "### benchmarks/bench_deploy.py with glibc malloc keeping freed memory (no page faults per call)"
 echo
 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \

@@ -138,6 +138,17 @@ def test_compiled_steps_and_a_failed_compilation_that_falls_back_to_eager(tmp_pa
     assert state_hash(fallback) == state_hash(eager) and fallback_history == eager_history
 
 
+def test_keep_freed_memory_sets_glibc_malloc():
+    """mallopt answers 0 for a parameter or value it refuses: both settings must be taken."""
+    import platform
+
+    from repmlp.engine import keep_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("a glibc setting")
+    assert keep_freed_memory() is True
+
+
 def test_iteration_counted_run_logs_the_loss_and_may_end_inside_an_epoch(tmp_path):
     task = ToyTask()
     _, history = run(tmp_path / "it", task, iterations=6, log_interval=2)

@@ -162,6 +162,9 @@ def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int])
     )
 
 
+torch.fx.wrap("unpartition_like")  # a leaf of traced graphs: it branches on the layout
+
+
 @torch.fx.wrap
 def _from_group_rows_like(x: Tensor, y: Tensor, n: int, hp: int, wp: int, h: int, w: int) -> Tensor:
     """:func:`~repmlp.ops.from_group_rows` in ``x``'s memory format: a channels_last input (the

@@ -88,10 +88,10 @@ def is_channels_last(x: Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-@torch.fx.wrap
 def unpartition_like(x: Tensor, p: Tensor, n: int, hp: int, wp: int) -> Tensor:
     """:func:`unpartition` in ``x``'s memory format, so that a channels_last model stays channels_last
-    from block to block. A ``torch.fx`` leaf, since it branches on the layout.
+    from block to block. It branches on the layout: a module that calls it declares it a ``torch.fx``
+    leaf (``torch.fx.wrap("unpartition_like")`` at its top level, which is where fx looks).
 
     Shapes: ``p`` ``(N*hp*wp, O, h, w)`` -> ``(N, O, hp*h, wp*w)``.
     """

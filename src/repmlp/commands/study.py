@@ -60,6 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=32,
         help="batch of the side-by-side speed measurement",
     )
+    a.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="torch.compile every run's training step (as repmlp train --compile; auto: on CUDA only)",
+    )
     a.set_defaults(func=run)
     return p
 
@@ -67,8 +73,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ..engine import keep_freed_memory
     from ..tasks.study import StudyOptions, train_study
     from ..tasks.study_report import write_report
+
+    keep_freed_memory()  # as repmlp train: no page faults per training step
 
     opts = StudyOptions(
         output=args.output,
@@ -77,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         epochs=args.epochs,
         width_multiplier=args.width_multiplier,
+        compile=args.compile,
         train_limit=args.train_limit,
         val_limit=args.val_limit,
         device=args.device,

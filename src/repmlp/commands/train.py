@@ -289,6 +289,9 @@ def given_options(args: argparse.Namespace) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     if print_help_if_asked(args):
         return 0
+    from ..engine import keep_freed_memory
+
+    keep_freed_memory()  # the application's allocator setting: no page faults per step (docs/benchmarks.md)
     if args.task != "cls":
         return run_task(args, "train", "train")
     t0 = time.perf_counter()

@@ -122,7 +122,8 @@ def keep_freed_memory() -> bool:
     A CPU training step allocates and frees the same activation-sized buffers every step; by default glibc
     maps each large one afresh from the OS, so every step page-faults its activations in again (about
     10^4 faults a step for the main job's model). Once per process; returns whether it took effect
-    (``False`` where the C library is not glibc). The memory stays with the process until it ends.
+    (``False`` where the C library is not glibc). The memory stays with the process until it ends, so
+    this is an application's choice: ``repmlp train`` and ``repmlp study`` make it, the library does not.
     """
     import ctypes
     import ctypes.util

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UserError
-from .devices import amp_dtype, keep_freed_memory
+from .devices import amp_dtype
 from .processes import DistInfo, all_reduce_sum, unwrap
 from .report import LOSS_FIELDS, write_metrics_csv
 from .state import (
@@ -173,8 +173,6 @@ class _Loop:
             self.restore(state)
         if self.procs.is_main:
             self.opts.output.mkdir(parents=True, exist_ok=True)
-        if self.procs.device.type == "cpu":
-            keep_freed_memory()
         self.start = time.perf_counter()
         with progress(None, self.total, "train", self.procs.is_main, initial=self.pos.step) as self.bar:
             while self.pos.step < self.total and self.epoch():

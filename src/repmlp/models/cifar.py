@@ -45,6 +45,9 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
+torch.fx.wrap("unpartition_like")  # a leaf of traced graphs: it branches on the layout
+
+
 def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
     """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message
     (see :mod:`repmlp.checks`)."""

@@ -82,6 +82,7 @@ class StudyOptions:
     val_limit: int | None = None
     device: str = "auto"
     bench_batch_size: int = 32
+    compile: str = "auto"  # a runtime option of every run (repmlp train --compile)
 
     def validate(self) -> None:
         checks = [
@@ -151,6 +152,7 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
         device=opts.device,
         # Resolved as run_training saves it (AMP on CUDA), so a run killed under `repmlp train` compares equal.
         amp=resolve_device(opts.device).type == "cuda",
+        compile=opts.compile,
         output=str(run_dir),
     )
 

@@ -1,0 +1,217 @@
+"""Training images/s of ``repmlp train``'s step: the code of a baseline commit vs this checkout.
+
+Each candidate runs in its own worker process (the allocator setting of ``repmlp.engine.train_loop`` is
+process-wide), on real Fashion-MNIST batches, with the preset's batch size, layout, optimizer
+(``repmlp.tasks.classification.make_optimizer``) and label-smoothed cross-entropy: forward, backward and
+optimizer step, as ``repmlp train`` runs them on a CPU. Rounds are interleaved over the workers (median).
+
+- ``before``: the checkout of ``--baseline`` (default: the commit before the training-speed work), eager;
+- ``now``: this checkout, what ``repmlp train`` does by default on a CPU (eager, ``--compile auto``);
+- ``now, compiled``: this checkout with ``--compile on`` (``torch.compile`` of the model; its compilation
+  is done in the warm-up, not timed).
+
+Cases: ``repmlp_fmnist`` (the main job: preset ``fmnist``, batch 256, 28x28, channels_last) and the
+paper's ``repmlp_cifar`` (preset ``cifar``, batch 128, the study's Fashion-MNIST padded to 32x32, one
+channel; the preset trains NCHW on a CPU).
+
+The MAC rate is the training step's multiply-accumulates (3x the forward's, ``repmlp.profile``) per
+second, beside this machine's float32 matmul rate (a 2048x2048 matmul, the same threads).
+
+    python3 benchmarks/bench_train.py [--baseline REF] [--rounds 5] [--steps N] [--cases M,...] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+BASELINE = "99b1fcb"  # main before the training-speed work (issue 19)
+REPO = Path(__file__).resolve().parents[1]
+CASES = {
+    # model: (preset, batch, image size, channels_last, steps per round)
+    "repmlp_fmnist": ("fmnist", 256, 28, True, 10),
+    "repmlp_cifar": ("cifar", 128, 32, False, 3),
+}
+
+
+def worker(src: str, model_name: str, compiled: bool, keep_memory: bool) -> None:
+    """Serve timing requests on stdin: ``N`` -> run N training steps, print their seconds."""
+    sys.path.insert(0, src)
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    import repmlp
+    from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
+    from repmlp.recipes import PRESETS
+    from repmlp.tasks.classification import TrainConfig, make_optimizer
+
+    preset_name, batch, size, channels_last, _ = CASES[model_name]
+    preset = PRESETS[preset_name]
+    if keep_memory:  # what train_loop does on a CPU in this checkout
+        from repmlp.engine import keep_freed_memory
+
+        keep_freed_memory()
+    torch.manual_seed(0)
+    images, labels = load_fashion_mnist(DEBIAN_DIR, train=True)
+    x_all = (torch.from_numpy(images).float() / 255 - 0.2860) / 0.3530
+    if size != 28:
+        x_all = F.pad(x_all, [(size - 28) // 2] * 4)
+    y_all = torch.from_numpy(labels)
+    order = torch.from_numpy(np.random.default_rng(0).permutation(len(y_all)))
+    model = repmlp.create_model(model_name, num_classes=10, in_chans=1).train()
+    fields = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in preset.to_dict().items() if k in fields})
+    optimizer = make_optimizer(model, cfg)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model.to(memory_format=layout)
+    net = torch.compile(model) if compiled else model
+    position = 0
+
+    def step() -> None:
+        nonlocal position
+        idx = order[position : position + batch]
+        position = (position + batch) % (len(order) - batch)
+        x, y = x_all[idx].contiguous(memory_format=layout), y_all[idx]
+        loss = F.cross_entropy(net(x).float(), y, label_smoothing=preset.label_smoothing)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for line in sys.stdin:
+        if line.strip() == "profile":
+            print(json.dumps({"table": profile_table(step)}), flush=True)
+            continue
+        steps = int(line)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+
+
+def profile_table(step, steps: int = 5, rows: int = 15) -> str:
+    """torch.profiler's operators of ``steps`` training steps, by self CPU time (the top ``rows``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def baseline_source(ref: str, into: Path) -> str:
+    """``src/`` of commit ``ref`` of this repository, extracted under ``into``."""
+    data = subprocess.run(["git", "-C", str(REPO), "archive", ref, "src"], capture_output=True, check=True)
+    with tarfile.open(fileobj=BytesIO(data.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return str(into / "src")
+
+
+class Worker:
+    def __init__(self, src: str, model: str, compiled: bool, keep_memory: bool) -> None:
+        cmd = [sys.executable, __file__, "--worker", src, model, str(int(compiled)), str(int(keep_memory))]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, request: str) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{request}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a benchmark worker died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, steps: int) -> float:
+        return self.ask(str(steps))["seconds"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def matmul_gmacs() -> float:
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    for _ in range(3):
+        a @ b
+    t0, n = time.perf_counter(), 10
+    for _ in range(n):
+        a @ b
+    return n * 2048**3 / (time.perf_counter() - t0) / 1e9
+
+
+def training_macs(model_name: str) -> float:
+    """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients)."""
+    from repmlp.profile import profile_model
+
+    size = CASES[model_name][2]
+    _, macs = profile_model(model_name, (1, size, size), deploy=False, num_classes=10, in_chans=1)
+    return 3 * macs
+
+
+def main() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import torch
+
+    from common import hardware, table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--baseline", default=BASELINE, help=f"git ref of the 'before' code (default {BASELINE})"
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="training steps a round (default: 10, cifar 3)"
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated models")
+    parser.add_argument("--profile", action="store_true", help="also print the 'now' step's top operators")
+    args = parser.parse_args()
+    print(hardware(torch.device("cpu")))
+    print(f"float32 matmul 2048^3: {matmul_gmacs():.1f} GMAC/s")
+    rows, profiles = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        before_src = baseline_source(args.baseline, Path(tmp))
+        now_src = str(REPO / "src")
+        for model in args.cases.split(","):
+            batch, steps = CASES[model][1], args.steps or CASES[model][4]
+            workers = {
+                f"before ({args.baseline})": Worker(before_src, model, False, False),
+                "now": Worker(now_src, model, False, True),
+                "now, compiled": Worker(now_src, model, True, True),
+            }
+            for w in workers.values():  # warm-up (and compilation), one worker at a time
+                w.run(3)
+            times: dict[str, list[float]] = {name: [] for name in workers}
+            for _ in range(args.rounds):
+                for name, w in workers.items():
+                    times[name].append(w.run(steps) / steps)
+            if args.profile:
+                profiles[model] = workers["now"].ask("profile")["table"]
+            for w in workers.values():
+                w.close()
+            macs = training_macs(model)
+            base = sorted(times[next(iter(workers))])[args.rounds // 2]
+            for name, ts in times.items():
+                t = sorted(ts)[args.rounds // 2]
+                rows.append(
+                    [model, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
+                )
+    print(table(["model", "training step", "images/s", "vs before", "GMAC/s"], rows))
+    for model, text in profiles.items():
+        print(f"\n{model}, training step 'now': operators by self CPU time (5 steps)\n\n```\n{text}```")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1")
+    else:
+        main()
