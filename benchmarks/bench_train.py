@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -72,6 +73,10 @@ def worker(src: str, model_name: str, compiled: bool, keep_memory: bool) -> None
     optimizer = make_optimizer(model, cfg)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     model.to(memory_format=layout)
+    if compiled and os.environ.get("BENCH_TRAIN_PROFILE"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True  # name each generated kernel in the profile
     net = torch.compile(model) if compiled else model
     position = 0
 
@@ -175,6 +180,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated models")
     parser.add_argument("--profile", action="store_true", help="also print the 'now' step's top operators")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["BENCH_TRAIN_PROFILE"] = "1"  # inherited by the workers
     print(hardware(torch.device("cpu")))
     print(f"float32 matmul 2048^3: {matmul_gmacs():.1f} GMAC/s")
     rows, profiles = [], {}
@@ -195,7 +202,8 @@ def main() -> None:
                 for name, w in workers.items():
                     times[name].append(w.run(steps) / steps)
             if args.profile:
-                profiles[model] = workers["now"].ask("profile")["table"]
+                for name in ("now", "now, compiled"):
+                    profiles[f"{model}, training step '{name}'"] = workers[name].ask("profile")["table"]
             for w in workers.values():
                 w.close()
             macs = training_macs(model)
@@ -206,8 +214,9 @@ def main() -> None:
                     [model, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
                 )
     print(table(["model", "training step", "images/s", "vs before", "GMAC/s"], rows))
-    for model, text in profiles.items():
-        print(f"\n{model}, training step 'now': operators by self CPU time (5 steps)\n\n```\n{text}```")
+    for what, text in profiles.items():
+        print(f"\n{what}: operators (compiled: generated kernels too) by self CPU time, 5 steps\n")
+        print(f"```\n{text}```")
 
 
 if __name__ == "__main__":
