@@ -140,3 +140,14 @@ def test_readme_sequences_example_runs() -> None:
     block = re.search(r"<!-- sequences-example -->\s*```python\n(.*?)```", readme, re.S)
     assert block, "README.md lost its sequences example"
     exec(compile(block.group(1), "README.md", "exec"), {})
+
+
+def test_run_report_says_why_a_1d_model_has_no_fc3_figure() -> None:
+    from repmlp.tasks.classification_report import _fc3
+
+    notes: list[str] = []
+    assert _fc3(None, create_model("repmlp1d_fmnist"), notes) is None  # type: ignore[arg-type]
+    assert notes == ["FC3 figure skipped: it draws 2-D RepMLP blocks, this model's are 1-D"]
+    notes.clear()
+    assert _fc3(None, create_model("conv1d_fmnist"), notes) is None  # type: ignore[arg-type]
+    assert notes == ["FC3 figure skipped: the model has no RepMLP block"]

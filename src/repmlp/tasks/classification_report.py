@@ -236,7 +236,17 @@ def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
     from ..viz import find_repmlp_blocks, plot_fc3
 
     if not find_repmlp_blocks(model):
-        notes.append("FC3 figure skipped: the model has no RepMLP block")
+        from ..block import RepMLPBlock1d
+
+        one_d = any(isinstance(m, RepMLPBlock1d) for m in model.modules())
+        notes.append(
+            "FC3 figure skipped: "
+            + (
+                "it draws 2-D RepMLP blocks, this model's are 1-D"
+                if one_d
+                else "the model has no RepMLP block"
+            )
+        )
         return None
     title = f"{result.config.model}: FC3 before / after merging the Local Perceptron"
     return plot_fc3(model, Path(result.config.output) / "fc3.png", title=title)
