@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from . import checks
 from .layers import ConvBN, GroupwiseLinear
-from .ops import from_group_rows, is_channels_last, partition, to_group_rows, unpartition_like
+from .ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
 __all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
@@ -162,7 +162,9 @@ def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int])
     )
 
 
-torch.fx.wrap("unpartition_like")  # a leaf of traced graphs: it branches on the layout
+# Leaves of traced graphs: they branch on the layout and the mode.
+torch.fx.wrap("partition_for")
+torch.fx.wrap("unpartition_like")
 
 
 @torch.fx.wrap
@@ -372,14 +374,14 @@ class RepMLPBlock(_RepMLPBlockBase):
                 rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
             out = _from_group_rows_like(x, self.partition_perceptron(rows), n, hp, wp, h, w)
         else:
-            parts = partition(x, h, w)  # (N*Hp*Wp, C, h, w)
+            parts = partition_for(x, h, w, self.training)  # (N*Hp*Wp, C, h, w)
             if self.global_perceptron is not None:
                 v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(n * hp * wp, self.in_channels, 1, 1)
                 parts = parts + v
             b = parts.shape[0]
             rows = parts.reshape(b, g, cg * h * w).transpose(0, 1)
             fc = self.partition_perceptron(rows).transpose(0, 1).reshape(b, self.out_channels, h, w)
-            out = unpartition_like(x, fc + self.local_perceptron(parts), n, hp, wp)
+            out = unpartition_like(x, fc + self.local_perceptron(parts), n, hp, wp, self.training)
         if self.padding != (0, 0):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out

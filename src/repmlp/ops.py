@@ -25,6 +25,9 @@ __all__ = [
     "partition",
     "unpartition",
     "unpartition_like",
+    "partition_copy",
+    "partition_for",
+    "unpartition_copy",
     "is_channels_last",
     "pointwise_conv_as_linear",
     "to_group_rows",
@@ -83,19 +86,95 @@ def unpartition(p: Tensor, n: int, hp: int, wp: int, channels_last: bool = False
     return p.permute(0, 3, 1, 4, 2, 5).reshape(n, c, hp * h, wp * w)
 
 
+# The training-time block's partition copies as custom ops: the same single copies, but opaque to
+# torch.compile, whose CPU code generator otherwise fuses these permutes into the BatchNorm reductions
+# around them and emits slow strided loops (benchmarks/bench_train.py --profile). Each is the other's
+# gradient. They return fresh tensors, never views, as custom ops must (one partition too: a copy then).
+@torch.library.custom_op("repmlp::partition_copy", mutates_args=())
+def partition_copy(x: Tensor, h: int, w: int) -> Tensor:
+    """:func:`partition` as one copy into a fresh contiguous ``(N*H/h*W/w, C, h, w)`` tensor."""
+    n, c, hh, ww = x.shape
+    hp, wp = hh // h, ww // w
+    out = x.new_empty((n * hp * wp, c, h, w))
+    out.view(n, hp, wp, c, h, w).copy_(x.view(n, c, hp, h, wp, w).permute(0, 2, 4, 1, 3, 5))
+    return out
+
+
+@partition_copy.register_fake
+def _(x: Tensor, h: int, w: int) -> Tensor:
+    n, c, hh, ww = x.shape
+    return x.new_empty((n * (hh // h) * (ww // w), c, h, w))
+
+
+@torch.library.custom_op("repmlp::unpartition_copy", mutates_args=())
+def unpartition_copy(p: Tensor, n: int, hp: int, wp: int, channels_last: bool) -> Tensor:
+    """:func:`unpartition` as one copy into a fresh ``(N, C, hp*h, wp*w)`` tensor (channels_last memory
+    if asked)."""
+    out = _unpartition_out(p, n, hp, wp, channels_last)
+    _, c, h, w = p.shape
+    out.view(n, c, hp, h, wp, w).copy_(p.view(n, hp, wp, c, h, w).permute(0, 3, 1, 4, 2, 5))
+    return out
+
+
+def _unpartition_out(p: Tensor, n: int, hp: int, wp: int, channels_last: bool) -> Tensor:
+    _, c, h, w = p.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return p.new_empty((n, c, hp * h, wp * w)).contiguous(memory_format=fmt)
+
+
+unpartition_copy.register_fake(_unpartition_out)
+
+
+def _partition_backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return unpartition_copy(grad.contiguous(), ctx.n, ctx.hp, ctx.wp, ctx.channels_last), None, None
+
+
+def _partition_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    x, h, w = inputs
+    ctx.n, ctx.hp, ctx.wp = x.shape[0], x.shape[2] // h, x.shape[3] // w
+    ctx.channels_last = is_channels_last(x)
+
+
+def _unpartition_backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    return partition_copy(grad, ctx.h, ctx.w), None, None, None, None
+
+
+def _unpartition_setup(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.h, ctx.w = inputs[0].shape[2], inputs[0].shape[3]
+
+
+partition_copy.register_autograd(_partition_backward, setup_context=_partition_setup)
+unpartition_copy.register_autograd(_unpartition_backward, setup_context=_unpartition_setup)
+
+
 def is_channels_last(x: Tensor) -> bool:
     """Whether ``x`` is stored channels_last and not also plain contiguous (as with one channel or 1x1)."""
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
-def unpartition_like(x: Tensor, p: Tensor, n: int, hp: int, wp: int) -> Tensor:
+def partition_for(x: Tensor, h: int, w: int, training: bool = False) -> Tensor:
+    """:func:`partition` for a layer's forward: in training one copy by :func:`partition_copy` (opaque to
+    ``torch.compile``); in evaluation the plain form that exporters (ONNX) know. A ``torch.fx`` leaf
+    where it is called (``torch.fx.wrap("partition_for")``), so a traced graph is the same in both modes.
+    """
+    if training:
+        return torch.ops.repmlp.partition_copy(x, h, w)
+    return partition(x, h, w)
+
+
+def unpartition_like(x: Tensor, p: Tensor, n: int, hp: int, wp: int, training: bool = False) -> Tensor:
     """:func:`unpartition` in ``x``'s memory format, so that a channels_last model stays channels_last
     from block to block. It branches on the layout: a module that calls it declares it a ``torch.fx``
     leaf (``torch.fx.wrap("unpartition_like")`` at its top level, which is where fx looks).
 
+    ``training``: the copy as :func:`unpartition_copy`, opaque to ``torch.compile``; evaluation keeps the
+    plain form that exporters (ONNX) know.
+
     Shapes: ``p`` ``(N*hp*wp, O, h, w)`` -> ``(N, O, hp*h, wp*w)``.
     """
-    return unpartition(p, n, hp, wp, channels_last=is_channels_last(x))
+    if not training:
+        return unpartition(p, n, hp, wp, channels_last=is_channels_last(x))
+    return torch.ops.repmlp.unpartition_copy(p.contiguous(), n, hp, wp, is_channels_last(x))
 
 
 def pointwise_conv_as_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

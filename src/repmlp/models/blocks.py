@@ -53,9 +53,9 @@ class ConvBNReLU(ConvBN):
     def forward(self, x: Tensor) -> Tensor:
         conv = self.conv
         pointwise = conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.padding == (0, 0)
-        if self.training and conv.in_channels == 1 and pointwise:
-            # A stem on one input channel (Fashion-MNIST): oneDNN's backward of this conv is slow, and its
-            # output would leave a channels_last model in NCHW. Eval mode (conversion, export) keeps conv.
+        if conv.in_channels == 1 and pointwise:
+            # A stem on one input channel (Fashion-MNIST): oneDNN runs this conv slowly (its weight gradient
+            # most), and its output would leave a channels_last model in NCHW. The same sums as a matmul.
             x = pointwise_conv_as_linear(x, conv.weight, conv.bias)
         else:
             x = conv(x)  # written out, not super().forward: TorchScript compiles no super() calls

@@ -21,8 +21,7 @@ from torch import Tensor, nn
 from .. import checks
 from ..block import GlobalPerceptron, RepMLPBlock
 from ..layers import ConvBN, MaxPool2x2
-from ..ops import partition as to_partitions
-from ..ops import unpartition_like
+from ..ops import partition_for, unpartition_like
 from .blocks import ConvBNReLU
 from .head import PooledClassifierMixin
 from .registry import register_model
@@ -45,7 +44,9 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
-torch.fx.wrap("unpartition_like")  # a leaf of traced graphs: it branches on the layout
+# Leaves of traced graphs: they branch on the layout and the mode.
+torch.fx.wrap("partition_for")
+torch.fx.wrap("unpartition_like")
 
 
 def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
@@ -104,7 +105,8 @@ class PartitionConvBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         _check_fixed_input(x, self.in_channels, self.resolution, "block built for input")
         n, c = x.shape[0], self.in_channels
-        parts = to_partitions(x, self.partition, self.partition)
+        h = self.partition
+        parts = partition_for(x, h, h, self.training)
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
@@ -112,7 +114,7 @@ class PartitionConvBlock(nn.Module):
         if self.local is not None:
             for branch in self.local:
                 out = out + branch(parts)
-        return unpartition_like(x, out, n, self.parts, self.parts)
+        return unpartition_like(x, out, n, self.parts, self.parts, self.training)
 
     @torch.no_grad()
     def reparameterize(self) -> None:
