@@ -11,7 +11,8 @@ FC (a 1x1 conv-BN), then the classifier. The mixer is what the paper's variants 
   with ``K = 3``, ``g = 1`` and doubled widths).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import checks
-from ..block import GlobalPerceptron, RepMLPBlock
+from ..block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
 from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition_for, unpartition_like
 from .blocks import ConvBNReLU
@@ -28,6 +29,9 @@ from .registry import register_model
 
 __all__ = [
     "PureMLP",
+    "MixerSpec",
+    "mixer_layer",
+    "pure_mlp_stages",
     "PartitionConvBlock",
     "repmlp_cifar",
     "repmlp_cifar_no_local",
@@ -136,46 +140,84 @@ class PartitionConvBlock(nn.Module):
         self.local = None
 
 
-def _mixer(
-    kind: str,
-    channels: int,
-    resolution: int,
-    *,
-    partition: int,
-    groups: int,
-    kernel_sizes: Sequence[int],
-    global_perceptron: bool,
-    conv_kernel: int,
-    deploy: bool,
-) -> nn.Module:
-    """The spatial layer of a pure-MLP stage (``C -> C`` at ``resolution``), followed by ReLU."""
-    if kind == "repmlp":
-        block: nn.Module = RepMLPBlock(
+@dataclass(frozen=True)
+class MixerSpec:
+    """What a pure MLP's mixers are (the options :class:`PureMLP` and its 1-D counterpart share).
+
+    ``kind``: ``"repmlp"``, ``"fc3_conv9"`` (2-D only) or ``"conv"``; ``partition`` is capped at a stage's
+    size by the builder that reads it.
+    """
+
+    kind: str
+    partition: int
+    groups: int
+    kernel_sizes: Sequence[int]
+    global_perceptron: bool
+    conv_kernel: int
+    deploy: bool
+
+
+def pure_mlp_stages(
+    widths: Sequence[int],
+    size: int,
+    mixer: Callable[[int, int], nn.Module],
+    fc: Callable[[int, int], nn.Module],
+    pool: Callable[[], nn.Module],
+) -> tuple[nn.Sequential, list[dict[str, Any]]]:
+    """The stages of the pure MLP (paper Sec. 4.1), in 2-D or 1-D: stage ``i`` runs at ``size // 2**i`` as
+    ``[pool,] mixer(C, s), fc(C, C), mixer(C, s), fc(C, C_next)``, ``C = widths[i]``.
+
+    ``mixer(channels, size)`` and ``fc(c_in, c_out)`` build the layers (each with its ReLU), ``pool()`` the
+    halving between stages. Returns the stages and timm's ``feature_info`` for them.
+    """
+    stages, info = [], []
+    for i, c in enumerate(widths):
+        c_next = widths[i + 1] if i + 1 < len(widths) else c
+        layers: list[nn.Module] = [] if i == 0 else [pool()]
+        layers += [mixer(c, size), fc(c, c), mixer(c, size), fc(c, c_next)]
+        stages.append(nn.Sequential(*layers))
+        info.append(dict(num_chs=c_next, reduction=2**i, module=f"stages.{i}"))
+        size //= 2
+    return nn.Sequential(*stages), info
+
+
+def mixer_layer(spec: MixerSpec, channels: int, size: int, dims: int = 2) -> nn.Module:
+    """A pure-MLP stage's mixing layer (``C -> C`` at ``size``), followed by ReLU: 2-D on ``(N, C, S, S)``
+    (:class:`~repmlp.RepMLPBlock`, :class:`PartitionConvBlock`, conv2d-BN) or 1-D on ``(N, C, L)``
+    (:class:`~repmlp.RepMLPBlock1d`, conv1d-BN; Local Perceptron kernels longer than the partition are
+    left out there)."""
+    partition = min(spec.partition, size)
+    if spec.kind == "repmlp":
+        one_d = dims == 1
+        block: nn.Module = (RepMLPBlock1d if one_d else RepMLPBlock)(
             channels,
             channels,
-            resolution,
+            size,
             partition,
-            groups=groups,
-            kernel_sizes=kernel_sizes,
-            global_perceptron=global_perceptron,
-            deploy=deploy,
+            groups=spec.groups,
+            kernel_sizes=[k for k in spec.kernel_sizes if k <= partition] if one_d else spec.kernel_sizes,
+            global_perceptron=spec.global_perceptron,
+            deploy=spec.deploy,
         )
-    elif kind == "fc3_conv9":
+    elif spec.kind == "fc3_conv9" and dims == 2:
         block = PartitionConvBlock(
             channels,
             channels,
-            resolution,
+            size,
             partition,
-            kernel_size=conv_kernel,
-            groups=groups,
-            kernel_sizes=kernel_sizes,
-            global_perceptron=global_perceptron,
-            deploy=deploy,
+            kernel_size=spec.conv_kernel,
+            groups=spec.groups,
+            kernel_sizes=spec.kernel_sizes,
+            global_perceptron=spec.global_perceptron,
+            deploy=spec.deploy,
         )
-    elif kind == "conv":
-        block = ConvBN(channels, channels, conv_kernel, groups=groups, deploy=deploy)
+    elif spec.kind == "conv":
+        block = ConvBN(
+            channels, channels, spec.conv_kernel, groups=spec.groups, deploy=spec.deploy, dims=dims
+        )
     else:
-        raise ValueError(f"unknown mixer {kind!r}: repmlp, fc3_conv9 or conv")
+        kinds = "repmlp, fc3_conv9 or conv" if dims == 2 else "repmlp or conv"
+        raise ValueError(f"unknown mixer {spec.kind!r}: {kinds}")
     return nn.Sequential(block, nn.ReLU(inplace=True))
 
 
@@ -228,30 +270,16 @@ class PureMLP(PooledClassifierMixin, nn.Module):
             raise ValueError(f"img_size={img_size} must be divisible by {2 ** (n - 1)} ({n} stages)")
         self.num_classes, self.in_chans, self.img_size = num_classes, in_chans, img_size
         self.stem = ConvBNReLU(in_chans, widths[0], 1, deploy=deploy)
-        stages = []
-        res = img_size
-        self.feature_info: list[dict[str, Any]] = []  # timm's: module, channels, reduction
-        for i, c in enumerate(widths):
-            c_next = widths[i + 1] if i + 1 < n else c
-            opts: dict[str, Any] = dict(
-                partition=min(partition, res),
-                groups=groups,
-                kernel_sizes=kernel_sizes,
-                global_perceptron=global_perceptron,
-                conv_kernel=conv_kernel,
-                deploy=deploy,
-            )
-            layers: list[nn.Module] = [] if i == 0 else [MaxPool2x2()]
-            layers += [
-                _mixer(mixer, c, res, **opts),
-                ConvBNReLU(c, c, 1, deploy=deploy),
-                _mixer(mixer, c, res, **opts),
-                ConvBNReLU(c, c_next, 1, deploy=deploy),
-            ]
-            stages.append(nn.Sequential(*layers))
-            self.feature_info.append(dict(num_chs=c_next, reduction=2**i, module=f"stages.{i}"))
-            res //= 2
-        self.stages = nn.Sequential(*stages)
+        spec = MixerSpec(
+            mixer, partition, groups, tuple(kernel_sizes), global_perceptron, conv_kernel, deploy
+        )
+        self.stages, self.feature_info = pure_mlp_stages(
+            widths,
+            img_size,
+            mixer=lambda c, res: mixer_layer(spec, c, res),
+            fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy),
+            pool=MaxPool2x2,
+        )
         self.num_features = self.head_hidden_size = widths[-1]
         self.reset_classifier(num_classes, global_pool)
 

@@ -17,9 +17,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from .. import checks
-from ..block import RepMLPBlock1d
-from ..layers import ConvBN
 from .blocks import ConvBNReLU
+from .cifar import MixerSpec, mixer_layer, pure_mlp_stages
 from .head import PooledClassifierMixin
 from .registry import register_model
 
@@ -85,37 +84,6 @@ class RowsAsSequence(nn.Module):
         return rows_as_sequence(x)
 
 
-def _mixer(
-    kind: str,
-    channels: int,
-    length: int,
-    *,
-    partition: int,
-    groups: int,
-    kernel_sizes: Sequence[int],
-    global_perceptron: bool,
-    conv_kernel: int,
-    deploy: bool,
-) -> nn.Module:
-    """The sequence-mixing layer of a stage (``(N, C, L)`` -> ``(N, C, L)``), followed by ReLU."""
-    if kind == "repmlp":
-        block: nn.Module = RepMLPBlock1d(
-            channels,
-            channels,
-            length,
-            min(partition, length),
-            groups=groups,
-            kernel_sizes=[k for k in kernel_sizes if k <= min(partition, length)],
-            global_perceptron=global_perceptron,
-            deploy=deploy,
-        )
-    elif kind == "conv":
-        block = ConvBN(channels, channels, conv_kernel, groups=groups, deploy=deploy, dims=1)
-    else:
-        raise ValueError(f"unknown mixer {kind!r}: repmlp or conv")
-    return nn.Sequential(block, nn.ReLU(inplace=True))
-
-
 class SequenceMLP(PooledClassifierMixin, nn.Module):
     """Pure MLP (RepMLP1d mixers) or its conv1d counterpart on sequences (see the module docstring).
 
@@ -166,30 +134,16 @@ class SequenceMLP(PooledClassifierMixin, nn.Module):
         # The first child: timm's feature extractors run the children in order, from the raw input.
         self.to_sequence = to_sequence if to_sequence is not None else SequenceInput(in_chans, length)
         self.stem = ConvBNReLU(in_chans, widths[0], 1, deploy=deploy, dims=1)
-        stages = []
-        self.feature_info: list[dict[str, Any]] = []  # timm's: module, channels, reduction
-        size = length
-        for i, c in enumerate(widths):
-            c_next = widths[i + 1] if i + 1 < n else c
-            opts: dict[str, Any] = dict(
-                partition=partition,
-                groups=groups,
-                kernel_sizes=kernel_sizes,
-                global_perceptron=global_perceptron,
-                conv_kernel=conv_kernel,
-                deploy=deploy,
-            )
-            layers: list[nn.Module] = [] if i == 0 else [nn.MaxPool1d(2)]
-            layers += [
-                _mixer(mixer, c, size, **opts),
-                ConvBNReLU(c, c, 1, deploy=deploy, dims=1),
-                _mixer(mixer, c, size, **opts),
-                ConvBNReLU(c, c_next, 1, deploy=deploy, dims=1),
-            ]
-            stages.append(nn.Sequential(*layers))
-            self.feature_info.append(dict(num_chs=c_next, reduction=2**i, module=f"stages.{i}"))
-            size //= 2
-        self.stages = nn.Sequential(*stages)
+        spec = MixerSpec(
+            mixer, partition, groups, tuple(kernel_sizes), global_perceptron, conv_kernel, deploy
+        )
+        self.stages, self.feature_info = pure_mlp_stages(
+            widths,
+            length,
+            mixer=lambda c, size: mixer_layer(spec, c, size, dims=1),
+            fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy, dims=1),
+            pool=lambda: nn.MaxPool1d(2),
+        )
         self.num_features = self.head_hidden_size = widths[-1]
         self.reset_classifier(num_classes, global_pool)
 
