@@ -57,7 +57,8 @@ def mtimes(folder: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def studied(tmp_path_factory):
-    """A study folder after (1) a killed run of the Pure MLP's seed 0 and (2) a one-seed study call."""
+    """A study folder after (1) a killed run of the Pure MLP's seed 0 and (2) a one-seed study call that
+    trains two runs at a time (``--jobs 2``)."""
     root = tmp_path_factory.mktemp("study")
     data = make_fashion_mnist(root / "fmnist", n_train=32, n_test=16)
     out = root / "study"
@@ -69,7 +70,8 @@ def studied(tmp_path_factory):
     )  # fmt: skip
     assert killed.returncode == 3, killed.stderr
     assert not (out / "pure_mlp" / "seed0" / "result.json").exists()
-    first = study(out, data, "--seeds", "1", process=True)
+    # Two runs at a time in worker processes: the killed run must still be resumed, its log still shown.
+    first = study(out, data, "--seeds", "1", "--jobs", "2", process=True)
     assert first.returncode == 0, first.stderr
     return data, out, first
 
@@ -118,6 +120,7 @@ def test_reusing_runs_of_other_options_is_refused(studied):
     "args, message",
     [
         (["--width-multiplier", "nan"], "--width-multiplier"),  # argparse
+        (["--jobs", "0"], "--jobs"),
         (["--dataset", "cifar10"], "needs --data-dir"),  # StudyOptions.validate
         (["--data-dir", "/nonexistent/fmnist"], "not found"),  # the first run's data loading
     ],

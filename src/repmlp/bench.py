@@ -106,6 +106,7 @@ def benchmark(
     warmup: int = 3,
     repeats: int = 10,
     forms: Sequence[str] = ("train", "deploy"),
+    runtime: str = "torch",
 ) -> list[BenchRow]:
     """Measure every model in its training-time and deployed form.
 
@@ -118,18 +119,24 @@ def benchmark(
         warmup: untimed passes before timing (cuDNN autotuning, allocator, caches).
         repeats: timed passes; the row reports the median.
         forms: which forms to measure.
+        runtime: ``"torch"``, or an ONNX runtime (:data:`repmlp.runtimes.RUNTIMES`) that runs each form's
+            exported graph (:func:`repmlp.runtimes.to_runtime`, CPU only); parameters and MACs are the
+            PyTorch model's.
 
     Returns:
         One :class:`BenchRow` per model and form, in input order.
     """
     from .convert import reparameterize_model
     from .profile import profile
+    from .runtimes import to_runtime
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     device = torch.device(device)
+    if runtime != "torch" and device.type != "cpu":
+        raise ValueError(f"runtime {runtime!r} runs on the CPU, not on {device}")
     input_size = tuple(int(s) for s in input_size)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, *input_size, generator=gen).to(device)
@@ -142,7 +149,7 @@ def benchmark(
         if "deploy" in forms:
             net = base if deployed_already else reparameterize_model(base)
             variants.append((name, "deploy", net, *profile(net, input_size)))
-    nets = [v[2].to(device) for v in variants]
+    nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
     # Interleaved rounds (every form once per round): on a shared machine the load drifts, and
     # interleaving makes the drift hit every form alike, so the ratios between them stay meaningful.
     times: list[list[float]] = [[] for _ in nets]

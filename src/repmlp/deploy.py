@@ -147,7 +147,9 @@ def quantize_int8(
 
     with tempfile.TemporaryDirectory(prefix="repmlp-int8-") as tmp:
         fp32, pre, q8 = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
-        export_onnx(model, fp32, input_size, check=False)
+        # FC3 as grouped Conv: quantize_static gives it int8 weights and kernels (as a MatMul with a 3-D
+        # weight it stays float32, behind a DequantizeLinear of its weights on every run).
+        export_onnx(model, fp32, input_size, check=False, fc3="conv")
         quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
         quantize_static(
             str(pre),

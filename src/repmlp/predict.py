@@ -353,13 +353,31 @@ def auto_workers(device: str | torch.device = "cpu") -> int:
     return max(0, min(cores - busy, 8))
 
 
+def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
+    """A classifier with ``metadata`` run by ``runtime``: its deployed form, exported and checked, with the
+    same ``metadata``. A training-time model is converted first (a copy), as a deployment would be."""
+    from .convert import reparameterize_model
+    from .deploy import Int8OnnxModel
+    from .runtimes import to_runtime
+
+    if _device_of(model).type != "cpu":
+        raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
+    metadata = model.metadata
+    if not isinstance(model, Int8OnnxModel):
+        model = reparameterize_model(model.eval())
+    wrapped = to_runtime(model, runtime, metadata.input_size)
+    wrapped.metadata = metadata
+    return wrapped
+
+
 class Predictor:
     """Top-k classes of images under a model file or a model.
 
     ``Predictor(path_or_model, *, device=None, top_k=5)``: a path is read with :func:`load_model`; a model
     (e.g. one :func:`load_model` returned) is used as it is, with its ``metadata`` when it has one (else
     its timm config for preprocessing, and class indices for labels). ``device=None``: the model's own.
-    ``labels`` replaces the class names.
+    ``labels`` replaces the class names. ``runtime``: ``"torch"``, or ``"onnxruntime"``/``"openvino"`` to
+    run the deployed model's ONNX graph there (:func:`repmlp.runtimes.to_runtime`; CPU).
     """
 
     def __init__(
@@ -369,12 +387,15 @@ class Predictor:
         device: str | torch.device | None = None,
         top_k: int = 5,
         labels: Sequence[str] | None = None,
+        runtime: str = "torch",
     ) -> None:
         if not isinstance(model, nn.Module):
             model = load_model(model, device=device or "cpu")
         elif getattr(model, "metadata", None) is None:
             info = {"model": type(model).__name__, "form": "unknown", "model_kwargs": {}}
             model.metadata = _metadata(model.eval(), info)
+        if runtime != "torch":
+            model = in_runtime(model, runtime)
         if device is not None:
             model = model.to(device)
         self.model: nn.Module = model.eval()
@@ -466,6 +487,7 @@ def predict_paths(
     labels_file: str | os.PathLike | None = None,
     on_skip: Callable[[str, str], None] | None = None,
     progress: bool = True,
+    runtime: str = "torch",
 ) -> tuple[list[FileResult], list[tuple[str, str]]]:
     """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``.
 
@@ -484,7 +506,7 @@ def predict_paths(
                         if skipped else "no input images given")  # fmt: skip
     model = load_model(checkpoint, device=device)
     labels = read_labels(labels_file, model.metadata.num_classes) if labels_file else None
-    predictor = Predictor(model, top_k=top_k, labels=labels)
+    predictor = Predictor(model, top_k=top_k, labels=labels, runtime=runtime)
     done: list[FileResult] = []
     # A bar only where it helps: more than a few files, and stderr a terminal (disable=None).
     with tqdm(total=len(files), unit="img", desc="predict", leave=False,

@@ -136,6 +136,39 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -
     )
 
 
+def add_runtime_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    from ..runtimes import RUNTIMES
+
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="torch",
+        help=f"run {what} in PyTorch, or export to ONNX and run in ONNX Runtime or OpenVINO (CPU; "
+        "onnxruntime comes with repmlp[export], openvino with repmlp[openvino])",
+    )
+
+
+def check_runtime(runtime: str, device) -> None:  # noqa: ANN001 - torch.device
+    """A runtime that is not installed, or an ONNX runtime asked for a GPU, is a one-line error."""
+    from ..runtimes import missing_runtime
+
+    reason = missing_runtime(runtime)
+    if reason is not None:
+        raise UserError(reason)
+    if runtime != "torch" and device.type != "cpu":
+        raise UserError(f"--runtime {runtime} runs on the CPU: leave out --device {device}")
+
+
+def runtime_version(runtime: str) -> str:
+    """``"onnxruntime 1.32.0"``: the runtime and its installed version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{runtime} {version(runtime)}"
+    except PackageNotFoundError:
+        return runtime
+
+
 def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """:func:`repmlp.checkpoint.load_model` on the CPU (its errors are already one-line UserErrors)."""
     from ..checkpoint import load_model

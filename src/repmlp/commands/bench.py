@@ -13,7 +13,14 @@ import logging
 from pathlib import Path
 
 from ..engine import hardware_summary, resolve_device
-from ._common import add_device_argument, check_report_output, int_at_least
+from ._common import (
+    add_device_argument,
+    add_runtime_argument,
+    check_report_output,
+    check_runtime,
+    int_at_least,
+    runtime_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="time the deployed form in this precision (int8: onnxruntime, calibrated on random inputs, "
         "which is enough for speed); reduced-precision checkpoints are timed as stored",
     )
+    add_runtime_argument(p, "the forms")
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     p.set_defaults(func=run)
     return p
@@ -64,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)
+    check_runtime(args.runtime, device)
     models, input_size, forms = models_to_bench(
         args.model,
         args.checkpoint,
@@ -89,13 +98,15 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             forms=wanted,
+            runtime=args.runtime,
         )
     size = "x".join(str(s) for s in input_size)
+    runtime = "" if args.runtime == "torch" else f", run by {runtime_version(args.runtime)}"
     precisions = "/".join(sorted({precision_of(m) for m in models.values()}))
     note = (
-        f"Batch {args.batch_size}, input {size}, {precisions}, {hardware_summary(device)}; speed is the median of "
-        f"{args.repeats} timed passes after {args.warmup} warm-up passes, the forms interleaved; spread is "
-        "the interquartile range of the pass times relative to their median (`repmlp bench`)."
+        f"Batch {args.batch_size}, input {size}, {precisions}{runtime}, {hardware_summary(device)}; speed is "
+        f"the median of {args.repeats} timed passes after {args.warmup} warm-up passes, the forms interleaved; "
+        "spread is the interquartile range of the pass times relative to their median (`repmlp bench`)."
     )
     table = render_markdown(rows, note=note)
     print(table)

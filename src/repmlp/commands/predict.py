@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from ._common import int_at_least
+from ._common import add_runtime_argument, check_runtime, int_at_least
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -48,6 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--labels", default=None, metavar="FILE", help="class names, one a line (overrides the file's)"
     )
+    add_runtime_argument(p, "the model")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument(
         "--output",
@@ -73,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         output_format(args.output)  # a bad name is an error before any work
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    check_runtime(args.runtime, device)
 
     def skip(path: str, reason: str) -> None:
         print(f"repmlp: skipped {path}: {reason}", file=sys.stderr, flush=True)
@@ -82,10 +85,11 @@ def run(args: argparse.Namespace) -> int:
         args.inputs,
         top_k=args.top_k,
         batch_size=args.batch_size,
-        device=resolve_device(args.device),
+        device=device,
         workers=args.workers,
         labels_file=args.labels,
         on_skip=skip,
+        runtime=args.runtime,
     )
     if args.output:
         write_results(args.output, done, args.top_k)

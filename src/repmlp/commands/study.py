@@ -66,6 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default="auto",
         help="torch.compile every run's training step (as repmlp train --compile; auto: on CUDA only)",
     )
+    a.add_argument(
+        "--jobs",
+        type=int_at_least(1),
+        default=1,
+        help="runs trained at once, each in its own process with an equal share of the CPU threads "
+        "(on a small CPU, --jobs 2 with one thread each beats one run on both cores)",
+    )
     a.set_defaults(func=run)
     return p
 
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         val_limit=args.val_limit,
         device=args.device,
         bench_batch_size=args.bench_batch_size,
+        jobs=args.jobs,
     )
     path = write_report(opts, train_study(opts), Path(opts.output))
     print(path)

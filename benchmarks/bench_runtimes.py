@@ -1,0 +1,218 @@
+"""Deployed RepMLP models against ResNet-50 in every CPU runtime: PyTorch, ONNX Runtime, OpenVINO.
+
+For each runtime, precision and batch size, the deployed RepMLP-Res50-Light, RepMLP-Res50 and
+RepMLPNet-B224 and torchvision's ResNet-50 (BatchNorm fused by ``repmlp.reparameterize_model``) run
+interleaved, round after round, in one process (``common.time_interleaved``), and the table gives
+examples/s and each model's ratio to ResNet-50 in the same cell. The ONNX runtimes get the graph of
+``repmlp.runtimes.to_runtime`` (the ``repmlp export`` file, checked against PyTorch), int8 the QDQ graph
+of ``repmlp.deploy.quantize_int8`` (calibrated on random inputs: enough for speed).
+
+    python3 benchmarks/bench_runtimes.py [--runtimes eager compiled onnxruntime openvino]
+        [--precisions fp32 int8] [--batch-sizes 1 8 32] [--profile] [--quick]
+
+Goals (issue 20): Light >= 1.40x and RepMLP-Res50 >= 1.05x ResNet-50 in every runtime and batch size
+(their MAC ratios: the same work per second as ResNet-50). ``--profile`` then lists, per ONNX runtime,
+the operator types that take the time of each model at batch 8, from the runtime's own profiler.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torchvision
+
+from common import cpu_name, device_arg, table, time_interleaved
+from repmlp import create_model, reparameterize_model
+from repmlp.deploy import quantize_int8
+from repmlp.profile import count_macs
+from repmlp.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
+
+MODELS = ("repmlp_res50_light", "repmlp_res50", "repmlpnet_b224")
+REFERENCE = "resnet50"
+GOALS = {"repmlp_res50_light": 1.40, "repmlp_res50": 1.05}
+RUNTIMES = ("eager", "compiled", "onnxruntime", "openvino")
+SIZE = (3, 224, 224)
+
+
+def build(name: str) -> torch.nn.Module:
+    net = torchvision.models.resnet50() if name == REFERENCE else create_model(name)
+    return reparameterize_model(net.eval())
+
+
+def variants(nets: dict[str, torch.nn.Module], runtime: str, precision: str) -> dict[str, object] | None:
+    """name -> callable on a float32 batch, for one runtime and precision; ``None`` when it has no such form."""
+    if precision == "int8" and runtime not in ("onnxruntime", "openvino"):
+        return None  # PyTorch's CPU int8 is onnxruntime's graph here (repmlp.deploy): see those rows
+    if runtime in ("onnxruntime", "openvino") and missing_runtime(runtime):
+        print(f"  skipped {runtime}: {missing_runtime(runtime)}", file=sys.stderr)
+        return None
+    out = {}
+    for name, net in nets.items():
+        if runtime == "eager":
+            out[name] = net
+        elif runtime == "compiled":
+            # All repmlp ResNets share one forward's code: raise dynamo's per-code limit of compiled variants.
+            torch._dynamo.config.recompile_limit = 64
+            out[name] = torch.compile(copy.deepcopy(net))
+        else:
+            onnx, int8 = graphs(name, net, precision)
+            out[name] = RuntimeModel(onnx, runtime, int8=int8)
+    return out
+
+
+_GRAPHS: dict[tuple[str, str], tuple[bytes, bool]] = {}
+
+
+def graphs(name: str, net: torch.nn.Module, precision: str) -> tuple[bytes, bool]:
+    """The ONNX graph of ``net`` in ``precision``, built once for both runtimes."""
+    key = (name, precision)
+    if key not in _GRAPHS:
+        model = net
+        if precision == "int8":
+            gen = torch.Generator().manual_seed(0)
+            model = quantize_int8(net, SIZE, [torch.randn(4, *SIZE, generator=gen)])
+        _GRAPHS[key] = onnx_bytes_of(model, SIZE)
+    return _GRAPHS[key]
+
+
+def measure(fns: dict[str, object], batch: int, rounds: int) -> dict[str, float]:
+    x = torch.randn(batch, *SIZE)
+    calls = {name: (lambda f=f: f(x)) for name, f in fns.items()}
+    with torch.inference_mode():
+        return time_interleaved(calls, torch.device("cpu"), rounds=rounds, warmup=2)
+
+
+def rows_for(runtime: str, precision: str, fns: dict[str, object], batches: list[int], rounds: int) -> list:
+    rows = []
+    for b in batches:
+        secs = measure(fns, b, rounds)
+        ref = secs[REFERENCE]
+        for name in MODELS:
+            ratio = ref / secs[name]
+            goal = ""
+            if name in GOALS:
+                goal = f">= {GOALS[name]:.2f}x: " + ("met" if ratio >= GOALS[name] else "**not met**")
+            rows.append([runtime, precision, str(b), name, f"{b / secs[name]:.1f}", f"{b / ref:.1f}",
+                         f"**{ratio:.2f}x**", goal])  # fmt: skip
+            print(f"  {runtime} {precision} batch {b} {name}: {ratio:.2f}x", file=sys.stderr, flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------ the runtimes' own profilers
+def profile_onnxruntime(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, float]:
+    """Seconds per run spent in each ONNX operator type, from onnxruntime's profiler."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(Path(tmp) / "ort")
+        sess = ort.InferenceSession(onnx, opts, providers=["CPUExecutionProvider"])
+        feed = {sess.get_inputs()[0].name: x.numpy()}
+        for _ in range(runs):
+            sess.run(None, feed)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    spent: dict[str, float] = defaultdict(float)
+    for ev in events:
+        if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
+            spent[ev["args"]["op_name"]] += ev["dur"] / 1e6 / runs
+    return spent
+
+
+def profile_openvino(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, float]:
+    """Seconds per run spent in each OpenVINO node type (with the kernel it chose), from PERF_COUNT."""
+    import openvino as ov
+
+    model = RuntimeModel(onnx, "openvino")._ov_model
+    model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(x.shape))})
+    config = {"PERF_COUNT": True, "INFERENCE_PRECISION_HINT": "f32",
+              "INFERENCE_NUM_THREADS": torch.get_num_threads()}  # fmt: skip
+    req = ov.Core().compile_model(model, "CPU", config).create_infer_request()
+    spent: dict[str, float] = defaultdict(float)
+    for _ in range(runs):
+        req.infer({0: x.numpy()})
+        for info in req.get_profiling_info():
+            spent[f"{info.node_type} ({info.exec_type})"] += info.real_time.total_seconds() / runs
+    return spent
+
+
+def profile_rows(nets: dict[str, torch.nn.Module], runtimes: list[str], batch: int) -> list[list[str]]:
+    x = torch.randn(batch, *SIZE)
+    rows = []
+    for runtime in runtimes:
+        fn = {"onnxruntime": profile_onnxruntime, "openvino": profile_openvino}.get(runtime)
+        if fn is None or missing_runtime(runtime):
+            continue
+        for name, net in nets.items():
+            spent = fn(graphs(name, net, "fp32")[0], x, runs=3)
+            total = sum(spent.values())
+            top = sorted(spent.items(), key=lambda kv: -kv[1])[:6]
+            listed = ", ".join(f"{op} {100 * s / total:.0f}%" for op, s in top)
+            rows.append([runtime, name, str(batch), f"{1e3 * total:.1f}", listed])
+    return rows
+
+
+def main() -> None:
+    parser = device_arg(__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"])
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads of every runtime (default: torch's)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="operator profile of each ONNX runtime, batch 8"
+    )
+    args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error("this benchmark measures CPU runtimes only (--device cpu)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rounds = 2 if args.quick else args.rounds
+    batches = [1] if args.quick else args.batch_sizes
+    nets = {name: build(name) for name in (*MODELS, REFERENCE)}
+    macs = {name: count_macs(net, SIZE) for name, net in nets.items()}
+    print("**bench_runtimes: deployed models vs ResNet-50 in each CPU runtime**")
+    print(
+        f"CPU: {cpu_name()}; {torch.get_num_threads()} threads in every runtime; torch {torch.__version__}\n"
+    )
+    rows = []
+    for precision in args.precisions:
+        for runtime in args.runtimes:
+            fns = variants(nets, runtime, precision)
+            if fns is not None:
+                rows += rows_for(runtime, precision, fns, batches, rounds)
+    header = [
+        "runtime",
+        "precision",
+        "batch",
+        "model",
+        "model ex/s",
+        "ResNet-50 ex/s",
+        "vs ResNet-50",
+        "goal",
+    ]
+    print(table(header, rows))
+    ratios = ", ".join(f"{n} {macs[REFERENCE] / macs[n]:.2f}x" for n in MODELS)
+    print(
+        f"\nMedians of {rounds} interleaved rounds. MAC ratios (ResNet-50's MACs / the model's, the speed ratio "
+        f"at equal work per second): {ratios}. int8: onnxruntime's QDQ graph (per-channel weights), run by "
+        "each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch (compiled: torch.compile)."
+    )
+    if args.profile:
+        print("\n**Where the time goes: each runtime's own profiler, fp32, batch 8**\n")
+        header = ["runtime", "model", "batch", "ms per run", "top operator types (share of run time)"]
+        print(
+            table(header, profile_rows(nets, [r for r in args.runtimes if r not in ("eager", "compiled")], 8))
+        )
+
+
+if __name__ == "__main__":
+    main()

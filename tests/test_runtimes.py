@@ -1,0 +1,165 @@
+"""Deployed models run by ONNX Runtime and OpenVINO (``repmlp.runtimes``, ``--runtime`` of bench/predict).
+
+What the code guarantees: the wrapped graph gives PyTorch's logits (float32, within the export check's
+tolerance) at any batch size, an int8 graph runs as it is, a runtime that is not installed is one error
+line naming the extra, and the commands run through the real entry point. OpenVINO tests skip where the
+optional ``openvino`` package is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import repmlp
+from repmlp.checkpoint import save_model
+from repmlp.errors import UserError
+from repmlp.runtimes import RuntimeModel, missing_runtime, to_runtime
+from repmlp_testdata import run_cli, user_error_line
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "repmlp_fmnist"
+KWARGS = {"widths": [4, 8], "kernel_sizes": [1, 3]}
+SIZE = (1, 28, 28)
+HAS_OPENVINO = importlib.util.find_spec("openvino") is not None
+ONNX_RUNTIMES = [
+    "onnxruntime",
+    pytest.param("openvino", marks=pytest.mark.skipif(not HAS_OPENVINO, reason="openvino not installed")),
+]
+
+
+def deployed(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = repmlp.create_model(NAME, **KWARGS)
+    for m in model.modules():  # statistics that make the conversion and the outputs non-trivial
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.3, 0.3)
+            m.running_var.uniform_(0.5, 2.0)
+    return repmlp.reparameterize_model(model.eval())
+
+
+@pytest.mark.parametrize("runtime", ONNX_RUNTIMES)
+def test_runtime_model_gives_pytorchs_logits_at_every_batch_size(runtime):
+    model = deployed()
+    wrapped = to_runtime(model, runtime, SIZE)
+    assert isinstance(wrapped, RuntimeModel) and wrapped.runtime == runtime
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for batch in (1, 5, 1):  # OpenVINO compiles per shape: a shape seen before reuses its engine
+            x = torch.randn(batch, *SIZE, generator=gen)
+            got, ref = wrapped(x), model(x)
+            assert got.dtype == torch.float32 and got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    if runtime == "openvino":
+        # to_runtime's check ran batch 3; batches 1 and 5 added one engine each, the second 1 none.
+        assert sorted(shape[0] for shape in wrapped._engines) == [1, 3, 5]
+
+
+def test_torch_runtime_is_the_model_itself():
+    model = deployed()
+    assert to_runtime(model, "torch", SIZE) is model
+
+
+@pytest.mark.parametrize("runtime", ONNX_RUNTIMES)
+def test_int8_graph_runs_as_it_is(runtime):
+    """An int8 model's own QDQ graph goes to the runtime: onnxruntime gives the int8 model's own logits."""
+    model = deployed()
+    gen = torch.Generator().manual_seed(1)
+    int8 = repmlp.to_precision(model, "int8", [torch.randn(8, *SIZE, generator=gen)], input_size=SIZE)
+    wrapped = to_runtime(int8, runtime, SIZE)
+    assert wrapped.int8
+    x = torch.randn(4, *SIZE, generator=gen)
+    with torch.inference_mode():
+        got, ref, fp32 = wrapped(x), int8(x), model(x)
+    if runtime == "onnxruntime":
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # Either runtime's int8 kernels stay near the float32 model (a scale of the logits, not bits).
+    assert (got - fp32).abs().max() <= 0.1 * fp32.abs().max()
+
+
+def test_int8_export_quantizes_fc3():
+    """FC3 goes into the int8 graph as a grouped Conv with int8 weights (one per RepMLP block): no float
+    MatMul over a 3-D weight that the runtime would dequantize on every run."""
+    import onnx
+
+    from repmlp.block import RepMLPBlock
+
+    model = deployed()
+    blocks = [m for m in model.modules() if isinstance(m, RepMLPBlock)]
+    gen = torch.Generator().manual_seed(1)
+    int8 = repmlp.to_precision(model, "int8", [torch.randn(8, *SIZE, generator=gen)], input_size=SIZE)
+    graph = onnx.load_from_string(int8.onnx.numpy().tobytes()).graph
+    producers = {out: n for n in graph.node for out in n.output}
+    int8_weights = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
+
+    def weight_is_int8(node) -> bool:
+        deq = producers.get(node.input[1])
+        return deq is not None and deq.op_type == "DequantizeLinear" and deq.input[0] in int8_weights
+
+    grouped = [
+        n for n in graph.node
+        if n.op_type == "Conv" and any(a.name == "group" and a.i == blocks[0].groups for a in n.attribute)
+    ]  # fmt: skip
+    assert len(grouped) == len(blocks) and all(weight_is_int8(n) for n in grouped)
+    for node in graph.node:
+        if node.op_type in ("Conv", "MatMul", "Gemm"):
+            assert weight_is_int8(node), node.name
+
+
+def test_reduced_float_precision_is_refused():
+    model = repmlp.to_precision(deployed(), "bf16")
+    with pytest.raises(UserError, match="PyTorch only"):
+        to_runtime(model, "onnxruntime", SIZE)
+
+
+def test_missing_runtime_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "openvino" else real(n, *a))
+    assert missing_runtime("torch") is None
+    assert "pip install 'repmlp[openvino]'" in missing_runtime("openvino")
+    with pytest.raises(UserError, match=r"repmlp\[openvino\]"):
+        to_runtime(deployed(), "openvino", SIZE)
+
+
+def test_bench_runtime_through_the_entry_point(monkeypatch):
+    res = run_cli("-q", "bench", "--model", NAME, "--batch-size", "2",
+                  "--warmup", "0", "--repeats", "1", "--runtime", "onnxruntime")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "run by onnxruntime" in res.stdout
+    assert f"| {NAME} | train |" in res.stdout and f"| {NAME} | deploy |" in res.stdout
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "openvino" else real(n, *a))
+    res = run_cli("bench", "--model", NAME, "--runtime", "openvino")
+    assert res.returncode == 2
+    assert "repmlp[openvino]" in user_error_line(res.stderr)
+
+
+def test_predict_runtime_gives_the_same_top_k(tmp_path):
+    """``repmlp predict --runtime onnxruntime`` on a training-time file: converted, exported, and the same
+    classes and probabilities (to the export check's tolerance) as PyTorch."""
+    from PIL import Image
+
+    torch.manual_seed(0)
+    model = repmlp.create_model(NAME, **KWARGS).eval()
+    save_model(tmp_path / "model.safetensors", model, name=NAME, model_kwargs=KWARGS, form="train")
+    gen = torch.Generator().manual_seed(0)
+    for i in range(6):
+        pixels = (torch.rand(28, 28, generator=gen) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
+    got = {}
+    for runtime in ("torch", "onnxruntime"):
+        out = tmp_path / f"{runtime}.jsonl"
+        res = run_cli("predict", "--checkpoint", tmp_path / "model.safetensors", *sorted(tmp_path.glob("*.png")),
+                      "--runtime", runtime, "--workers", "0", "--top-k", "3", "--output", out)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        got[runtime] = [line for line in out.read_text().splitlines() if line]
+    import json
+
+    for a, b in zip(got["torch"], got["onnxruntime"], strict=True):
+        a, b = json.loads(a), json.loads(b)
+        assert [t["index"] for t in a["top_k"]] == [t["index"] for t in b["top_k"]]
+        for ta, tb in zip(a["top_k"], b["top_k"], strict=True):
+            assert abs(ta["probability"] - tb["probability"]) < 1e-4
