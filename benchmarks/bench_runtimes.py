@@ -30,7 +30,7 @@ import torchvision
 from common import cpu_name, device_arg, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 from repmlp.deploy import quantize_int8
-from repmlp.profile import count_macs
+from repmlp.profile import count_macs, count_params
 from repmlp.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
 
 MODELS = ("repmlp_res50_light", "repmlp_res50", "repmlpnet_b224")
@@ -201,9 +201,11 @@ def main() -> None:
     ]
     print(table(header, rows))
     ratios = ", ".join(f"{n} {macs[REFERENCE] / macs[n]:.2f}x" for n in MODELS)
+    params = ", ".join(f"{n} {count_params(net) / 1e6:.1f}M" for n, net in nets.items())
     print(
         f"\nMedians of {rounds} interleaved rounds. MAC ratios (ResNet-50's MACs / the model's, the speed ratio "
-        f"at equal work per second): {ratios}. int8: onnxruntime's QDQ graph (per-channel weights), run by "
+        f"at equal work per second): {ratios}. Deployed parameters (the bytes a batch-1 pass reads): "
+        f"{params}. int8: onnxruntime's QDQ graph (per-channel weights), run by "
         "each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch (compiled: torch.compile)."
     )
     if args.profile:

@@ -5,7 +5,8 @@
 * ``int8``: post-training static quantization with onnxruntime (``onnxruntime.quantization``,
   maintained by Microsoft and already a dependency of ``repmlp export``): the deployed model is
   exported to ONNX, its activation ranges are calibrated (min/max) on batches of the run's training
-  data, and weights are quantized per output channel to int8 (activations uint8, QDQ format). The
+  data, and weights are quantized per output channel to int8 (activations uint8, QDQ format; FC3's
+  batched weight with one scale, so that runtimes run it with their int8 matmul kernel). The
   result is an :class:`Int8OnnxModel`, a module that runs the quantized graph with onnxruntime on
   the CPU and keeps the ONNX bytes in a ``uint8`` buffer, so it saves to and loads from safetensors
   like any other model.
@@ -147,9 +148,7 @@ def quantize_int8(
 
     with tempfile.TemporaryDirectory(prefix="repmlp-int8-") as tmp:
         fp32, pre, q8 = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
-        # FC3 as grouped Conv: quantize_static gives it int8 weights and kernels (as a MatMul with a 3-D
-        # weight it stays float32, behind a DequantizeLinear of its weights on every run).
-        export_onnx(model, fp32, input_size, check=False, fc3="conv")
+        export_onnx(model, fp32, input_size, check=False)
         quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
         quantize_static(
             str(pre),
@@ -160,8 +159,24 @@ def quantize_int8(
             weight_type=QuantType.QInt8,
             activation_type=QuantType.QUInt8,
             calibrate_method=CalibrationMethod.MinMax,
+            extra_options={"TensorQuantOverrides": _per_tensor_batched_weights(pre)},
         )
         return Int8OnnxModel(q8.read_bytes())
+
+
+def _per_tensor_batched_weights(path: Path) -> dict[str, list[dict]]:
+    """Quantization overrides: one scale for each constant 3-D ``MatMul`` weight (FC3's ``(g, P/g, Q/g)``).
+
+    Per-channel scales on a batched weight keep the runtime from fusing the ``MatMul`` into its int8 kernel
+    (``QLinearMatMul``): onnxruntime would dequantize the weight to float32 on every run instead.
+    """
+    import onnx
+    from onnxruntime.quantization import QuantType
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    ranks = {t.name: len(t.dims) for t in graph.initializer}
+    batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}
+    return {name: [{"quant_type": QuantType.QInt8, "symmetric": True}] for name in sorted(batched)}
 
 
 def to_precision(

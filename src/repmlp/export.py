@@ -124,7 +124,6 @@ def export_onnx(
     check: bool = True,
     opset_version: int | None = None,
     rtol: float = DEFAULT_RTOL,
-    fc3: str = "bmm",
 ) -> float:
     """Export ``model`` to ONNX at ``path`` (dynamic batch) and check it with onnxruntime.
 
@@ -139,9 +138,6 @@ def export_onnx(
         check: run the file with onnxruntime on a fresh input of another batch size and compare.
         opset_version: ONNX opset (exporter default when ``None``).
         rtol: allowed max abs difference relative to ``max(1, max |output|)``.
-        fc3: the form of RepMLP's FC3 in the graph (:func:`repmlp.ops.set_fc3_backend`): ``"bmm"``, one
-            ``MatMul`` (the faster float graph in ONNX Runtime and OpenVINO), or ``"conv"``, a grouped 1x1
-            ``Conv`` (what int8 quantization needs).
 
     Returns:
         Max abs difference between onnxruntime's and PyTorch's outputs relative to ``max(1, max |output|)``
@@ -157,8 +153,8 @@ def export_onnx(
     batch = torch.export.Dim("batch", min=1)
     with _staging(path) as staged:
         try:
-            # FC3 in a form the runtimes run well: the PyTorch-side oneDNN choice means nothing to them.
-            with torch.no_grad(), warnings.catch_warnings(), fc3_backend(fc3):
+            # FC3 as MatMul: the PyTorch-side oneDNN choice means nothing to ONNX Runtime's kernels.
+            with torch.no_grad(), warnings.catch_warnings(), fc3_backend("bmm"):
                 warnings.simplefilter("ignore")
                 program = torch.onnx.export(
                     net,

@@ -36,7 +36,6 @@ __all__ = [
     "groupwise_fc_bmm",
     "groupwise_fc_onednn",
     "groupwise_fc_conv",
-    "groupwise_fc_grouped_conv",
     "FC3_BACKENDS",
     "set_fc3_backend",
     "get_fc3_backend",
@@ -46,7 +45,7 @@ __all__ = [
 
 # Read once: a call inside a compiled region would break the graph.
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
-FC3_BACKENDS = ("auto", "bmm", "onednn", "conv")
+FC3_BACKENDS = ("auto", "bmm", "onednn")
 # (g, P/g, Q/g, bias?, threads) -> whether the oneDNN form was measured faster ("auto" backend).
 _FC3_CHOICE: dict[tuple, bool] = {}
 # Rows of the synthetic input the two forms are timed on: about a batch of 8 at the paper's sizes.
@@ -242,8 +241,6 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None, training: bo
     if mode == "compiled":
         # Inside torch.compile the choice is made when the graph runs: an opaque op to the compiler.
         return torch.ops.repmlp.groupwise_fc_picked(rows, weight, bias)
-    if mode == "pick" and _backend == "conv":
-        return groupwise_fc_grouped_conv(rows, weight, bias)
     if mode == "pick" and fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
         return groupwise_fc_onednn(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
@@ -256,9 +253,7 @@ def set_fc3_backend(name: str) -> str:
     faster than the batched matmul on this machine, else the batched matmul. Which form wins depends on
     the CPU and the BLAS of the torch build, so two machines (or, on a close call, two processes) may
     round FC3 differently in the last bits. ``"bmm"``: always the batched matmul, for results that do
-    not depend on a timing. ``"onednn"``: always oneDNN. ``"conv"``: the paper's grouped 1x1 conv
-    (:func:`groupwise_fc_grouped_conv`), slow in PyTorch but the form that ONNX int8 quantizers turn into
-    int8 kernels (:func:`repmlp.deploy.quantize_int8` exports with it). The environment variable ``REPMLP_FC3`` sets
+    not depend on a timing. ``"onednn"``: always oneDNN. The environment variable ``REPMLP_FC3`` sets
     the starting value. Training (autograd), other dtypes and devices always use the batched matmul.
     """
     global _backend
@@ -305,15 +300,6 @@ def groupwise_fc_bmm(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tenso
     if bias is None:
         return torch.bmm(rows, wt)
     return torch.baddbmm(bias.reshape(g, 1, -1), rows, wt)
-
-
-def groupwise_fc_grouped_conv(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """:func:`groupwise_fc` as one grouped 1x1 conv (:func:`groupwise_fc_conv`) over the rows of all groups:
-    ``(g, B, P/g)`` -> ``(g, B, Q/g)``. Exported to ONNX, a ``Conv`` whose constant int8 weights quantizers
-    keep as int8 (a ``MatMul`` with a 3-D weight they dequantize to float32 on every run)."""
-    g, b, k = rows.shape
-    out = groupwise_fc_conv(rows.transpose(0, 1).reshape(b, g * k), weight, bias, g)
-    return out.reshape(b, g, -1).transpose(0, 1)
 
 
 def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
