@@ -12,7 +12,8 @@ of ``repmlp.deploy.quantize_int8`` (calibrated on random inputs: enough for spee
 
 Goals (issue 20): Light >= 1.40x and RepMLP-Res50 >= 1.05x ResNet-50 in every runtime and batch size
 (their MAC ratios: the same work per second as ResNet-50). ``--profile`` then lists, per ONNX runtime,
-the operator types that take the time of each model at batch 8, from the runtime's own profiler.
+the operator types that take the time of each model (at ``--profile-batches``, default 8), from the
+runtime's own profiler.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def rows_for(runtime: str, precision: str, fns: dict[str, object], batches: list
 
 
 # ------------------------------------------------------------------------ the runtimes' own profilers
-def profile_onnxruntime(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, float]:
+def profile_onnxruntime(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> dict[str, float]:
     """Seconds per run spent in each ONNX operator type, from onnxruntime's profiler."""
     import onnxruntime as ort
 
@@ -126,14 +127,15 @@ def profile_onnxruntime(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, fl
     return spent
 
 
-def profile_openvino(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, float]:
+def profile_openvino(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> dict[str, float]:
     """Seconds per run spent in each OpenVINO node type (with the kernel it chose), from PERF_COUNT."""
     import openvino as ov
 
     model = RuntimeModel(onnx, "openvino")._ov_model
     model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(x.shape))})
-    config = {"PERF_COUNT": True, "INFERENCE_PRECISION_HINT": "f32",
-              "INFERENCE_NUM_THREADS": torch.get_num_threads()}  # fmt: skip
+    config = {"PERF_COUNT": True, "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    if not int8:  # as RuntimeModel: float32 graphs in float32 even on CPUs with bf16 units
+        config["INFERENCE_PRECISION_HINT"] = "f32"
     req = ov.Core().compile_model(model, "CPU", config).create_infer_request()
     spent: dict[str, float] = defaultdict(float)
     for _ in range(runs):
@@ -143,7 +145,9 @@ def profile_openvino(onnx: bytes, x: torch.Tensor, runs: int) -> dict[str, float
     return spent
 
 
-def profile_rows(nets: dict[str, torch.nn.Module], runtimes: list[str], batch: int) -> list[list[str]]:
+def profile_rows(
+    nets: dict[str, torch.nn.Module], runtimes: list[str], batch: int, precision: str
+) -> list[list[str]]:
     x = torch.randn(batch, *SIZE)
     rows = []
     for runtime in runtimes:
@@ -151,11 +155,11 @@ def profile_rows(nets: dict[str, torch.nn.Module], runtimes: list[str], batch: i
         if fn is None or missing_runtime(runtime):
             continue
         for name, net in nets.items():
-            spent = fn(graphs(name, net, "fp32")[0], x, runs=3)
+            spent = fn(*graphs(name, net, precision), x, runs=3)
             total = sum(spent.values())
             top = sorted(spent.items(), key=lambda kv: -kv[1])[:6]
             listed = ", ".join(f"{op} {100 * s / total:.0f}%" for op, s in top)
-            rows.append([runtime, name, str(batch), f"{1e3 * total:.1f}", listed])
+            rows.append([runtime, precision, name, str(batch), f"{1e3 * total:.1f}", listed])
     return rows
 
 
@@ -167,9 +171,8 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="threads of every runtime (default: torch's)"
     )
-    parser.add_argument(
-        "--profile", action="store_true", help="operator profile of each ONNX runtime, batch 8"
-    )
+    parser.add_argument("--profile", action="store_true", help="operator profile of each ONNX runtime (fp32)")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=[8], help="batches of --profile")
     args = parser.parse_args()
     if args.device != "cpu":
         parser.error("this benchmark measures CPU runtimes only (--device cpu)")
@@ -205,15 +208,23 @@ def main() -> None:
     print(
         f"\nMedians of {rounds} interleaved rounds. MAC ratios (ResNet-50's MACs / the model's, the speed ratio "
         f"at equal work per second): {ratios}. Deployed parameters (the bytes a batch-1 pass reads): "
-        f"{params}. int8: onnxruntime's QDQ graph (per-channel weights), run by "
-        "each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch (compiled: torch.compile)."
+        f"{params}. int8: the QDQ graph of repmlp.deploy.quantize_int8 (per-channel weights, FC3's per tensor), "
+        "run by each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch (compiled: torch.compile)."
     )
     if args.profile:
-        print("\n**Where the time goes: each runtime's own profiler, fp32, batch 8**\n")
-        header = ["runtime", "model", "batch", "ms per run", "top operator types (share of run time)"]
-        print(
-            table(header, profile_rows(nets, [r for r in args.runtimes if r not in ("eager", "compiled")], 8))
-        )
+        runtimes = [r for r in args.runtimes if r not in ("eager", "compiled")]
+        header = [
+            "runtime",
+            "precision",
+            "model",
+            "batch",
+            "ms per run",
+            "top operator types (share of run time)",
+        ]
+        for precision in args.precisions:
+            for batch in args.profile_batches:
+                print(f"\n**Where the time goes: each runtime's own profiler, {precision}, batch {batch}**\n")
+                print(table(header, profile_rows(nets, runtimes, batch, precision)))
 
 
 if __name__ == "__main__":

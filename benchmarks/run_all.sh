@@ -28,6 +28,10 @@ for model in repmlp_res50_light repmlp_res50; do
     python3 benchmarks/profile_deploy.py --model "${model}"
     echo
 done
+echo "### benchmarks/bench_runtimes.py: deployed models vs ResNet-50 in PyTorch, ONNX Runtime and OpenVINO"
+echo
+python3 benchmarks/bench_runtimes.py --profile  # CPU only; OpenVINO rows need pip install 'repmlp[openvino]'
+echo
 echo "### benchmarks/bench_train.py: the training step before and after issue 19's work"
 echo
 python3 benchmarks/bench_train.py --profile
