@@ -5,7 +5,7 @@ tolerance) at any batch size, an int8 graph runs as it is, a runtime that is not
 line naming the extra, and the commands run through the real entry point. OpenVINO tests skip where the
 optional ``openvino`` package is missing, and run in a pytest process of their own
 (``test_openvino_tests_in_their_own_process``): with OpenVINO's CPU plugin loaded, a later PyTorch training
-test of the suite crashed the process (observed once, torch 2.14.1, OpenVINO 2026.4.1).
+test of the suite crashed the process (seen in two runs, torch 2.14.1, OpenVINO 2026.4.1).
 """
 
 from __future__ import annotations
