@@ -123,6 +123,7 @@ def test_reusing_runs_of_other_options_is_refused(studied):
         (["--jobs", "0"], "--jobs"),
         (["--dataset", "cifar10"], "needs --data-dir"),  # StudyOptions.validate
         (["--data-dir", "/nonexistent/fmnist"], "not found"),  # the first run's data loading
+        (["--data-dir", "/nonexistent/fmnist", "--jobs", "2"], "not found"),  # raised in a worker process
     ],
 )
 def test_bad_options_are_one_error_line(tmp_path, args, message):

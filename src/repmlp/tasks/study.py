@@ -254,9 +254,15 @@ def _run_all(args: list[tuple], jobs: int, bar) -> list[dict[str, Any]]:
     ) as pool:
         futures = {pool.submit(train_one, *a): i for i, a in enumerate(args)}
         out: list[dict[str, Any] | None] = [None] * len(args)
-        for future in as_completed(futures):
-            out[futures[future]] = future.result()  # a run's error stops the study, as in one process
-            bar.update(1)
+        try:
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                bar.update(1)
+        except BaseException:
+            # A run's error ends the study as in one process: runs not started are cancelled, the running
+            # ones finish (their folders stay resumable), then the error propagates.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return out  # type: ignore[return-value]
 
 
