@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
@@ -242,6 +243,42 @@ def test_training_step_stays_channels_last_and_equal(name: str) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for k, g in ref_grads.items():
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-9, msg=k)
+
+
+_FORMATS = (torch.contiguous_format, torch.channels_last)
+
+
+class _BatchNormBackwardLayouts(TorchDispatchMode):
+    """Records, for every BatchNorm backward, whether its gradient and its input share a memory format."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_batch_norm_backward.default and args[0].dim() == 4:
+            grad, x = args[0], args[1]
+            same = any(
+                grad.is_contiguous(memory_format=f) and x.is_contiguous(memory_format=f) for f in _FORMATS
+            )
+            self.calls.append((tuple(x.shape), same))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["repmlp_fmnist", "repmlp_cifar_fc3_conv9"])
+def test_batchnorm_gradients_arrive_in_their_inputs_layout(name: str) -> None:
+    """In a channels_last model's training step every BatchNorm's gradient has its input's memory format:
+    PyTorch's CPU BatchNorm backward is several times slower on mixed layouts. The Local Perceptron's
+    convs keep the partition map's NCHW layout, which FC3's side of the block's sum gives the gradient."""
+    torch.manual_seed(0)
+    kw = dict(widths=(4, 8, 8)) if name != "repmlp_fmnist" else {}
+    model = create_model(name, in_chans=1, **kw).train().to(memory_format=torch.channels_last)
+    size = 28 if name == "repmlp_fmnist" else 32
+    x = torch.randn(4, 1, size, size).contiguous(memory_format=torch.channels_last)
+    with _BatchNormBackwardLayouts() as layouts:
+        _step_grads(model, x)
+    assert len(layouts.calls) >= 6
+    assert [shape for shape, same in layouts.calls if not same] == []
 
 
 # Small configurations of every family, so tracing them stays cheap.

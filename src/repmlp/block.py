@@ -79,7 +79,9 @@ class GlobalPerceptron(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         v = self.pool(x)  # (N, C, *parts)
         if self.bn is not None:
-            v = self.bn(v)
+            # contiguous: flatten below hands the BN its gradient in this layout, and PyTorch's BatchNorm
+            # backward is slow when gradient and input differ in layout (a channels_last model's pooling)
+            v = self.bn(v.contiguous())
         shape = v.shape
         v = self.fc2(F.relu(self.fc1(v.flatten(1)), inplace=True))
         return v.reshape(shape)
@@ -141,12 +143,15 @@ class LocalPerceptron(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # Measured on CPU (benchmarks/bench_block.py (b), (c)): without autograd, channels_last convs are a
         # little faster on these small maps; in a training step NCHW is faster, as BatchNorm's backward is
-        # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout.
-        if not torch.is_grad_enabled() and x.dim() == 4:  # channels_last exists for 4-d tensors only
+        # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout. So with
+        # autograd the convs write the partition map's own layout even in a channels_last model, whose
+        # weights are stored channels_last (benchmarks/bench_train.py).
+        grad = torch.is_grad_enabled()
+        if not grad and x.dim() == 4:  # channels_last exists for 4-d tensors only
             x = x.contiguous(memory_format=torch.channels_last)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
         for branch in self.branches:
-            y = branch(x)
+            y = branch.forward_in_input_layout(x) if grad else branch(x)
             out = y if out is None else out + y
         assert out is not None  # at least one branch (checked in __init__)
         return out

@@ -114,10 +114,12 @@ class PartitionConvBlock(nn.Module):
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
-        out = self.conv(parts)
+        # With autograd the convs write the partition map's layout, as in LocalPerceptron.forward.
+        grad = torch.is_grad_enabled()
+        out = self.conv.forward_in_input_layout(parts) if grad else self.conv(parts)
         if self.local is not None:
             for branch in self.local:
-                out = out + branch(parts)
+                out = out + (branch.forward_in_input_layout(parts) if grad else branch(parts))
         return unpartition_like(x, out, n, self.parts, self.parts, self.training)
 
     @torch.no_grad()
