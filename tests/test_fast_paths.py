@@ -267,7 +267,7 @@ class _BatchNormBackwardLayouts(TorchDispatchMode):
 
 @pytest.mark.parametrize("name", ["repmlp_fmnist", "repmlp_cifar_fc3_conv9"])
 def test_batchnorm_gradients_arrive_in_their_inputs_layout(name: str) -> None:
-    """In a channels_last model's training step every BatchNorm's gradient has its input's memory format:
+    """In a channels_last model's training step on a CPU every BatchNorm's gradient has its input's memory format:
     PyTorch's CPU BatchNorm backward is several times slower on mixed layouts. The Local Perceptron's
     convs keep the partition map's NCHW layout, which FC3's side of the block's sum gives the gradient."""
     torch.manual_seed(0)

@@ -65,10 +65,11 @@ class ConvBN(nn.Module):
         return x if self.bn is None else self.bn(x)
 
     def forward_in_input_layout(self, x: Tensor) -> Tensor:
-        """:meth:`forward`, with the conv writing its output in ``x``'s memory format: a plain contiguous
-        input gets a weight with plain strides. ``model.to(memory_format=torch.channels_last)`` stores every
-        4-D weight channels_last, and oneDNN then writes a channels_last output even for an NCHW input (a
-        1x1 kernel too, whose channels_last weight also counts as contiguous: hence a clone)."""
+        """:meth:`forward`, with the conv writing its output in ``x``'s memory format on a CPU: a plain
+        contiguous input gets a weight with plain strides. ``model.to(memory_format=torch.channels_last)``
+        stores every 4-D weight channels_last, and oneDNN then writes a channels_last output even for an
+        NCHW input (a 1x1 kernel too, whose channels_last weight also counts as contiguous: hence a clone).
+        Elsewhere the same as :meth:`forward`."""
         x = self.conv._conv_forward(x, weight_in_layout_of(x, self.conv.weight), self.conv.bias)
         return x if self.bn is None else self.bn(x)
 
@@ -90,8 +91,8 @@ class ConvBN(nn.Module):
 
 @torch.fx.wrap  # a leaf of traced graphs: it branches on the layout
 def weight_in_layout_of(x: Tensor, weight: Tensor) -> Tensor:
-    """``weight`` with plain strides if ``x`` is plain contiguous, else ``weight`` as it is."""
-    if x.is_contiguous():
+    """``weight`` with plain strides if ``x`` is a plain contiguous CPU tensor, else ``weight`` as it is."""
+    if x.device.type == "cpu" and x.is_contiguous():
         return weight.clone(memory_format=torch.contiguous_format)
     return weight
 

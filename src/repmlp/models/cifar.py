@@ -114,7 +114,7 @@ class PartitionConvBlock(nn.Module):
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
-        # With autograd the convs write the partition map's layout, as in LocalPerceptron.forward.
+        # On a CPU with autograd the convs write the partition map's layout, as in LocalPerceptron.forward.
         grad = torch.is_grad_enabled()
         out = self.conv.forward_in_input_layout(parts) if grad else self.conv(parts)
         if self.local is not None:
