@@ -245,6 +245,28 @@ def test_training_step_stays_channels_last_and_equal(name: str) -> None:
         torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-9, msg=k)
 
 
+@settings(max_examples=15, deadline=None)
+@given(g=st.integers(1, 3), b=st.integers(1, 9), k=st.integers(1, 7), n=st.integers(1, 7), bias=st.booleans())
+def test_training_fc3_gradients_equal_autograds(g: int, b: int, k: int, n: int, bias: bool) -> None:
+    """A training layer's FC3 runs ops._GroupwiseFCTrain (the weight's gradient computed in its own layout,
+    no transposition copy), with the outputs and gradients of autograd's batched matmul (float64)."""
+    torch.manual_seed(0)
+    rows = torch.randn(g, b, k, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(g * n, k, dtype=torch.float64, requires_grad=True)
+    b_ = torch.randn(g * n, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = [t for t in (rows, weight, b_) if t is not None]
+    out = ops.groupwise_fc(rows, weight, b_, True)
+    assert "GroupwiseFCTrain" in out.grad_fn.name()
+    ref = ops.groupwise_fc_bmm(rows, weight, b_)
+    grad_out = torch.randn_like(out)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    got = torch.autograd.grad(out, inputs, grad_out)
+    want = torch.autograd.grad(ref, inputs, grad_out)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: ops.groupwise_fc(*t, True), (rows, weight, b_))
+
+
 _FORMATS = (torch.contiguous_format, torch.channels_last)
 
 

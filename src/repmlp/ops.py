@@ -243,6 +243,8 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None, training: bo
         return torch.ops.repmlp.groupwise_fc_picked(rows, weight, bias)
     if mode == "pick" and fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
         return groupwise_fc_onednn(rows, weight, bias)
+    if mode == "train":
+        return _GroupwiseFCTrain.apply(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
 
 
@@ -302,6 +304,30 @@ def groupwise_fc_bmm(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tenso
     return torch.baddbmm(bias.reshape(g, 1, -1), rows, wt)
 
 
+class _GroupwiseFCTrain(torch.autograd.Function):
+    """:func:`groupwise_fc_bmm` whose backward computes the weight's gradient in the weight's own layout,
+    ``grad^T @ rows`` per group. Autograd's backward of the batched matmul computes it as ``rows^T @ grad``,
+    the transposed kernel, and then copies it into the weight's layout: a transposition of the whole kernel
+    every step (benchmarks/bench_train.py: ~10% of ``repmlp_cifar``'s step on a CPU)."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        return groupwise_fc_bmm(rows, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, weight = ctx.saved_tensors
+        g = rows.shape[0]
+        kernels = weight.reshape(g, weight.shape[0] // g, weight.shape[1])  # (g, Q/g, P/g)
+        need_rows, need_weight, need_bias = ctx.needs_input_grad
+        grad_rows = torch.bmm(grad, kernels) if need_rows else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), rows).reshape(weight.shape) if need_weight else None
+        grad_bias = grad.sum(1).reshape(-1) if ctx.has_bias and need_bias else None
+        return grad_rows, grad_weight, grad_bias
+
+
 def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`groupwise_fc` as one oneDNN 1x1 convolution per group; same shapes, CPU.
 
@@ -332,8 +358,11 @@ def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
     """
     if isinstance(rows, torch.fx.Proxy):
         return "bmm"
+    recording = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
     if training is None:
-        training = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+        training = recording
+    if training and recording and _trains_without_copy(rows, weight):
+        return "train"
     if training or not (
         _backend != "bmm"
         and rows.device.type == "cpu"
@@ -344,9 +373,20 @@ def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
         return "bmm"
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         # The opaque op has no backward: a compiled graph that autograd records keeps the matmul.
-        recording = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
         return "bmm" if recording else "compiled"
     return "pick"
+
+
+def _trains_without_copy(rows: Tensor, weight: Tensor) -> bool:
+    """Whether a recorded training call runs :class:`_GroupwiseFCTrain`: on a CPU (where it was measured),
+    in one dtype without autocast (its backward would get the autocast dtype), not traced for export."""
+    return (
+        rows.device.type == "cpu"
+        and rows.dtype == weight.dtype
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_exporting()
+    )
 
 
 def fc3_uses_onednn(groups: int, weight_shape: Sequence[int], bias: bool) -> bool:
