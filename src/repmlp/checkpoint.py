@@ -36,6 +36,7 @@ from .files import (
     CheckpointError,
     read_tensors,
 )
+from .layers import channels_last_weights_on_cpu
 
 __all__ = [
     "atomic_write_bytes",
@@ -158,7 +159,7 @@ def load_model(
         raise CheckpointError(f"{path} has malformed JSON metadata") from None
     model = _build_for(path, name, model_kwargs, file_form, meta.get("precision", "fp32"), tensors)
     _load_strict(model, tensors, path, name, file_form)
-    model.to(device).eval()
+    channels_last_weights_on_cpu(model.to(device).eval())
     info = {"model": name, "model_kwargs": model_kwargs, "form": file_form, "extra": extra, "path": str(path)}
     info["precision"] = meta.get("precision", "fp32")
     return model, info

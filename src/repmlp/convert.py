@@ -8,6 +8,7 @@ import logging
 import torch.fx as fx
 from torch import nn
 
+from .layers import channels_last_weights_on_cpu
 from .reparam import _BN, fuse_bn
 
 __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
@@ -196,7 +197,8 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
     did not build. The model must be in eval mode (BatchNorm running statistics are merged).
     BatchNorms that could not be folded are logged and listed in ``model.unfused_batchnorms``. With
     ``inplace=True`` the model is converted in place, but use the returned module: a root with
-    ``fuse()``, or BN folding by ``torch.fx``, can return a different one.
+    ``fuse()``, or BN folding by ``torch.fx``, can return a different one. A CPU model whose trunk runs
+    channels_last gets its 4-D weights stored channels_last (:func:`~repmlp.layers.channels_last_weights_on_cpu`).
     """
     if model.training:
         raise RuntimeError(
@@ -217,4 +219,4 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         model.unfused_batchnorms = left
     except Exception:  # noqa: BLE001 - e.g. a scripted module
         pass
-    return model
+    return channels_last_weights_on_cpu(model)

@@ -13,7 +13,14 @@ from .reparam import fuse_bn, ntuple
 # when it runs (bitwise the eager result) instead of freezing one form into the graph.
 torch.fx.wrap("groupwise_fc")
 
-__all__ = ["ConvBN", "GroupwiseLinear", "MaxPool2x2", "cpu_channels_last", "prepare_fc3"]
+__all__ = [
+    "ConvBN",
+    "GroupwiseLinear",
+    "MaxPool2x2",
+    "channels_last_weights_on_cpu",
+    "cpu_channels_last",
+    "prepare_fc3",
+]
 
 
 # Conv and BatchNorm classes by spatial dimensionality (1-D sequences, 2-D images, 3-D volumes).
@@ -168,6 +175,20 @@ def max_pool_2x2(x: Tensor) -> Tensor:
     rows = x.view(n, c, h // 2, 2, w)
     pairs = torch.maximum(rows[:, :, :, 0], rows[:, :, :, 1]).view(n, c, h // 2, w // 2, 2)
     return torch.maximum(pairs[..., 0], pairs[..., 1])
+
+
+def channels_last_weights_on_cpu(model: nn.Module) -> nn.Module:
+    """Store ``model``'s 4-D weights channels_last when it runs its activations channels_last on a CPU (a
+    module in it sets ``runs_channels_last_on_cpu``: the trunks that call :func:`cpu_channels_last`) and its
+    parameters are on the CPU. Otherwise every such conv first copies its NCHW weight into the activations'
+    layout, on every call: at batch 1 a visible share of a deployed ResNet's time
+    (``benchmarks/profile_deploy.py --batch-size 1``). Values unchanged; returns ``model`` (changed in place).
+    """
+    params = list(model.parameters())
+    cpu = bool(params) and all(p.device.type == "cpu" for p in params)
+    if cpu and any(getattr(m, "runs_channels_last_on_cpu", False) for m in model.modules()):
+        model.to(memory_format=torch.channels_last)
+    return model
 
 
 @torch.fx.wrap

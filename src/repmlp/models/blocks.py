@@ -457,6 +457,9 @@ class ResNet(PooledClassifierMixin, nn.Module):
     classifier_attr = "fc"
     __jit_unused_properties__ = ["stages"]  # a Python list of modules: TorchScript compiles the rest
 
+    # Its forward puts CPU activations channels_last (layers.channels_last_weights_on_cpu reads this).
+    runs_channels_last_on_cpu = True
+
     def __init__(
         self,
         specs: Sequence[StageSpec],

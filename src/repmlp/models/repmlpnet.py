@@ -280,6 +280,9 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
     Shapes: ``(N, in_chans, H, W)`` -> ``(N, num_classes)``.
     """
 
+    # Its forward puts CPU activations channels_last (layers.channels_last_weights_on_cpu reads this).
+    runs_channels_last_on_cpu = True
+
     def __init__(
         self,
         img_size: int | Sequence[int] = 224,
