@@ -140,7 +140,9 @@ def load_model(
     """Rebuild the model saved by :func:`save_model` and load its weights strictly.
 
     Returns ``(model, info)`` with ``info = {"model", "model_kwargs", "form", "extra", "path"}``; the model
-    is on ``device`` in eval mode. ``form`` (if given) must match the file's form.
+    is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv weights stored
+    channels_last: :func:`~repmlp.layers.channels_last_weights_on_cpu`). ``form`` (if given) must match
+    the file's form.
     """
     path = Path(path)
     tensors, meta = read_tensors(path)
