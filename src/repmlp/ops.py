@@ -308,7 +308,7 @@ class _GroupwiseFCTrain(torch.autograd.Function):
     """:func:`groupwise_fc_bmm` whose backward computes the weight's gradient in the weight's own layout,
     ``grad^T @ rows`` per group. Autograd's backward of the batched matmul computes it as ``rows^T @ grad``,
     the transposed kernel, and then copies it into the weight's layout: a transposition of the whole kernel
-    every step (benchmarks/bench_train.py: ~10% of ``repmlp_cifar``'s step on a CPU)."""
+    every step, a visible share of ``repmlp_cifar``'s CPU step (benchmarks/bench_train.py)."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -347,7 +347,8 @@ def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Te
 
 
 def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
-    """How :func:`groupwise_fc` runs this call: ``"bmm"``, or, for float32 CPU inference, ``"pick"``
+    """How :func:`groupwise_fc` runs this call: ``"bmm"``; for a recorded training call on a CPU, ``"train"``
+    (the same matmul, with :class:`_GroupwiseFCTrain`'s backward); or, for float32 CPU inference, ``"pick"``
     (the backend's form, traced as such by ``torch.jit.trace`` and ``torch.export``) or ``"compiled"``
     (the same choice inside an op opaque to ``torch.compile``).
 
