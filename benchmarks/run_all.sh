@@ -32,6 +32,12 @@ echo "### benchmarks/bench_runtimes.py: deployed models vs ResNet-50 in PyTorch,
 echo
 python3 benchmarks/bench_runtimes.py --profile  # CPU only; OpenVINO rows need pip install 'repmlp[openvino]'
 echo
+for model in repmlp_res50_light repmlp_res50; do
+    echo "### benchmarks/bench_fc3_weights.py --model ${model}: FC3 at batch 1 with fewer weight bytes"
+    echo
+    python3 benchmarks/bench_fc3_weights.py --model "${model}"  # CPU only
+    echo
+done
 echo "### benchmarks/bench_train.py: the training step before and after issue 19's work"
 echo
 python3 benchmarks/bench_train.py --profile

@@ -1,0 +1,127 @@
+"""FC3 at batch 1 in forms that read fewer weight bytes (issue 20, item 4): evidence for the next form.
+
+At batch 1 a deployed model's FC3 is a matrix product of a few rows (the partitions of one image) with a
+kernel of megabytes, bound by reading the kernel. This script takes every FC3 of a deployed model as it
+runs at batch 1 (the rows each ``GroupwiseLinear`` gets, recorded by a hook) and times, interleaved, the
+whole set of them per form:
+
+- ``fp32``: what the deployed model runs (``repmlp.ops.groupwise_fc``, float32);
+- ``bf16``: kernel and rows in bfloat16 (batched matmul), the result back in float32;
+- ``int8 w, fp32 rows`` / ``int8 w, bf16 rows``: the kernel in int8 with one scale per output row,
+  through PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, one call per group), rows
+  in float32 or bfloat16.
+
+Reported: milliseconds per model pass summed over its FC3s, the speed-up over ``fp32`` and the largest
+error relative to the largest float32 output (random weights). Not a deployed form yet: the numbers say
+whether one is worth building on this machine. CPU only.
+
+    python3 benchmarks/bench_fc3_weights.py [--model repmlp_res50_light] [--rounds 7] [--quick]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from common import device_arg, hardware, table, time_interleaved
+from repmlp import create_model, reparameterize_model
+from repmlp.layers import GroupwiseLinear, prepare_fc3
+from repmlp.ops import groupwise_fc, groupwise_fc_bmm
+
+
+def fc3_calls(model: torch.nn.Module, size: int) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """``(rows, weight, bias)`` of every FC3 call of ``model`` on one random ``size x size`` image."""
+    calls: list[tuple[Tensor, Tensor, Tensor | None]] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, args: calls.append(
+                (args[0].clone(memory_format=torch.contiguous_format), mod.weight, mod.bias)
+            )
+        )
+        for m in model.modules()
+        if isinstance(m, GroupwiseLinear)
+    ]
+    with torch.inference_mode():
+        model(torch.randn(1, 3, size, size))
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+# torch._weight_int8pack_mm (2.14, CPU) crashes unless the inner size is a multiple of 16 (FC3's P/g often
+# is not: 392 = 8 x 7 x 7): kernel and rows get zero columns up to it, the rows' padding inside the timing.
+_K_MULTIPLE = 16
+
+
+def int8_rows(weight: Tensor, groups: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Per group: the kernel ``(Q/g, P/g)`` in int8, zero-padded to ``_K_MULTIPLE`` columns, and its scale
+    per output row (symmetric)."""
+    kernels = weight.reshape(groups, weight.shape[0] // groups, weight.shape[1])
+    scales = kernels.abs().amax(dim=2).clamp_min(1e-12) / 127
+    q = torch.round(kernels / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    q = F.pad(q, (0, -q.shape[2] % _K_MULTIPLE))
+    return [q[j].contiguous() for j in range(groups)], [scales[j] for j in range(groups)]
+
+
+def forms(rows: Tensor, weight: Tensor, bias: Tensor | None) -> dict[str, Callable[[], Tensor]]:
+    """The four forms of one FC3 call, each returning float32 ``(g, B, Q/g)``."""
+    g = rows.shape[0]
+    q, s = int8_rows(weight, g)
+    s16 = [t.to(torch.bfloat16) for t in s]
+    rows16, weight16 = rows.to(torch.bfloat16), weight.to(torch.bfloat16)
+    bias16 = None if bias is None else bias.to(torch.bfloat16)
+    b = [None] * g if bias is None else list(bias.reshape(g, -1))
+
+    pad = -rows.shape[2] % _K_MULTIPLE
+
+    def int8(act: Tensor, scales: list[Tensor]) -> Tensor:
+        act = F.pad(act, (0, pad)) if pad else act
+        outs = [torch._weight_int8pack_mm(act[j], q[j], scales[j]).float() for j in range(g)]
+        return torch.stack([o if b[j] is None else o + b[j] for j, o in enumerate(outs)])
+
+    return {
+        "fp32": lambda: groupwise_fc(rows, weight, bias, False),
+        "bf16": lambda: groupwise_fc_bmm(rows16, weight16, bias16).float(),
+        "int8 w, fp32 rows": lambda: int8(rows, s),
+        "int8 w, bf16 rows": lambda: int8(rows16, s16),
+    }
+
+
+def main() -> None:
+    parser = device_arg(__doc__.splitlines()[0])
+    parser.add_argument("--model", default="repmlp_res50_light")
+    parser.add_argument("--img-size", type=int, default=224)
+    args = parser.parse_args()
+    model = reparameterize_model(create_model(args.model).eval())
+    prepare_fc3(model)
+    calls = [forms(*c) for c in fc3_calls(model, args.img_size)]
+    names = list(calls[0])
+    with torch.inference_mode():
+        ref = [c["fp32"]() for c in calls]
+        errors = {
+            n: max(float((c[n]() - r).abs().max() / r.abs().max()) for c, r in zip(calls, ref, strict=True))
+            for n in names
+        }
+        passes = {n: (lambda n=n: [c[n]() for c in calls]) for n in names}
+        rounds = 3 if args.quick else args.rounds
+        times = time_interleaved(
+            passes, torch.device("cpu"), rounds=rounds, min_round_s=0.05 if args.quick else 0.2
+        )
+    print(
+        f"**bench_fc3_weights: the FC3s of deployed {args.model} at batch 1 ({len(calls)} calls per pass)**"
+    )
+    print(hardware(torch.device("cpu")))
+    print()
+    rows = [
+        [n, f"{times[n] * 1e3:.2f}", f"{times['fp32'] / times[n]:.2f}x", f"{errors[n]:.1e}"] for n in names
+    ]
+    print(table(["form", "ms per pass", "vs fp32", "max error (rel.)"], rows))
+    print()
+    print(f"Medians of {rounds} interleaved rounds.")
+
+
+if __name__ == "__main__":
+    main()
