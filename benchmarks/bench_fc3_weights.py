@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--model", default="repmlp_res50_light")
     parser.add_argument("--img-size", type=int, default=224)
     args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error("bench_fc3_weights runs on the CPU only")
     model = reparameterize_model(create_model(args.model).eval())
     prepare_fc3(model)
     calls = [forms(*c) for c in fc3_calls(model, args.img_size)]
