@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from common import cpu_name, device_arg, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 from repmlp.deploy import native_support, to_precision
 from repmlp.profile import count_macs
@@ -187,11 +187,9 @@ def main() -> None:
         default=None,
         help="torch intra-op threads (default: torch's; 1 on a shared machine)",
     )
-    args = parser.parse_args()
+    args = parse_cpu_only(parser, "deployment")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device != "cpu":
-        parser.error("this benchmark measures CPU deployment only (--device cpu)")
     rounds = 2 if args.quick else args.rounds
     batches = [1] if args.quick else args.batch_sizes
     print("**bench_deploy: deployed models vs torchvision ResNet-50, per treatment**")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import device_arg, hardware, table, time_interleaved
+from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 from repmlp.layers import GroupwiseLinear, prepare_fc3
 from repmlp.ops import groupwise_fc, groupwise_fc_bmm
@@ -94,9 +94,7 @@ def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--model", default="repmlp_res50_light")
     parser.add_argument("--img-size", type=int, default=224)
-    args = parser.parse_args()
-    if args.device != "cpu":
-        parser.error("bench_fc3_weights runs on the CPU only")
+    args = parse_cpu_only(parser, "FC3 weight forms")
     model = reparameterize_model(create_model(args.model).eval())
     prepare_fc3(model)
     calls = [forms(*c) for c in fc3_calls(model, args.img_size)]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import device_arg, hardware, table, time_interleaved
+from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
 from repmlp.checkpoint import load_model
 from repmlp.data import DataConfig, build_data
 
@@ -36,9 +36,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True, help="run folder holding model.safetensors")
     parser.add_argument("--precisions", nargs="+", default=["bf16", "fp16", "int8"])
     parser.add_argument("--batch-size", type=int, default=256, help="batch of the throughput timing")
-    args = parser.parse_args()
-    if args.device != "cpu":
-        parser.error("this benchmark measures CPU deployment only (--device cpu)")
+    args = parse_cpu_only(parser, "reduced-precision deployment")
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as tmp:
         files = {"fp32": Path(tmp) / "deploy-fp32.safetensors"}
         files.update({p: Path(tmp) / f"deploy-{p}.safetensors" for p in args.precisions})

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from common import cpu_name, device_arg, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 from repmlp.deploy import quantize_int8
 from repmlp.profile import count_macs, count_params
@@ -173,9 +173,7 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="operator profile of each ONNX runtime (fp32)")
     parser.add_argument("--profile-batches", type=int, nargs="+", default=[8], help="batches of --profile")
-    args = parser.parse_args()
-    if args.device != "cpu":
-        parser.error("this benchmark measures CPU runtimes only (--device cpu)")
+    args = parse_cpu_only(parser, "runtimes")
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = 2 if args.quick else args.rounds

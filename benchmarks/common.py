@@ -90,6 +90,15 @@ def device_arg(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_cpu_only(parser: argparse.ArgumentParser, what: str) -> argparse.Namespace:
+    """``parser``'s arguments for a benchmark of the CPU only: any ``--device`` but ``cpu`` is a usage error
+    naming ``what`` the script measures."""
+    args = parser.parse_args()
+    if args.device != "cpu":
+        parser.error(f"this benchmark measures {what} on the CPU only (--device cpu)")
+    return args
+
+
 def set_tf32(allow: bool) -> None:
     """Same float32 precision for every candidate on GPU.
 

@@ -15,7 +15,7 @@ import torch
 import torchvision
 from torch import nn
 
-from common import cpu_name, device_arg, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 
 STAGES = ("stem", "c2", "c3", "c4", "c5")
@@ -77,9 +77,7 @@ def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--model", default="repmlp_res50_light")
     parser.add_argument("--batch-size", type=int, default=8)
-    args = parser.parse_args()
-    if args.device != "cpu":
-        parser.error("this profile is of CPU deployment only (--device cpu)")
+    args = parse_cpu_only(parser, "deployment")
     rounds = 2 if args.quick else args.rounds
     net = reparameterize_model(create_model(args.model).eval())
     models = {
