@@ -10,9 +10,11 @@ optimizer step, as ``repmlp train`` runs them on a CPU. Rounds are interleaved o
 - ``now, compiled``: this checkout with ``--compile on`` (``torch.compile`` of the model; its compilation
   is done in the warm-up, not timed).
 
-Cases: ``repmlp_fmnist`` (the main job: preset ``fmnist``, batch 256, 28x28, channels_last) and the
-paper's ``repmlp_cifar`` (preset ``cifar``, batch 128, the study's Fashion-MNIST padded to 32x32, one
-channel; the preset trains NCHW on a CPU).
+Cases: ``repmlp_fmnist`` (the main job's model until issue 19: preset ``fmnist``, batch 256, 28x28,
+channels_last), the paper's ``repmlp_cifar`` (preset ``cifar``, batch 128, the study's Fashion-MNIST
+padded to 32x32, one channel; the preset trains NCHW on a CPU), and ``main job``: what ``repmlp train``'s
+step was at the baseline (``repmlp_fmnist``) against what it is now (``repmlp_fmnist_patch2``, another
+model, so not the same maths).
 
 The MAC rate is the training step's multiply-accumulates (3x the forward's, ``repmlp.profile``) per
 second, beside this machine's float32 matmul rate (a 2048x2048 matmul, the same threads).
@@ -36,13 +38,14 @@ from pathlib import Path
 BASELINE = "99b1fcb"  # main before the training-speed work (issue 19)
 REPO = Path(__file__).resolve().parents[1]
 CASES = {
-    # model: (preset, batch, image size, channels_last, steps per round)
-    "repmlp_fmnist": ("fmnist", 256, 28, True, 10),
-    "repmlp_cifar": ("cifar", 128, 32, False, 3),
+    # case: (preset, batch, image size, channels_last, steps per round, model before, model now)
+    "repmlp_fmnist": ("fmnist", 256, 28, True, 10, "repmlp_fmnist", "repmlp_fmnist"),
+    "repmlp_cifar": ("cifar", 128, 32, False, 3, "repmlp_cifar", "repmlp_cifar"),
+    "main job": ("fmnist", 256, 28, True, 10, "repmlp_fmnist", "repmlp_fmnist_patch2"),
 }
 
 
-def worker(src: str, model_name: str, compiled: bool, keep_memory: bool) -> None:
+def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bool) -> None:
     """Serve timing requests on stdin: ``N`` -> run N training steps, print their seconds."""
     sys.path.insert(0, src)
     import numpy as np
@@ -54,7 +57,7 @@ def worker(src: str, model_name: str, compiled: bool, keep_memory: bool) -> None
     from repmlp.recipes import PRESETS
     from repmlp.tasks.classification import TrainConfig, make_optimizer
 
-    preset_name, batch, size, channels_last, _ = CASES[model_name]
+    preset_name, batch, size, channels_last = CASES[case][:4]
     preset = PRESETS[preset_name]
     if keep_memory:  # what train_loop does on a CPU in this checkout
         from repmlp.engine import keep_freed_memory
@@ -120,8 +123,10 @@ def baseline_source(ref: str, into: Path) -> str:
 
 
 class Worker:
-    def __init__(self, src: str, model: str, compiled: bool, keep_memory: bool) -> None:
-        cmd = [sys.executable, __file__, "--worker", src, model, str(int(compiled)), str(int(keep_memory))]
+    def __init__(self, src: str, case: str, model: str, compiled: bool, keep_memory: bool) -> None:
+        flags = [str(int(compiled)), str(int(keep_memory))]
+        cmd = [sys.executable, __file__, "--worker", src, case, model, *flags]
+        self.model = model
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, request: str) -> dict:
@@ -154,11 +159,10 @@ def matmul_gmacs() -> float:
     return n * 2048**3 / (time.perf_counter() - t0) / 1e9
 
 
-def training_macs(model_name: str) -> float:
+def training_macs(model_name: str, size: int) -> float:
     """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients)."""
     from repmlp.profile import profile_model
 
-    size = CASES[model_name][2]
     _, macs = profile_model(model_name, (1, size, size), deploy=False, num_classes=10, in_chans=1)
     return 3 * macs
 
@@ -177,7 +181,7 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=None, help="training steps a round (default: 10, cifar 3)"
     )
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated models")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--profile", action="store_true", help="also print the 'now' step's top operators")
     args = parser.parse_args()
     if args.profile:
@@ -188,12 +192,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         before_src = baseline_source(args.baseline, Path(tmp))
         now_src = str(REPO / "src")
-        for model in args.cases.split(","):
-            batch, steps = CASES[model][1], args.steps or CASES[model][4]
+        for case in args.cases.split(","):
+            if case not in CASES:
+                parser.error(f"unknown case {case!r}: one of {', '.join(CASES)}")
+            _, batch, size, _, default_steps, old, new = CASES[case]
+            steps = args.steps or default_steps
+            named = "" if old == new else f": {old} -> {new}"
             workers = {
-                f"before ({args.baseline})": Worker(before_src, model, False, False),
-                "now": Worker(now_src, model, False, True),
-                "now, compiled": Worker(now_src, model, True, True),
+                f"before ({args.baseline}){named}": Worker(before_src, case, old, False, False),
+                "now": Worker(now_src, case, new, False, True),
+                "now, compiled": Worker(now_src, case, new, True, True),
             }
             for w in workers.values():  # warm-up (and compilation), one worker at a time
                 w.run(3)
@@ -203,17 +211,16 @@ def main() -> None:
                     times[name].append(w.run(steps) / steps)
             if args.profile:
                 for name in ("now", "now, compiled"):
-                    profiles[f"{model}, training step '{name}'"] = workers[name].ask("profile")["table"]
+                    profiles[f"{case}, training step '{name}'"] = workers[name].ask("profile")["table"]
             for w in workers.values():
                 w.close()
-            macs = training_macs(model)
             base = sorted(times[next(iter(workers))])[args.rounds // 2]
             for name, ts in times.items():
-                t = sorted(ts)[args.rounds // 2]
+                t, macs = sorted(ts)[args.rounds // 2], training_macs(workers[name].model, size)
                 rows.append(
-                    [model, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
+                    [case, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
                 )
-    print(table(["model", "training step", "images/s", "vs before", "GMAC/s"], rows))
+    print(table(["case", "training step", "images/s", "vs before", "GMAC/s"], rows))
     for what, text in profiles.items():
         print(f"\n{what}: operators (compiled: generated kernels too) by self CPU time, 5 steps\n")
         print(f"```\n{text}```")
@@ -221,6 +228,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1")
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5] == "1", sys.argv[6] == "1")
     else:
         main()

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
-from repmlp.layers import MaxPool2x2, prepare_fc3
+from repmlp.layers import ConvBN, MaxPool2x2, prepare_fc3
 from zoo import shallow
 
 
@@ -301,6 +301,60 @@ def test_batchnorm_gradients_arrive_in_their_inputs_layout(name: str) -> None:
         _step_grads(model, x)
     assert len(layouts.calls) >= 6
     assert [shape for shape, same in layouts.calls if not same] == []
+
+
+class _ConvLayouts(TorchDispatchMode):
+    """Records, for every convolution and its backward, whether its input is channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default):
+            x = args[1] if func is torch.ops.aten.convolution_backward.default else args[0]
+            self.calls.append((func.overloadpacket.__name__, ops.is_channels_last(x)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("per_group", "kernel", "channels_last"),
+    [(4, 3, True), (6, 5, True), (2, 7, True), (8, 3, False), (16, 3, False), (4, 1, False)],
+)
+@pytest.mark.parametrize("weights_channels_last", [False, True])
+def test_training_convs_without_a_direct_nchw_kernel_run_channels_last(
+    per_group: int, kernel: int, channels_last: bool, weights_channels_last: bool
+) -> None:
+    """A training conv on a plain CPU input (the Local Perceptron's, on the partition map) runs channels_last,
+    forward and backward, exactly where oneDNN has no direct NCHW kernel (groups' channels not a multiple
+    of 8, kernel above 1x1), and hands back a plain output and a plain input gradient, with the values of
+    the plain conv (float64) for either layout of the weights."""
+    torch.manual_seed(0)
+    c = 2 * per_group
+    layer = ConvBN(c, c, kernel, groups=2).double().train()
+    if weights_channels_last:
+        layer.to(memory_format=torch.channels_last)
+    x = torch.randn(6, c, 7, 7, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(6, c, 7, 7, dtype=torch.float64)
+    with _ConvLayouts() as layouts:
+        out = layer.forward_in_input_layout(x)
+        got = torch.autograd.grad(out, [x, *layer.parameters()], grad_out)
+    assert out.is_contiguous() and got[0].is_contiguous()
+    assert {name for name, _ in layouts.calls} == {"convolution", "convolution_backward"}
+    assert all(cl == channels_last for _, cl in layouts.calls), layouts.calls
+    ref = F.batch_norm(
+        F.conv2d(x, layer.conv.weight.contiguous(), padding=kernel // 2, groups=2),
+        None,
+        None,
+        layer.bn.weight,
+        layer.bn.bias,
+        training=True,
+        eps=layer.bn.eps,
+    )
+    want = torch.autograd.grad(ref, [x, *layer.parameters()], grad_out)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
 
 
 # Small configurations of every family, so tracing them stays cheap.

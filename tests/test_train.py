@@ -33,7 +33,7 @@ from repmlp.engine import state_hash
 from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, subprocess_env, write_idx
 
 # Two 28x28 stages of 4 channels, then 8 and 8: ~0.4M parameters, mostly FC3.
-FMNIST_TINY = ["--model-arg", "widths=[4,8,8]"]
+FMNIST_TINY = ["--model-arg", "widths=[4,8]"]
 # The paper's CIFAR pure MLP with two stages of 4 and 8 channels and K = 1, 3 (32x32 inputs, 8x8 partitions).
 CIFAR_TINY = ["--model", "repmlp_cifar", "--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[1,3]"]
 RUN_FILES = {
@@ -445,7 +445,7 @@ def bad_data(data, tmp_path_factory) -> dict[str, Path]:
         (["--dataset", "cifar10", "--data-dir", "{no_test}"], ["CIFAR-10 batch missing", "test_batch"]),
         (["--dataset", "cifar10"], ["needs --data-dir"]),
         (["--model", "no_such_model_xyz"], ["cannot build model 'no_such_model_xyz'", "unknown model"]),
-        (["--model-arg", "widths=[4,8,8,8,8]"], ["cannot build model 'repmlp_fmnist'"]),
+        (["--model-arg", "widths=[4,8,8,8,8]"], ["cannot build model 'repmlp_fmnist_patch2'"]),
         (["--epochs", "0"], ["--epochs: must be >= 1, got 0"]),
         (["--lr", "-1"], ["--lr: must be a positive number, got -1"]),
         (["--lr", "nan"], ["--lr: must be a positive number"]),
@@ -508,12 +508,12 @@ def run_and_expect_error(capsys, argv: list[str], *fragments: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "fragments"),
     [
-        # The run was trained with widths 4, 8, 8 (FMNIST_TINY): another model or recipe cannot continue it.
+        # The run was trained with widths 4, 8 (FMNIST_TINY): another model or recipe cannot continue it.
         (
             ["--resume", "--model", "repmlp_cifar"],
-            ["cannot resume", "--model 'repmlp_fmnist', not 'repmlp_cifar'"],
+            ["cannot resume", "--model 'repmlp_fmnist_patch2', not 'repmlp_cifar'"],
         ),
-        (["--resume", "--model-arg", "widths=[4,8,16]"], ["--model-arg {'widths': [4, 8, 8]}"]),
+        (["--resume", "--model-arg", "widths=[4,16]"], ["--model-arg {'widths': [4, 8]}"]),
         (["--resume", "--lr", "0.1", "--seed", "5"], ["--lr 0.2, not 0.1", "--seed 0, not 5"]),
         (
             ["--resume", "--dataset", "cifar10", "--data-dir", "x"],
@@ -548,7 +548,7 @@ def test_resume_with_a_checkpoint_that_does_not_fit_or_is_damaged(finished_run, 
     state_path = finished_run / "checkpoint.safetensors"
     # A training state whose weights belong to another model than its recorded configuration.
     state = load_state(state_path)
-    state["config"]["model_args"] = {"widths": [4, 8, 16]}
+    state["config"]["model_args"] = {"widths": [4, 16]}
     save_state(state_path, state)
     before = snapshot(finished_run)
     run_and_expect_error(capsys, ["--output", str(finished_run), "--resume"], "does not fit this run")

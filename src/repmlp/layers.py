@@ -1,12 +1,13 @@
 """Small re-parameterizable layers shared by the block and the models."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import fc3_uses_onednn, groupwise_fc
+from .ops import fc3_uses_onednn, groupwise_fc, is_channels_last
 from .reparam import fuse_bn, ntuple
 
 # A torch.fx leaf: a traced graph calls groupwise_fc as the module does, so it makes the same FC3 choice
@@ -72,12 +73,14 @@ class ConvBN(nn.Module):
         return x if self.bn is None else self.bn(x)
 
     def forward_in_input_layout(self, x: Tensor) -> Tensor:
-        """:meth:`forward`, with the conv writing its output in ``x``'s memory format on a CPU: a plain
-        contiguous input gets a weight with plain strides. ``model.to(memory_format=torch.channels_last)``
-        stores every 4-D weight channels_last, and oneDNN then writes a channels_last output even for an
-        NCHW input (a 1x1 kernel too, whose channels_last weight also counts as contiguous: hence a clone).
-        Elsewhere the same as :meth:`forward`."""
-        x = self.conv._conv_forward(x, weight_in_layout_of(x, self.conv.weight), self.conv.bias)
+        """:meth:`forward`, with the conv writing its output in ``x``'s memory format on a CPU (see
+        :func:`conv_in_layout_of`), so that the BatchNorm's input and gradient share a layout. Elsewhere the
+        same as :meth:`forward`."""
+        c = self.conv
+        if torch.jit.is_scripting():  # TorchScript compiles no branch below: the plain conv
+            x = c(x)
+        else:
+            x = conv_in_layout_of(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
         return x if self.bn is None else self.bn(x)
 
     @torch.no_grad()
@@ -96,12 +99,63 @@ class ConvBN(nn.Module):
         self.bn = None
 
 
-@torch.fx.wrap  # a leaf of traced graphs: it branches on the layout
-def weight_in_layout_of(x: Tensor, weight: Tensor) -> Tensor:
-    """``weight`` with plain strides if ``x`` is a plain contiguous CPU tensor, else ``weight`` as it is."""
-    if x.device.type == "cpu" and x.is_contiguous():
-        return weight.clone(memory_format=torch.contiguous_format)
-    return weight
+_CONV_FN = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the weight's dimensions
+
+
+# A leaf of traced graphs (it branches on the layout and the shapes), which TorchScript of a traced graph
+# calls as Python; the conv's sizes are typed Any for it (tuples of one to three ints, or a padding string).
+@torch.fx.wrap
+@torch.jit.ignore
+def conv_in_layout_of(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any, groups: int
+) -> Tensor:
+    """The conv ``F.conv{1,2,3}d(x, weight, ...)``, written in ``x``'s memory format when ``x`` is a plain
+    contiguous CPU tensor; otherwise as it is.
+
+    ``model.to(memory_format=torch.channels_last)`` stores every 4-D weight channels_last, and oneDNN then
+    writes a channels_last output even for an NCHW input (a 1x1 kernel too, whose channels_last weight also
+    counts as contiguous): so a plain input normally gets a weight with plain strides. But oneDNN has a
+    direct NCHW kernel for a grouped conv only when each group's channels fill whole vector registers; for
+    others (:func:`_slow_in_nchw`) it runs an im2col GEMM per image and group, which on the many small
+    partition maps of a Local Perceptron trains 1.5-3x slower than its channels_last kernel. Those convs
+    run channels_last and hand back a plain output (:class:`_Relayout`).
+    """
+    conv = _CONV_FN[weight.dim()]
+    args = (bias, stride, padding, dilation, groups)
+    if x.device.type != "cpu" or not x.is_contiguous():
+        return conv(x, weight, *args)
+    if (
+        x.dim() == 4
+        and _slow_in_nchw(weight, groups)
+        and not (torch.jit.is_tracing() or torch.compiler.is_exporting())
+    ):
+        cl = torch.channels_last
+        y = conv(_Relayout.apply(x, cl), weight.contiguous(memory_format=cl), *args)
+        return _Relayout.apply(y, torch.contiguous_format)
+    return conv(x, weight.clone(memory_format=torch.contiguous_format), *args)
+
+
+def _slow_in_nchw(weight: Tensor, groups: int) -> bool:
+    """Whether oneDNN runs this 2-D conv on NCHW tensors as an im2col GEMM: a kernel larger than 1x1 whose
+    groups have a number of input or output channels that is not a multiple of 8 (the float32 vector width of
+    AVX2; ``ONEDNN_VERBOSE=1`` names the kernel). 1x1 kernels are a GEMM either way, equally fast."""
+    out_channels, per_group = weight.shape[:2]
+    return weight.shape[2] * weight.shape[3] > 1 and bool(per_group % 8 or (out_channels // groups) % 8)
+
+
+class _Relayout(torch.autograd.Function):
+    """``x.contiguous(memory_format=layout)`` whose backward hands back the gradient in ``x``'s own layout:
+    around a channels_last conv on a plain input, the conv's backward gets a channels_last gradient (the
+    layout its kernels run fastest in) and the layers before it a plain one, as their other inputs give."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layout: torch.memory_format) -> Tensor:
+        ctx.layout = torch.channels_last if is_channels_last(x) else torch.contiguous_format
+        return x.contiguous(memory_format=layout)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad.contiguous(memory_format=ctx.layout), None
 
 
 class GroupwiseLinear(nn.Module):

@@ -1,7 +1,7 @@
 """``repmlp train``: train a classifier (default: RepMLP on Fashion-MNIST), evaluate, convert, export, report.
 
 With no options this is the project's main job: a pure-MLP RepMLP on the Fashion-MNIST installed by
-Debian's ``dataset-fashion-mnist``, about ten minutes on a 2-core CPU. ``--preset cifar|imagenet`` selects
+Debian's ``dataset-fashion-mnist``, about five minutes on a 2-core CPU. ``--preset cifar|imagenet`` selects
 the paper's recipes; every preset value can be overridden. Under ``torchrun --nproc_per_node N`` the same
 command trains with DistributedDataParallel. ``--task face|seg`` runs the face-recognition or
 segmentation pipeline instead (their options: ``repmlp train --task face --help``).
@@ -111,7 +111,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "train",
         add_help=False,
-        help="train a model (default: the 10-minute Fashion-MNIST job)",
+        help="train a model (default: the 5-minute Fashion-MNIST job)",
         description=__doc__,
         formatter_class=HelpFormatter,
     )

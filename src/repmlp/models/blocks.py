@@ -52,11 +52,14 @@ class ConvBNReLU(ConvBN):
 
     def forward(self, x: Tensor) -> Tensor:
         conv = self.conv
-        pointwise = conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.padding == (0, 0)
-        if conv.in_channels == 1 and pointwise:
-            # A stem on one input channel (Fashion-MNIST): oneDNN runs this conv slowly (its weight gradient
-            # most), and its output would leave a channels_last model in NCHW. The same sums as a matmul.
-            x = pointwise_conv_as_linear(x, conv.weight, conv.bias)
+        k = conv.kernel_size[0]
+        patchwise = conv.kernel_size == conv.stride == (k, k) and conv.padding == (0, 0) and conv.groups == 1
+        if conv.in_channels == 1 and patchwise and conv.dilation == (1, 1):
+            # A stem on one input channel (Fashion-MNIST), an FC on each pixel or on each k x k patch: oneDNN
+            # runs this conv slowly (its weight gradient most), and its output would leave a channels_last
+            # model in NCHW. The same sums as a matmul over the patches' pixels (pixel_unshuffle orders them
+            # as the kernel's entries).
+            x = pointwise_conv_as_linear(F.pixel_unshuffle(x, k) if k > 1 else x, conv.weight, conv.bias)
         else:
             x = conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
         if self.bn is not None:

@@ -1,8 +1,9 @@
-"""The pure MLP of paper Sec. 4.1 (CIFAR-10), its ablations, the Wide ConvNet, and a Fashion-MNIST variant.
+"""The pure MLP of paper Sec. 4.1 (CIFAR-10), its ablations, the Wide ConvNet, and Fashion-MNIST variants.
 
-One builder, :class:`PureMLP`: a 1x1 "FC" stem, then stages at full, 1/2, 1/4 resolution (2x2 max pool
-between them), each ``mixer, FC(C, C), mixer, FC(C, C_next)`` with a ReLU after every mixer and every
-FC (a 1x1 conv-BN), then the classifier. The mixer is what the paper's variants change:
+One builder, :class:`PureMLP`: a 1x1 "FC" stem (or an FC on ``p x p`` patches, ``patch_size``), then stages
+at full, 1/2, 1/4 of the stem's resolution (2x2 max pool between them), each ``mixer, FC(C, C), mixer,
+FC(C, C_next)`` with a ReLU after every mixer and every FC (a 1x1 conv-BN), then the classifier. The mixer
+is what the paper's variants change:
 
 * ``"repmlp"``: a RepMLP (``g = 2``, ``h = w = 8``, ``K = 1,3,5,7`` on CIFAR) - the pure MLP;
   ``global_perceptron=False`` / ``kernel_sizes=()`` give rows C (w/o Global) and B (w/o Local);
@@ -40,6 +41,7 @@ __all__ = [
     "repmlp_cifar_conv9",
     "wide_convnet_cifar",
     "repmlp_fmnist",
+    "repmlp_fmnist_patch2",
 ]
 
 _CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -237,6 +239,9 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         conv_kernel: ``K`` of the conv mixers.
         width_multiplier: scales ``widths`` (each rounded to a multiple of ``groups``, at least
             ``groups``): the ablation study's knob for a cheaper run of the same architectures.
+        patch_size: ``p``; the stem is an FC on each non-overlapping ``p x p`` patch (a ``p x p`` conv of
+            stride ``p``, as MLP-Mixer's patch embedding), so the stages run at ``img_size / p``; 1 (the
+            paper's 1x1 FC) by default.
         num_classes, in_chans, deploy: as everywhere.
         global_pool: ``"avg"`` or ``""`` (no pooling), as timm's models.
 
@@ -258,6 +263,7 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         global_pool: str = "avg",
         in_chans: int = 3,
         width_multiplier: float = 1.0,
+        patch_size: int = 1,
         deploy: bool = False,
     ) -> None:
         super().__init__()
@@ -268,20 +274,27 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         if not isinstance(img_size, int):
             raise ValueError(f"img_size must be an int (square inputs), got {img_size!r}")
         n = len(widths)
-        if img_size % (2 ** (n - 1)):
-            raise ValueError(f"img_size={img_size} must be divisible by {2 ** (n - 1)} ({n} stages)")
+        if not (isinstance(patch_size, int) and patch_size >= 1):
+            raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
+        if img_size % (patch_size * 2 ** (n - 1)):
+            raise ValueError(
+                f"img_size={img_size} must be divisible by {patch_size * 2 ** (n - 1)} "
+                f"(patch_size={patch_size}, {n} stages)"
+            )
         self.num_classes, self.in_chans, self.img_size = num_classes, in_chans, img_size
-        self.stem = ConvBNReLU(in_chans, widths[0], 1, deploy=deploy)
+        self.stem = ConvBNReLU(in_chans, widths[0], patch_size, patch_size, 0, deploy=deploy)
         spec = MixerSpec(
             mixer, partition, groups, tuple(kernel_sizes), global_perceptron, conv_kernel, deploy
         )
         self.stages, self.feature_info = pure_mlp_stages(
             widths,
-            img_size,
+            img_size // patch_size,
             mixer=lambda c, res: mixer_layer(spec, c, res),
             fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy),
             pool=MaxPool2x2,
         )
+        for info in self.feature_info:
+            info["reduction"] *= patch_size
         self.num_features = self.head_hidden_size = widths[-1]
         self.reset_classifier(num_classes, global_pool)
 
@@ -370,5 +383,36 @@ def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """
     defaults: dict[str, Any] = dict(
         widths=(8, 16, 32), img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10
+    )
+    return PureMLP(**{**defaults, **kwargs})
+
+
+@register_model(
+    input_size=(1, 28, 28),
+    num_classes=10,
+    mean=_FMNIST_MEAN,
+    std=_FMNIST_STD,
+    crop_pct=1.0,
+    classifier="head",
+    first_conv="stem.conv",
+    pool_size=(7, 7),
+    fixed_input_size=True,
+    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1)),
+)
+def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
+    """The main job's model: :func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two
+    stages run at 14 and 7 (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron,
+    at 7 one partition). About 2.5x cheaper to train on a CPU than ``repmlp_fmnist``, whose first stage
+    runs at 28x28 on 8 channels (the slowest case for the CPU kernels), at the same accuracy in the main
+    job's five epochs (README)."""
+    defaults: dict[str, Any] = dict(
+        widths=(16, 32),
+        img_size=28,
+        patch_size=2,
+        in_chans=1,
+        partition=7,
+        groups=2,
+        kernel_sizes=(3,),
+        num_classes=10,
     )
     return PureMLP(**{**defaults, **kwargs})
