@@ -42,6 +42,10 @@ echo "### benchmarks/bench_train.py: the training step before and after issue 19
 echo
 python3 benchmarks/bench_train.py --profile
 echo
+echo "### benchmarks/bench_local_convs.py: a Local Perceptron branch's training layouts"
+echo
+python3 benchmarks/bench_local_convs.py  # CPU only
+echo
 echo "### benchmarks/bench_deploy.py with glibc malloc keeping freed memory (no page faults per call)"
 echo
 MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 MALLOC_TOP_PAD_=268435456 \

@@ -117,8 +117,9 @@ def conv_in_layout_of(
     counts as contiguous): so a plain input normally gets a weight with plain strides. But oneDNN has a
     direct NCHW kernel for a grouped conv only when each group's channels fill whole vector registers; for
     others (:func:`_slow_in_nchw`) it runs an im2col GEMM per image and group, which on the many small
-    partition maps of a Local Perceptron trains 1.5-3x slower than its channels_last kernel. Those convs
-    run channels_last and hand back a plain output (:class:`_Relayout`).
+    partition maps of a Local Perceptron trains several times slower than its channels_last kernels
+    (``benchmarks/bench_local_convs.py``). Those convs run channels_last and hand back a plain output
+    (:class:`_Relayout`).
     """
     conv = _CONV_FN[weight.dim()]
     args = (bias, stride, padding, dilation, groups)
@@ -136,9 +137,10 @@ def conv_in_layout_of(
 
 
 def _slow_in_nchw(weight: Tensor, groups: int) -> bool:
-    """Whether oneDNN runs this 2-D conv on NCHW tensors as an im2col GEMM: a kernel larger than 1x1 whose
-    groups have a number of input or output channels that is not a multiple of 8 (the float32 vector width of
-    AVX2; ``ONEDNN_VERBOSE=1`` names the kernel). 1x1 kernels are a GEMM either way, equally fast."""
+    """Whether oneDNN runs this 2-D training conv on NCHW tensors as an im2col GEMM, much slower than in
+    channels_last: a kernel larger than 1x1 whose groups have a number of input or output channels that is
+    not a multiple of 8 (the float32 vector width of AVX2, where it was measured; ``ONEDNN_VERBOSE=1`` names
+    the kernel). 1x1 kernels are a GEMM in either layout, and timed too close to switch."""
     out_channels, per_group = weight.shape[:2]
     return weight.shape[2] * weight.shape[3] > 1 and bool(per_group % 8 or (out_channels // groups) % 8)
 
