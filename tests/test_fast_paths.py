@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from repmlp import RepMLPBlock, create_model, list_models, ops, reparameterize_model
 from repmlp.layers import ConvBN, MaxPool2x2, prepare_fc3
+from repmlp.models.blocks import ConvBNReLU
 from zoo import shallow
 
 
@@ -203,6 +204,36 @@ def test_pointwise_conv_as_linear_matches_conv(bias: bool) -> None:
     out = ops.pointwise_conv_as_linear(x, weight, b)
     torch.testing.assert_close(out, F.conv2d(x, weight, b), rtol=1e-13, atol=1e-13)
     assert ops.is_channels_last(out)
+
+
+@settings(max_examples=12, deadline=None)
+@given(patch=st.integers(1, 4), cells=st.integers(1, 3), deploy=st.booleans())
+def test_one_channel_patch_stem_is_the_strided_conv(patch: int, cells: int, deploy: bool) -> None:
+    """The one-channel stem of ``patch_size`` p (an FC on each p x p patch), run as a matmul over the
+    patches' pixels, computes the p x p conv of stride p (+ BN + ReLU), values and gradients, and writes
+    channels_last; the deployed (BN-fused) stem too."""
+    torch.manual_seed(patch)
+    stem = ConvBNReLU(1, 5, patch, patch, 0, deploy=deploy).double().train()
+    x = torch.randn(3, 1, patch * cells, patch * (cells + 1), dtype=torch.float64, requires_grad=True)
+    out = stem(x)
+    ref = F.conv2d(x, stem.conv.weight, stem.conv.bias, stride=patch)
+    if stem.bn is not None:
+        ref = stem.bn(ref)
+    ref = F.relu(ref)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert ops.is_channels_last(out) or out.shape[2] * out.shape[3] == 1
+    grad = torch.randn_like(out)
+    params = [x, *stem.parameters()]
+    for a, e in zip(
+        torch.autograd.grad(out, params, grad), torch.autograd.grad(ref, params, grad), strict=True
+    ):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(("patch", "size", "widths"), [(0, 28, (4, 8)), (2, 28, (4, 8, 8)), (3, 28, (4,))])
+def test_pure_mlp_rejects_a_patch_size_that_does_not_fit(patch: int, size: int, widths: tuple) -> None:
+    with pytest.raises(ValueError, match="patch_size"):
+        create_model("repmlp_fmnist_patch2", patch_size=patch, img_size=size, widths=widths)
 
 
 def _step_grads(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
