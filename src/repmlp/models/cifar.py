@@ -34,6 +34,8 @@ __all__ = [
     "mixer_layer",
     "pure_mlp_stages",
     "PartitionConvBlock",
+    "pure_mlp_cfg",
+    "fmnist_cfg",
     "repmlp_cifar",
     "repmlp_cifar_no_local",
     "repmlp_cifar_no_global",
@@ -313,18 +315,35 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-_CIFAR_CFG: dict[str, Any] = dict(
-    input_size=(3, 32, 32),
-    num_classes=10,
-    mean=_CIFAR_MEAN,
-    std=_CIFAR_STD,
-    crop_pct=1.0,
-    classifier="head",
-    first_conv="stem.conv",
-    pool_size=(8, 8),
-    fixed_input_size=True,
-    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
-)
+def pure_mlp_cfg(
+    input_size: tuple[int, int, int],
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    pool_size: tuple[int, ...],
+    stages: int,
+) -> dict[str, Any]:
+    """timm's ``pretrained_cfg`` of a pure MLP for 10 classes (head ``head``, stem ``stem.conv``, fixed
+    input size) whose last features are ``pool_size`` and whose ``stages`` stages give features."""
+    return dict(
+        input_size=input_size,
+        num_classes=10,
+        mean=mean,
+        std=std,
+        crop_pct=1.0,
+        classifier="head",
+        first_conv="stem.conv",
+        pool_size=pool_size,
+        fixed_input_size=True,
+        feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(stages))),
+    )
+
+
+def fmnist_cfg(pool_size: tuple[int, ...], stages: int) -> dict[str, Any]:
+    """:func:`pure_mlp_cfg` of a Fashion-MNIST model (28x28x1)."""
+    return pure_mlp_cfg((1, 28, 28), _FMNIST_MEAN, _FMNIST_STD, pool_size, stages)
+
+
+_CIFAR_CFG = pure_mlp_cfg((3, 32, 32), _CIFAR_MEAN, _CIFAR_STD, (8, 8), stages=3)
 
 
 @register_model(**_CIFAR_CFG)
@@ -363,18 +382,7 @@ def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return PureMLP(**{"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128), **kwargs})
 
 
-@register_model(
-    input_size=(1, 28, 28),
-    num_classes=10,
-    mean=_FMNIST_MEAN,
-    std=_FMNIST_STD,
-    crop_pct=1.0,
-    classifier="head",
-    first_conv="stem.conv",
-    pool_size=(7, 7),
-    fixed_input_size=True,
-    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
-)
+@register_model(**fmnist_cfg((7, 7), stages=3))
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes.
 
@@ -387,18 +395,7 @@ def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return PureMLP(**{**defaults, **kwargs})
 
 
-@register_model(
-    input_size=(1, 28, 28),
-    num_classes=10,
-    mean=_FMNIST_MEAN,
-    std=_FMNIST_STD,
-    crop_pct=1.0,
-    classifier="head",
-    first_conv="stem.conv",
-    pool_size=(7, 7),
-    fixed_input_size=True,
-    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1)),
-)
+@register_model(**fmnist_cfg((7, 7), stages=2))
 def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The main job's model: :func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two
     stages run at 14 and 7 (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from .blocks import ConvBNReLU
-from .cifar import MixerSpec, mixer_layer, pure_mlp_stages
+from .cifar import MixerSpec, fmnist_cfg, mixer_layer, pure_mlp_stages
 from .head import PooledClassifierMixin
 from .registry import register_model
 
@@ -31,9 +31,6 @@ __all__ = [
     "repmlp1d_fmnist",
     "conv1d_fmnist",
 ]
-
-_FMNIST_MEAN = (0.2860,)
-_FMNIST_STD = (0.3530,)
 
 
 def rows_as_sequence(x: Tensor) -> Tensor:
@@ -181,18 +178,7 @@ class RowSequenceMLP(SequenceMLP):
         self.in_chans, self.img_size = in_chans, img_size
 
 
-_FMNIST_CFG: dict[str, Any] = dict(
-    input_size=(1, 28, 28),
-    num_classes=10,
-    mean=_FMNIST_MEAN,
-    std=_FMNIST_STD,
-    crop_pct=1.0,
-    classifier="head",
-    first_conv="stem.conv",
-    pool_size=(7,),
-    fixed_input_size=True,
-    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2)),
-)
+_FMNIST_CFG = fmnist_cfg((7,), stages=3)
 
 # Shared by both Fashion-MNIST models, so that only the mixer differs.
 _FMNIST_DEFAULTS: dict[str, Any] = dict(
