@@ -142,10 +142,11 @@ class LocalPerceptron(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Measured on CPU (benchmarks/bench_block.py (b), (c)): without autograd, channels_last convs are a
-        # little faster on these small maps; in a training step NCHW is faster, as BatchNorm's backward is
-        # slow when its gradient (NCHW, from FC3's side of the sum) and its input differ in layout. So on a
-        # CPU, with autograd, the convs write the partition map's own layout even in a channels_last model,
-        # whose weights are stored channels_last (benchmarks/bench_train.py; not measured on CUDA).
+        # little faster on these small maps. In a training step BatchNorm's backward is slow when its gradient
+        # (NCHW, from FC3's side of the sum) and its input differ in layout, so on a CPU, with autograd, the
+        # branches write the partition map's own layout even in a channels_last model (whose weights are
+        # stored channels_last); a conv that oneDNN runs slowly in NCHW still computes in channels_last
+        # inside (layers.conv_in_layout_of; benchmarks/bench_train.py, not measured on CUDA).
         grad = torch.is_grad_enabled()
         if not grad and x.dim() == 4:  # channels_last exists for 4-d tensors only
             x = x.contiguous(memory_format=torch.channels_last)

@@ -399,9 +399,9 @@ def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
 def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The main job's model: :func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two
     stages run at 14 and 7 (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron,
-    at 7 one partition). About 2.5x cheaper to train on a CPU than ``repmlp_fmnist``, whose first stage
-    runs at 28x28 on 8 channels (the slowest case for the CPU kernels), at the same accuracy in the main
-    job's five epochs (README)."""
+    at 7 one partition). Cheaper to train on a CPU than ``repmlp_fmnist``, whose first stage runs at
+    28x28 on 8 channels (a slow case for the CPU kernels), at the same accuracy in the main job's five
+    epochs (README; ``benchmarks/bench_train.py``, case ``main job``)."""
     defaults: dict[str, Any] = dict(
         widths=(16, 32),
         img_size=28,
