@@ -116,6 +116,63 @@ def test_reusing_runs_of_other_options_is_refused(studied):
     assert "cannot resume" in user_error_line(res.stderr) and "--epochs 2" in res.stderr
 
 
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) processes whose parent is ``pid``, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if int(ppid) == pid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_a_killed_study_leaves_no_worker_training(tmp_path):
+    """SIGKILL the study process mid-run: its worker processes end too, instead of training on into run
+    folders that the next call resumes."""
+    import os
+    import signal
+    import time
+
+    data = make_fashion_mnist(tmp_path / "fmnist", n_train=32, n_test=16)
+    out = tmp_path / "study"
+    cmd = [sys.executable, "-m", "repmlp", "study", "ablation", "--output", str(out), "--data-dir", str(data),
+           "--epochs", "1000", "--train-limit", "16", "--val-limit", "16", "--width-multiplier", "0.125",
+           "--seeds", "1", "--jobs", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not list(out.rglob("metrics.csv")):  # a worker is training
+            assert proc.poll() is None and time.monotonic() < deadline, "the study did not start training"
+            time.sleep(0.2)
+        workers = [
+            pid for pid in _children(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+        ]
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived the study process"
+    finally:
+        proc.kill()
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -278,3 +278,24 @@ def _worker_init(threads: int, level: int) -> None:
     root = logging.getLogger("repmlp")
     root.addHandler(handler)
     root.setLevel(level)
+    _exit_with_parent()
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this worker process soon after the study process is gone (killed, crashed, out of memory).
+
+    Nothing else stops it: a worker keeps training its run to the end while its parent is gone, and the
+    next study call would then resume that same run folder beside it. Checkpoints are written atomically,
+    so the run resumes from its last one.
+    """
+    import os
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:  # a reparented orphan sees another parent (init or a subreaper)
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="repmlp-study-parent", daemon=True).start()
