@@ -8,6 +8,7 @@ repmlp`` processes; the other calls run :func:`repmlp.cli.main` in this process.
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -91,6 +92,14 @@ def test_study_writes_every_row_and_resumes_the_killed_run(studied):
         history = (out / row.key / "seed0" / "metrics.csv").read_text().splitlines()
         assert len(history) == 1 + 2, history  # header + both epochs, the resumed run included
     assert first.stderr.count("resuming") == 1
+    # The learning curves: each row's validation top-1 after every epoch, as its run logged it (one seed).
+    curves = text.split("## Validation top-1 (%) by epoch, mean over seeds", 1)[1]
+    assert "| row | epoch 1 | epoch 2 |" in curves
+    for row in trained_rows():
+        with open(out / row.key / "seed0" / "metrics.csv", newline="") as f:
+            top1 = [float(r["val_top1"]) for r in csv.DictReader(f)]
+        label = "Pure MLP (=A)" if row.key == "pure_mlp" else row.label
+        assert f"| {label} | {top1[0]:.2f} | {top1[1]:.2f} |" in curves, (label, top1)
 
 
 def test_second_call_reuses_finished_runs(studied):

@@ -14,7 +14,7 @@ import torch
 from ..checkpoint import atomic_write_bytes, atomic_write_text
 from .study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
-__all__ = ["write_report", "summarize", "check_claims", "measure_rows", "plot_study"]
+__all__ = ["write_report", "summarize", "val_curves", "check_claims", "measure_rows", "plot_study"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,25 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             "train_seconds": sum(float(r.get("train_seconds", 0.0)) for r in runs),
         }
     return out
+
+
+def val_curves(out: Path, seeds: int) -> dict[str, list[list[float]]]:
+    """Per trained row: each seed's validation top-1 (%) after every epoch, read from its run's
+    ``metrics.csv`` (so finished runs of any version count)."""
+    import csv
+
+    curves: dict[str, list[list[float]]] = {}
+    for row in trained_rows():
+        curves[row.key] = []
+        for seed in range(seeds):
+            with open(out / row.key / f"seed{seed}" / "metrics.csv", newline="") as f:
+                curves[row.key].append([float(r["val_top1"]) for r in csv.DictReader(f)])
+    return curves
+
+
+def _epoch_means(runs: list[list[float]]) -> list[float]:
+    """Mean over the runs at each epoch (runs of one study have the same number of epochs)."""
+    return [statistics.fmean(values) for values in zip(*runs, strict=True)]
 
 
 def check_claims(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,15 +97,19 @@ def measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dic
     return {(r.model, r.form == "deploy"): r for r in rows}
 
 
-def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    """Every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10 (x)."""
+def plot_study(
+    stats: dict[str, dict[str, Any]], curves: dict[str, list[list[float]]], path: Path, title: str
+) -> None:
+    """Left: every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10
+    (x). Right: each row's validation top-1 after every epoch, mean over seeds (line) and range (band)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = trained_rows()
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": (3, 2)})
     for i, row in enumerate(rows):
         s = stats[row.key]
         n = len(s["top1"])
@@ -106,7 +129,19 @@ def plot_study(stats: dict[str, dict[str, Any]], path: Path, title: str) -> None
     ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right")
     ax.set(ylabel="top-1 accuracy (%)", title=title)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # outside: never hides a run
+    # Below the axes, under the row names: inside it could hide a run.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
+    for label, row in zip(labels, rows, strict=True):
+        runs = curves[row.key]
+        epochs = range(1, len(runs[0]) + 1)
+        (line,) = ax2.plot(epochs, _epoch_means(runs), marker="o", markersize=3, label=label)
+        per_epoch = list(zip(*runs, strict=True))
+        lows, highs = [min(v) for v in per_epoch], [max(v) for v in per_epoch]
+        ax2.fill_between(epochs, lows, highs, color=line.get_color(), alpha=0.15)
+    ax2.set(xlabel="epoch", ylabel="validation top-1 (%)", title="learning curves (mean, range over seeds)")
+    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
@@ -137,6 +172,18 @@ def _table(stats: dict[str, dict[str, Any]], measured: dict[tuple[str, bool], An
     return lines
 
 
+def _curve_table(curves: dict[str, list[list[float]]], columns: int = 10) -> list[str]:
+    """At most ``columns`` epochs, evenly spaced and always the last, so that 100 epochs stay one table."""
+    epochs = len(next(iter(curves.values()))[0])
+    shown = sorted({round(epochs * (k + 1) / columns) for k in range(columns)} - {0} | {epochs})
+    lines = ["| row | " + " | ".join(f"epoch {e}" for e in shown) + " |", "|---" * (len(shown) + 1) + "|"]
+    for row in trained_rows():
+        means = _epoch_means(curves[row.key])
+        label = "Pure MLP (=A)" if row.key == "pure_mlp" else row.label
+        lines.append(f"| {label} | " + " | ".join(f"{means[e - 1]:.2f}" for e in shown) + " |")
+    return lines
+
+
 def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| the paper's finding | our gap (points) | paper's gap (points) | holds here? |",
@@ -157,7 +204,10 @@ def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], o
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3
     device = _device(opts.device)
     measured = measure_rows(opts, in_chans, device)
-    plot_study(stats, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)")
+    curves = val_curves(out, opts.seeds)
+    plot_study(
+        stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)"
+    )
     first = next(iter(results.values()))[0]
     total = sum(s["train_seconds"] for s in stats.values())
     lines = [
@@ -197,9 +247,13 @@ def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], o
         "",
         *_claims(stats),
         "",
-        "![accuracies](study.png)",
+        "## Validation top-1 (%) by epoch, mean over seeds",
+        "",
+        *_curve_table(curves),
+        "",
+        "![accuracies and learning curves](study.png)",
         "",
     ]
     atomic_write_text(out / "study.md", "\n".join(lines))
-    return out / "study.md"
     log.info("wrote %s and %s", out / "study.md", out / "study.png")
+    return out / "study.md"
