@@ -227,3 +227,44 @@ def test_width_multiplier_scales_every_rows_widths(name):
         same = create_model(name, in_chans=1, img_size=32, width_multiplier=1.0)
     assert half.num_features * 2 == full.num_features == same.num_features
     assert half.stem.conv.out_channels * 2 == full.stem.conv.out_channels
+
+
+@pytest.mark.parametrize("preset", ["cifar", "fmnist"])
+def test_each_run_takes_the_studys_preset_with_the_rows_model_and_the_studys_scale(tmp_path, preset):
+    from repmlp.recipes import PRESETS
+    from repmlp.tasks.study import StudyOptions, train_config
+    from repmlp.tasks.study_report import describe_recipe
+
+    opts = StudyOptions(output=str(tmp_path), epochs=4, width_multiplier=0.5, preset=preset, train_limit=64)
+    cfg = train_config("repmlp_cifar_conv9", 2, opts, tmp_path / "run")
+    recipe = PRESETS[preset]
+    assert (cfg.preset, cfg.model, cfg.epochs, cfg.seed, cfg.img_size) == (
+        preset,
+        "repmlp_cifar_conv9",
+        4,
+        2,
+        32,
+    )
+    assert cfg.model_args == {"width_multiplier": 0.5} and cfg.train_limit == 64
+    taken = ("batch_size", "lr", "warmup_epochs", "label_smoothing", "pad", "weight_decay", "nesterov")
+    assert [getattr(cfg, k) for k in taken] == [getattr(recipe, k) for k in taken]
+    # The report's recipe line states the values the runs trained with.
+    line = describe_recipe(preset)
+    assert f"preset `{preset}`" in line and f"batch {recipe.batch_size}," in line
+    assert ("label smoothing 0.1" in line) == (recipe.label_smoothing == 0.1)
+    assert ("random crop" in line) == (recipe.pad > 0) and ("warm-up" in line) == (recipe.warmup_epochs > 0)
+
+
+def test_runs_side_by_side_start_longest_first_and_one_at_a_time_seed_by_seed(tmp_path):
+    from repmlp.tasks.study import StudyOptions, _training_macs, start_order
+
+    rows = trained_rows()
+    jobs = [(row, seed) for seed in range(2) for row in rows]
+    opts = StudyOptions(output=str(tmp_path), width_multiplier=0.25, jobs=1)
+    assert start_order(jobs, opts) == list(range(len(jobs)))
+    opts.jobs = 2
+    order = start_order(jobs, opts)
+    assert sorted(order) == list(range(len(jobs)))
+    costs = [_training_macs(jobs[i][0].model, opts) for i in order]
+    assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]
+    assert {jobs[i][0].key for i in order[:2]} == {"fc3_conv9"}  # the costliest row at this width: D

@@ -1,9 +1,10 @@
 """``repmlp study ablation``: the paper's pure-MLP ablation (Table 1) trained and compared in one command.
 
 Trains Pure MLP (= A before conversion), B w/o Local, C w/o Global, D FC3 as conv9, E RepMLP as conv9 and
-the Wide ConvNet for --seeds seeds each with the paper's CIFAR recipe (``--preset cifar``), scaled by
---epochs / --width-multiplier / --train-limit, one run folder per row and seed (OUTPUT/<row>/seed<k>).
-Fashion-MNIST is zero-padded to 32x32 so that the paper's networks run unchanged (one input channel).
+the Wide ConvNet for --seeds seeds each with the paper's CIFAR recipe (``--preset cifar``, the default) or
+the main job's short-schedule one (``--preset fmnist``), scaled by --epochs / --width-multiplier /
+--train-limit, one run folder per row and seed (OUTPUT/<row>/seed<k>). Fashion-MNIST is zero-padded to
+32x32 so that the paper's networks run unchanged (one input channel).
 Calling it again reuses finished runs and resumes a killed one. Writes OUTPUT/study.md and
 OUTPUT/study.png.
 """
@@ -51,6 +52,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="W",
         help="scale every row's channel widths (rounded to a multiple of the groups)",
     )
+    a.add_argument(
+        "--preset",
+        choices=("cifar", "fmnist"),
+        default="cifar",
+        help="every run's recipe: cifar (the paper's CIFAR-10 recipe) or fmnist (the main job's: warm-up, "
+        "label smoothing, no crop; learns in a few epochs) (default: cifar)",
+    )
     add_limit_argument(a, "--train-limit", "training examples")
     add_limit_argument(a, "--val-limit", "validation examples")
     add_device_argument(a, default="auto")
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         epochs=args.epochs,
         width_multiplier=args.width_multiplier,
+        preset=args.preset,
         compile=args.compile,
         train_limit=args.train_limit,
         val_limit=args.val_limit,

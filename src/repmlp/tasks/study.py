@@ -1,10 +1,10 @@
 """The paper's pure-MLP ablation study (its Table 1) as one resumable job: ``repmlp study ablation``.
 
-Every row of the table is trained for several seeds with the paper's CIFAR recipe (the ``cifar`` preset)
-scaled by the study's options, each run in its own folder ``OUTPUT/<row>/seed<k>`` through the normal
-classification training code; then ``OUTPUT/study.md`` compares the rows (mean and spread of top-1,
-deployed parameters, MACs and speed, the paper's CIFAR-10 figures beside) and ``OUTPUT/study.png`` plots
-every run's accuracy.
+Every row of the table is trained for several seeds with one recipe (by default the paper's CIFAR recipe,
+the ``cifar`` preset; ``fmnist`` is the project's short-schedule recipe) scaled by the study's options,
+each run in its own folder ``OUTPUT/<row>/seed<k>`` through the normal classification training code; then
+``OUTPUT/study.md`` compares the rows (mean and spread of top-1, deployed parameters, MACs and speed, the
+paper's CIFAR-10 figures beside) and ``OUTPUT/study.png`` plots every run's accuracy.
 
 Rows "Pure MLP" and "A) before conversion" are one trained network in its two forms (converted /
 training-time): they share their runs and their accuracy, and differ in parameters, MACs and speed.
@@ -26,12 +26,15 @@ from typing import Any
 from ..checkpoint import atomic_write_text
 from ..errors import UserError
 
-__all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one"]
+__all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one", "start_order"]
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE = "result.json"
 DATASETS = ("fashion-mnist", "cifar10")
+# The recipes a study may train with: the paper's, and the main job's, whose warm-up and label smoothing let
+# the rows learn in a few epochs (docs/reproduction.md).
+STUDY_PRESETS = ("cifar", "fmnist")
 IMG_SIZE = 32  # the paper's CIFAR resolution; Fashion-MNIST's 28x28 images are zero-padded to it
 
 
@@ -78,6 +81,7 @@ class StudyOptions:
     seeds: int = 3
     epochs: int = 100
     width_multiplier: float = 1.0
+    preset: str = "cifar"
     train_limit: int | None = None
     val_limit: int | None = None
     device: str = "auto"
@@ -90,6 +94,10 @@ class StudyOptions:
             (
                 self.dataset in DATASETS,
                 f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
+            ),
+            (
+                self.preset in STUDY_PRESETS,
+                f"--preset must be one of {', '.join(STUDY_PRESETS)}, got {self.preset!r}",
             ),
             (self.seeds >= 1, f"--seeds must be at least 1, got {self.seeds}"),
             (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
@@ -128,15 +136,16 @@ def trained_rows() -> list[Row]:
 
 # ------------------------------------------------------------------- the one coupling to training
 def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
-    """The classification :class:`~repmlp.train.TrainConfig` of one run: the ``cifar`` preset, scaled.
+    """The classification :class:`~repmlp.train.TrainConfig` of one run: the study's preset, scaled.
 
     Fashion-MNIST goes through ``img_size=32`` (zero-padded to the paper's resolution, one channel).
+    The preset's own model and epochs are replaced by the row's and the study's.
     """
     from ..engine import resolve_device
     from ..recipes import PRESETS
     from .classification import TrainConfig
 
-    recipe = PRESETS["cifar"].to_dict()
+    recipe = PRESETS[opts.preset].to_dict()
     recipe.update(
         model=model,
         model_args=opts.model_args(),
@@ -149,7 +158,7 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
         **recipe,
         dataset=opts.dataset,
         data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None,
-        preset="cifar",
+        preset=opts.preset,
         seed=seed,
         device=opts.device,
         # Resolved as run_training saves it (AMP on CUDA), so a run killed under `repmlp train` compares equal.
@@ -220,7 +229,8 @@ def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[
     started = time.perf_counter()
     bar = tqdm(total=len(jobs), desc="study", unit="run", disable=None if progress else True)
     args = [(row.model, seed, opts, out / row.key / f"seed{seed}") for row, seed in jobs]
-    for (row, _), result in zip(jobs, _run_all(args, opts.jobs, bar), strict=True):
+    order = start_order(jobs, opts)
+    for (row, _), result in zip(jobs, _run_all(args, opts.jobs, bar, order), strict=True):
         results[row.key].append(result)
     bar.close()
     log.info(
@@ -231,15 +241,37 @@ def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[
     return results
 
 
-def _run_all(args: list[tuple], jobs: int, bar) -> list[dict[str, Any]]:
-    """:func:`train_one` of every argument tuple, in order; ``jobs`` at a time in worker processes."""
+def start_order(jobs: list[tuple[Row, int]], opts: StudyOptions) -> list[int]:
+    """Indices of the ``(row, seed)`` runs in the order they start. One at a time: as given (seed by seed, so
+    a stopped study has whole seeds). With ``--jobs`` above 1: the costliest rows first (training MACs), so
+    that no long run starts last and trains alone while the other workers idle."""
+    if opts.jobs == 1:
+        return list(range(len(jobs)))
+    cost = {row.key: _training_macs(row.model, opts) for row, _ in jobs}
+    return sorted(range(len(jobs)), key=lambda i: -cost[jobs[i][0].key])
+
+
+def _training_macs(model: str, opts: StudyOptions) -> int:
+    """Multiply-accumulates of one image through the training-time network: the study's estimate of a
+    run's cost (the same on every machine, so the order of the runs is too)."""
+    from ..profile import profile_model
+
+    in_chans = 1 if opts.dataset == "fashion-mnist" else 3
+    size = (in_chans, IMG_SIZE, IMG_SIZE)
+    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
+    return profile_model(model, size, deploy=False, **kwargs)[1]
+
+
+def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[str, Any]]:
+    """:func:`train_one` of every argument tuple, results in the tuples' order; ``jobs`` at a time in worker
+    processes, started in ``order`` (indices)."""
+    out: list[dict[str, Any] | None] = [None] * len(args)
     if jobs == 1:
-        out = []
-        for a in args:
-            bar.set_postfix_str(f"{a[3].parent.name} seed {a[1]}")
-            out.append(train_one(*a))
+        for i in order:
+            bar.set_postfix_str(f"{args[i][3].parent.name} seed {args[i][1]}")
+            out[i] = train_one(*args[i])
             bar.update(1)
-        return out
+        return out  # type: ignore[return-value]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -252,8 +284,7 @@ def _run_all(args: list[tuple], jobs: int, bar) -> list[dict[str, Any]]:
     with ProcessPoolExecutor(
         jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, level)
     ) as pool:
-        futures = {pool.submit(train_one, *a): i for i, a in enumerate(args)}
-        out: list[dict[str, Any] | None] = [None] * len(args)
+        futures = {pool.submit(train_one, *args[i]): i for i in order}
         try:
             for future in as_completed(futures):
                 out[futures[future]] = future.result()

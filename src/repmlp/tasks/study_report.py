@@ -14,7 +14,15 @@ import torch
 from ..checkpoint import atomic_write_bytes, atomic_write_text
 from .study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
-__all__ = ["write_report", "summarize", "val_curves", "check_claims", "measure_rows", "plot_study"]
+__all__ = [
+    "write_report",
+    "describe_recipe",
+    "summarize",
+    "val_curves",
+    "check_claims",
+    "measure_rows",
+    "plot_study",
+]
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +157,26 @@ def plot_study(
     atomic_write_bytes(path, buf.getvalue())
 
 
+def describe_recipe(preset: str) -> str:
+    """One line naming a preset and the values a study run takes from it (epochs and model are the study's)."""
+    from ..recipes import PRESETS
+
+    r = PRESETS[preset]
+    whose = "the paper's CIFAR recipe" if preset == "cifar" else "the main job's recipe"
+    parts = [
+        f"{r.optimizer.upper()} momentum {r.momentum:g}" + (" (Nesterov)" if r.nesterov else ""),
+        f"batch {r.batch_size}",
+        f"{r.schedule} lr {r.lr:g} -> {r.min_lr:g}"
+        + (f" after {r.warmup_epochs:g} epochs of linear warm-up" if r.warmup_epochs else ""),
+        f"weight decay {r.weight_decay:g}",
+    ]
+    if r.label_smoothing:
+        parts.append(f"label smoothing {r.label_smoothing:g}")
+    augment = ([f"{r.pad}-pixel pad + random crop"] if r.pad else []) + (["flip"] if r.flip else [])
+    parts.append(" + ".join(augment) if augment else "no augmentation")
+    return f"{whose} (preset `{preset}`: {', '.join(parts)})"
+
+
 def _device(name: str) -> torch.device:
     return torch.device(
         "cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name
@@ -216,11 +244,11 @@ def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], o
         f"- Command: `repmlp study ablation --output {opts.output} --dataset {opts.dataset}"
         + (f" --data-dir {opts.data_dir}" if opts.data_dir else "")
         + f" --seeds {opts.seeds} --epochs {opts.epochs} --width-multiplier {opts.width_multiplier:g}"
+        + (f" --preset {opts.preset}" if opts.preset != "cifar" else "")
         + (f" --train-limit {opts.train_limit}" if opts.train_limit else "")
         + (f" --val-limit {opts.val_limit}" if opts.val_limit else "")
         + "`",
-        "- Recipe: the paper's CIFAR recipe (preset `cifar`: SGD momentum 0.9, batch 128, cosine lr 0.2 -> 0, "
-        f"weight decay 1e-4, 4-pixel pad + random crop + flip) for {opts.epochs} epochs; "
+        f"- Recipe: {describe_recipe(opts.preset)} for {opts.epochs} epochs; "
         f"{first['train_examples']} training / {first['val_examples']} validation examples"
         + (
             "; 28x28 images zero-padded to 32x32, one input channel"
