@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
+from .branches_fc import branch_sum_as_fc, branches_fit_fc
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
@@ -148,6 +149,8 @@ class LocalPerceptron(nn.Module):
         # stored channels_last); a conv that oneDNN runs slowly in NCHW still computes in channels_last
         # inside (layers.conv_in_layout_of; benchmarks/bench_train.py, not measured on CUDA).
         grad = torch.is_grad_enabled()
+        if grad and not torch.jit.is_scripting() and self._fits_fc(x):
+            return self._forward_as_fc(x)  # few channels a group on a CPU: one FC for all branches
         if not grad and x.dim() == 4:  # channels_last exists for 4-d tensors only
             x = x.contiguous(memory_format=torch.channels_last)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
@@ -156,6 +159,14 @@ class LocalPerceptron(nn.Module):
             out = y if out is None else out + y
         assert out is not None  # at least one branch (checked in __init__)
         return out
+
+    @torch.jit.unused
+    def _fits_fc(self, x: Tensor) -> bool:
+        return branches_fit_fc(x, list(self.branches))
+
+    @torch.jit.unused
+    def _forward_as_fc(self, x: Tensor) -> Tensor:
+        return branch_sum_as_fc(x, list(self.branches))
 
 
 def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int]) -> None:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
+from ..branches_fc import branch_sum_as_fc, branches_fit_fc
 from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition_for, unpartition_like
 from .blocks import ConvBNReLU
@@ -118,13 +119,27 @@ class PartitionConvBlock(nn.Module):
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
-        # On a CPU with autograd the convs write the partition map's layout, as in LocalPerceptron.forward.
+        # On a CPU with autograd the convs write the partition map's layout, or run as one FC, as in
+        # LocalPerceptron.forward.
         grad = torch.is_grad_enabled()
+        if grad and not torch.jit.is_scripting() and self._fits_fc(parts):
+            return unpartition_like(x, self._forward_as_fc(parts), n, self.parts, self.parts, self.training)
         out = self.conv.forward_in_input_layout(parts) if grad else self.conv(parts)
         if self.local is not None:
             for branch in self.local:
                 out = out + (branch.forward_in_input_layout(parts) if grad else branch(parts))
         return unpartition_like(x, out, n, self.parts, self.parts, self.training)
+
+    def _branches(self) -> list[ConvBN]:
+        return [self.conv, *(self.local or ())]
+
+    @torch.jit.unused
+    def _fits_fc(self, parts: Tensor) -> bool:
+        return branches_fit_fc(parts, self._branches())
+
+    @torch.jit.unused
+    def _forward_as_fc(self, parts: Tensor) -> Tensor:
+        return branch_sum_as_fc(parts, self._branches())
 
     @torch.no_grad()
     def reparameterize(self) -> None:
