@@ -12,9 +12,10 @@ optimizer step, as ``repmlp train`` runs them on a CPU. Rounds are interleaved o
 
 Cases: ``repmlp_fmnist`` (the main job's model until issue 19: preset ``fmnist``, batch 256, 28x28,
 channels_last), the paper's ``repmlp_cifar`` (preset ``cifar``, batch 128, the study's Fashion-MNIST
-padded to 32x32, one channel; the preset trains NCHW on a CPU), and ``main job``: what ``repmlp train``'s
+padded to 32x32, one channel; the preset trains NCHW on a CPU), ``main job``: what ``repmlp train``'s
 step was at the baseline (``repmlp_fmnist``) against what it is now (``repmlp_fmnist_patch2``, another
-model, so not the same maths).
+model, so not the same maths), and two rows of ``repmlp study ablation --preset fmnist --width-multiplier
+0.25`` (the same maths).
 
 The MAC rate is the training step's multiply-accumulates (3x the forward's, ``repmlp.profile``) per
 second, beside this machine's float32 matmul rate (a 2048x2048 matmul, the same threads).
@@ -38,10 +39,22 @@ from pathlib import Path
 BASELINE = "99b1fcb"  # main before the training-speed work (issue 19)
 REPO = Path(__file__).resolve().parents[1]
 CASES = {
-    # case: (preset, batch, image size, channels_last, steps per round, model before, model now)
+    # case: (preset, batch, image size, channels_last, steps per round, model before, model now[, model args])
     "repmlp_fmnist": ("fmnist", 256, 28, True, 10, "repmlp_fmnist", "repmlp_fmnist"),
     "repmlp_cifar": ("cifar", 128, 32, False, 3, "repmlp_cifar", "repmlp_cifar"),
     "main job": ("fmnist", 256, 28, True, 10, "repmlp_fmnist", "repmlp_fmnist_patch2"),
+    # The study's narrow networks (repmlp study ablation --preset fmnist --width-multiplier 0.25): rows D and
+    # Pure MLP, 2 and 4 channels a group in their RepMLP blocks.
+    "study D x0.25": (
+        "fmnist",
+        256,
+        32,
+        True,
+        3,
+        *["repmlp_cifar_fc3_conv9"] * 2,
+        {"width_multiplier": 0.25},
+    ),
+    "study Pure MLP x0.25": ("fmnist", 256, 32, True, 3, *["repmlp_cifar"] * 2, {"width_multiplier": 0.25}),
 }
 
 
@@ -70,7 +83,8 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
         x_all = F.pad(x_all, [(size - 28) // 2] * 4)
     y_all = torch.from_numpy(labels)
     order = torch.from_numpy(np.random.default_rng(0).permutation(len(y_all)))
-    model = repmlp.create_model(model_name, num_classes=10, in_chans=1).train()
+    model_args = CASES[case][7] if len(CASES[case]) > 7 else {}
+    model = repmlp.create_model(model_name, num_classes=10, in_chans=1, **model_args).train()
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in preset.to_dict().items() if k in fields})
     optimizer = make_optimizer(model, cfg)
@@ -159,11 +173,13 @@ def matmul_gmacs() -> float:
     return n * 2048**3 / (time.perf_counter() - t0) / 1e9
 
 
-def training_macs(model_name: str, size: int) -> float:
-    """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients)."""
+def training_macs(model_name: str, size: int, model_args: dict) -> float:
+    """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients). The
+    convs' count: the dense FC form of narrow branches (repmlp.branches_fc) adds zeros, not maths."""
     from repmlp.profile import profile_model
 
-    _, macs = profile_model(model_name, (1, size, size), deploy=False, num_classes=10, in_chans=1)
+    kwargs = dict(num_classes=10, in_chans=1, **model_args)
+    _, macs = profile_model(model_name, (1, size, size), deploy=False, **kwargs)
     return 3 * macs
 
 
@@ -195,7 +211,7 @@ def main() -> None:
         for case in args.cases.split(","):
             if case not in CASES:
                 parser.error(f"unknown case {case!r}: one of {', '.join(CASES)}")
-            _, batch, size, _, default_steps, old, new = CASES[case]
+            _, batch, size, _, default_steps, old, new = CASES[case][:7]
             steps = args.steps or default_steps
             named = "" if old == new else f": {old} -> {new}"
             workers = {
@@ -216,7 +232,8 @@ def main() -> None:
                 w.close()
             base = sorted(times[next(iter(workers))])[args.rounds // 2]
             for name, ts in times.items():
-                t, macs = sorted(ts)[args.rounds // 2], training_macs(workers[name].model, size)
+                model_args = CASES[case][7] if len(CASES[case]) > 7 else {}
+                t, macs = sorted(ts)[args.rounds // 2], training_macs(workers[name].model, size, model_args)
                 rows.append(
                     [case, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
                 )

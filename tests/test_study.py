@@ -268,3 +268,20 @@ def test_runs_side_by_side_start_longest_first_and_one_at_a_time_seed_by_seed(tm
     costs = [_training_macs(jobs[i][0].model, opts) for i in order]
     assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]
     assert {jobs[i][0].key for i in order[:2]} == {"fc3_conv9"}  # the costliest row at this width: D
+
+
+def test_a_worker_started_after_the_study_died_ends_at_once():
+    """A worker whose study process is already gone when it starts (it got another parent meanwhile) ends
+    instead of training: the parent it watches is the study's pid, handed over by the study itself."""
+    import time
+
+    code = (
+        "import os, time\n"
+        "from repmlp.tasks.study import _exit_with_parent\n"
+        "_exit_with_parent(os.getppid() + 1000000, poll_s=0.05)\n"  # a pid that is not this process's parent
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), timeout=120, capture_output=True)
+    assert res.returncode == 1 and b"Traceback" not in res.stderr, res.stderr
+    assert time.monotonic() - started < 50  # well before its sleep ends

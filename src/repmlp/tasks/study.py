@@ -273,6 +273,7 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
             bar.update(1)
         return out  # type: ignore[return-value]
     import multiprocessing
+    import os
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import torch
@@ -282,7 +283,7 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
     # spawn: a forked child would inherit this process's OpenMP pool and locks.
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, level)
+        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, level, os.getpid())
     ) as pool:
         futures = {pool.submit(train_one, *args[i]): i for i in order}
         try:
@@ -297,8 +298,9 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
     return out  # type: ignore[return-value]
 
 
-def _worker_init(threads: int, level: int) -> None:
-    """A study worker: its share of the CPU threads, and the parent's log level to stderr."""
+def _worker_init(threads: int, level: int, parent: int) -> None:
+    """A study worker: its share of the CPU threads, the parent's log level to stderr, and its end with the
+    study process ``parent``."""
     import sys
 
     import torch
@@ -309,20 +311,20 @@ def _worker_init(threads: int, level: int) -> None:
     root = logging.getLogger("repmlp")
     root.addHandler(handler)
     root.setLevel(level)
-    _exit_with_parent()
+    _exit_with_parent(parent)
 
 
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this worker process soon after the study process is gone (killed, crashed, out of memory).
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this worker process soon after the study process ``parent`` is gone (killed, crashed, out of
+    memory).
 
     Nothing else stops it: a worker keeps training its run to the end while its parent is gone, and the
     next study call would then resume that same run folder beside it. Checkpoints are written atomically,
-    so the run resumes from its last one.
+    so the run resumes from its last one. ``parent`` comes from the study process itself: a worker that
+    starts after the study was killed already has another parent (init or a subreaper), and ends at once.
     """
     import os
     import threading
-
-    parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:  # a reparented orphan sees another parent (init or a subreaper)
