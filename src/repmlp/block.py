@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import checks
-from .branches_fc import branch_sum_as_fc, branches_fit_fc
+from .branches_fc import FCBranches
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
@@ -123,7 +123,7 @@ class PartitionPerceptron(nn.Module):
         return y.reshape(b, g, q).transpose(0, 1)
 
 
-class LocalPerceptron(nn.Module):
+class LocalPerceptron(FCBranches, nn.Module):
     """Parallel groupwise conv+BN branches on the partition map, summed (training time only).
 
     Every kernel size is a ``(kh, kw)`` pair (``nn.Conv2d``) or, for sequences, a 1-tuple ``(k,)``
@@ -160,13 +160,8 @@ class LocalPerceptron(nn.Module):
         assert out is not None  # at least one branch (checked in __init__)
         return out
 
-    @torch.jit.unused
-    def _fits_fc(self, x: Tensor) -> bool:
-        return branches_fit_fc(x, list(self.branches))
-
-    @torch.jit.unused
-    def _forward_as_fc(self, x: Tensor) -> Tensor:
-        return branch_sum_as_fc(x, list(self.branches))
+    def _conv_branches(self) -> list[ConvBN]:
+        return list(self.branches)
 
 
 def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int]) -> None:

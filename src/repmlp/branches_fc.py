@@ -11,8 +11,6 @@ each branch's own BatchNorm normalises its slice. The same maths as the convs (z
 sums are ordered differently, so results agree to float rounding, not bit for bit.
 """
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Sequence
 
@@ -21,7 +19,7 @@ from torch import Tensor
 
 from .layers import ConvBN
 
-__all__ = ["FC_MAC_RATIO", "branches_fit_fc", "branch_sum_as_fc", "dense_conv_index"]
+__all__ = ["FC_MAC_RATIO", "FCBranches", "branches_fit_fc", "branch_sum_as_fc", "dense_conv_index"]
 
 # Largest ratio of the dense FCs' multiply-accumulates to the convs' at which the FC form is used. oneDNN's
 # training convs with a few channels a group ran several times below the matmul rate on the AVX2 machine
@@ -128,3 +126,22 @@ def branch_sum_as_fc(x: Tensor, branches: Sequence[ConvBN]) -> Tensor:
         total = y if total is None else total + y
     assert total is not None
     return total
+
+
+# No ``from __future__ import annotations`` in this module: TorchScript reads the real annotations of the
+# methods below (it compiles them as stubs that raise), and string annotations would not resolve.
+class FCBranches:
+    """Mixin of a module whose training forward sums conv-BN branches (:meth:`_conv_branches`) on a partition
+    map: :meth:`_fits_fc` / :meth:`_forward_as_fc` are :func:`branches_fit_fc` / :func:`branch_sum_as_fc`
+    for them, hidden from TorchScript (call them after ``not torch.jit.is_scripting()``)."""
+
+    def _conv_branches(self) -> list[ConvBN]:
+        raise NotImplementedError
+
+    @torch.jit.unused
+    def _fits_fc(self, x: Tensor) -> bool:
+        return branches_fit_fc(x, self._conv_branches())
+
+    @torch.jit.unused
+    def _forward_as_fc(self, x: Tensor) -> Tensor:
+        return branch_sum_as_fc(x, self._conv_branches())

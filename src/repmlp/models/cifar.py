@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .. import checks
 from ..block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
-from ..branches_fc import branch_sum_as_fc, branches_fit_fc
+from ..branches_fc import FCBranches
 from ..layers import ConvBN, MaxPool2x2
 from ..ops import partition_for, unpartition_like
 from .blocks import ConvBNReLU
@@ -68,7 +68,7 @@ def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
     )
 
 
-class PartitionConvBlock(nn.Module):
+class PartitionConvBlock(FCBranches, nn.Module):
     """Row D of the paper's ablation: a RepMLP whose FC3 is replaced by a groupwise ``K x K`` conv + BN.
 
     Global Perceptron as in RepMLP, then the partition map goes through the big conv (zero-padded per
@@ -130,16 +130,8 @@ class PartitionConvBlock(nn.Module):
                 out = out + (branch.forward_in_input_layout(parts) if grad else branch(parts))
         return unpartition_like(x, out, n, self.parts, self.parts, self.training)
 
-    def _branches(self) -> list[ConvBN]:
+    def _conv_branches(self) -> list[ConvBN]:
         return [self.conv, *(self.local or ())]
-
-    @torch.jit.unused
-    def _fits_fc(self, parts: Tensor) -> bool:
-        return branches_fit_fc(parts, self._branches())
-
-    @torch.jit.unused
-    def _forward_as_fc(self, parts: Tensor) -> Tensor:
-        return branch_sum_as_fc(parts, self._branches())
 
     @torch.no_grad()
     def reparameterize(self) -> None:
