@@ -60,16 +60,23 @@ class _Spy:
         monkeypatch.setattr(branches_fc, "branch_sum_as_fc", spy)
 
 
-@pytest.mark.parametrize("name", ["repmlp_cifar", "repmlp_cifar_fc3_conv9", "repmlp_cifar_no_global"])
-def test_narrow_branches_train_as_one_fc_with_the_convs_values(monkeypatch, name) -> None:
+@pytest.mark.parametrize(
+    ("name", "channels_last"),
+    [("repmlp_cifar", False), ("repmlp_cifar_fc3_conv9", False), ("repmlp_cifar_no_global", False),
+     ("repmlp_cifar_fc3_conv9", True)],
+)  # fmt: skip
+def test_narrow_branches_train_as_one_fc_with_the_convs_values(monkeypatch, name, channels_last) -> None:
     """A float64 training step of a narrow study network (2 and 4 channels a group on 8x8 partitions) takes
     the FC form in its RepMLP blocks (row D: the 9x9 conv as well) and gives the conv form's output,
-    gradients of every parameter and BatchNorm running statistics."""
+    gradients of every parameter and BatchNorm running statistics; also with channels_last weights and
+    input, as ``--preset fmnist`` trains."""
     torch.manual_seed(0)
     fc_model = create_model(name, num_classes=10, in_chans=1, img_size=32, width_multiplier=0.25)
     fc_model = fc_model.double().train()
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    fc_model.to(memory_format=layout)
     conv_model = copy.deepcopy(fc_model)
-    x = torch.randn(3, 1, 32, 32, dtype=torch.float64)
+    x = torch.randn(3, 1, 32, 32, dtype=torch.float64).contiguous(memory_format=layout)
     spy = _Spy(monkeypatch)
     fc_out = fc_model(x)
     fc_out.square().sum().backward()
