@@ -60,14 +60,25 @@ def train(*args: object) -> tuple[int, str]:
 
 
 def repmlp_cli(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m repmlp ARGS`` (the console script's program) in a subprocess, output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "repmlp", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=subprocess_env(),  # this checkout's repmlp, one OpenMP thread
-    )
+    """``python -m repmlp ARGS`` (the console script's program) in a subprocess, output captured.
+
+    The output goes through files, not pipes: a run killed by ``--stop-after-steps`` leaves its DataLoader
+    workers holding the pipes until PyTorch's watchdog notices the dead parent (up to 5 s), and reading a
+    pipe to its end would wait for them. Waiting for the process itself is what the tests mean.
+    """
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(
+            [sys.executable, "-m", "repmlp", *map(str, args)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            timeout=timeout,
+            env=subprocess_env(),  # this checkout's repmlp, one OpenMP thread
+        )
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
