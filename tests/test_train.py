@@ -73,7 +73,6 @@ def repmlp_cli(*args: object, timeout: float = 300) -> subprocess.CompletedProce
             [sys.executable, "-m", "repmlp", *map(str, args)],
             stdout=out,
             stderr=err,
-            text=True,
             timeout=timeout,
             env=subprocess_env(),  # this checkout's repmlp, one OpenMP thread
         )
