@@ -5,21 +5,26 @@ kernel of megabytes, bound by reading the kernel. This script takes every FC3 of
 runs at batch 1 (the rows each ``GroupwiseLinear`` gets, recorded by a hook) and times, interleaved, the
 whole set of them per form:
 
-- ``fp32``: what the deployed model runs (``repmlp.ops.groupwise_fc``, float32);
+- ``fp32``: what the deployed model runs (``repmlp.ops.groupwise_fc``, float32: the form timed fastest
+  for the kernel shape and row count on this machine), and each float32 form on its own (``bmm``,
+  ``onednn``, ``transposed``: ``repmlp.ops.FC3_FORMS``);
 - ``bf16``: kernel and rows in bfloat16 (batched matmul), the result back in float32;
 - ``int8 w, fp32 rows`` / ``int8 w, bf16 rows``: the kernel in int8 with one scale per output row,
   through PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, one call per group), rows
   in float32 or bfloat16.
 
 Reported: milliseconds per model pass summed over its FC3s, the speed-up over ``fp32`` and the largest
-error relative to the largest float32 output (random weights). Not a deployed form yet: the numbers say
-whether one is worth building on this machine. CPU only.
+error relative to the largest float32 output (random weights), and the floor a float32 form cannot beat
+at batch 1: the kernels' bytes at the rate this machine reads memory (a sum over 256 MB, in the same
+run). The reduced-precision forms are not deployed forms: the numbers say whether one is worth
+building on this machine. CPU only.
 
     python3 benchmarks/bench_fc3_weights.py [--model repmlp_res50_light] [--rounds 7] [--quick]
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,7 +34,7 @@ from torch import Tensor
 from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
 from repmlp.layers import GroupwiseLinear, prepare_fc3
-from repmlp.ops import groupwise_fc, groupwise_fc_bmm
+from repmlp.ops import FC3_FORMS, fc3_backend, groupwise_fc, groupwise_fc_bmm
 
 
 def fc3_calls(model: torch.nn.Module, size: int) -> list[tuple[Tensor, Tensor, Tensor | None]]:
@@ -82,12 +87,29 @@ def forms(rows: Tensor, weight: Tensor, bias: Tensor | None) -> dict[str, Callab
         outs = [torch._weight_int8pack_mm(act[j], q[j], scales[j]).float() for j in range(g)]
         return torch.stack([o if b[j] is None else o + b[j] for j, o in enumerate(outs)])
 
+    def pinned(form: str) -> Tensor:
+        with fc3_backend(form):
+            return groupwise_fc(rows, weight, bias, False)
+
     return {
         "fp32": lambda: groupwise_fc(rows, weight, bias, False),
+        **{f"fp32 {form}": (lambda form=form: pinned(form)) for form in FC3_FORMS},
         "bf16": lambda: groupwise_fc_bmm(rows16, weight16, bias16).float(),
         "int8 w, fp32 rows": lambda: int8(rows, s),
         "int8 w, bf16 rows": lambda: int8(rows16, s16),
     }
+
+
+def read_rate() -> float:
+    """Bytes a second this machine's threads read from memory: a sum over a 256 MB tensor, best of 5."""
+    x = torch.ones(64 << 20)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
 
 
 def main() -> None:
@@ -97,7 +119,8 @@ def main() -> None:
     args = parse_cpu_only(parser, "FC3 weight forms")
     model = reparameterize_model(create_model(args.model).eval())
     prepare_fc3(model)
-    calls = [forms(*c) for c in fc3_calls(model, args.img_size)]
+    raw = fc3_calls(model, args.img_size)
+    calls = [forms(*c) for c in raw]
     names = list(calls[0])
     with torch.inference_mode():
         ref = [c["fp32"]() for c in calls]
@@ -120,7 +143,13 @@ def main() -> None:
     ]
     print(table(["form", "ms per pass", "vs fp32", "max error (rel.)"], rows))
     print()
-    print(f"Medians of {rounds} interleaved rounds.")
+    kernel_bytes = sum(w.numel() * w.element_size() for _, w, _ in raw)
+    rate = read_rate()
+    print(
+        f"Medians of {rounds} interleaved rounds. Float32 kernels read per pass: {kernel_bytes / 1e6:.1f} MB; "
+        f"this machine reads {rate / 1e9:.1f} GB/s, so reading them once takes {kernel_bytes / rate * 1e3:.2f} ms "
+        f"(the floor of a float32 form at batch 1; fp32 takes {times['fp32'] * rate / kernel_bytes:.1f}x that)."
+    )
 
 
 if __name__ == "__main__":

@@ -37,40 +37,53 @@ def test_maxpool2x2_matches_max_pool2d(n: int, c: int, h: int, w: int, channels_
 @given(
     g=st.integers(1, 4), b=st.integers(1, 40), k=st.integers(1, 24), n=st.integers(1, 24), bias=st.booleans()
 )
-def test_onednn_groupwise_fc_matches_bmm(g: int, b: int, k: int, n: int, bias: bool) -> None:
+def test_fc3_forms_match_bmm(g: int, b: int, k: int, n: int, bias: bool) -> None:
     torch.manual_seed(0)
     rows, weight = torch.randn(g, b, k), torch.randn(g * n, k)
     b_ = torch.randn(g * n) if bias else None
-    torch.testing.assert_close(
-        ops.groupwise_fc_onednn(rows, weight, b_), ops.groupwise_fc_bmm(rows, weight, b_)
-    )
+    expected = ops.groupwise_fc_bmm(rows, weight, b_)
+    for form in (ops.groupwise_fc_onednn, ops.groupwise_fc_transposed):
+        out = form(rows, weight, b_)
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("faster", [False, True])
-def test_groupwise_fc_dispatch(monkeypatch: pytest.MonkeyPatch, faster: bool) -> None:
-    """Inference takes the form measured faster; training and float64 always the batched matmul."""
+@pytest.mark.parametrize("faster", ops.FC3_FORMS)
+def test_groupwise_fc_dispatch(monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    """Inference takes the form measured faster for the shape and row class; training and float64 always
+    the batched matmul."""
     calls: list[str] = []
-    for name in ("groupwise_fc_bmm", "groupwise_fc_onednn"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    monkeypatch.setattr(ops, "fc3_uses_onednn", lambda *a: faster)
+    for name, real in list(ops._FORM_FNS.items()):
+        monkeypatch.setitem(ops._FORM_FNS, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    monkeypatch.setattr(ops, "groupwise_fc_bmm", ops._FORM_FNS["bmm"])  # what training calls
+    picks: list[tuple] = []
+    monkeypatch.setattr(ops, "fc3_form", lambda *a: picks.append(a) or faster)
     rows, weight = torch.randn(2, 32, 8), torch.randn(6, 8)
     with torch.no_grad():
         ops.groupwise_fc(rows, weight, None)
     ops.groupwise_fc(rows, weight.requires_grad_(), None, training=False).sum().backward()
-    assert calls == ["groupwise_fc_onednn" if faster else "groupwise_fc_bmm"] * 2
+    assert calls == [faster] * 2 and picks == [(2, (6, 8), False, 32)] * 2
     calls.clear()
     ops.groupwise_fc(rows, weight, None).sum().backward()  # autograd records it: training
     with torch.no_grad():
         ops.groupwise_fc(rows, weight, None, training=True)
         ops.groupwise_fc(rows.double(), weight.double(), None)
-    assert calls == ["groupwise_fc_bmm"] * 3
+    assert calls == ["bmm"] * 3 and len(picks) == 2
 
 
-@pytest.mark.parametrize("backend", ["bmm", "onednn"])
+def test_fc3_row_classes() -> None:
+    """Row counts are timed as powers of two up to 512; a symbolic count (a dynamic export) is the top class."""
+    assert [ops._rows_class(r) for r in (0, 1, 3, 4, 5, 300, 512, 4096)] == [1, 1, 4, 4, 8, 512, 512, 512]
+    assert ops._rows_class(torch.tensor(6)) == 8
+    shape_env = torch.fx.experimental.symbolic_shapes.ShapeEnv()
+    symbolic = shape_env.create_unbacked_symint()
+    assert ops._rows_class(symbolic) == 512
+
+
+@pytest.mark.parametrize("backend", ops.FC3_FORMS)
 def test_fc3_backend_can_be_pinned(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     """``set_fc3_backend``/``REPMLP_FC3`` pin the form (no timing); a bad name is a ValueError."""
-    monkeypatch.setattr(ops, "_time_onednn_win", lambda *a: pytest.fail("timed a pinned backend"))
+    monkeypatch.setattr(ops, "_fastest_form", lambda *a: pytest.fail("timed a pinned backend"))
     rows, weight = torch.randn(2, 32, 8), torch.randn(6, 8)
     form = getattr(ops, f"groupwise_fc_{backend}")
     before = ops.get_fc3_backend()
@@ -78,7 +91,7 @@ def test_fc3_backend_can_be_pinned(monkeypatch: pytest.MonkeyPatch, backend: str
         assert ops.get_fc3_backend() == backend
         assert torch.equal(ops.groupwise_fc(rows, weight, None), form(rows, weight, None))
     assert ops.get_fc3_backend() == before
-    with pytest.raises(ValueError, match="expected one of auto, bmm, onednn"):
+    with pytest.raises(ValueError, match="expected one of auto, bmm, onednn, transposed"):
         ops.set_fc3_backend("mkl")
     monkeypatch.setenv("REPMLP_FC3", backend.upper())
     assert ops._backend_from_env() == backend
@@ -107,11 +120,11 @@ def test_compiled_inference_keeps_the_picked_fc3() -> None:
     assert "groupwise_fc_picked" not in str(exported.graph)
 
 
-def test_fc3_choice_is_made_once_per_kernel_shape_outside_the_forward(
+def test_fc3_choice_is_made_once_per_kernel_shape_and_row_class_outside_the_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Timed once per kernel shape (not per batch), in another thread: a dispatch mode over the first
-    forward sees only that forward's ops, and the caller's random stream is untouched."""
+    """Timed once per kernel shape and row class (not per batch), in another thread: a dispatch mode over
+    a forward that times sees only that forward's ops, and the caller's random stream is untouched."""
     monkeypatch.setattr(ops, "_FC3_CHOICE", {})
     rows, weight = torch.randn(2, 64, 16), torch.randn(32, 16)
     state = torch.get_rng_state()
@@ -119,20 +132,27 @@ def test_fc3_choice_is_made_once_per_kernel_shape_outside_the_forward(
         out = ops.groupwise_fc(rows, weight, None)
     with torch.no_grad(), FlopCounterMode(display=False) as second:
         ops.groupwise_fc(rows[:, :8], weight, None)
+    with torch.no_grad():
+        ops.groupwise_fc(rows[:, :7], weight, None)  # the same class as 8 rows: no new timing
     assert torch.equal(torch.get_rng_state(), state)
-    assert list(ops._FC3_CHOICE) == [(2, 16, 16, False, torch.get_num_threads())]
+    key = (2, 16, 16, False, torch.get_num_threads())
+    assert list(ops._FC3_CHOICE) == [(*key, 64), (*key, 8)]
+    assert set(ops._FC3_CHOICE.values()) <= set(ops.FC3_FORMS)
     assert first.get_total_flops() == 2 * 2 * 64 * 16 * 16 == 8 * second.get_total_flops()
     torch.testing.assert_close(out, ops.groupwise_fc_bmm(rows, weight, None))
 
 
 def test_prepare_fc3_makes_the_choice_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After ``prepare_fc3`` no forward times anything; float64 and training layers are not timed."""
+    """After ``prepare_fc3`` no forward times anything, at any batch; float64 and training layers are not
+    timed; ``rows`` prepares only those row counts."""
     monkeypatch.setattr(ops, "_FC3_CHOICE", {})
     model = reparameterize_model(create_model("repmlp_fmnist").eval())
-    assert prepare_fc3(model) == 6 and len(ops._FC3_CHOICE) == 3  # 2 RepMLP blocks a stage, 3 shapes
-    monkeypatch.setattr(ops, "_time_onednn_win", lambda *a: pytest.fail("timed inside a forward"))
+    assert prepare_fc3(model, rows=[8]) == 6 and len(ops._FC3_CHOICE) == 3  # 2 RepMLPs a stage, 3 shapes
+    assert prepare_fc3(model) == 6 and len(ops._FC3_CHOICE) == 3 * len(ops.FC3_ROW_CLASSES)
+    monkeypatch.setattr(ops, "_fastest_form", lambda *a: pytest.fail("timed inside a forward"))
     with torch.no_grad():
         model(torch.randn(3, 1, 28, 28))
+        model(torch.randn(300, 1, 28, 28))
     monkeypatch.setattr(ops, "_FC3_CHOICE", {})
     assert prepare_fc3(model.double()) == 6 and not ops._FC3_CHOICE
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import fc3_uses_onednn, groupwise_fc, is_channels_last
+from .ops import FC3_ROW_CLASSES, fc3_form, groupwise_fc, is_channels_last
 from .reparam import fuse_bn, ntuple
 
 # A torch.fx leaf: a traced graph calls groupwise_fc as the module does, so it makes the same FC3 choice
@@ -194,13 +194,20 @@ class GroupwiseLinear(nn.Module):
         )
 
 
-def prepare_fc3(model: nn.Module) -> int:
-    """Make the FC3 kernel choice (:func:`repmlp.ops.fc3_uses_onednn`) now for every float32 CPU
-    :class:`GroupwiseLinear` in ``model``, so that no forward pays for it; returns how many it saw."""
+def prepare_fc3(model: nn.Module, rows: Sequence[int] | None = None) -> int:
+    """Make the FC3 form choice (:func:`repmlp.ops.fc3_form`) now for every float32 CPU
+    :class:`GroupwiseLinear` in ``model``, so that no forward pays for it; returns how many it saw.
+
+    ``rows``: the row counts a group to prepare for (a batch times the partitions of the layer's input);
+    by default every class :func:`repmlp.ops.fc3_form` times (the powers of two up to 512), which covers
+    every batch.
+    """
+    counts = FC3_ROW_CLASSES if rows is None else rows
     layers = [m for m in model.modules() if isinstance(m, GroupwiseLinear)]
     for m in layers:
         if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
-            fc3_uses_onednn(m.groups, m.weight.shape, m.bias is not None)
+            for count in counts:
+                fc3_form(m.groups, m.weight.shape, m.bias is not None, count)
     return len(layers)
 
 

@@ -35,21 +35,30 @@ __all__ = [
     "groupwise_fc",
     "groupwise_fc_bmm",
     "groupwise_fc_onednn",
+    "groupwise_fc_transposed",
     "groupwise_fc_conv",
+    "FC3_FORMS",
+    "FC3_ROW_CLASSES",
     "FC3_BACKENDS",
     "set_fc3_backend",
     "get_fc3_backend",
     "fc3_backend",
-    "fc3_uses_onednn",
+    "fc3_form",
 ]
 
 # Read once: a call inside a compiled region would break the graph.
 _HAS_ONEDNN = torch.backends.mkldnn.is_available()
-FC3_BACKENDS = ("auto", "bmm", "onednn")
-# (g, P/g, Q/g, bias?, threads) -> whether the oneDNN form was measured faster ("auto" backend).
-_FC3_CHOICE: dict[tuple, bool] = {}
-# Rows of the synthetic input the two forms are timed on: about a batch of 8 at the paper's sizes.
-_TIMING_ROWS = 512
+# The forms of float32 CPU inference; "bmm" is the reference, and the form of every other case.
+FC3_FORMS = ("bmm", "onednn", "transposed")
+FC3_BACKENDS = ("auto", *FC3_FORMS)
+# (g, P/g, Q/g, bias?, threads, rows class) -> the form measured fastest ("auto" backend).
+_FC3_CHOICE: dict[tuple, str] = {}
+# Row counts a group are timed in classes, the powers of two up to 512 (about a batch of 8 at the paper's
+# sizes); more rows are timed at 512: the ranking of the forms stops changing there.
+FC3_ROW_CLASSES = tuple(1 << i for i in range(10))
+_TIMING_ROWS = FC3_ROW_CLASSES[-1]
+# Bytes of kernel copies a timing cycles through, more than a CPU's last-level cache holds.
+_COLD_BYTES = 64 << 20
 
 
 def _backend_from_env() -> str:
@@ -232,17 +241,20 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None, training: bo
         ``(g, B, Q/g)``.
 
     A batched matmul, except for float32 CPU inference (``training`` false), where the form set by
-    :func:`set_fc3_backend` runs: by default (``"auto"``) :func:`groupwise_fc_onednn` when it was
-    measured faster for this weight shape on this machine (:func:`fc3_uses_onednn`). The choice
-    depends on the weight's shape and the thread count, not on the batch, so eager, traced, scripted
-    and exported forms of a model compute the same bits in one process.
+    :func:`set_fc3_backend` runs: by default (``"auto"``) the form measured fastest on this machine for
+    this weight shape and about this many rows (:func:`fc3_form`). The choice depends on the weight's
+    shape, the thread count and the row count's power-of-two class (the batch times the partitions), so
+    eager, traced and scripted forms of a model compute the same bits in one process; a batch of another
+    class may round FC3 differently in the last bits.
     """
     mode = _fc3_mode(rows, weight, training)
     if mode == "compiled":
         # Inside torch.compile the choice is made when the graph runs: an opaque op to the compiler.
         return torch.ops.repmlp.groupwise_fc_picked(rows, weight, bias)
-    if mode == "pick" and fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
-        return groupwise_fc_onednn(rows, weight, bias)
+    if mode == "pick":
+        return _FORM_FNS[fc3_form(rows.shape[0], weight.shape, bias is not None, rows.shape[1])](
+            rows, weight, bias
+        )
     if mode == "train":
         return _GroupwiseFCTrain.apply(rows, weight, bias)
     return groupwise_fc_bmm(rows, weight, bias)
@@ -251,12 +263,13 @@ def groupwise_fc(rows: Tensor, weight: Tensor, bias: Tensor | None, training: bo
 def set_fc3_backend(name: str) -> str:
     """Set how float32 CPU inference runs FC3, for the whole process; returns the previous setting.
 
-    ``"auto"`` (default): :func:`groupwise_fc_onednn` for the weight shapes where it was timed clearly
-    faster than the batched matmul on this machine, else the batched matmul. Which form wins depends on
-    the CPU and the BLAS of the torch build, so two machines (or, on a close call, two processes) may
+    ``"auto"`` (default): the form timed clearly faster than the batched matmul on this machine for the
+    weight shape and row-count class (:func:`fc3_form`), else the batched matmul. Which form wins depends
+    on the CPU and the BLAS of the torch build, so two machines (or, on a close call, two processes) may
     round FC3 differently in the last bits. ``"bmm"``: always the batched matmul, for results that do
-    not depend on a timing. ``"onednn"``: always oneDNN. The environment variable ``REPMLP_FC3`` sets
-    the starting value. Training (autograd), other dtypes and devices always use the batched matmul.
+    not depend on a timing. ``"onednn"`` (:func:`groupwise_fc_onednn`) or ``"transposed"``
+    (:func:`groupwise_fc_transposed`): always that form. The environment variable ``REPMLP_FC3`` sets the
+    starting value. Training (autograd), other dtypes and devices always use the batched matmul.
     """
     global _backend
     if name not in FC3_BACKENDS:
@@ -284,9 +297,9 @@ def fc3_backend(name: str) -> Iterator[None]:
 def _groupwise_fc_picked(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """:func:`groupwise_fc`'s eager choice as one op, so that a compiled graph keeps it (inductor would
     otherwise lower FC3 to its own batched matmul)."""
-    if fc3_uses_onednn(rows.shape[0], weight.shape, bias is not None):
-        return groupwise_fc_onednn(rows, weight, bias)
-    return groupwise_fc_bmm(rows, weight, bias)
+    return _FORM_FNS[fc3_form(rows.shape[0], weight.shape, bias is not None, rows.shape[1])](
+        rows, weight, bias
+    )
 
 
 @_groupwise_fc_picked.register_fake
@@ -346,6 +359,26 @@ def groupwise_fc_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Te
     return torch.stack([o.permute(0, 2, 3, 1).reshape(b, n) for o in outs])
 
 
+def groupwise_fc_transposed(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`groupwise_fc` as the transposed product per group, ``(W_j @ rows_j^T)^T``; same shapes.
+
+    With a few rows (a small batch) FC3 is bound by reading its kernel, and BLAS streams a
+    ``(Q/g, P/g)`` kernel fastest as the left operand in its stored row order (a matrix-vector product
+    per row); the batched matmul reads it transposed. The ``(g, B, Q/g)`` result is made contiguous, as
+    the other forms return it.
+    """
+    g, b, k = rows.shape
+    kernels = weight.reshape(g, weight.shape[0] // g, k)
+    if bias is None:
+        out = torch.bmm(kernels, rows.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.reshape(g, -1, 1), kernels, rows.transpose(1, 2))
+    return out.transpose(1, 2).contiguous()
+
+
+_FORM_FNS = {"bmm": groupwise_fc_bmm, "onednn": groupwise_fc_onednn, "transposed": groupwise_fc_transposed}
+
+
 def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
     """How :func:`groupwise_fc` runs this call: ``"bmm"``; for a recorded training call on a CPU, ``"train"``
     (the same matmul, with :class:`_GroupwiseFCTrain`'s backward); or, for float32 CPU inference, ``"pick"``
@@ -390,47 +423,74 @@ def _trains_without_copy(rows: Tensor, weight: Tensor) -> bool:
     )
 
 
-def fc3_uses_onednn(groups: int, weight_shape: Sequence[int], bias: bool) -> bool:
-    """Whether float32 CPU inference runs an FC3 of this kernel shape ``(Q, P/g)`` through oneDNN.
+def fc3_form(groups: int, weight_shape: Sequence[int], bias: bool, rows: int | torch.SymInt) -> str:
+    """The form (one of :data:`FC3_FORMS`) float32 CPU inference runs for an FC3 of kernel shape
+    ``(Q, P/g)`` on ``rows`` rows a group.
 
-    Under the ``"auto"`` backend the two forms are timed once per kernel shape and thread count (as
-    ``torch.backends.cudnn.benchmark`` picks conv algorithms) on a synthetic input of
-    ``_TIMING_ROWS`` rows, in a separate thread: no dispatch mode (``FlopCounterMode``, fake tensors,
-    tracers) and no random number generator of the caller sees the trials. oneDNN must win clearly
-    (10%), so that a close call does not flip between processes.
+    Under the ``"auto"`` backend the forms are timed once per kernel shape, thread count and row class
+    (``rows`` rounded up to a power of two, at most ``_TIMING_ROWS``; a symbolic count, as in an export
+    with a dynamic batch, is the largest class), as ``torch.backends.cudnn.benchmark`` picks conv
+    algorithms: on a synthetic input of that many rows, in a separate thread, so that no dispatch mode
+    (``FlopCounterMode``, fake tensors, tracers) and no random number generator of the caller sees the
+    trials. A form other than the batched matmul must win clearly (10%), so that a close call does not
+    flip between processes. The row class matters: with a few rows FC3 reads its kernel for little
+    work, and the form that streams the kernel best wins (``benchmarks/bench_fc3_weights.py``).
     """
     if _backend != "auto":
-        return _backend == "onednn" and _HAS_ONEDNN
+        return _backend if _HAS_ONEDNN or _backend != "onednn" else "bmm"
     # int(): under torch.jit.trace sizes are tensors, which would not hash as equal keys.
     groups, q, k = int(groups), int(weight_shape[0]), int(weight_shape[1])
+    rows_class = _rows_class(rows)
     threads = torch.get_num_threads()
-    key = (groups, k, q // groups, bias, threads)
+    key = (groups, k, q // groups, bias, threads, rows_class)
     if key not in _FC3_CHOICE:
-        result: list[bool] = []
-        worker = threading.Thread(target=lambda: result.append(_time_onednn_win(groups, k, q, bias, threads)))
+        result: list[str] = []
+        worker = threading.Thread(
+            target=lambda: result.append(_fastest_form(groups, k, q, bias, threads, rows_class))
+        )
         worker.start()
         worker.join()
-        _FC3_CHOICE[key] = result[0] if result else False
+        _FC3_CHOICE[key] = result[0] if result else "bmm"
     return _FC3_CHOICE[key]
 
 
-def _time_onednn_win(groups: int, k: int, q: int, bias: bool, threads: int) -> bool:
-    """Time both FC3 forms on constant inputs of the given shapes; True when oneDNN is >10% faster."""
+def _rows_class(rows: int | torch.SymInt) -> int:
+    """``rows`` rounded up to a power of two, at most ``_TIMING_ROWS`` (also for a symbolic count)."""
+    if isinstance(rows, torch.SymInt):
+        return _TIMING_ROWS
+    rows = max(int(rows), 1)  # int(): a tensor under torch.jit.trace
+    return min(1 << (rows - 1).bit_length(), _TIMING_ROWS)
+
+
+def _fastest_form(groups: int, k: int, q: int, bias: bool, threads: int, rows: int) -> str:
+    """Time every FC3 form on constant inputs of the given shapes; the fastest, if >10% faster than bmm.
+
+    Each call reads another copy of the kernel, up to ``_COLD_BYTES`` of copies: in a model the kernel
+    comes from memory (the other layers' weights evict it), and with few rows that is what a form's speed
+    depends on; a kernel timed again and again from the cache would rank the forms differently.
+    """
     torch.set_num_threads(threads)  # a new thread starts with the default count
+    forms = FC3_FORMS if _HAS_ONEDNN else ("bmm", "transposed")
+    copies = min(max(_COLD_BYTES // (4 * q * k), 1), 8)
     with torch.no_grad():
-        rows = torch.full((groups, _TIMING_ROWS, k), 0.5)
-        weight = torch.full((q, k), 0.01)
+        x = torch.full((groups, rows, k), 0.5)
+        weights = [torch.full((q, k), 0.01) for _ in range(copies)]
         b = torch.full((q,), 0.1) if bias else None
         best = {}
-        for name, fn in (("bmm", groupwise_fc_bmm), ("onednn", groupwise_fc_onednn)):
-            fn(rows, weight, b)  # warm-up: oneDNN builds its kernel on the first call
-            times = []
-            for _ in range(3):
+        for name in forms:
+            fn = _FORM_FNS[name]
+            fn(x, weights[0], b)  # warm-up: oneDNN builds its kernel on the first call
+            times: list[float] = []
+            # At least 4 calls and 5 ms: a call of a few rows takes microseconds, and the best of a few
+            # of those is noise.
+            while len(times) < 4 or (sum(times) < 5e-3 and len(times) < 100):
+                w = weights[(len(times) + 1) % copies]
                 t0 = time.perf_counter()
-                fn(rows, weight, b)
+                fn(x, w, b)
                 times.append(time.perf_counter() - t0)
             best[name] = min(times)
-    return best["onednn"] < 0.9 * best["bmm"]
+    fastest = min(best, key=best.get)
+    return fastest if best[fastest] < 0.9 * best["bmm"] else "bmm"
 
 
 def groupwise_fc_conv(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int) -> Tensor:
