@@ -6,9 +6,11 @@ matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.7-5
 grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
 inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
 faster still (on an AMD EPYC with AVX-512, oneDNN's GEMM ran at about twice PyTorch's BLAS, MKL:
-``benchmarks/bench_deploy.py`` prints both rates); :func:`groupwise_fc` times both once per kernel
-shape, outside any forward, and keeps the faster, unless :func:`set_fc3_backend` (or ``REPMLP_FC3``)
-pins one form. The grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
+``benchmarks/bench_deploy.py`` prints both rates). With a few rows (a small batch) FC3 is bound by
+reading its kernel, and the transposed product (:func:`groupwise_fc_transposed`) streams it fastest.
+:func:`groupwise_fc` times the forms once per kernel shape and row class, outside any forward, and keeps
+the fastest (:func:`fc3_form`), unless :func:`set_fc3_backend` (or ``REPMLP_FC3``) pins one form. The
+grouped-conv form stays available as :func:`groupwise_fc_conv` for reference.
 """
 
 import os
