@@ -467,13 +467,14 @@ def _rows_class(rows: int | torch.SymInt) -> int:
 def _fastest_form(groups: int, k: int, q: int, bias: bool, threads: int, rows: int) -> str:
     """Time every FC3 form on constant inputs of the given shapes; the fastest, if >10% faster than bmm.
 
-    Each call reads another copy of the kernel, up to ``_COLD_BYTES`` of copies: in a model the kernel
-    comes from memory (the other layers' weights evict it), and with few rows that is what a form's speed
-    depends on; a kernel timed again and again from the cache would rank the forms differently.
+    Each call reads the next of several copies of the kernel (as many as fill ``_COLD_BYTES``, at most 64,
+    one when the kernel alone is that large), so that it comes from memory, as in a model, where the other
+    layers' weights evict it. With few rows that is what a form's speed depends on: a kernel timed again
+    and again from the cache would rank the forms differently.
     """
     torch.set_num_threads(threads)  # a new thread starts with the default count
     forms = FC3_FORMS if _HAS_ONEDNN else ("bmm", "transposed")
-    copies = min(max(_COLD_BYTES // (4 * q * k), 1), 8)
+    copies = min(max(_COLD_BYTES // (4 * q * k), 1), 64)
     with torch.no_grad():
         x = torch.full((groups, rows, k), 0.5)
         weights = [torch.full((q, k), 0.01) for _ in range(copies)]
