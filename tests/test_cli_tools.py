@@ -119,14 +119,22 @@ def test_convert_writes_a_checkpoint_that_a_deploy_model_loads(run_dir, deployed
 
 def test_convert_keeps_existing_output_when_the_check_fails(run_dir, tmp_path, capsys):
     out = tmp_path / "deploy.safetensors"
-    out.write_bytes(b"previous file")
+    # An earlier deployed file (the one kind of file convert may replace), marked by its metadata.
+    save_model(out, repmlp.reparameterize_model(tiny_model(1)), name=NAME, model_kwargs=KWARGS, form="deploy",
+               extra={"previous": True})  # fmt: skip
+    previous = out.read_bytes()
     # No float32 conversion is exact to 1e-30: the check fails after the file was staged.
     argv = ["convert", "--checkpoint", str(run_dir / "model.safetensors"), "--output", str(out)]
     assert cli.main([*argv, "--tolerance", "1e-30"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "differs from the training-time model" in err and "not written" in err
-    assert out.read_bytes() == b"previous file"
+    assert out.read_bytes() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.safetensors"]  # no temp file left
+    # A file of another kind (here text) is not replaced at all: refused before any work.
+    out.write_bytes(b"previous file")
+    assert cli.main(argv) == 2
+    assert "is a text file, not a deployed model file" in capsys.readouterr().err
+    assert out.read_bytes() == b"previous file"
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")

@@ -142,12 +142,19 @@ def test_readme_sequences_example_runs() -> None:
     exec(compile(block.group(1), "README.md", "exec"), {})
 
 
-def test_run_report_says_why_a_1d_model_has_no_fc3_figure() -> None:
+def test_fc3_figure_of_a_1d_model(tmp_path) -> None:
+    """A 1-D block's figure: the whole (l, l) matrix of one channel pair (output x input positions); a
+    model without RepMLP blocks is a note in the run's report."""
     from repmlp.tasks.classification_report import _fc3
+    from repmlp.viz import plot_fc3
 
+    model = create_model("repmlp1d_fmnist").eval()
+    sample = plot_fc3(model, tmp_path / "fc3.png", point=(2,), out_channel=1)
+    assert sample.one_d and sample.train.shape == sample.merged.shape == (7, 7) and sample.point == (2, 2)
+    assert (tmp_path / "fc3.png").read_bytes().startswith(b"\x89PNG")
+    assert sample.largest_kernel == (1, 5)  # K = 1, 3, 5
+    with pytest.raises(ValueError, match="partition of 7 positions"):
+        plot_fc3(model, tmp_path / "bad.png", point=(7,))
     notes: list[str] = []
-    assert _fc3(None, create_model("repmlp1d_fmnist"), notes) is None  # type: ignore[arg-type]
-    assert notes == ["FC3 figure skipped: it draws 2-D RepMLP blocks, this model's are 1-D"]
-    notes.clear()
     assert _fc3(None, create_model("conv1d_fmnist"), notes) is None  # type: ignore[arg-type]
     assert notes == ["FC3 figure skipped: the model has no RepMLP block"]

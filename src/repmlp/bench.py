@@ -285,6 +285,8 @@ def models_to_bench(
             models[label] = model
             sizes[label] = model_input_size(model, info, img_size)
             forms[label] = info["form"]
+            if info.get("precision") == "int8":
+                model.profile_counts = _int8_counts(info, sizes[label])
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
         raise UserError(
@@ -296,17 +298,37 @@ def models_to_bench(
     return models, input_size, forms
 
 
+def _int8_counts(info: dict[str, Any], input_size: tuple[int, ...]) -> tuple[int, int]:
+    """``(params, MACs)`` of an int8 file's model: its deployed float structure's, counted on the ``meta``
+    device (the ONNX graph has no PyTorch parameters; it holds the same weights, in int8)."""
+    from .profile import profile_model
+
+    kwargs = dict(info.get("model_kwargs") or {})
+    kwargs.setdefault("in_chans", input_size[0])
+    try:
+        return profile_model(info["model"], tuple(input_size[1:]), deploy=True, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        log.warning("%s: cannot count the int8 model's parameters (%s)", info["model"], exc)
+        return 0, 0
+
+
 def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
     """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
     from .convert import reparameterize_model
     from .deploy import precision_of, to_precision
+    from .profile import profile
 
     if precision_of(model) != "fp32":
         return model
     gen = torch.Generator().manual_seed(0)
     calibration = [torch.randn(8, *input_size, generator=gen)] if precision == "int8" else None
     try:
-        return to_precision(reparameterize_model(model), precision, calibration, input_size=input_size)
+        deployed = reparameterize_model(model)
+        counts = profile(deployed, input_size) if precision == "int8" else None
+        reduced = to_precision(deployed, precision, calibration, input_size=input_size)
+        if counts is not None:  # an ONNX graph: the deployed structure's parameters and MACs, in int8
+            reduced.profile_counts = counts
+        return reduced
     except (RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None

@@ -43,6 +43,7 @@ __all__ = [
     "atomic_write_text",
     "save_model",
     "load_model",
+    "read_model_file",
     "save_state",
     "load_state",
 ]
@@ -142,49 +143,81 @@ def load_model(
     Returns ``(model, info)`` with ``info = {"model", "model_kwargs", "form", "extra", "path"}``; the model
     is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv weights stored
     channels_last: :func:`~repmlp.layers.channels_last_weights_on_cpu`). ``form`` (if given) must match
-    the file's form.
+    the file's form. The metadata is checked field by field and the model it describes is built on the
+    ``meta`` device and compared with the file's tensors before the real one is built
+    (:mod:`repmlp.modelfile`): a file from elsewhere cannot make this allocate more than it holds.
     """
+    from .modelfile import parse_metadata
+    from .models.registry import model_options
+
     path = Path(path)
     tensors, meta = read_tensors(path)
     if meta.get("format") != FORMAT:
-        what = "a training state" if meta.get("format") == STATE_FORMAT else "not a repmlp model checkpoint"
-        raise CheckpointError(f"{path} is {what} (metadata format={meta.get('format')!r})")
-    name, file_form = meta.get("model"), meta.get("form")
-    if not name or file_form not in _FORMS:
-        raise CheckpointError(f"{path} has incomplete metadata (model={name!r}, form={file_form!r})")
-    if form is not None and form != file_form:
-        raise CheckpointError(f"{path} holds the {file_form!r} form of {name}, expected the {form!r} form")
-    try:
-        model_kwargs = json.loads(meta.get("model_kwargs", "{}"))
-        extra = json.loads(meta["extra"]) if "extra" in meta else {}
-    except ValueError:
-        raise CheckpointError(f"{path} has malformed JSON metadata") from None
-    model = _build_for(path, name, model_kwargs, file_form, meta.get("precision", "fp32"), tensors)
-    _load_strict(model, tensors, path, name, file_form)
+        raise CheckpointError(_not_a_model_file(path, meta))
+    fm = parse_metadata(path, meta, model_options)
+    if form is not None and form != fm.form:
+        raise CheckpointError(f"{path} holds the {fm.form!r} form of {fm.model}, expected the {form!r} form")
+    model = _build_for(fm, tensors)
+    _load_strict(model, tensors, path, fm.model, fm.form)
     channels_last_weights_on_cpu(model.to(device).eval())
-    info = {"model": name, "model_kwargs": model_kwargs, "form": file_form, "extra": extra, "path": str(path)}
-    info["precision"] = meta.get("precision", "fp32")
+    info = {"model": fm.model, "model_kwargs": fm.model_kwargs, "form": fm.form, "extra": fm.extra,
+            "path": str(path), "precision": fm.precision}  # fmt: skip
     return model, info
 
 
-def _build_for(
-    path: Path, name: str, model_kwargs: dict[str, Any], form: str, precision: str, tensors: dict[str, Tensor]
-) -> nn.Module:
-    """The empty model a file's weights load into: ``create_model`` in the file's form and precision."""
-    from .deploy import PRECISIONS, Int8OnnxModel, to_precision
+def read_model_file(path: str | os.PathLike, *, form: Form | None = None) -> tuple[dict[str, Tensor], Any]:
+    """The tensors and checked metadata (:class:`repmlp.modelfile.ModelFileMeta`) of a float model file,
+    the model its metadata describes checked against the tensors on the ``meta`` device: what
+    ``--init`` and the backbone loaders read, which build a model of their own. ``form`` (if given) must
+    be the file's."""
+    from .modelfile import check_fit, parse_metadata
+    from .models.registry import create_model, model_options
+
+    path = Path(path)
+    tensors, meta = read_tensors(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(_not_a_model_file(path, meta))
+    fm = parse_metadata(path, meta, model_options)
+    if form is not None and form != fm.form:
+        raise CheckpointError(f"{path} holds the {fm.form!r} form of {fm.model}, expected the {form!r} form")
+    if fm.precision == "int8":
+        raise CheckpointError(f"{path} is an int8 (ONNX) file: it holds a graph, not weights to train")
+    check_fit(fm, tensors, create_model)
+    return tensors, fm
+
+
+def _not_a_model_file(path: Path, meta: dict[str, str]) -> str:
+    """Why a safetensors file is no model file; a training state gets the hint to use the run's model."""
+    if meta.get("format") == STATE_FORMAT:
+        return (
+            f"{path} is a training state (for `repmlp train --resume`), not a model file: use the run's "
+            f"model.safetensors ({path.with_name('model.safetensors')}) or deploy.safetensors"
+        )
+    return f"{path} is not a repmlp model file (metadata format={meta.get('format')!r})"
+
+
+def _build_for(fm: Any, tensors: dict[str, Tensor]) -> nn.Module:
+    """The empty model a file's weights load into, in the file's form and precision (checked first:
+    :func:`repmlp.modelfile.build_checked`)."""
+    from .deploy import Int8OnnxModel, to_precision
+    from .modelfile import build_checked
     from .models.registry import create_model
 
-    if precision not in PRECISIONS or (precision != "fp32" and form != "deploy"):
-        raise CheckpointError(f"{path} has unsupported precision {precision!r} for the {form!r} form")
-    if precision == "int8":
-        if "onnx" not in tensors:
-            raise CheckpointError(f"{path} is marked int8 but holds no ONNX graph")
-        return Int8OnnxModel(tensors["onnx"])
-    try:
-        model = create_model(name, deploy=form == "deploy", **model_kwargs)
-    except (TypeError, ValueError) as exc:  # an unknown name or options: the file does not fit this install
-        raise CheckpointError(f"{path}: cannot build model {name!r} ({exc})") from exc
-    return model if precision == "fp32" else to_precision(model, precision)
+    if fm.precision == "int8":
+        onnx = tensors.get("onnx")
+        if onnx is None or onnx.dtype != torch.uint8 or onnx.dim() != 1 or len(tensors) != 1:
+            raise CheckpointError(
+                f"{fm.path} is marked int8 but holds no ONNX graph (one uint8 tensor 'onnx')"
+            )
+        try:
+            return Int8OnnxModel(onnx)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's parse errors: the bytes are not a graph
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(
+                f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first[:200]})"
+            ) from None
+    model = build_checked(fm, tensors, create_model)
+    return model if fm.precision == "fp32" else to_precision(model, fm.precision)
 
 
 def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name: str, form: str) -> None:

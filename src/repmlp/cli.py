@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
         return 1
     except RuntimeError as exc:
-        # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError; any other RuntimeError is a bug.
+        # torch.OutOfMemoryError (CUDA, MPS) and the CPU allocator's failure are RuntimeErrors; any other
+        # RuntimeError is a bug.
+        if "can't allocate memory" in str(exc):
+            print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
+            return 1
         if type(exc).__name__ != "OutOfMemoryError":
             raise
         print("repmlp: error: device out of memory (try a smaller --batch-size)", file=sys.stderr)

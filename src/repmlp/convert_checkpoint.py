@@ -189,18 +189,20 @@ def convert_checkpoint(
     deployed model on :func:`check_inputs`; a difference above ``tolerance * max(1, max |output|)`` is a
     :class:`UserError` and nothing is written.
     """
-    from .bench import model_input_size
+    from .bench import check_forward, model_input_size
     from .checkpoint import load_model
+    from .files import check_output_kind
 
     output = output or default_output(checkpoint)
     if output.exists() and output.resolve() == checkpoint.resolve():
         raise UserError(f"--output {output} would overwrite the checkpoint being converted")
-    if output.is_dir():
-        raise UserError(f"--output {output} is a folder")
+    # Only an earlier deployed file may be replaced: not a training state, a training-time model, a report.
+    check_output_kind(output, "a deployed model file", ("a deployed model file",))
     model, info = load_model(checkpoint, device="cpu")
     if info["form"] != "train":
         raise UserError(f"{checkpoint} is already a deployed checkpoint of {info['model']}")
     input_size = model_input_size(model, info, img_size)
+    check_forward(model, input_size, info["model"])  # a size the model does not take: one line
     x, source = check_inputs(info, input_size, num_examples, dataset=dataset, data_dir=data_dir)
     calibration = None
     if precision == "int8":

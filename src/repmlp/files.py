@@ -28,6 +28,8 @@ __all__ = [
     "read_tensors",
     "head_prefixes",
     "load_matching",
+    "file_kind",
+    "check_output_kind",
 ]
 
 FORMAT = "repmlp"
@@ -42,12 +44,16 @@ class CheckpointError(UserError, ValueError):
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     """Parse and validate a safetensors header; return it and the expected file size."""
-    if not path.exists():
+    from .inputs import not_regular
+
+    kind = not_regular(path)
+    if kind == "missing":
         raise CheckpointError(f"checkpoint not found: {path}")
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint is not a file: {path}")
+    if kind is not None:
+        raise CheckpointError(f"checkpoint {path} is {kind}, not a regular file")
     size = path.stat().st_size
-    with open(path, "rb") as f:
+    # Non-blocking: the path was a regular file a moment ago, but a reader must never wait on a FIFO.
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
@@ -59,7 +65,7 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not a safetensors file (unreadable header: {exc})") from None
     end = 0
     for key, entry in header.items():
@@ -174,3 +180,84 @@ def load_matching(
     loadable = {k: tensors[k] for k in body_own} | ({k: tensors[k] for k in head_own} if load_head else {})
     model.load_state_dict(loadable, strict=False)
     return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
+
+
+# ---------------------------------------------------------------------------------- output kinds
+_ZIP = b"PK\x03\x04"
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _safetensors_kind(path: Path) -> str | None:
+    """``"a training-time model file"``, ``"a deployed model file"``, ``"a training state"``, or another
+    safetensors file; ``None`` when ``path`` is not safetensors."""
+    try:
+        header, _ = _read_header(path)
+    except CheckpointError:
+        return None
+    meta = header.get("__metadata__")
+    meta = meta if isinstance(meta, dict) else {}
+    if meta.get("format") == STATE_FORMAT:
+        return "a training state"
+    if meta.get("format") == FORMAT:
+        return "a deployed model file" if meta.get("form") == "deploy" else "a training-time model file"
+    return "a safetensors file"
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What an existing file is, from its first bytes: ``"a training state"``, ``"a training-time model
+    file"``, ``"a deployed model file"``, ``"a safetensors file"``, ``"an ONNX model"``, ``"a zip archive
+    (TorchScript, .pt2 or a PyTorch checkpoint)"``, ``"a PNG image"``, ``"a run report"``, ``"a text
+    file"`` or ``"a binary file"``; ``"a folder"``, ``"a FIFO (named pipe)"``, ... for what is not a
+    regular file; ``None`` when nothing is there."""
+    from .inputs import not_regular
+
+    path = Path(path)
+    kind = not_regular(path)
+    if kind == "missing":
+        return None
+    if kind is not None:
+        return kind
+    found = _safetensors_kind(path)
+    if found is not None:
+        return found
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return "an unreadable file"
+    if not head:
+        return "an empty file"
+    if head.startswith(_ZIP):
+        return "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)"
+    if head.startswith(_PNG):
+        return "a PNG image"
+    if path.suffix.lower() == ".onnx" and head[:1] == b"\x08":  # ModelProto's field 1, ir_version
+        return "an ONNX model"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        # A cut in the middle of a multi-byte character at the end of the 4096 bytes still reads as text.
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return "a binary file"
+    if text.startswith("# repmlp run:"):
+        return "a run report"
+    return "a text file" if "\x00" not in text else "a binary file"
+
+
+def check_output_kind(
+    path: str | os.PathLike, writes: str, same: tuple[str, ...], flag: str = "--output"
+) -> None:
+    """Refuse an output ``path`` that already holds a file of another kind than the command writes.
+
+    ``writes`` names what the command writes (for the message); ``same`` lists the :func:`file_kind`
+    values it may replace (its own earlier output). A missing path is fine; a folder, a FIFO or a device
+    never is. Raises :class:`~repmlp.errors.UserError` with one line."""
+    kind = file_kind(path)
+    if kind is None or kind in same:
+        return
+    raise UserError(
+        f"{flag} {path} is {kind}, not {writes}: refusing to replace it (choose another name, or remove "
+        "the file first)"
+    )

@@ -21,12 +21,14 @@ from typing import Any
 from torch import nn
 
 from .errors import UserError
-from .files import FORMAT, STATE_FORMAT, CheckpointError, head_prefixes, load_matching, read_tensors
+from .files import CheckpointError, head_prefixes, load_matching
 
 __all__ = [
     "InitReport",
     "init_from_file",
     "init_model_options",
+    "init_preprocessing",
+    "folder_preprocessing",
     "head_prefixes",
     "file_sha256",
     "report_lines",
@@ -67,40 +69,76 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Tensors and metadata of a training-time repmlp model file; one-line errors for anything else."""
+def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], Any]:
+    """Tensors and checked metadata (:class:`repmlp.modelfile.ModelFileMeta`) of a training-time repmlp
+    model file (:func:`repmlp.checkpoint.read_model_file`); one-line errors for anything else."""
+    from .checkpoint import read_model_file
+
     try:
-        tensors, meta = read_tensors(Path(path))
+        tensors, fm = read_model_file(path)
     except CheckpointError as exc:
         raise UserError(f"{flag}: {exc}") from None
-    if meta.get("format") != FORMAT:
-        hint = (
-            " (a training state: use model.safetensors of the run)"
-            if meta.get("format") == STATE_FORMAT
-            else ""
-        )
-        raise UserError(f"{flag} {path} is not a repmlp model file{hint}")
-    if meta.get("form") == "deploy":
+    if fm.form == "deploy":
         run_file = Path(path).with_name("model.safetensors")
         raise UserError(
-            f"{flag} {path} holds the deployed (converted) form of {meta.get('model')}: the converted model "
+            f"{flag} {path} holds the deployed (converted) form of {fm.model}: the converted model "
             f"has no Local Perceptron (nor BatchNorm) left to train; use the training-time model.safetensors "
             f"of its run instead ({run_file})"
         )
-    return tensors, meta
+    return tensors, fm
 
 
 def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[str, dict[str, Any]]:
     """``(model name, options)`` of a model file, without the options the new data decide
     (:data:`DATA_OPTIONS`): what a fine-tuning run builds when no ``--model`` is given."""
-    import json
+    _, fm = _read_model_file(path, flag)
+    return fm.model, {k: v for k, v in fm.model_kwargs.items() if k not in DATA_OPTIONS}
 
-    _, meta = _read_model_file(path, flag)
-    try:
-        kwargs = json.loads(meta.get("model_kwargs", "{}"))
-    except ValueError:
-        raise UserError(f"{flag} {path} has malformed metadata") from None
-    return str(meta.get("model")), {k: v for k, v in kwargs.items() if k not in DATA_OPTIONS}
+
+def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[str, Any]:
+    """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name,
+    "input_size": [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
+    (``fixed_size``: the model is built for one input size, ``img_size`` among its options)."""
+    _, fm = _read_model_file(path, flag)
+    extra = fm.extra
+    size = extra.get("input_size")
+    if size is None and isinstance(fm.model_kwargs.get("img_size"), int):
+        size = [
+            int(fm.model_kwargs.get("in_chans", 3)),
+            fm.model_kwargs["img_size"],
+            fm.model_kwargs["img_size"],
+        ]
+    return {
+        "model": fm.model,
+        "input_size": list(size) if size else None,
+        "dataset": extra.get("dataset"),
+        "eval_preprocessing": extra.get("eval_preprocessing"),
+        "fixed_size": "img_size" in fm.model_kwargs,
+    }
+
+
+def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
+    """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
+    folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: the file's own
+    (an imported or fine-tuned model's); for a model of an in-memory data set (Fashion-MNIST, CIFAR-10),
+    the image resized to the input size and that data set's normalisation; ``None`` (ImageNet's) else."""
+    from .data import NATIVE_SIZE, NORMALIZATION
+
+    recorded = pre.get("eval_preprocessing")
+    if recorded:
+        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
+        out = {k: recorded[k] for k in keys if k in recorded}
+    elif pre.get("dataset") in NATIVE_SIZE:
+        mean, std = NORMALIZATION[pre["dataset"]]
+        out = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
+    else:
+        return None
+    mean, std = NORMALIZATION["imagefolder"]
+    out["mean"] = [float(v) for v in (out.get("mean") or mean)][:channels]
+    out["std"] = [float(v) for v in (out.get("std") or std)][:channels]
+    if len(out["mean"]) != channels or len(out["std"]) != channels:  # one value for three channels
+        out["mean"], out["std"] = out["mean"][:1] * channels, out["std"][:1] * channels
+    return out
 
 
 def init_from_file(
@@ -117,15 +155,22 @@ def init_from_file(
     ``fresh_head`` the head is never loaded, else only where it differs (another number of classes).
     Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
     """
-    tensors, meta = _read_model_file(path, flag)
+    tensors, fm = _read_model_file(path, flag)
     from .models.registry import file_head_prefixes
 
-    fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(str(meta.get("model"))),
-                        fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
+    meta = {"model": fm.model}
+    try:
+        fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(fm.model),
+                            fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
+    except CheckpointError as exc:
+        raise UserError(
+            f"{exc} (the file holds {fm.model} with {fm.model_kwargs}: leave --model and --model-arg out to "
+            "fine-tune that model, or give its options)"
+        ) from None
     return InitReport(
         path=str(path),
         sha256=file_sha256(path),
-        model=str(meta.get("model")),
+        model=fm.model,
         loaded=fit["loaded"],
         reinitialised=fit["reinitialised"],
         ignored=fit["ignored"],

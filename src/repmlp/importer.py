@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import UserError
+from .modelfile import RESERVED_OPTIONS, ModelTooLarge, meta_model
 from .reparam import fuse_bn
 
 __all__ = [
@@ -41,25 +42,56 @@ class WeightsImportError(UserError, ValueError):
     """A checkpoint that cannot be imported (unsafe, unknown layout, keys that do not fit)."""
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _load(path: Path) -> Any:
+    """``torch.load(weights_only=True)``; one-line errors that tell a file that would run code (unsafe)
+    from one that is no PyTorch checkpoint at all (text, another format, truncated)."""
+    from .files import file_kind
+
+    kind = file_kind(path)
+    if kind in ("a training-time model file", "a deployed model file"):
+        raise WeightsImportError(f"{path} is already a repmlp model file: use it as it is (no import needed)")
+    if kind not in ("a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)", "a binary file"):
+        raise WeightsImportError(f"{path} is {kind}, not a PyTorch checkpoint (.pth)")
+    try:
+        # mmap: the tensors of a zip checkpoint are mapped, not read, until they are used.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=kind.startswith("a zip"))
+    except pickle.UnpicklingError as exc:
+        if "weights_only" not in str(exc) and "Weights only load failed" not in str(exc):
+            raise WeightsImportError(
+                f"{path} is not a PyTorch checkpoint (unpickling failed: {_first_line(exc)})"
+            ) from None
+        found = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(exc))
+        what = f" (it refers to {found.group(1)})" if found else ""
+        raise WeightsImportError(
+            f"refusing to load {path}: it holds more than tensors and plain containers{what}, and loading it "
+            "could run code"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on a damaged file, it is not readable
+        raise WeightsImportError(
+            f"cannot read {path} as a PyTorch checkpoint ({type(exc).__name__}: {_first_line(exc)[:200]})"
+        ) from None
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The flat tensor dict of a ``.pth`` file, loaded with ``weights_only=True`` (nothing else is run).
 
-    Unwraps ``{"model": sd}`` / ``{"state_dict": sd}`` and strips DDP's ``module.`` prefix.
+    Unwraps ``{"model": sd}`` / ``{"state_dict": sd}`` and strips DDP's ``module.`` prefix. Every tensor
+    must be dense, real and non-empty: a sparse, complex or zero-size tensor is no released weight.
     """
+    from .inputs import not_regular
+
     path = Path(path)
-    if not path.is_file():
+    kind = not_regular(path)
+    if kind == "missing":
         raise WeightsImportError(f"checkpoint not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise WeightsImportError(
-            f"refusing to load {path}: it holds more than tensors and plain containers, and loading it "
-            f"could run code ({first[:160]})"
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise WeightsImportError(f"cannot read {path} as a PyTorch checkpoint ({first[:160]})") from None
+    if kind is not None:
+        raise WeightsImportError(f"checkpoint {path} is {kind}, not a regular file")
+    obj = _load(path)
     for key in ("state_dict", "model"):
         if isinstance(obj, Mapping) and isinstance(obj.get(key), Mapping):
             obj = obj[key]
@@ -70,9 +102,19 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     others = [str(k) for k, v in obj.items() if not isinstance(v, Tensor)]
     if others:
         raise WeightsImportError(f"{path}: entries that are not tensors: {', '.join(others[:5])}")
+    for key, t in tensors.items():
+        if t.layout != torch.strided:
+            raise WeightsImportError(f"{path}: tensor {key} is not dense ({t.layout}): not a released weight")
+        if t.is_complex() or t.is_quantized or not (t.is_floating_point() or t.dtype in _INT_DTYPES):
+            raise WeightsImportError(f"{path}: tensor {key} is {t.dtype}, not a real-valued weight")
+        if t.numel() == 0:
+            raise WeightsImportError(f"{path}: tensor {key} is empty (shape {tuple(t.shape)})")
     if all(k.startswith("module.") for k in tensors):
         tensors = {k[len("module.") :]: v for k, v in tensors.items()}
     return tensors
+
+
+_INT_DTYPES = (torch.int64, torch.int32)  # BatchNorm's num_batches_tracked
 
 
 # ----------------------------------------------------------------------------------- key mapping
@@ -223,6 +265,8 @@ def infer_repmlpnet(sd: Mapping[str, Tensor]) -> dict[str, Any]:
         sides.append(side)
         gate = c // int(sd[f"stages.{i}.blocks.0.repmlp.gp.fc1.weight"].shape[0])
         i += 1
+    if not depths:  # not one block: a partial state dict
+        raise KeyError("stages.0.blocks.0.norm1.weight")
     kernels = sorted(
         {int(sd[k].shape[-1]) for k in sd if re.search(r"repmlp\.local\.branches\.\d+\.conv\.weight$", k)}
     )
@@ -317,6 +361,9 @@ def import_checkpoint(
     if not is_model(name):
         raise WeightsImportError(f"--model {name!r} is not a registered repmlp model")
     args = dict(model_args or {})
+    reserved = [k for k in args if k in RESERVED_OPTIONS]
+    if reserved:
+        raise WeightsImportError(f"--model-arg {reserved[0]}: not a model option an imported file may set")
     raw = read_state_dict(path)
     layout = detect_layout(raw)
     family = _FAMILIES[layout]
@@ -333,36 +380,55 @@ def import_checkpoint(
         )
     form = "train" if any(".fc3_bn." in k for k in raw) else "deploy"
     kwargs = dict(args)
-    if layout == "authors-res50":
-        inferred = infer_res50(mapped)
-        if inferred["groups"] != [8, 8, 8, 8]:
-            kwargs.setdefault("groups", inferred["groups"])
-        default_k = [1, 3, 5]
-    else:
-        inferred = infer_repmlpnet(mapped)
-        _check_structure(name, inferred, args)
-        default_k = [1, 3]
+    try:
+        if layout == "authors-res50":
+            inferred = infer_res50(mapped)
+            if inferred["groups"] != [8, 8, 8, 8]:
+                kwargs.setdefault("groups", inferred["groups"])
+            default_k = [1, 3, 5]
+        else:
+            inferred = infer_repmlpnet(mapped)
+            _check_structure(name, inferred, args)
+            default_k = [1, 3]
+    except WeightsImportError:
+        raise
+    except KeyError as exc:  # a partial state dict: name the first tensor the structure needs
+        raise WeightsImportError(
+            f"{path} is not a complete {layout} checkpoint: it has no {exc.args[0]} (in our names)"
+        ) from None
+    except (IndexError, ZeroDivisionError, ValueError, RuntimeError) as exc:
+        raise WeightsImportError(
+            f"{path}: its tensors' shapes do not make a model of the {layout} layout ({_first_line(exc)[:200]})"
+        ) from None
     if inferred["num_classes"] != 1000:
         kwargs.setdefault("num_classes", inferred["num_classes"])
     if form == "train" and list(inferred["kernel_sizes"]) != default_k:
         kwargs.setdefault("kernel_sizes", list(inferred["kernel_sizes"]))
     if form == "deploy":
         mapped = _fuse_conv_bn_pairs(mapped)
+    # The model the shapes and --model-arg describe, sized on the meta device against the file first.
+    held = sum(t.numel() for t in mapped.values())
     try:
-        model = create_model(name, deploy=form == "deploy", **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise WeightsImportError(f"cannot build {name} with {kwargs}: {exc}") from None
+        ghost = meta_model(lambda: create_model(name, deploy=form == "deploy", **kwargs), 4 * held + (1 << 20),
+                           4 * len(mapped) + 10_000)  # fmt: skip
+    except ModelTooLarge:
+        raise WeightsImportError(
+            f"{path}: {name} with {kwargs} (its shapes and --model-arg) is far larger than the file's {held} weights"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
+        raise WeightsImportError(f"cannot build {name} with {kwargs}: {_first_line(exc)[:200]}") from None
+    _check_fit(ghost.state_dict(), mapped, path, name)
+    model = create_model(name, deploy=form == "deploy", **kwargs)
     _load_exact(model, mapped, path)
     return ImportResult(model=model.eval(), name=name, model_kwargs=kwargs, form=form, layout=layout)
 
 
-def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike) -> None:
-    """Strict load; a file without ``num_batches_tracked`` counters keeps the model's (they are unused)."""
-    own = model.state_dict()
-    for k, v in own.items():
-        if k.endswith("num_batches_tracked") and k not in sd:
-            sd[k] = v
-    missing = [k for k in own if k not in sd]
+def _check_fit(
+    own: Mapping[str, Tensor], sd: Mapping[str, Tensor], path: str | os.PathLike, name: str
+) -> None:
+    """The keys and shapes of ``sd`` must be the model's (``own``, its state dict on any device); missing
+    ``num_batches_tracked`` counters are fine (they are unused)."""
+    missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]
     unexpected = [k for k in sd if k not in own]
     shapes = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
     if missing or unexpected or shapes:
@@ -371,7 +437,16 @@ def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike
             for label, keys in (("missing", missing), ("unused", unexpected), ("shape mismatch", shapes))
             if keys
         ]
-        raise WeightsImportError(f"{path} does not fit {model.__class__.__name__}: {'; '.join(parts)}")
+        raise WeightsImportError(f"{path} does not fit {name}: {'; '.join(parts)}")
+
+
+def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike) -> None:
+    """Strict load (the fit checked by :func:`_check_fit`); a file without ``num_batches_tracked``
+    counters keeps the model's."""
+    own = model.state_dict()
+    for k, v in own.items():
+        if k.endswith("num_batches_tracked") and k not in sd:
+            sd[k] = v
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)
 
 

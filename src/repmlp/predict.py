@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .bench import model_input_size
+from .data.folder import image_to_channels
 from .errors import UserError
 
 __all__ = [
@@ -41,9 +42,6 @@ __all__ = [
     "image_to_channels",
     "read_labels",
 ]
-
-# Pillow's ``I;16`` family holds 16-bit samples: scaled to 8 bits (65535 -> 255) like any image viewer.
-_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 class Prediction(NamedTuple):
@@ -171,34 +169,33 @@ def _metadata(model: nn.Module, info: dict[str, Any]) -> ModelMetadata:
     )
 
 
-def image_to_channels(img: Any, channels: int) -> Any:
-    """A PIL image of any mode as ``L`` (``channels == 1``) or ``RGB``: what the model takes.
-
-    16-bit greyscale is scaled to 8 bits, 32-bit integer and float images are clipped to 0..255, a
-    palette image with transparency goes through RGBA (alpha is dropped, as ``convert("RGB")`` does).
-    """
-    from PIL import Image
-
-    if img.mode in _SIXTEEN_BIT or img.mode in ("I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        arr = arr / 257.0 if img.mode in _SIXTEEN_BIT else arr
-        img = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L")
-    elif img.mode in ("P", "PA") and "transparency" in img.info or img.mode == "PA":
-        img = img.convert("RGBA")
-    mode = "L" if channels == 1 else "RGB"
-    return img if img.mode == mode else img.convert(mode)  # convert() would copy even then
+# A labels file of more than this is not one (ImageNet's 1000 names take 30 kB).
+_MAX_LABELS_BYTES = 16 << 20
 
 
 def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
     """Class names from a text file, one a line (trailing blank lines ignored); their count must be
-    ``num_classes``."""
+    ``num_classes``. A blank line between names, or a name given twice, is refused: either would put
+    every later class under another class's name. The file must be a regular file (a FIFO would block)."""
+    from .inputs import InputError, read_text
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read labels file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        lines = read_text(path, _MAX_LABELS_BYTES, "labels file").splitlines()
+    except InputError as exc:
+        raise UserError(str(exc)) from None
     while lines and not lines[-1].strip():
         lines.pop()
     names = [ln.strip() for ln in lines]
+    blank = next((i for i, name in enumerate(names) if not name), None)
+    if blank is not None:
+        raise UserError(
+            f"labels file {path}: line {blank + 1} is blank (one name a line, no blank lines between them)"
+        )
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise UserError(f"labels file {path}: line {i + 1} repeats {name!r} of line {seen[name] + 1}")
+        seen[name] = i
     if len(names) != num_classes:
         raise UserError(f"labels file {path} has {len(names)} names but the model has {num_classes} classes")
     return names
@@ -214,48 +211,59 @@ def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[
     """Image files of ``inputs``: ``(files, problems)``.
 
     A file is taken as it is (whatever its name; decoding tells whether it is an image); a folder gives
-    every file under it with an extension Pillow reads, recursively, in sorted order; a pattern with
-    ``*``, ``?`` or ``[`` is expanded (``**`` recursively), sorted. ``problems`` lists ``(input, reason)``
-    for a path that does not exist or a pattern that matches nothing. Duplicates are kept once.
+    every file under it with an extension Pillow reads, recursively, in sorted order, each real folder
+    once (symlinks that loop are followed once); a pattern with ``*``, ``?`` or ``[`` is expanded (``**``
+    recursively, as :func:`repmlp.inputs.expand_glob`), sorted. ``problems`` lists ``(input, reason)``
+    for a path that does not exist, a pattern that matches nothing, and anything that is not a regular
+    file or a folder (a FIFO, a device such as ``/dev/zero``, a socket): those are named, never read.
+    Duplicates are kept once.
     """
+    from .inputs import expand_glob, not_regular, walk_files
+
     exts = _image_extensions()
     files: list[str] = []
     problems: list[tuple[str, str]] = []
 
-    def add_folder(folder: Path) -> None:
-        found = sorted(str(p) for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in exts)
-        if not found:
-            problems.append((str(folder), "folder holds no image files"))
-        files.extend(found)
+    def add(item: str) -> None:
+        kind = not_regular(item)
+        if kind == "a folder":
+            found, skipped = walk_files(item, sorted(exts))
+            problems.extend(skipped)
+            if not found:
+                problems.append((item, "folder holds no image files"))
+            files.extend(found)
+        elif kind is None:
+            files.append(item)
+        elif kind == "missing":
+            problems.append((item, "no such file or folder"))
+        else:
+            problems.append((item, f"{kind}, not a regular file"))
 
     for item in map(str, inputs):
-        path = Path(item)
-        if path.is_dir():
-            add_folder(path)
-        elif path.exists():
-            files.append(item)
-        elif glob.has_magic(item):
-            matches = sorted(glob.glob(item, recursive=True))
+        if not_regular(item) == "missing" and glob.has_magic(item):
+            matches = expand_glob(item)
             if not matches:
                 problems.append((item, "pattern matches no file"))
             for m in matches:
-                add_folder(Path(m)) if Path(m).is_dir() else files.append(m)
+                add(m)
         else:
-            problems.append((item, "no such file or folder"))
+            add(item)
     return list(dict.fromkeys(files)), problems
 
 
 def decode_image(path: str, channels: int, transform: Callable[[Any], Tensor]) -> Tensor:
-    """Read one image file (a GIF's first frame) and apply ``transform``; raises what decoding raised."""
-    from PIL import Image
+    """Read one image file (a GIF's first frame; a regular file of bounded size and pixel count,
+    :func:`repmlp.inputs.open_image`) and apply ``transform``; raises what decoding raised."""
+    from .inputs import open_image
 
-    with Image.open(path) as im:
-        im.load()  # decode now: a truncated file fails here, with the file named by the caller
+    with open_image(path) as im:
         return transform(image_to_channels(im, channels))
 
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
+    if isinstance(exc, UserError) and text:  # repmlp's own reasons read as they are
+        return text[0]
     msg = getattr(exc, "strerror", None) or (text[0] if text else "")
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
@@ -280,10 +288,10 @@ class _FileBatches(torch.utils.data.Dataset):
 
     def _decode(self, path: str) -> Any:
         """One file -> the transform's ``(C, H, W)`` tensor, or (pixel transforms) ``(H, W, C)`` uint8."""
-        from PIL import Image
+        from .inputs import open_image
 
-        with Image.open(path) as im:  # everything inside: a closed image has no pixels left
-            im.load()  # decode now: a truncated file fails here, with the file named by the caller
+        # Decoded in open_image (a truncated file fails there); everything inside: a closed image has no pixels.
+        with open_image(path) as im:
             img = image_to_channels(im, self.channels)
             return self.transform.pixels(img) if self.batched else self.transform(img)
 

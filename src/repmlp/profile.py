@@ -72,8 +72,13 @@ def profile(
     """``(params, MACs)`` of ``model`` as it is (train-time or converted) for one input of ``input_size``.
 
     For the paper's deployed counts pass the converted model (``reparameterize_model(model.eval())`` or
-    ``create_model(name, deploy=True)``), or use :func:`profile_model`.
+    ``create_model(name, deploy=True)``), or use :func:`profile_model`. A model that carries its counts
+    in ``profile_counts`` (an int8 ONNX graph, which has no PyTorch parameters: the counts of the deployed
+    structure it quantizes) reports those.
     """
+    counts = getattr(model, "profile_counts", None)
+    if counts is not None:
+        return int(counts[0]), int(counts[1])
     return count_params(model), count_macs(model, input_size, in_chans=in_chans)
 
 

@@ -7,6 +7,11 @@ for that output point. The figure shows it, as ``ln(|W| / min |W|)`` (min over t
 training-time FC3 and for the inference FC3 with the Local Perceptron merged in: merging adds the
 conv kernels around the point, so a local prior appears, while positions outside the largest kernel
 keep what FC3 learnt (the global capacity).
+
+A 1-D block (:class:`~repmlp.RepMLPBlock1d`, sequences of partitions of ``l`` positions) has one output
+point per position: its figure is the whole ``l x l`` matrix ``W[o, :, c, :]`` (row ``y``: how much each
+input position counts for output position ``y``), where the Local Perceptron adds a band around the
+diagonal; the sampled point ``(y, y)`` marks one row.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .block import RepMLPBlock
+from .block import RepMLPBlock, RepMLPBlock1d
 
 __all__ = ["FC3Sample", "find_repmlp_blocks", "sample_fc3", "fc3_log_weights", "plot_fc3"]
 
@@ -38,16 +43,18 @@ class FC3Sample:
     largest_kernel: tuple[int, int] | None
     train: np.ndarray  # ln(|W| / min |W|) of the training-time FC3, (h, w)
     merged: np.ndarray  # the same for FC3 merged with the Local Perceptron, (h, w)
+    one_d: bool = False  # a 1-D block: train/merged are (l, l), rows output and columns input positions
 
 
 def _block_types() -> tuple[type, ...]:
     from .models.repmlpnet import RepMLPNetBlock
 
-    return (RepMLPBlock, RepMLPNetBlock)
+    return (RepMLPBlock, RepMLPBlock1d, RepMLPNetBlock)
 
 
 def find_repmlp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """All RepMLP blocks (RepMLP-Res50's and RepMLPNet's) of ``model`` as ``(name, block)``, in module order."""
+    """All RepMLP blocks (RepMLP-Res50's, the pure MLPs' 2-D and 1-D ones, RepMLPNet's) of ``model`` as
+    ``(name, block)``, in module order."""
     if isinstance(model, _block_types()):
         return [("", model)]
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _block_types())]
@@ -58,7 +65,7 @@ def _fc3_layout(block: nn.Module) -> tuple[Tensor, int, int, bool, tuple[tuple[i
 
     RepMLPNet's FC3 maps each of its ``S`` parameter sets on its own: ``S`` channels in ``S`` groups.
     """
-    if isinstance(block, RepMLPBlock):
+    if isinstance(block, (RepMLPBlock, RepMLPBlock1d)):
         fc3 = block.partition_perceptron.fc3.weight
         return fc3, block.out_channels, block.groups, block.local_perceptron is not None, block.kernel_sizes
     kernels = tuple((k, k) for k in block.kernel_sizes) if block.local is not None else ()
@@ -112,7 +119,9 @@ def sample_fc3(
     :meth:`RepMLPBlock.merged_fc3` (BN fused, every Local Perceptron branch added, running statistics).
 
     Args:
-        block_or_model: a training-time :class:`RepMLPBlock` or a model containing some.
+        block_or_model: a training-time :class:`RepMLPBlock` (or :class:`RepMLPBlock1d`, whose sample is
+            the whole ``(l, l)`` matrix of one channel pair, see the module docstring) or a model
+            containing some.
         block_name: qualified module name of the block (default: first block with a Local Perceptron).
         out_channel: output channel ``o`` (0 .. O-1).
         point: output point ``(y, x)`` in the partition, zero-based (default: the centre
@@ -129,6 +138,8 @@ def sample_fc3(
             f"RepMLP block {name or '<root>'} is already deployed: the figure compares the training-time "
             "FC3 with the merged one, so it needs the training-time model"
         )
+    if len(block.partition) == 1:
+        return _sample_fc3_1d(name, block, out_channel, point, in_channel)
     h, w = block.partition
     fc3, out_c, groups, _, kernels = _fc3_layout(block)
     cg = fc3.shape[1] // (h * w)
@@ -137,18 +148,13 @@ def sample_fc3(
     if len(point) != 2:
         raise ValueError(f"point must be (y, x), got {tuple(point)}")
     y, x = (int(p) for p in point)
-    if not 0 <= out_channel < out_c:
-        raise ValueError(f"out_channel must be in 0..{out_c - 1}, got {out_channel}")
+    _check_channels(out_channel, out_c, in_channel, cg)
     if not (0 <= y < h and 0 <= x < w):
         raise ValueError(f"point must lie in the {h}x{w} partition (0..{h - 1}, 0..{w - 1}), got ({y}, {x})")
-    if not 0 <= in_channel < cg:
-        raise ValueError(f"in_channel must be in 0..{cg - 1} (channels per group), got {in_channel}")
 
     def pick(weight: Tensor) -> Tensor:
         return weight.reshape(out_c, h, w, cg, h, w)[out_channel, y, x, in_channel]
 
-    train = pick(fc3.detach())
-    merged = pick(block.merged_fc3()[0])
     largest = max(kernels, key=lambda k: k[0] * k[1]) if kernels else None
     return FC3Sample(
         block_name=name,
@@ -157,8 +163,61 @@ def sample_fc3(
         input_channel=(out_channel // (out_c // groups)) * cg + in_channel,
         point=(y, x),
         largest_kernel=largest,
-        train=fc3_log_weights(train),
-        merged=fc3_log_weights(merged),
+        train=fc3_log_weights(pick(fc3.detach())),
+        merged=fc3_log_weights(pick(block.merged_fc3()[0])),
+    )
+
+
+def _check_channels(out_channel: int, out_c: int, in_channel: int, cg: int) -> None:
+    if not 0 <= out_channel < out_c:
+        raise ValueError(f"out_channel must be in 0..{out_c - 1}, got {out_channel}")
+    if not 0 <= in_channel < cg:
+        raise ValueError(f"in_channel must be in 0..{cg - 1} (channels per group), got {in_channel}")
+
+
+def _sample_fc3_1d(
+    name: str, block: nn.Module, out_channel: int, point: Sequence[int] | None, in_channel: int
+) -> FC3Sample:
+    """A 1-D block's sample: the ``(l, l)`` matrix ``W[o, :, c, :]`` (output position x input position);
+    ``point`` (``(y,)`` or ``(y, y)``, default ``l // 2``) marks the row of one output position."""
+    (length,) = block.partition
+    fc3, out_c, groups, _, kernels = _fc3_layout(block)
+    cg = fc3.shape[1] // length
+    y = length // 2 if point is None else int(point[0])
+    if point is not None and (len(point) not in (1, 2) or (len(point) == 2 and point[1] != point[0])):
+        raise ValueError(f"a 1-D block's point is one position (y, or y y), got {tuple(point)}")
+    _check_channels(out_channel, out_c, in_channel, cg)
+    if not 0 <= y < length:
+        raise ValueError(f"point must lie in the partition of {length} positions (0..{length - 1}), got {y}")
+
+    def pick(weight: Tensor) -> Tensor:
+        return weight.reshape(out_c, length, cg, length)[out_channel, :, in_channel, :]
+
+    largest = max((k[0] for k in kernels), default=None)
+    return FC3Sample(
+        block_name=name,
+        out_channel=out_channel,
+        in_channel=in_channel,
+        input_channel=(out_channel // (out_c // groups)) * cg + in_channel,
+        point=(y, y),
+        largest_kernel=(1, largest) if largest else None,
+        train=fc3_log_weights(pick(fc3.detach())),
+        merged=fc3_log_weights(pick(block.merged_fc3()[0])),
+        one_d=True,
+    )
+
+
+def describe(sample: FC3Sample) -> str:
+    """The sampled matrix in words: ``W[o, y, x, c, :, :] (input channel C`` (2-D) or ``W[o, :, c, :]
+    (rows: output positions, columns: input positions; input channel C`` (1-D, a square ``(y, y)``)."""
+    y, x = sample.point
+    if sample.one_d:
+        return (
+            f"W[{sample.out_channel}, :, {sample.in_channel}, :] (rows: output positions, columns: input "
+            f"positions; input channel {sample.input_channel}"
+        )
+    return (
+        f"W[{sample.out_channel}, {y}, {x}, {sample.in_channel}, :, :] (input channel {sample.input_channel}"
     )
 
 
@@ -222,15 +281,8 @@ def plot_fc3(
         if sample.largest_kernel
         else ""
     )
-    fig.suptitle(
-        title
-        or (
-            f"{sample.block_name or 'RepMLP block'}: "
-            f"W[{sample.out_channel}, {y}, {x}, {sample.in_channel}, :, :] "
-            f"(input channel {sample.input_channel}{kernel})"
-        ),
-        fontsize=10,
-    )
+    heading = f"{sample.block_name or 'RepMLP block'}: {describe(sample)}{kernel})"
+    fig.suptitle(title or heading, fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,16 @@ log = logging.getLogger(__name__)
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".pt", ".pth", ".ckpt", ".bin")
 
 
-def check_report_output(output: Path | None, inputs: Sequence[Path] = ()) -> None:
-    """Refuse an ``--output`` for a text report or figure that would replace an input or a model file."""
+def check_report_output(
+    output: Path | None, inputs: Sequence[Path] = (), *, kind: str = "a text file"
+) -> None:
+    """Refuse an ``--output`` for a text report or figure that would replace an input, a model file, or an
+    existing file of another kind than ``kind`` (:func:`repmlp.files.file_kind`: a training state, a run's
+    report, ...)."""
+    from ..files import check_output_kind
+
     if output is None:
         return
-    if output.is_dir():
-        raise UserError(f"--output {output} is a folder")
     for src in inputs:
         if output.exists() and output.resolve() == Path(src).resolve():
             raise UserError(f"--output {output} would overwrite the checkpoint being read")
@@ -33,10 +39,23 @@ def check_report_output(output: Path | None, inputs: Sequence[Path] = ()) -> Non
         raise UserError(
             f"--output {output}: refusing to write a report over a model file name ({output.suffix})"
         )
+    check_output_kind(output, kind, (kind,))
 
 
-def int_at_least(minimum: int):
-    """An ``argparse`` type: an int >= ``minimum`` (out of range -> one-line usage error)."""
+# Upper bounds of the options: far beyond any real use, far below what would overflow or exhaust memory.
+MAX_COUNT = 10**9  # steps, epochs, examples, repeats, ...
+MAX_SIDE = 4096  # --img-size, --crop-size: pixels per side
+MAX_PAD = 1024  # --pad: pixels
+MAX_CHANNELS = 4096
+MAX_BATCH = 1 << 20
+MAX_WORKERS = 256
+MAX_THREADS = 1024
+MAX_REAL = 1e6  # learning rates, weight decays, loss weights, ...
+MAX_SEED = 2**32 - 1  # numpy's seeds
+
+
+def int_at_least(minimum: int, maximum: int = MAX_COUNT):
+    """An ``argparse`` type: an int in ``minimum..maximum`` (out of range -> one-line usage error)."""
 
     def parse(text: str) -> int:
         try:
@@ -45,49 +64,81 @@ def int_at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     parse.__name__ = f"int>={minimum}"
     return parse
 
 
-def positive_float(text: str) -> float:
-    """An ``argparse`` type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+def seed_int(text: str) -> int:
+    """An ``argparse`` type: a random seed, ``0 .. 2**32 - 1`` (what numpy takes)."""
+    return int_at_least(0, MAX_SEED)(text)
 
 
-def nonneg_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+def float_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False, what: str | None = None):
+    """An ``argparse`` type: a finite number in the interval from ``lo`` to ``hi`` (open ends excluded);
+    ``what`` describes the lower bound in errors (``"a positive number"``)."""
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or not (value > lo if lo_open else value >= lo):
+            raise argparse.ArgumentTypeError(f"must be {what or 'a number in ' + interval}, got {text}")
+        if not (value < hi if hi_open else value <= hi):
+            bound = f"less than {hi:g}" if hi_open else f"at most {hi:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+# A finite float > 0 / >= 0 (up to MAX_REAL).
+positive_float = float_in(0.0, MAX_REAL, lo_open=True, what="a positive number")
+nonneg_float = float_in(0.0, MAX_REAL, what="a number >= 0")
+# A fraction in [0, 1): momentum, label smoothing, margins.
+fraction = float_in(0.0, 1.0, hi_open=True)
+
+
+_BARE_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 
 def model_arg(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE parsed as JSON when it is JSON (``kernel_sizes=[3]``), else a string."""
+    """``KEY=VALUE`` with VALUE as JSON (``kernel_sizes=[3]``, ``img_size=64``, ``mixer="conv"``); a bare
+    word (``mixer=conv``) is taken as that string. Anything else (``kernel_sizes=1,3``) is refused with the
+    text as given, rather than guessed at."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        if _BARE_WORD.fullmatch(value) and value not in ("True", "False", "None", "NaN", "Infinity"):
+            return key, value
+        raise argparse.ArgumentTypeError(
+            f'{key}={value}: the value is not JSON (write a list as [1,3], a text as "text", '
+            "true/false/null in lower case)"
+        ) from None
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        raise argparse.ArgumentTypeError(f"{key}={value}: the value must be a finite number")
+    return key, parsed
 
 
 def add_limit_argument(group, flag: str, what: str) -> None:
-    """``--train-limit`` / ``--val-limit N``: use the first N examples of ``what`` only."""
+    """``--train-limit`` / ``--val-limit N``: use N examples of ``what`` only (an in-memory data set's
+    first N, already in random order; of an image folder a seeded stratified subset)."""
     group.add_argument(
-        flag, type=int_at_least(1), default=None, metavar="N", help=f"use the first N {what} only"
+        flag,
+        type=int_at_least(1, 2**31 - 1),
+        default=None,
+        metavar="N",
+        help=f"use N {what} only: the first N of an in-memory data set, a seeded subset of an image folder "
+        "that keeps every class's share",
     )
 
 
@@ -110,7 +161,9 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
         default=None,
         help="mixed precision (default: on CUDA); it changes the maths, so a resumed run keeps it",
     )
-    group.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+    group.add_argument(
+        "--threads", type=int_at_least(1, MAX_THREADS), default=None, help="CPU threads (default: torch's)"
+    )
     group.add_argument(
         "--compile",
         choices=("auto", "on", "off"),

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from ..engine import hardware_summary, resolve_device
 from ._common import (
+    MAX_BATCH,
+    MAX_CHANNELS,
+    MAX_SIDE,
     add_device_argument,
     add_runtime_argument,
     check_report_output,
@@ -40,15 +43,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--model", nargs="+", metavar="NAME", help="registered model name(s) (see repmlp tables)"
     )
     src.add_argument("--checkpoint", nargs="+", type=Path, metavar="PATH", help="model checkpoint(s)")
-    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="examples per forward pass")
     p.add_argument(
-        "--img-size", type=int_at_least(1), default=None, help="input height = width (default: the model's)"
+        "--batch-size", type=int_at_least(1, MAX_BATCH), default=32, help="examples per forward pass"
     )
-    p.add_argument("--in-chans", type=int_at_least(1), default=None, help="input channels (--model only)")
-    p.add_argument("--num-classes", type=int_at_least(1), default=None, help="classes (--model only)")
+    p.add_argument(
+        "--img-size",
+        type=int_at_least(1, MAX_SIDE),
+        default=None,
+        help="input height = width (default: the model's)",
+    )
+    p.add_argument(
+        "--in-chans", type=int_at_least(1, MAX_CHANNELS), default=None, help="input channels (--model only)"
+    )
+    p.add_argument(
+        "--num-classes", type=int_at_least(1, 1_000_000), default=None, help="classes (--model only)"
+    )
     add_device_argument(p)
-    p.add_argument("--warmup", type=int_at_least(0), default=3, help="untimed passes first")
-    p.add_argument("--repeats", type=int_at_least(1), default=10, help="timed passes (median reported)")
+    p.add_argument("--warmup", type=int_at_least(0, 1_000_000), default=3, help="untimed passes first")
+    p.add_argument(
+        "--repeats", type=int_at_least(1, 1_000_000), default=10, help="timed passes (median reported)"
+    )
     p.add_argument(
         "--forms", nargs="+", choices=("train", "deploy"), default=["train", "deploy"], help="forms to time"
     )

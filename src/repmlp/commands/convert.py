@@ -13,7 +13,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ._common import int_at_least, positive_float
+from ._common import MAX_SIDE, int_at_least, positive_float
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--dataset", default=None, help="data set for the check inputs (default: the one the run recorded)"
     )
     p.add_argument("--data-dir", default=None, help="its folder (default: the one the run recorded)")
-    p.add_argument("--num-examples", type=int_at_least(1), default=64, help="examples in the check batch")
-    p.add_argument("--img-size", type=int_at_least(1), default=None, help="input size (default: the run's)")
+    p.add_argument(
+        "--num-examples", type=int_at_least(1, 100_000), default=64, help="examples in the check batch"
+    )
+    p.add_argument(
+        "--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="input size (default: the run's)"
+    )
     p.add_argument(
         "--tolerance",
         type=positive_float,
@@ -57,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--calibration-examples",
-        type=int_at_least(1),
+        type=int_at_least(1, 100_000),
         default=512,
         help="training images that calibrate int8 activation ranges",
     )

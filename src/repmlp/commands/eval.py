@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ._common import int_at_least
+from ._common import MAX_BATCH, MAX_SIDE, MAX_WORKERS, int_at_least
 from .train import add_task_option, print_help_if_asked, run_task
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
     p.add_argument(
-        "--val-limit", type=int_at_least(1), default=None, metavar="N", help="first N examples only"
+        "--val-limit",
+        type=int_at_least(1, 2**31 - 1),
+        default=None,
+        metavar="N",
+        help="first N examples only",
     )
-    p.add_argument("--img-size", type=int_at_least(8), default=None, help="centre-crop size (imagefolder)")
-    p.add_argument("--batch-size", type=int_at_least(1), default=512)
-    p.add_argument("--workers", type=int_at_least(0), default=2)
+    p.add_argument(
+        "--img-size", type=int_at_least(8, MAX_SIDE), default=None, help="centre-crop size (imagefolder)"
+    )
+    p.add_argument("--batch-size", type=int_at_least(1, MAX_BATCH), default=512)
+    p.add_argument("--workers", type=int_at_least(0, MAX_WORKERS), default=2)
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")

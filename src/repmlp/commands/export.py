@@ -13,11 +13,17 @@ from pathlib import Path
 
 from ..bench import check_forward
 from ..errors import UserError
-from ._common import checkpoint_input_size, int_at_least, load_checkpoint
+from ._common import MAX_SIDE, checkpoint_input_size, int_at_least, load_checkpoint
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
+# What each format's file is (repmlp.files.file_kind): an existing file of another kind is not replaced.
+_KIND = {
+    "onnx": "an ONNX model",
+    "torchscript": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",
+    "exported-program": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,8 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="output file (its suffix is replaced per format with --format both); "
         "default: the checkpoint's path with .onnx / .pt / .pt2",
     )
-    p.add_argument("--img-size", type=int_at_least(1), default=None, help="input size (default: the run's)")
-    p.add_argument("--opset", type=int_at_least(7), default=None, help="ONNX opset (default: the exporter's)")
+    p.add_argument(
+        "--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="input size (default: the run's)"
+    )
+    p.add_argument(
+        "--opset", type=int_at_least(7, 100), default=None, help="ONNX opset (default: the exporter's)"
+    )
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
     p.set_defaults(func=run)
     return p
@@ -64,13 +74,18 @@ def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, P
 def run(args: argparse.Namespace) -> int:
     from .. import reparameterize_model
     from ..export import ExportError, export_onnx, export_program, export_torchscript, write_int8_onnx
+    from ..files import check_output_kind
 
     paths = output_paths(args.checkpoint, args.output, args.format)
-    for path in paths.values():
+    for fmt, path in paths.items():
         if path.resolve() == args.checkpoint.resolve():
             raise UserError(f"--output {path} would overwrite the checkpoint")
-        if path.is_dir():
-            raise UserError(f"--output {path} is a folder")
+        if path.suffix.lower() != _SUFFIX[fmt]:
+            raise UserError(
+                f"--output {path}: --format {fmt} writes a {_SUFFIX[fmt]} file (name it so, or pick the "
+                "--format of that name)"
+            )
+        check_output_kind(path, f"{'an' if fmt == 'onnx' else 'a'} {fmt} file", (_KIND[fmt],))
     model, info = load_checkpoint(args.checkpoint)
     input_size = checkpoint_input_size(model, info, args.img_size)
     if info.get("precision") == "int8":

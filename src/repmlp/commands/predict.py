@@ -16,8 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from ._common import add_runtime_argument, check_runtime, int_at_least
+from ._common import (
+    MAX_BATCH,
+    MAX_THREADS,
+    MAX_WORKERS,
+    add_runtime_argument,
+    check_report_output,
+    check_runtime,
+    int_at_least,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,10 +42,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--checkpoint", required=True, help="model file (model.safetensors, deploy.safetensors, ...)"
     )
-    p.add_argument("--top-k", type=int_at_least(1), default=5, metavar="K", help="classes per image")
-    p.add_argument("--batch-size", type=int_at_least(1), default=64)
+    p.add_argument(
+        "--top-k", type=int_at_least(1, 1_000_000), default=5, metavar="K", help="classes per image"
+    )
+    p.add_argument("--batch-size", type=int_at_least(1, MAX_BATCH), default=64)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when available)")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--threads", type=int_at_least(1, MAX_THREADS), default=None, help="CPU threads (default: torch's)"
+    )
     p.add_argument(
         "--workers",
         type=_workers,
@@ -61,7 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _workers(text: str) -> int | None:
-    return None if text == "auto" else int_at_least(0)(text)
+    return None if text == "auto" else int_at_least(0, MAX_WORKERS)(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output:
         output_format(args.output)  # a bad name is an error before any work
+        check_report_output(Path(args.output), [Path(args.checkpoint)])  # no other kind of file replaced
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

@@ -16,7 +16,7 @@ import argparse
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, HelpFormatter
-    from ._common import add_device_argument, add_limit_argument, int_at_least, positive_float
+    from ._common import add_device_argument, add_limit_argument, float_in, int_at_least
 
     p = subparsers.add_parser(
         "study", help="reproduce the paper's studies (ablation: Table 1)", description=__doc__
@@ -43,11 +43,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="fashion-mnist: folder of the IDX files (default: Debian's); cifar10: folder holding "
         "cifar-10-batches-py",
     )
-    a.add_argument("--seeds", type=int_at_least(1), default=3, help="runs per row, seeds 0..N-1")
-    a.add_argument("--epochs", type=int_at_least(1), default=100, help="epochs per run (the paper: 100)")
+    a.add_argument("--seeds", type=int_at_least(1, 1000), default=3, help="runs per row, seeds 0..N-1")
+    a.add_argument(
+        "--epochs", type=int_at_least(1, 100_000), default=100, help="epochs per run (the paper: 100)"
+    )
     a.add_argument(
         "--width-multiplier",
-        type=positive_float,
+        type=float_in(0.0, 64.0, lo_open=True),
         default=1.0,
         metavar="W",
         help="scale every row's channel widths (rounded to a multiple of the groups)",
@@ -64,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_device_argument(a, default="auto")
     a.add_argument(
         "--bench-batch-size",
-        type=int_at_least(1),
+        type=int_at_least(1, 1 << 20),
         default=32,
         help="batch of the side-by-side speed measurement",
     )
@@ -76,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     a.add_argument(
         "--jobs",
-        type=int_at_least(1),
+        type=int_at_least(1, 256),
         default=1,
         help="runs trained at once, each in its own process with an equal share of the CPU threads "
         "(on a small CPU, --jobs 2 with one thread each beats one run on both cores)",

@@ -11,13 +11,19 @@ import argparse
 from collections.abc import Callable
 
 from ._common import (
+    MAX_BATCH,
+    MAX_SIDE,
+    MAX_WORKERS,
     add_init_argument,
     add_limit_argument,
     add_run_arguments,
+    float_in,
+    fraction,
     int_at_least,
     model_arg,
     nonneg_float,
     positive_float,
+    seed_int,
 )
 
 __all__ = ["TASK_OPTIONS"]
@@ -40,7 +46,7 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-json", default=None, help="also write the metrics to this JSON file")
     parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+        "--workers", type=int_at_least(0, MAX_WORKERS), default=2, help="data loading processes (default: 2)"
     )
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
 
@@ -72,22 +78,24 @@ def add_common_train_arguments(
     parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
     parser.add_argument(
         "--batch-size",
-        type=int_at_least(1),
+        type=int_at_least(1, MAX_BATCH),
         default=batch_size,
         help=f"global batch size, split over torchrun processes (default: {batch_size})",
     )
     parser.add_argument("--lr", type=positive_float, default=lr, help=f"base learning rate (default: {lr})")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)")
+    parser.add_argument(
+        "--momentum", type=nonneg_float, default=0.9, help="SGD momentum in [0, 1) (default: 0.9)"
+    )
     parser.add_argument(
         "--weight-decay",
         type=nonneg_float,
         default=weight_decay,
         help=f"weight decay (default: {weight_decay})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="random seed, 0 .. 2**32-1 (default: 0)")
     add_limit_argument(parser, "--train-limit", "training images")
     parser.add_argument(
-        "--workers", type=int_at_least(0), default=2, help="data loading processes (default: 2)"
+        "--workers", type=int_at_least(0, MAX_WORKERS), default=2, help="data loading processes (default: 2)"
     )
     parser.add_argument(
         "--log-interval",
@@ -102,11 +110,19 @@ def add_common_train_arguments(
     )
 
 
+# Random scales of segmentation crops: a scale of the whole image, bounded so that a scaled image fits memory.
+_scale = float_in(0.0, 16.0, lo_open=True)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.replace(",", " ").split()]
+        if len(values) > 1000 or any(v > 10**9 for v in values):
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected up to 1000 comma-separated integers <= 10**9, got {text!r}"
+        ) from None
     if any(v < 1 for v in values) or values != sorted(values):
         raise argparse.ArgumentTypeError(f"expected increasing positive iterations, got {text!r}")
     return values
@@ -146,10 +162,12 @@ def face_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--am-scale", type=positive_float, default=30.0, help="AM-Softmax scale s (default: 30)"
     )
-    parser.add_argument("--am-margin", type=float, default=0.35, help="AM-Softmax margin m (default: 0.35)")
+    parser.add_argument(
+        "--am-margin", type=fraction, default=0.35, help="AM-Softmax margin m (default: 0.35)"
+    )
     parser.add_argument(
         "--img-size",
-        type=int_at_least(16),
+        type=int_at_least(16, MAX_SIDE),
         default=None,
         help="face crop size (default: --model-arg img_size, else 96)",
     )
@@ -168,7 +186,9 @@ def face_eval_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="folder the pair paths are relative to (default: the pairs file's folder)",
     )
-    parser.add_argument("--folds", type=int_at_least(2), default=10, help="verification folds (default: 10)")
+    parser.add_argument(
+        "--folds", type=int_at_least(2, 1000), default=10, help="verification folds (default: 10)"
+    )
     parser.add_argument("--probe", default=None, help="identification probe set: one sub-folder per identity")
     parser.add_argument(
         "--gallery",
@@ -176,7 +196,10 @@ def face_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="identification gallery: the probes' mates plus distractors, one sub-folder per identity",
     )
     parser.add_argument(
-        "--batch-size", type=int_at_least(1), default=256, help="embedding batch size (default: 256)"
+        "--batch-size",
+        type=int_at_least(1, MAX_BATCH),
+        default=256,
+        help="embedding batch size (default: 256)",
     )
     add_common_eval_arguments(parser)
 
@@ -194,7 +217,9 @@ def seg_train_arguments(parser: argparse.ArgumentParser) -> None:
         "or `repmlp import`; FC1/FC2 are re-initialised (the paper's), everything else inherited",
         init_aliases=("--backbone-weights",),
     )
-    parser.add_argument("--epochs", type=int_at_least(1), default=200, help="training epochs (default: 200)")
+    parser.add_argument(
+        "--epochs", type=int_at_least(1, 100_000), default=200, help="training epochs (default: 200)"
+    )
     parser.add_argument(
         "--iterations",
         type=int_at_least(1),
@@ -210,15 +235,15 @@ def seg_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--crop-size",
-        type=int_at_least(8),
+        type=int_at_least(8, MAX_SIDE),
         default=None,
         help="training crop, the model's img_size (default: --model-arg img_size, else 713)",
     )
     parser.add_argument(
-        "--scale-min", type=positive_float, default=0.5, help="random scale lower bound (0.5)"
+        "--scale-min", type=_scale, default=0.5, help="random scale lower bound, in (0, 16] (0.5)"
     )
     parser.add_argument(
-        "--scale-max", type=positive_float, default=2.0, help="random scale upper bound (2.0)"
+        "--scale-max", type=_scale, default=2.0, help="random scale upper bound, in (0, 16] (2.0)"
     )
     parser.add_argument(
         "--aux-weight", type=nonneg_float, default=0.4, help="auxiliary loss weight (default: 0.4)"
@@ -240,11 +265,14 @@ def seg_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="slide: crop-size windows (default); whole: one pass per image (no RepMLPs)",
     )
     parser.add_argument(
-        "--crop-size", type=int_at_least(8), default=None, help="window size (default: the model's img_size)"
+        "--crop-size",
+        type=int_at_least(8, MAX_SIDE),
+        default=None,
+        help="window size (default: the model's img_size)",
     )
     parser.add_argument(
         "--val-limit",
-        type=int_at_least(1),
+        type=int_at_least(1, 2**31 - 1),
         default=None,
         help="evaluate the first N images only",
     )

@@ -17,6 +17,10 @@ import time
 
 from ..errors import UserError
 from ._common import (
+    MAX_BATCH,
+    MAX_PAD,
+    MAX_SIDE,
+    MAX_WORKERS,
     add_init_argument,
     add_limit_argument,
     add_run_arguments,
@@ -24,6 +28,7 @@ from ._common import (
     model_arg,
     nonneg_float,
     positive_float,
+    seed_int,
 )
 
 log = logging.getLogger(__name__)
@@ -36,8 +41,8 @@ CONFIGS = {
 }
 
 
-def _nonneg_int(text: str) -> int:
-    return int_at_least(0)(text)
+def _workers(text: str) -> int:
+    return int_at_least(0, MAX_WORKERS)(text)
 
 
 def add_task_option(p: argparse.ArgumentParser) -> None:
@@ -139,7 +144,7 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     add_limit_argument(g, "--train-limit", "training examples")
     add_limit_argument(g, "--val-limit", "validation examples")
     g.add_argument(
-        "--workers", type=_nonneg_int, default=2, help="image decoding processes (imagefolder; default: 2)"
+        "--workers", type=_workers, default=2, help="image decoding processes (imagefolder; default: 2)"
     )
 
 
@@ -166,25 +171,31 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra model option, VALUE as JSON (e.g. --model-arg kernel_sizes=[3]); repeatable",
     )
-    g.add_argument("--epochs", type=int_at_least(1), default=None)
+    g.add_argument("--epochs", type=int_at_least(1, 100_000), default=None)
     g.add_argument(
-        "--batch-size", type=int_at_least(1), default=None, help="global batch size (split over processes)"
+        "--batch-size",
+        type=int_at_least(1, MAX_BATCH),
+        default=None,
+        help="global batch size (split over processes)",
     )
-    g.add_argument("--eval-batch-size", type=int_at_least(1), default=512)
+    g.add_argument("--eval-batch-size", type=int_at_least(1, MAX_BATCH), default=512)
     g.add_argument("--optimizer", choices=("sgd", "adamw"), default=None)
     g.add_argument("--lr", type=positive_float, default=None, help="peak learning rate")
     g.add_argument(
         "--min-lr", type=nonneg_float, default=None, help="final learning rate of the cosine schedule"
     )
-    g.add_argument("--momentum", type=nonneg_float, default=None)
+    g.add_argument("--momentum", type=nonneg_float, default=None, help="SGD momentum in [0, 1)")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--weight-decay", type=nonneg_float, default=None)
     g.add_argument("--schedule", choices=("cosine", "constant"), default=None)
     g.add_argument("--warmup-epochs", type=nonneg_float, default=None)
-    g.add_argument("--label-smoothing", type=nonneg_float, default=None)
+    g.add_argument("--label-smoothing", type=nonneg_float, default=None, help="in [0, 1)")
     g.add_argument("--mixup", type=nonneg_float, default=None, help="mixup Beta(a, a) parameter; 0 disables")
     g.add_argument(
-        "--pad", type=_nonneg_int, default=None, help="random-crop padding in pixels (in-memory data)"
+        "--pad",
+        type=int_at_least(0, MAX_PAD),
+        default=None,
+        help="random-crop padding in pixels (in-memory data)",
     )
     g.add_argument(
         "--flip", action=argparse.BooleanOptionalAction, default=None, help="random left-right flips"
@@ -192,11 +203,12 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoaugment", action=argparse.BooleanOptionalAction, default=None, help="(imagefolder)")
     g.add_argument(
         "--img-size",
-        type=int_at_least(8),
+        type=int_at_least(8, MAX_SIDE),
         default=None,
-        help="crop size (imagefolder); zero-pad to it (fashion-mnist, cifar10)",
+        help="crop size (imagefolder; with --init: the init file's input size); zero-pad to it "
+        "(fashion-mnist, cifar10)",
     )
-    g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    g.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**32-1 (default: 0)")
     add_init_argument(
         g,
         help="fine-tune: start from the weights of this training-time model file (e.g. runs/X/model.safetensors); "
@@ -221,7 +233,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="channels-last memory format (default: on CUDA)",
     )
-    g.add_argument("--bench-batch-size", type=int_at_least(1), default=128)
+    g.add_argument("--bench-batch-size", type=int_at_least(1, MAX_BATCH), default=128)
     g.add_argument("--no-export", action="store_true", help="skip the ONNX export")
     g.add_argument("--no-bench", action="store_true", help="skip the speed benchmark")
 
@@ -242,12 +254,17 @@ def resolve_config(args: argparse.Namespace):
         raise UserError("--resume needs --output DIR (the run folder to continue)")
     model_args = dict(args.model_arg)
     init = os.path.abspath(os.path.expanduser(args.init)) if args.init else None
-    if init and args.model is None and not args.resume:
-        # Fine-tuning without --model: the file's model with its options (the new data set the classes).
+    folder: dict[str, object] = {}
+    if init and not args.resume:
         from ..finetune import init_model_options
 
-        values["model"], file_args = init_model_options(init)
-        model_args = {**file_args, **model_args}
+        if args.model is None:
+            # Fine-tuning without --model: the file's model with its options (the new data set the classes).
+            values["model"], file_args = init_model_options(init)
+            model_args = {**file_args, **model_args}
+        if args.dataset == "imagefolder":
+            folder = _init_folder_defaults(init, args, values)
+    argv = sys.argv[1:] if args.argv is None else args.argv
     return TrainConfig(
         init=init,
         dataset=args.dataset,
@@ -266,8 +283,46 @@ def resolve_config(args: argparse.Namespace):
         workers=args.workers,
         ckpt_every=args.ckpt_every,
         output=output,
+        no_export=args.no_export,
+        no_bench=args.no_bench,
+        bench_batch_size=args.bench_batch_size,
+        run_command=["repmlp", *argv],
+        **folder,
         **values,
     )
+
+
+def _init_folder_defaults(
+    init: str, args: argparse.Namespace, values: dict[str, object]
+) -> dict[str, object]:
+    """An image folder fine-tuned from ``--init FILE``: the file's recorded preprocessing as the defaults
+    (its channels, its input size unless ``--img-size`` is given, its normalisation and evaluation resize),
+    so that the main job's one-channel 28x28 model fine-tunes on one's own images of any mode and size.
+    Returns the :class:`~repmlp.tasks.classification.TrainConfig` fields; sets ``values["img_size"]``."""
+    from ..finetune import folder_preprocessing, init_preprocessing
+
+    pre = init_preprocessing(init)
+    size = pre["input_size"]
+    out: dict[str, object] = {}
+    if size:
+        c, h, w = size
+        if c not in (1, 3):
+            raise UserError(
+                f"--init {init} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB); "
+                "pass --model to train another model from scratch"
+            )
+        out["channels"] = c
+        if args.img_size is None:
+            if h != w:
+                raise UserError(
+                    f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)"
+                )
+            values["img_size"] = h
+    evaluation = folder_preprocessing(pre, int(out.get("channels", 3)))
+    if evaluation:
+        out["eval_preprocessing"] = evaluation
+        out["mean"], out["std"] = evaluation["mean"], evaluation["std"]
+    return out
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
@@ -313,13 +368,14 @@ def run(args: argparse.Namespace) -> int:
         )
         if not result.dist_info.is_main:
             return 0
+        done = result.config  # a resumed run's: its original end-of-run options unless given again
         ok = finish_run(
             result,
-            command=["repmlp", *sys.argv[1:]] if args.argv is None else ["repmlp", *args.argv],
+            command=done.run_command or ["repmlp", *(sys.argv[1:] if args.argv is None else args.argv)],
             started=t0,
-            bench_batch_size=args.bench_batch_size,
-            export=not args.no_export,
-            bench=not args.no_bench,
+            bench_batch_size=done.bench_batch_size,
+            export=not done.no_export,
+            bench=not done.no_bench,
         )
         return 0 if ok else 1
     finally:

@@ -55,10 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..viz import find_repmlp_blocks, plot_fc3
+    from ..viz import describe, find_repmlp_blocks, plot_fc3
 
     output = args.output or args.checkpoint.with_name("fc3_weights.png")
-    check_report_output(output, [args.checkpoint])
+    check_report_output(output, [args.checkpoint], kind="a PNG image")
     model, info = load_checkpoint(args.checkpoint)
     blocks = find_repmlp_blocks(model)
     if args.list_blocks:
@@ -83,10 +83,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    y, x = sample.point
     print(
-        f"wrote {output} ({info['model']} block {sample.block_name or '<root>'}: "
-        f"W[{sample.out_channel}, {y}, {x}, {sample.in_channel}, :, :], "
+        f"wrote {output} ({info['model']} block {sample.block_name or '<root>'}: {describe(sample)}), "
         f"max ln(|W|/min|W|) {sample.train.max():.2f} training-time, {sample.merged.max():.2f} merged)"
     )
     return 0

@@ -7,7 +7,7 @@ what a model needs to know (classes, channels, resolution).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
 from .cifar import load_cifar10
 from .fashion_mnist import CLASSES as FMNIST_CLASSES
 from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
-from .folder import ImageFolderData, scan_image_folder
+from .folder import ImageFolderData, scan_image_folder, stratified_subset
 from .loader import FolderLoader, InMemoryLoader
 
 __all__ = [
@@ -65,6 +65,11 @@ class DataConfig:
     # crop_pct, crop_mode, interpolation, mean, std); None: resize to size/0.875, centre crop, ImageNet
     # mean/std (bilinear).
     eval_preprocessing: dict[str, Any] | None = None
+    # image folders: the channels images are converted to (1 or 3; None: 3) and the training
+    # normalisation (None: ImageNet's mean/std; with eval_preprocessing its mean/std go with it).
+    channels: int | None = None
+    mean: Sequence[float] | None = None
+    std: Sequence[float] | None = None
     workers: int = 2
     channels_last: bool = False
     need_train: bool = True
@@ -78,6 +83,10 @@ class Data:
     in_chans: int
     img_size: int
     classes: list[str] = field(default_factory=list)
+    # What a report should say of how the examples were chosen (a stratified subset, ...).
+    notes: list[str] = field(default_factory=list)
+    # Image folders: the evaluation preprocessing when it is not the default one (recorded in model files).
+    eval_preprocessing: dict[str, Any] | None = None
 
 
 def _limit(n: int | None, what: str, total: int) -> int:
@@ -110,6 +119,7 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
             s: load_cifar10(cfg.data_dir, train=s) for s in ((True, False) if cfg.need_train else (False,))
         }
         classes = CIFAR10_CLASSES
+    _check_in_memory(cfg, splits)
     mean, std = NORMALIZATION[cfg.dataset]
     common = dict(
         mean=mean,
@@ -138,6 +148,27 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
     val = loader(False, cfg.val_limit, "--val-limit", cfg.eval_batch_size)
     images = val.images
     return Data(train, val, len(classes), images.shape[1], images.shape[2], list(classes))
+
+
+# The most memory an in-memory data set may take once zero-padded to --img-size.
+_MAX_PADDED_BYTES = 4 << 30
+
+
+def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> None:
+    """Options an in-memory data set must fit: ``--pad`` at most the image side, an ``--img-size`` whose
+    zero-padded copy of the data fits in memory (the readers already refused empty splits)."""
+    images = next(iter(splits.values()))[0]
+    c, h, w = images.shape[1:]
+    if cfg.pad > max(h, w):
+        raise UserError(f"--pad {cfg.pad} is larger than the data set's {h}x{w} images (at most {max(h, w)})")
+    if cfg.img_size is not None:
+        n = sum(len(imgs) for imgs, _ in splits.values())
+        largest = int((_MAX_PADDED_BYTES / max(1, n * c)) ** 0.5)
+        if n * c * cfg.img_size**2 > _MAX_PADDED_BYTES:
+            raise UserError(
+                f"--img-size {cfg.img_size} would zero-pad the {n} {h}x{w} images to "
+                f"{n * c * cfg.img_size**2 / 2**30:.0f} GiB in memory; at most {largest} for this data set"
+            )
 
 
 def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
@@ -224,13 +255,35 @@ def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
     return torch.nn.functional.pad(images, (left, size - w - left, top, size - h - top))
 
 
+def _folder_limit(samples: list[tuple[str, int]], limit: int | None, flag: str, seed: int, notes: list[str],
+                  what: str) -> list[tuple[str, int]]:  # fmt: skip
+    """``limit`` examples of an image folder's split: a seeded stratified subset (every class keeps its
+    share), named in ``notes`` for the report."""
+    n = _limit(limit, flag, len(samples))
+    if n >= len(samples):
+        return samples
+    keep = stratified_subset([label for _, label in samples], n, seed)
+    classes = len({samples[i][1] for i in keep})
+    notes.append(
+        f"{what}: a seeded stratified subset ({flag} {n} of {len(samples)} images, seed {seed}, "
+        f"{classes} of {len({label for _, label in samples})} classes)"
+    )
+    return [samples[i] for i in keep]
+
+
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
     from torchvision import transforms as T
 
     if cfg.data_dir is None:
         raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
     size = cfg.img_size or 224
-    mean, std = NORMALIZATION["imagefolder"]
+    channels = cfg.channels or 3
+    pre = dict(cfg.eval_preprocessing or {})
+    mean = tuple(cfg.mean or pre.get("mean") or NORMALIZATION["imagefolder"][0])[:channels]
+    std = tuple(cfg.std or pre.get("std") or NORMALIZATION["imagefolder"][1])[:channels]
+    if pre or channels != 3 or cfg.mean or cfg.std:
+        # The evaluation normalises as the training does (one value per channel): recorded in model files.
+        pre = {"crop_pct": 0.875, "interpolation": "bilinear", **pre, "mean": list(mean), "std": list(std)}
     train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
@@ -238,7 +291,7 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     if cfg.autoaugment:
         aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
     to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
-    eval_tf = folder_eval_transform(size, cfg.eval_preprocessing)
+    eval_tf = folder_eval_transform(size, pre or None)
     common = dict(
         seed=cfg.seed,
         rank=rank,
@@ -247,20 +300,25 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
         device=device,
         channels_last=cfg.channels_last,
     )
+    notes: list[str] = []
     train = None
     if cfg.need_train:
-        train_samples = train_samples[: _limit(cfg.train_limit, "--train-limit", len(train_samples))]
+        train_samples = _folder_limit(
+            train_samples, cfg.train_limit, "--train-limit", cfg.seed, notes, "training"
+        )
         train = FolderLoader(
-            ImageFolderData(train_samples, T.Compose([*aug, *to_tensor]), cfg.seed, True),
+            ImageFolderData(train_samples, T.Compose([*aug, *to_tensor]), cfg.seed, True, channels),
             batch_size=cfg.batch_size,
             train=True,
             **common,
         )
-    val_samples = val_samples[: _limit(cfg.val_limit, "--val-limit", len(val_samples))]
+    val_samples = _folder_limit(val_samples, cfg.val_limit, "--val-limit", cfg.seed, notes, "validation")
     val = FolderLoader(
-        ImageFolderData(val_samples, eval_tf, cfg.seed, False),
+        ImageFolderData(val_samples, eval_tf, cfg.seed, False, channels),
         batch_size=cfg.eval_batch_size,
         train=False,
         **common,
     )
-    return Data(train, val, len(classes), 3, size, classes)
+    for note in notes:
+        log.info("%s", note)
+    return Data(train, val, len(classes), channels, size, classes, notes, pre or None)

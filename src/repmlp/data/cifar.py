@@ -17,12 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UserError
+from ..inputs import not_regular, read_bytes
 
 __all__ = ["load_cifar10", "find_cifar10"]
 
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILES = ["test_batch"]
 FOLDER = "cifar-10-batches-py"
+# A CIFAR-10 batch is 30 MB; anything far larger is not one.
+_MAX_BATCH_BYTES = 1 << 30
 
 # The only globals a CIFAR batch (pickled by Python 2 numpy or by a modern numpy) refers to.
 _ALLOWED = {
@@ -53,11 +56,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 def _load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One batch file -> ``(images uint8 (N, 3, 32, 32), labels int64 (N,))``."""
+    if not_regular(path) == "missing":
+        raise UserError(f"CIFAR-10 batch missing: {path}")
+    raw = read_bytes(path, _MAX_BATCH_BYTES, "CIFAR-10 batch")  # regular files only, bounded
     try:
-        with open(path, "rb") as f:
-            obj = _RestrictedUnpickler(io.BytesIO(f.read()), encoding="latin1").load()
-    except FileNotFoundError:
-        raise UserError(f"CIFAR-10 batch missing: {path}") from None
+        obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="latin1").load()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
         raise UserError(f"{path} is not a CIFAR-10 batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(obj, dict):
@@ -68,8 +71,13 @@ def _load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise UserError(f"{path} is not a CIFAR-10 batch ('data' is not a uint8 (N, 3072) array)")
     if not isinstance(labels, (list, np.ndarray)) or len(labels) != len(data):
         raise UserError(f"{path} is not a CIFAR-10 batch ('labels' missing or of the wrong length)")
-    labels = np.asarray(labels, dtype=np.int64)
-    if labels.size and (labels.min() < 0 or labels.max() > 9):
+    if len(data) == 0:
+        raise UserError(f"{path} holds no examples")
+    try:
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(f"{path} is not a CIFAR-10 batch ('labels' are not integers)") from None
+    if labels.ndim != 1 or labels.min() < 0 or labels.max() > 9:
         raise UserError(f"{path} has labels outside 0..9")
     return data.reshape(-1, 3, 32, 32), labels
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -122,11 +121,15 @@ def random_scale_crop_flip(
 
 
 def _read(path: Path, mode: str) -> np.ndarray:
+    """One image or label map in ``mode``: a regular file of bounded size and pixel count
+    (:func:`repmlp.inputs.open_image`)."""
+    from ..inputs import InputError, open_image
+
     try:
-        with Image.open(path) as img:
+        with open_image(path) as img:
             return np.array(img.convert(mode))
-    except OSError as exc:
-        raise UserError(f"cannot read {path}: {exc}") from exc
+    except InputError as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
 
 
 class CityscapesSegmentation(Dataset):

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from ..errors import UserError
+from ..inputs import InputError, not_regular, open_image, read_text
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -39,10 +40,12 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 FACE_SIZE = 96
+# LFW's pairs.txt is 100 kB; a pairs file of more than this is not one.
+_MAX_PAIRS_BYTES = 64 << 20
 
 
 def _is_image(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not_regular(path) is None
 
 
 def face_transform(size: int = FACE_SIZE, *, train: bool) -> Callable[[Image.Image], Tensor]:
@@ -77,10 +80,10 @@ class ImageList(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         path = self.paths[index]
         try:
-            with Image.open(path) as img:
+            with open_image(path) as img:  # a regular file of bounded size and pixel count
                 x = self.transform(img)
-        except OSError as exc:
-            raise UserError(f"cannot read image {path}: {exc}") from exc
+        except InputError as exc:
+            raise UserError(f"cannot read image {path}: {exc}") from None
         return x, self.labels[index]
 
 
@@ -104,7 +107,9 @@ class FaceFolder(ImageList):
             raise UserError(f"face image folder {root} does not exist")
         if not root.is_dir():
             raise UserError(f"{root} is not a folder (expected one sub-folder of images per identity)")
-        identities = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        identities = sorted(
+            p for p in root.iterdir() if not_regular(p) == "a folder" and not p.name.startswith(".")
+        )
         loose = [p.name for p in root.iterdir() if _is_image(p)]
         if not identities:
             extra = f" (it holds {len(loose)} loose images)" if loose else ""
@@ -165,11 +170,10 @@ def _lfw_image(root: Path, name: str, number: str) -> Path:
 def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
     """Read verification pairs (LFW ``pairs.txt`` or ``path1 path2 same`` lines); see the module doc."""
     pairs_file, root = Path(pairs_file), Path(root)
-    if not pairs_file.is_file():
+    if not_regular(pairs_file) == "missing":
         raise UserError(f"pairs file {pairs_file} does not exist")
-    lines = [
-        ln.split() for ln in pairs_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")
-    ]
+    text = read_text(pairs_file, _MAX_PAIRS_BYTES, "pairs file")  # a regular file, bounded
+    lines = [ln.split() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
     if not lines:
         raise UserError(f"pairs file {pairs_file} is empty")
     folds = None

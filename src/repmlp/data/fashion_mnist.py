@@ -100,11 +100,18 @@ def _download(root: Path) -> Path:
 def load_fashion_mnist(folder: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
     """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split."""
     img_stem, lbl_stem = _FILES[train]
-    images = read_idx(_find_file(folder, img_stem))
-    labels = read_idx(_find_file(folder, lbl_stem))
+    image_file, label_file = _find_file(folder, img_stem), _find_file(folder, lbl_stem)
+    images = read_idx(image_file)
+    labels = read_idx(label_file)
     if images.ndim != 3 or images.dtype != np.uint8 or labels.ndim != 1 or len(images) != len(labels):
         raise UserError(
             f"Fashion-MNIST files in {folder} do not match (images {images.shape}, labels {labels.shape})"
+        )
+    if len(labels) == 0:
+        raise UserError(f"{label_file} holds no examples: the {'training' if train else 'test'} set is empty")
+    if images.shape[1:] != (28, 28):
+        raise UserError(
+            f"{image_file} holds {images.shape[1]}x{images.shape[2]} images, not Fashion-MNIST's 28x28"
         )
     if labels.size and labels.max() >= len(CLASSES):
         raise UserError(f"Fashion-MNIST labels in {folder} are outside 0..9")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Sequence
@@ -38,17 +39,29 @@ def _head(channels: int, size: int) -> bytes:
     return _SIGNATURE + struct.pack(">I4s", 13, b"IHDR") + fields
 
 
-def _read(path: str) -> bytes:
-    """A whole file's bytes (without a Python file object: for a file of a few hundred bytes its set-up
-    costs more than the reading)."""
-    fd = os.open(path, os.O_RDONLY)
+# A plain PNG of a data set's size is a few kB; a larger file goes the general way (Image.open, bounded).
+_MAX_PLAIN_BYTES = 1 << 20
+
+
+def _read(path: str) -> bytes | None:
+    """A small regular file's bytes, ``None`` for anything else (without a Python file object: for a file
+    of a few hundred bytes its set-up costs more than the reading). Opened non-blocking and checked with
+    ``fstat``: a FIFO or a device (``/dev/zero``) is never read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
-        parts = [os.read(fd, 1 << 16)]
-        while parts[-1]:
-            parts.append(os.read(fd, 1 << 20))
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_PLAIN_BYTES:
+            return None
+        parts, total = [], 0
+        while total <= _MAX_PLAIN_BYTES:
+            chunk = os.read(fd, _MAX_PLAIN_BYTES + 1 - total)
+            if not chunk:
+                break
+            parts.append(chunk)
+            total += len(chunk)
     finally:
         os.close(fd)
-    return b"".join(parts)
+    return b"".join(parts) if total <= _MAX_PLAIN_BYTES else None
 
 
 def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
@@ -60,7 +73,7 @@ def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
     if channels not in _COLOUR_TYPE:
         return None
     data = _read(path)
-    if data[:29] != _head(channels, size):
+    if data is None or data[:29] != _head(channels, size):
         return None
     critical = _CRITICAL[channels]
     pos, idat, idat_over, ended = 8, [], False, False
@@ -82,11 +95,16 @@ def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
             idat_over = bool(idat)
         ended = kind == b"IEND"
         pos = end
-    try:
-        raw = zlib.decompress(b"".join(idat)) if ended and idat else b""
+    stride = 1 + size * channels
+    if not (ended and idat):
+        return None
+    inflate = zlib.decompressobj()
+    try:  # inflated no further than the image needs: a small stream cannot expand to gigabytes here
+        raw = inflate.decompress(b"".join(idat), size * stride + 1)
     except zlib.error:
         return None
-    stride = 1 + size * channels
+    if not inflate.eof:  # cut short, or more data than the image holds
+        return None
     if len(raw) != size * stride or max(raw[::stride]) > 4:  # 5 row filters: 0 none .. 4 Paeth
         return None
     return raw

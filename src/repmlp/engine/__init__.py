@@ -52,6 +52,7 @@ from .processes import (
 from .report import LOSS_FIELDS, write_metrics_csv, write_run_report
 from .state import (
     METRICS_FILE,
+    REPORT_FILE,
     STATE_FILE,
     broadcast_buffers,
     check_output,
@@ -72,6 +73,7 @@ __all__ = [
     "LoopResult",
     "METRICS_FILE",
     "Position",
+    "REPORT_FILE",
     "STATE_FILE",
     "all_reduce_sum",
     "amp_dtype",

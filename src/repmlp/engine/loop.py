@@ -116,6 +116,33 @@ class LoopResult:
     mode: str = "eager"  # how the steps ran: "eager", "compiled" or "eager (compilation failed)"
 
 
+def _count(state: dict[str, Any], key: str, hi: int) -> int:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise ValueError(f"its {key} is {value!r}, expected an integer in 0..{hi}")
+    return value
+
+
+def _position(state: dict[str, Any], steps_per_epoch: int, total: int) -> Position:
+    """The :class:`Position` a training state records, checked against this run: counts in range, the
+    step where the epoch and batch put it (``ValueError`` otherwise: an edited or foreign state)."""
+    step = _count(state, "step", total)
+    batch = _count(state, "batch", steps_per_epoch)
+    epoch = _count(state, "epoch", total // max(1, steps_per_epoch) + 1)
+    if step != epoch * steps_per_epoch + batch:
+        raise ValueError(
+            f"its position (epoch {epoch}, batch {batch}, step {step}) is not one of this run's "
+            f"{steps_per_epoch} batches an epoch"
+        )
+    history, acc, window = state["history"], state["epoch_acc"], state.get("window", {})
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        raise ValueError("its history is not a list of records")
+    for name, sums in (("epoch_acc", acc), ("window", window)):
+        if not isinstance(sums, dict) or not all(isinstance(v, (int, float)) for v in sums.values()):
+            raise ValueError(f"its {name} is not a mapping of numbers")
+    return Position(step, epoch, batch, list(history), dict(acc), dict(window))
+
+
 def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
     """Backward and one (gradient-scaled) optimizer step; a non-finite loss is a :class:`UserError`."""
     if not torch.isfinite(loss):
@@ -328,18 +355,12 @@ class _Loop:
             self.optimizer.load_state_dict(state["optimizer"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-            self.pos = Position(
-                step=int(state["step"]),
-                epoch=int(state["epoch"]),
-                batch=int(state["batch"]),
-                history=list(state["history"]),
-                epoch_acc=dict(state["epoch_acc"]),
-                window=dict(state.get("window", {})),
-            )
+            self.pos = _position(state, self.steps_per_epoch, self.total)
             rngs = state["rng"]
             set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
-        except (KeyError, RuntimeError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{self.path} does not fit this run: {str(exc).splitlines()[0]}") from None
+        except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise CheckpointError(f"{self.path} does not fit this run: {first}") from None
         self.saved_at = self.pos.step
         if procs.is_main:
             pos = self.pos

@@ -22,16 +22,33 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "checkpoint.safetensors"
 METRICS_FILE = "metrics.csv"
+# The last file a run writes (every task's report): a folder holding it is a finished run.
+REPORT_FILE = "report.md"
 
 
-def check_output(out: Path, resume: bool, procs: DistInfo) -> dict[str, Any] | None:
-    """The saved state to resume from (``None`` for a new run); refuses to overwrite a run in ``out``."""
+def check_output(
+    out: Path, resume: bool, procs: DistInfo, *, finished_ok: bool = False
+) -> dict[str, Any] | None:
+    """The saved state to resume from (``None`` for a new run); refuses to overwrite a run in ``out``.
+
+    ``resume`` of a finished run (its ``report.md`` written) is refused too, before anything is read or
+    written: a finished ``--output`` is never overwritten (``finished_ok``: the caller redoes the end of a
+    finished run on purpose, as ``repmlp study`` does for a run whose results it did not record)."""
     from ..checkpoint import load_state
+    from ..inputs import not_regular
 
+    kind = not_regular(out)
+    if kind not in ("missing", "a folder"):
+        raise UserError(f"--output {out} is {kind}, not a run folder")
     state_path = out / STATE_FILE
     if resume:
-        if not state_path.is_file():
-            raise UserError(f"nothing to resume: {state_path} does not exist")
+        if not finished_ok and (out / REPORT_FILE).exists():
+            raise UserError(
+                f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are left "
+                "as they are (train into another --output to run it again)"
+            )
+        if not_regular(state_path) is not None:
+            raise UserError(f"nothing to resume: {state_path} does not exist or is not a regular file")
         return load_state(state_path)
     if procs.is_main and (state_path.exists() or (out / "model.safetensors").exists()):
         raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")

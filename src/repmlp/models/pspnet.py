@@ -246,13 +246,15 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
     them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the
     file's ``"model"``.
     """
+    from ..checkpoint import read_model_file
     from ..errors import UserError
-    from ..files import CheckpointError, read_tensors
+    from ..files import CheckpointError
 
-    try:
-        tensors, meta = read_tensors(Path(path))
+    try:  # the file's metadata and tensors checked as any model file's
+        tensors, fm = read_model_file(Path(path))
     except CheckpointError as exc:
         raise UserError(f"{flag}: {exc}") from None
+    meta = {"model": fm.model, "form": fm.form}
     if meta.get("form") == "deploy":
         raise UserError(
             f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "

@@ -24,6 +24,7 @@ __all__ = [
     "model_default_cfg",
     "is_model",
     "file_head_prefixes",
+    "model_options",
 ]
 
 ModelFn = Callable[..., nn.Module]
@@ -141,24 +142,34 @@ def _pretrained_file(name: str, pretrained: bool, overlay: dict | None) -> str |
 
 def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict]:
     """A repmlp model file for ``name``: its tensors and metadata, and ``kwargs`` completed with the file's
-    model options (those not given; ``num_classes`` given keeps its value, as timm adapts the head)."""
-    import json
+    model options (those not given; ``num_classes`` given keeps its value, as timm adapts the head). The
+    metadata is checked (:func:`repmlp.modelfile.parse_metadata`) and the model it describes is sized on
+    the ``meta`` device against the file before anything real is built."""
     from pathlib import Path
 
     from ..files import FORMAT, CheckpointError, read_tensors
+    from ..modelfile import check_tensors, meta_model, parse_metadata, too_large
 
     tensors, meta = read_tensors(Path(path))
     if meta.get("format") != FORMAT or meta.get("model") != name:
         found = meta.get("model") if meta.get("format") == FORMAT else "not a repmlp model file"
         raise CheckpointError(f"pretrained file {path} does not hold {name} ({found})")
-    if meta.get("precision", "fp32") == "int8":
+    fm = parse_metadata(path, meta, model_options)
+    check_tensors(path, tensors)
+    if fm.precision == "int8":
         raise CheckpointError(f"{path} is an int8 (ONNX) file: load it with repmlp.load_model")
-    form, deploy = meta.get("form"), bool(kwargs.get("deploy", False))
+    form, deploy = fm.form, bool(kwargs.get("deploy", False))
     if (form == "deploy") != deploy:
         hint = "pass deploy=True" if form == "deploy" else "leave deploy out (the file is the training form)"
         raise CheckpointError(f"{path} holds the {form} form of {name}: {hint}")
-    file_kwargs = json.loads(meta.get("model_kwargs", "{}"))
-    return {**file_kwargs, **kwargs}, tensors, meta
+    merged = {**fm.model_kwargs, **kwargs}
+    held = sum(t.numel() for t in tensors.values())
+    try:  # the file's options may describe any size: measure on the meta device first
+        meta_model(lambda: _build_empty(name, **{**merged, "features_only": False}), 4 * held + (1 << 20),
+                   4 * len(tensors) + 10_000)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the options come from the file
+        raise too_large(path, name, fm.model_kwargs, held, exc) from None
+    return merged, tensors, meta
 
 
 def _build(
@@ -222,6 +233,30 @@ def file_head_prefixes(name: str) -> list[str]:
     return [c + "." for c in ([cls] if isinstance(cls, str) else cls or []) if c]
 
 
+def _option_names(fn: Callable[..., Any], skip: tuple[str, ...] = ()) -> tuple[set[str], bool]:
+    """The keyword parameters of ``fn`` and whether it also takes ``**kwargs``."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: it takes anything
+        return set(), True
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named - set(skip), any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def model_options(name: str) -> set[str] | None:
+    """The options (keyword arguments) registered model ``name`` takes, from its builder's signature
+    (``num_classes`` and ``in_chans``, which :func:`create_model` passes, included); ``None`` when the
+    signature cannot tell (a builder that hands ``**kwargs`` on; timm's and torchvision's models): the
+    model is then checked by building it."""
+    source, _, bare = name.rpartition(":")
+    if source not in ("", "repmlp") or bare not in _MODELS:
+        return None
+    names, open_ended = _option_names(_MODELS[bare], ("pretrained",))
+    return None if open_ended else names | {"num_classes", "in_chans"}
+
+
 def is_model(name: str) -> bool:
     """Whether ``name`` is one of repmlp's registered models."""
     return name in _MODELS
@@ -259,7 +294,8 @@ def _unknown(name: str) -> ValueError:
             candidates += source()
         except Exception:  # noqa: BLE001 - suggestions only; never hide the real error
             pass
-    close = difflib.get_close_matches(name, candidates, n=5, cutoff=0.6)
+    # repmlp's names are timm's too: each name once, in the order found.
+    close = difflib.get_close_matches(name, list(dict.fromkeys(candidates)), n=5, cutoff=0.6)
     hint = f"; did you mean: {', '.join(close)}" if close else ""
     return ValueError(
         f"unknown model {name!r} (not a repmlp, timm or torchvision model name){hint}. "

@@ -217,11 +217,18 @@ def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model
 
 def training_loader(dataset: Dataset, args: TrainOptions, procs: DistInfo, batch_size: int):
     """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``,
-    ``--train-limit``)."""
+    ``--train-limit``: of a dataset with ``labels``, a seeded stratified subset)."""
     from ..data.loader import FolderLoader
 
     if args.train_limit is not None and args.train_limit < len(dataset):  # type: ignore[arg-type]
-        dataset = torch.utils.data.Subset(dataset, range(args.train_limit))
+        labels = getattr(dataset, "labels", None)
+        if labels is not None:  # an identity folder: a seeded subset that keeps every identity's share
+            from ..data.folder import stratified_subset
+
+            keep = stratified_subset(labels, args.train_limit, args.seed)
+        else:
+            keep = list(range(args.train_limit))
+        dataset = torch.utils.data.Subset(dataset, keep)
     return FolderLoader(
         EpochSeeded(dataset, args.seed, train=True),
         batch_size=batch_size,

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import random
+import typing
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,19 @@ class TrainConfig:
     output: str = "runs/latest"
 
     compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
+    # Image folders: the images' channels and normalisation (None: RGB, ImageNet's mean/std); with --init
+    # they default to the init file's (its recorded preprocessing), so they change the maths.
+    channels: int | None = None
+    mean: list[float] | None = None
+    std: list[float] | None = None
+    eval_preprocessing: dict[str, Any] | None = None
+    # What the end of the run does; a resumed run keeps the original run's choices unless given again.
+    no_export: bool = False
+    no_bench: bool = False
+    bench_batch_size: int = 128
+    # The command that started the run, and those that resumed it (for the report).
+    run_command: list[str] = field(default_factory=list)
+    resumed_with: list[list[str]] = field(default_factory=list)
 
     RUNTIME = (
         "device",
@@ -145,6 +159,11 @@ class TrainConfig:
         "download",
         "eval_batch_size",
         "compile",
+        "no_export",
+        "no_bench",
+        "bench_batch_size",
+        "run_command",
+        "resumed_with",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +173,25 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_state(cls, d: Any, where: object) -> TrainConfig:
+        """The configuration a training state records, every field checked for its type and range (an
+        edited or foreign state is a one-line :class:`CheckpointError` naming the field)."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where} has no usable config (not a mapping)")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in d and not _is_instance(d[f.name], hints[f.name]):
+                raise CheckpointError(
+                    f"{where}: config field {f.name!r} is {d[f.name]!r}, not of type {f.type}"
+                )
+        cfg = cls.from_dict(d)
+        try:
+            cfg.validate()
+        except UserError as exc:
+            raise CheckpointError(f"{where}: config field {exc}") from None
+        return cfg
 
     def validate(self) -> None:
         """Raise :class:`UserError` for options out of range."""
@@ -191,10 +229,53 @@ class TrainConfig:
                 self.val_limit is None or self.val_limit >= 1,
                 f"--val-limit must be >= 1, got {self.val_limit}",
             ),
+            (0 <= self.seed < 2**32, f"--seed must be in 0 .. 2**32-1, got {self.seed}"),
+            (
+                all(
+                    math.isfinite(v) and abs(v) <= 1e6
+                    for v in (self.lr, self.min_lr, self.weight_decay, self.warmup_epochs, self.mixup)
+                ),
+                "--lr, --min-lr, --weight-decay, --warmup-epochs and --mixup must be finite, at most 1e6",
+            ),  # fmt: skip
+            (self.epochs <= 100_000, f"--epochs must be at most 100000, got {self.epochs}"),
+            (self.pad <= 1024, f"--pad must be at most 1024, got {self.pad}"),
+            (
+                self.img_size is None or self.img_size <= 4096,
+                f"--img-size must be at most 4096, got {self.img_size}",
+            ),
+            (self.channels in (None, 1, 3), f"channels must be 1 or 3, got {self.channels}"),
+            (
+                self.bench_batch_size >= 1,
+                f"--bench-batch-size must be at least 1, got {self.bench_batch_size}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    """Whether a JSON value read back from a state fits a :class:`TrainConfig` field's annotation."""
+    import types
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_is_instance(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    return True  # Any
 
 
 def seed_everything(seed: int) -> None:
@@ -307,23 +388,34 @@ def resumed_config(
 
 
 def _open_run(
-    cfg: TrainConfig, resume: bool, given: Collection[str] | None, di: DistInfo
+    cfg: TrainConfig, resume: bool, given: Collection[str] | None, di: DistInfo, finished_ok: bool = False
 ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The run's configuration and the state to resume from (``None`` for a new run); refuses to
-    overwrite a run in ``cfg.output``."""
+    overwrite a run in ``cfg.output`` and to resume a finished one. A resumed run's saved configuration is
+    checked like a model file's metadata (types, ranges, model options) before anything is built."""
+    from ..modelfile import check_model_kwargs
+    from ..models.registry import model_options
+
     out = Path(cfg.output)
-    state = check_output(out, resume, di)
+    state = check_output(out, resume, di, finished_ok=finished_ok)
     if state is None:
         return cfg, None
-    try:
-        saved = TrainConfig.from_dict(state["config"])
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"{out / STATE_FILE} has no usable config ({exc})") from None
-    return resumed_config(saved, cfg, given, out), state
+    where = out / STATE_FILE
+    saved = TrainConfig.from_state(state.get("config"), where)
+    check_model_kwargs(where, saved.model, saved.model_args, model_options(saved.model), "config.model_args")
+    if not isinstance(state.get("model"), dict):
+        raise CheckpointError(f"{where} holds no model weights")
+    merged = resumed_config(saved, cfg, given, out)
+    # The report shows the command that started the run, then each that resumed it.
+    merged.resumed_with = saved.resumed_with + ([cfg.run_command] if cfg.run_command else [])
+    return merged, state
 
 
-def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Module, dict[str, Any]]:
-    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``."""
+def _build_data_and_model(
+    cfg: TrainConfig, di: DistInfo, state: dict[str, Any] | None = None
+) -> tuple[Data, nn.Module, dict[str, Any]]:
+    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``. A
+    resumed run's model is sized on the ``meta`` device against the state's weights first."""
     device = di.device
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
     seed_everything(cfg.seed)
@@ -341,6 +433,10 @@ def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Modu
             flip=cfg.flip,
             autoaugment=cfg.autoaugment,
             img_size=cfg.img_size,
+            channels=cfg.channels,
+            mean=cfg.mean,
+            std=cfg.std,
+            eval_preprocessing=cfg.eval_preprocessing,
             workers=cfg.workers,
             channels_last=channels_last,
         ),
@@ -348,17 +444,50 @@ def _build_data_and_model(cfg: TrainConfig, di: DistInfo) -> tuple[Data, nn.Modu
         world=di.world,
         device=device,
     )
+    if state is None:
+        _check_init_fits(cfg, data)
     model, model_kwargs = build_model(
         cfg.model,
         num_classes=data.num_classes,
         in_chans=data.in_chans,
         img_size=data.img_size,
         model_args=cfg.model_args,
+        expect=None if state is None else state["model"],
+        where=Path(cfg.output) / STATE_FILE,
     )
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
     return data, model, model_kwargs
+
+
+def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
+    """A new ``--init`` run of the file's own model must give it inputs it was built for: the channels
+    (image folders are converted to them; an in-memory data set has its own) and, for a model built for
+    one input size, the size. A mismatch is one line saying which option to pass."""
+    from ..engine import takes_img_size
+    from ..finetune import init_preprocessing
+
+    if not cfg.init:
+        return
+    pre = init_preprocessing(cfg.init)
+    size = pre["input_size"]
+    file_model = pre["model"]
+    if size is None or cfg.model != file_model:
+        return
+    c, h, w = size
+    if c != data.in_chans:
+        raise UserError(
+            f"--init {cfg.init} takes {c}-channel images but {cfg.dataset} has {data.in_chans}: fine-tune it on "
+            "an image folder (--dataset imagefolder --data-dir DIR; its images are converted to the file's "
+            "channels), or pass --model to train another model from scratch"
+        )
+    if takes_img_size(cfg.model) and pre["fixed_size"] and (h, w) != (data.img_size, data.img_size):
+        hint = f"pass --img-size {h}" if h == w else "give images of the file's size"
+        raise UserError(
+            f"--init {cfg.init} holds {file_model} built for {h}x{w} inputs, but this run's are "
+            f"{data.img_size}x{data.img_size} (its weights would not fit): {hint}"
+        )
 
 
 def _log_start(cfg: TrainConfig, model: nn.Module, data: Data, di: DistInfo) -> None:
@@ -463,22 +592,24 @@ def run_training(
     resume: bool = False,
     stop_after_steps: int | None = None,
     given: Collection[str] | None = None,
+    finished_ok: bool = False,
 ) -> TrainResult:
     """Train per ``cfg`` into ``cfg.output``; see the module docstring. Joins the process group.
 
     With ``resume``, the run continues from ``cfg.output``'s checkpoint with the saved configuration;
     ``given`` names the options the user set explicitly (see :func:`resumed_config`).
-    ``stop_after_steps`` simulates a crash (``--stop-after-steps``, for tests of resuming).
+    ``stop_after_steps`` simulates a crash (``--stop-after-steps``, for tests of resuming). A finished
+    run (its report written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing the end).
     """
     cfg.validate()
     di = setup_distributed(cfg.device)
     if cfg.batch_size % di.world:
         raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
-    cfg, state = _open_run(cfg, resume, given, di)
+    cfg, state = _open_run(cfg, resume, given, di, finished_ok)
     cfg.amp = (
         cfg.amp if cfg.amp is not None else di.device.type == "cuda"
     )  # saved resolved: a resume keeps it
-    data, model, model_kwargs = _build_data_and_model(cfg, di)
+    data, model, model_kwargs = _build_data_and_model(cfg, di, state)
     init = _initialise(cfg, model, state, di)
     optimizer = make_optimizer(model, cfg)
     steps_per_epoch = len(data.train)
@@ -557,6 +688,15 @@ class EvalConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def _eval_preprocessing(recorded: dict[str, Any] | None, other_size: bool) -> dict[str, Any] | None:
+    """A file's recorded evaluation preprocessing; at another ``--img-size`` only its normalisation (the
+    resize and crop it records were for its own size)."""
+    if not recorded or not other_size:
+        return recorded
+    kept = {k: recorded[k] for k in ("mean", "std") if k in recorded}
+    return kept or None
+
+
 def evaluate(args: EvalConfig) -> int:
     """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``). A file whose
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
@@ -576,6 +716,8 @@ def evaluate(args: EvalConfig) -> int:
     # An imported model records its input size and the preprocessing its weights were evaluated with.
     recorded = extra.get("input_size")
     img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
+    if isinstance(img_size, (list, tuple)):  # a (H, W) pair in a model's options: square images here
+        img_size = img_size[0]
     data = build_data(
         DataConfig(
             dataset=dataset,
@@ -584,7 +726,9 @@ def evaluate(args: EvalConfig) -> int:
             eval_batch_size=args.batch_size,
             val_limit=args.val_limit,
             img_size=img_size,
-            eval_preprocessing=None if args.img_size else extra.get("eval_preprocessing"),
+            eval_preprocessing=_eval_preprocessing(extra.get("eval_preprocessing"), bool(args.img_size)),
+            # An image folder's images are converted to the model's channels (a greyscale model's: L).
+            channels=model_input_size(model, info)[0] if model_input_size(model, info)[0] in (1, 3) else None,
             workers=args.workers,
             need_train=False,
         ),

@@ -178,6 +178,8 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
         "classes": data.classes,
         "input_size": list(_input_size(result)),
     }
+    if data.eval_preprocessing:  # an image folder's own normalisation (e.g. a fine-tuned greyscale model)
+        extra["eval_preprocessing"] = data.eval_preprocessing
     # Float32 for the equivalence check: AMP rounding would hide (or fake) conversion errors.
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
     save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
@@ -236,17 +238,7 @@ def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
     from ..viz import find_repmlp_blocks, plot_fc3
 
     if not find_repmlp_blocks(model):
-        from ..block import RepMLPBlock1d
-
-        one_d = any(isinstance(m, RepMLPBlock1d) for m in model.modules())
-        notes.append(
-            "FC3 figure skipped: "
-            + (
-                "it draws 2-D RepMLP blocks, this model's are 1-D"
-                if one_d
-                else "the model has no RepMLP block"
-            )
-        )
+        notes.append("FC3 figure skipped: the model has no RepMLP block")
         return None
     title = f"{result.config.model}: FC3 before / after merging the Local Perceptron"
     return plot_fc3(model, Path(result.config.output) / "fc3.png", title=title)
@@ -267,10 +259,12 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         f"# repmlp run: {cfg.model} on {cfg.dataset}",
         "",
         f"- Command: `{' '.join(command)}`",
+        *[f"- Resumed with: `{' '.join(again)}`" for again in cfg.resumed_with],
         f"- Hardware: {hardware_summary(result.dist_info.device)}"
         + (f"; {result.dist_info.world} processes (DDP)" if result.dist_info.enabled else ""),
         f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"- Data: {result.data.train.num_samples} training / {result.data.val.num_samples} validation examples",
+        f"- Data: {result.data.train.num_samples} training / {result.data.val.num_samples} validation examples"
+        + (f" ({'; '.join(result.data.notes)})" if result.data.notes else ""),
         f"- Recipe (preset `{cfg.preset}`): {cfg.epochs} epochs, batch {cfg.batch_size}, {cfg.optimizer} "
         f"lr {cfg.lr:g} ({cfg.schedule}, warm-up {cfg.warmup_epochs:g} epochs, to {cfg.min_lr:g}), momentum "
         f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "

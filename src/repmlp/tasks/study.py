@@ -189,7 +189,7 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
         return json.loads(result_path.read_text())
     started = time.perf_counter()
     resume = (run_dir / STATE_FILE).is_file()
-    result = run_training(cfg, resume=resume, given=None)
+    result = run_training(cfg, resume=resume, given=None, finished_ok=True)
     equivalent = finish_run(
         result, command=["repmlp", "study", "ablation"], started=started, export=False, bench=False
     )
