@@ -19,6 +19,7 @@ import repmlp
 from repmlp.checkpoint import load_model, save_model
 from repmlp.deploy import Int8OnnxModel, precision_of, to_precision
 from repmlp.files import read_metadata
+from repmlp.profile import profile_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,6 +99,12 @@ def test_convert_eval_bench_in_precision(run_dir: Path, converted, precision: st
     res = cli("bench", "--checkpoint", out, "--batch-size", 2, "--warmup", 0, "--repeats", 1)
     assert res.returncode == 0, res.stderr
     assert f"input 1x28x28, {precision}," in res.stdout
+    # Parameters and MACs of the deployed structure the file holds, in any precision (an int8 graph has
+    # no PyTorch parameters: its counts are the structure's, not 0).
+    row = next(ln for ln in res.stdout.splitlines() if ln.startswith(f"| {NAME} | deploy"))
+    params, macs = (float(c) for c in row.split("|")[4:6])
+    want = profile_model(NAME, (28, 28), deploy=True, **KWARGS)
+    assert params == pytest.approx(want[0] / 1e6, abs=1e-3) and macs == pytest.approx(want[1] / 1e6, abs=1e-3)
 
 
 def test_int8_exports_its_onnx_graph(converted, tmp_path: Path) -> None:

@@ -504,6 +504,20 @@ def finished_run(reference_run, tmp_path) -> Path:
     return Path(shutil.copytree(reference_run, tmp_path / "run"))
 
 
+@pytest.fixture
+def interrupted_run(finished_run) -> Path:
+    """A run killed after its last checkpoint, before its report: resumable."""
+    (finished_run / "report.md").unlink()
+    return finished_run
+
+
+def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished_run, capsys):
+    before = snapshot(finished_run)
+    run_and_expect_error(capsys, ["--output", str(finished_run), "--resume"], "holds a finished run")
+    run_and_expect_error(capsys, ["--output", str(finished_run), "--resume", "--no-export"], "finished run")
+    assert snapshot(finished_run) == before
+
+
 def run_and_expect_error(capsys, argv: list[str], *fragments: str) -> None:
     capsys.readouterr()
     status = cli.main(["train", *argv])
@@ -535,11 +549,11 @@ def run_and_expect_error(capsys, argv: list[str], *fragments: str) -> None:
         ([], ["already holds a run", "--resume"]),
     ],
 )
-def test_resume_with_another_model_or_recipe_is_refused(argv, fragments, finished_run, data, capsys):
-    before = snapshot(finished_run)
-    run_and_expect_error(capsys, ["--output", str(finished_run), "--data-dir", str(data["fmnist"]), *argv],
+def test_resume_with_another_model_or_recipe_is_refused(argv, fragments, interrupted_run, data, capsys):
+    before = snapshot(interrupted_run)
+    run_and_expect_error(capsys, ["--output", str(interrupted_run), "--data-dir", str(data["fmnist"]), *argv],
                          *fragments)  # fmt: skip
-    assert snapshot(finished_run) == before
+    assert snapshot(interrupted_run) == before
 
 
 def test_resume_after_a_kill_past_the_last_checkpoint_redoes_only_the_end(finished_run, reference_run):
@@ -554,7 +568,8 @@ def test_resume_after_a_kill_past_the_last_checkpoint_redoes_only_the_end(finish
     assert metrics_rows(finished_run) == metrics_rows(reference_run)
 
 
-def test_resume_with_a_checkpoint_that_does_not_fit_or_is_damaged(finished_run, capsys):
+def test_resume_with_a_checkpoint_that_does_not_fit_or_is_damaged(interrupted_run, capsys):
+    finished_run = interrupted_run  # resumable: its report is not written
     state_path = finished_run / "checkpoint.safetensors"
     # A training state whose weights belong to another model than its recorded configuration.
     state = load_state(state_path)

@@ -67,6 +67,12 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise ValueError("header is not an object")
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not a safetensors file (unreadable header: {exc})") from None
+    meta = header.get("__metadata__")
+    if meta is not None and not isinstance(meta, dict):
+        raise CheckpointError(f"{path} has malformed metadata (not an object of texts)")
+    for key, value in (meta or {}).items():
+        if not isinstance(value, str):
+            raise CheckpointError(f"{path}: metadata field {key!r} is a {type(value).__name__}, not a text")
     end = 0
     for key, entry in header.items():
         if key == "__metadata__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,11 @@ def _load(path: Path) -> Any:
     if kind not in ("a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)", "a binary file"):
         raise WeightsImportError(f"{path} is {kind}, not a PyTorch checkpoint (.pth)")
     try:
-        # mmap: the tensors of a zip checkpoint are mapped, not read, until they are used.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=kind.startswith("a zip"))
+        with warnings.catch_warnings():
+            # torch's note on checking sparse tensors: a sparse tensor is refused below anyway.
+            warnings.filterwarnings("ignore", "Validating sparse tensor invariants", UserWarning)
+            # mmap: the tensors of a zip checkpoint are mapped, not read, until they are used.
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=kind.startswith("a zip"))
     except pickle.UnpicklingError as exc:
         if "weights_only" not in str(exc) and "Weights only load failed" not in str(exc):
             raise WeightsImportError(

@@ -320,21 +320,27 @@ def meta_model(build: Callable[[], nn.Module], max_elements: int, max_tensors: i
 
 
 def build_error(
-    path: object, model: str, kwargs: dict[str, Any], held: int, exc: BaseException
+    path: object,
+    model: str,
+    kwargs: dict[str, Any],
+    held: int,
+    exc: BaseException,
+    where: str = "model_kwargs",
 ) -> CheckpointError:
     """The error for a meta-device build of a file's model that failed: too large (:class:`ModelTooLarge`), an
-    option the model does not take, an unknown model, or any other error of the builder."""
+    option the model does not take, an unknown model, or any other error of the builder; ``where`` names
+    the field of the options (``model_kwargs`` of a model file, ``config.model_args`` of a state)."""
     text = str(exc).strip().splitlines()
     unknown = re.search(r"unexpected keyword argument '(\w+)'", text[0] if text else "")
     if isinstance(exc, ModelTooLarge):
         why = f"describes a {model} far larger than the {held} weights the file holds ({_short(kwargs)})"
-        return _bad(path, "model_kwargs", why)
+        return _bad(path, where, why)
     if isinstance(exc, TypeError) and unknown:
-        return _bad(path, f"model_kwargs.{unknown.group(1)}", f"is not an option of {model}")
+        return _bad(path, f"{where}.{unknown.group(1)}", f"is not an option of {model}")
     if isinstance(exc, ValueError) and text and text[0].startswith("unknown model"):
         return _bad(path, "model", f"names no model this installation knows ({text[0][:200]})")
     reason = f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
-    return _bad(path, "model_kwargs", f"does not build a {model} ({reason})")
+    return _bad(path, where, f"does not build a {model} ({reason})")
 
 
 def _listed(keys: list[str], n: int = 3) -> str:
@@ -359,12 +365,24 @@ def compare_state(path: object, what: str, own: Mapping[str, Tensor], tensors: M
         raise CheckpointError(f"{path} does not fit {what}: {'; '.join(parts)}")
 
 
+# The channels of the data sets whose models are read with their own pixel preprocessing.
+_DATASET_CHANNELS = {"fashion-mnist": 1, "cifar10": 3}
+
+
 def _check_input_size(fm: ModelFileMeta, model: nn.Module) -> None:
-    """The input size the file records must be one the model takes (channels, and a fixed size)."""
+    """The input size the file records must be one the model takes (channels, and a fixed size), and a
+    data set it names must have the model's channels (its images are fed as they are)."""
+    chans = getattr(model, "in_chans", None)
+    dataset = fm.extra.get("dataset")
+    if isinstance(chans, int) and dataset in _DATASET_CHANNELS and _DATASET_CHANNELS[dataset] != chans:
+        raise _bad(
+            fm.path,
+            "extra.dataset",
+            f"is {dataset}, whose images do not have the {chans} channels of {fm.model}",
+        )
     recorded = fm.extra.get("input_size")
     if not recorded:
         return
-    chans = getattr(model, "in_chans", None)
     if isinstance(chans, int) and chans != recorded[0]:
         raise _bad(fm.path, "extra.input_size", f"says {recorded[0]} channels, but {fm.model} takes {chans}")
     size = getattr(model, "img_size", None)

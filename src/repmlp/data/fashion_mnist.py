@@ -45,9 +45,16 @@ def default_cache_dir() -> Path:
 
 
 def _find_file(folder: Path, stem: str) -> Path | None:
+    """The IDX file ``stem`` (``.gz`` or not) in ``folder``; one that is there but not a regular file (a
+    FIFO would block the reader) is a :class:`UserError` naming it."""
+    from ..inputs import not_regular
+
     for name in (stem + ".gz", stem, stem.replace("-idx", ".idx")):
-        if (folder / name).is_file():
+        kind = not_regular(folder / name)
+        if kind is None:
             return folder / name
+        if kind not in ("missing", "a folder"):
+            raise UserError(f"{folder / name} is {kind}, not a regular file")
     return None
 
 

@@ -111,8 +111,8 @@ def _check_expected(name: str, kwargs: dict[str, Any], expect: Mapping[str, Any]
             lambda: create_model(name, **kwargs), 4 * held + (1 << 20), 4 * len(expect) + 10_000
         )
     except Exception as exc:  # noqa: BLE001 - the options come from the state file
-        raise build_error(where, name, kwargs, held, exc) from None
-    compare_state(where, f"{name} with {kwargs}", ghost.state_dict(), expect)
+        raise build_error(where, name, kwargs, held, exc, "config.model_args") from None
+    compare_state(where, f"this run ({name} with {kwargs})", ghost.state_dict(), expect)
 
 
 def takes_img_size(name: str) -> bool:

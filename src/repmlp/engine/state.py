@@ -39,7 +39,7 @@ def check_output(
 
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
-        raise UserError(f"--output {out} is {kind}, not a run folder")
+        raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
     state_path = out / STATE_FILE
     if resume:
         if not finished_ok and (out / REPORT_FILE).exists():

@@ -148,7 +148,7 @@ def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict
     from pathlib import Path
 
     from ..files import FORMAT, CheckpointError, read_tensors
-    from ..modelfile import check_tensors, meta_model, parse_metadata, too_large
+    from ..modelfile import build_error, check_tensors, meta_model, parse_metadata
 
     tensors, meta = read_tensors(Path(path))
     if meta.get("format") != FORMAT or meta.get("model") != name:
@@ -168,7 +168,7 @@ def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict
         meta_model(lambda: _build_empty(name, **{**merged, "features_only": False}), 4 * held + (1 << 20),
                    4 * len(tensors) + 10_000)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the options come from the file
-        raise too_large(path, name, fm.model_kwargs, held, exc) from None
+        raise build_error(path, name, fm.model_kwargs, held, exc) from None
     return merged, tensors, meta
 
 

@@ -1,0 +1,716 @@
+"""Everything a user hands the program is input (issue 37): model files from elsewhere, options, data
+files, resumed runs and special files.
+
+Hypothesis draws model-file metadata and option values; a table of damaged files covers every command
+that reads a file (predict, eval, convert, export, bench, viz, import, train's --init, --resume and data
+readers). Each case must end as a user error: exit status 2 (1 where predict skips some of its inputs),
+one line ``repmlp: error: ...``, no traceback, within seconds (a guard interrupts a call that hangs), and
+a finished run's files must stay as they were (compared by hash). The commands run in this process
+through :func:`repmlp.cli.main`, as the other CLI tests do; the special files (FIFOs, ``/dev/zero``, a
+symlink loop, a socket), which could block a reader or exhaust its memory, run in one child process with
+a memory limit and a time limit per case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+import repmlp
+from repmlp.checkpoint import load_state, save_model, save_state
+from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NAME = "repmlp_fmnist"
+KWARGS = {"widths": [4, 8], "kernel_sizes": [3]}
+SETTINGS = settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+class Hang(Exception):
+    """A command that did not return within its time."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`Hang` in this (the main) thread after ``seconds``: a blocked read is interrupted."""
+
+    def expire(signum, frame):  # noqa: ANN001 - signal handler
+        raise Hang(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def cli(*argv: object, seconds: float = 60):
+    """``repmlp ARGV`` in this process (output captured), within ``seconds``."""
+    with time_limit(seconds):
+        return run_cli(*argv)
+
+
+def assert_one_line(res, *fragments: str, status: int = 2) -> str:
+    """Exit ``status``, the last stderr line ``repmlp: error: ...`` (the only error line), no traceback;
+    returns that line."""
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == status, (res.returncode, res.stderr[-2000:])
+    if status == 2:
+        assert lines and lines[-1].startswith("repmlp: error: "), res.stderr
+        assert sum("repmlp: error" in ln for ln in lines) == 1, res.stderr
+        assert all(f in lines[-1] for f in fragments), (fragments, lines[-1])
+        return lines[-1]
+    return ""
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under ``folder`` (and the names): what "unchanged" means."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def rewrite(src: Path, dst: Path, meta: dict[str, object] | None = None, drop: tuple[str, ...] = (),
+            header: Callable[[dict], None] | None = None) -> Path:  # fmt: skip
+    """A copy of safetensors file ``src`` with its metadata changed (values as given: a value that is not
+    a string stays in the header as it is, as a hostile file may hold it) and ``header`` applied."""
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8 : 8 + n])
+    body = raw[8 + n :]
+    metadata = head.setdefault("__metadata__", {})
+    for key in drop:
+        metadata.pop(key, None)
+    metadata.update(meta or {})
+    if header is not None:
+        header(head)
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    dst.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    return dst
+
+
+def png_header(width: int, height: int) -> bytes:
+    """The start of a PNG that claims ``width x height`` pixels (a decompression bomb's header)."""
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    chunk = struct.pack(">I", 13) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    return b"\x89PNG\r\n\x1a\n" + chunk
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """A model file, a data set, images, and a finished run (real, tiny) whose files are hashed."""
+    root = tmp_path_factory.mktemp("hostile")
+    fm = make_fashion_mnist(root / "fm", n_train=32, n_test=16)
+    torch.manual_seed(0)
+    model = repmlp.create_model(NAME, **KWARGS).eval()
+    extra = {"dataset": "fashion-mnist", "data_dir": str(fm), "classes": [f"c{i}" for i in range(10)],
+             "input_size": [1, 28, 28]}  # fmt: skip
+    save_model(root / "model.safetensors", model, name=NAME, model_kwargs=KWARGS, form="train", extra=extra)
+    image = root / "image.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (28, 28), dtype=np.uint8), "L").save(image)
+    run = root / "run"
+    res = run_cli("train", "--data-dir", fm, "--model", NAME, "--model-arg", "widths=[4,8]", "--model-arg",
+                  "kernel_sizes=[3]", "--epochs", 1, "--batch-size", 16, "--train-limit", 16, "--val-limit",
+                  16, "--workers", 0, "--no-bench", "--no-export", "--output", run)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return {"root": root, "fm": fm, "model": root / "model.safetensors", "image": image, "run": run}
+
+
+@pytest.fixture
+def interrupted(world, tmp_path) -> Path:
+    """A resumable copy of the run: killed after its last checkpoint, before anything else was written."""
+    out = tmp_path / "cut"
+    out.mkdir()
+    shutil.copy(world["run"] / "checkpoint.safetensors", out / "checkpoint.safetensors")
+    return out
+
+
+# ------------------------------------------------------------------------ hypothesis: model metadata
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=5,
+)
+_OPTIONS = ["num_classes", "img_size", "in_chans", "widths", "kernel_sizes", "partition", "groups", "deploy",
+            "device", "bogus", "depths", "patch_size"]  # fmt: skip
+_EXTRA = ["classes", "input_size", "dataset", "eval_preprocessing", "task", "data_dir", "identities"]
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, allow_nan=True)
+
+
+@st.composite
+def metadata(draw) -> dict[str, object]:
+    """A model file's metadata with some fields replaced by drawn values (JSON text or raw text)."""
+    kwargs = dict(KWARGS)
+    kwargs.update(draw(st.dictionaries(st.sampled_from(_OPTIONS), _JSON, max_size=2)))
+    extra = draw(st.dictionaries(st.sampled_from(_EXTRA), _JSON, max_size=2))
+    meta: dict[str, object] = {
+        "model_kwargs": draw(st.sampled_from([_dumps(kwargs), "{", "[1]", "null", '"x"'])),
+        "extra": draw(st.one_of(st.just(_dumps(extra)), st.text(max_size=8))),
+        "model": draw(
+            st.sampled_from([NAME, "", "no_such_model", "../../etc/passwd", "timm:resnet18", NAME])
+        ),
+        "form": draw(st.sampled_from(["train", "train", "deploy", "", "TRAIN"])),
+    }
+    if draw(st.booleans()):
+        meta["precision"] = draw(st.sampled_from(["fp32", "bf16", "int8", "int4", ""]))
+    return meta
+
+
+@SETTINGS
+@given(meta=metadata())
+def test_drawn_metadata_is_predicted_or_one_line(world, tmp_path, meta):
+    """Whatever a file's metadata says, predict either works (exit 0) or says why in one line (2)."""
+    bad = rewrite(world["model"], tmp_path / "drawn.safetensors", meta)
+    res = cli("predict", "--checkpoint", bad, world["image"], "--workers", 0, seconds=30)
+    if res.returncode != 0:
+        line = assert_one_line(res)
+        assert "drawn.safetensors" in line, line  # the file is named
+
+
+@SETTINGS
+@given(kwargs=st.dictionaries(st.sampled_from(_OPTIONS), st.integers(0, 2**40) | st.integers(-(2**40), 0),
+                              min_size=1, max_size=3))  # fmt: skip
+def test_drawn_model_sizes_are_checked_before_anything_is_allocated(world, tmp_path, kwargs):
+    """Options that describe a model of any size (10**12 classes, 100000-pixel inputs, ...) are compared
+    with the file's tensors on the meta device: a one-line error naming the file and the field, fast."""
+    bad = rewrite(
+        world["model"], tmp_path / "sized.safetensors", {"model_kwargs": json.dumps({**KWARGS, **kwargs})}
+    )
+    res = cli("bench", "--checkpoint", bad, "--batch-size", 1, "--warmup", 0, "--repeats", 1, seconds=30)
+    if res.returncode != 0:
+        line = assert_one_line(res, "sized.safetensors")
+        assert "model_kwargs" in line or "does not fit" in line, line
+
+
+# --------------------------------------------------------------------- hypothesis: option values
+# (command, flag, lowest, highest): the documented range of each option (ints, or floats for *.0 bounds);
+# the other arguments of each command end in a known cheap refusal once the options passed the boundary.
+RANGES = [
+    ("train", "--seed", 0, 2**32 - 1),
+    ("train", "--img-size", 8, 4096),
+    ("train", "--pad", 0, 1024),
+    ("train", "--epochs", 1, 100_000),
+    ("train", "--batch-size", 1, 2**20),
+    ("train", "--workers", 0, 256),
+    ("train", "--lr", 0.0, 1e6),
+    ("train", "--warmup-epochs", 0.0, 1e6),
+    ("train", "--weight-decay", 0.0, 1e6),
+    ("train", "--mixup", 0.0, 1e6),
+    ("predict", "--top-k", 1, 10**6),
+    ("predict", "--batch-size", 1, 2**20),
+    ("eval", "--img-size", 8, 4096),
+    ("eval", "--val-limit", 1, 2**31 - 1),
+    ("convert", "--img-size", 1, 4096),
+    ("convert", "--tolerance", 0.0, 1e6),
+    ("convert", "--num-examples", 1, 100_000),
+    ("export", "--img-size", 1, 4096),
+    ("export", "--opset", 7, 100),
+    ("bench", "--batch-size", 1, 2**20),
+    ("bench", "--repeats", 1, 10**6),
+    ("bench", "--img-size", 1, 4096),
+]
+_TEXT = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(
+        ["-1", "0", "1", "nan", "inf", "-inf", "1e308", "1e-308", "4097", "1025", "abc", "", "0x10"]
+    ),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+)
+
+
+def _in_range(text: str, lo: float, hi: float) -> bool:
+    """Whether ``text`` is a value the option takes (positive floats exclude 0 for --lr/--tolerance)."""
+    try:
+        value = int(text) if isinstance(lo, int) else float(text)
+    except ValueError:
+        return False
+    if isinstance(lo, float) and not np.isfinite(value):
+        return False
+    return lo <= value <= hi
+
+
+@SETTINGS
+@given(spec=st.sampled_from(RANGES), text=_TEXT)
+def test_drawn_option_values_are_range_checked_at_the_boundary(world, tmp_path, spec, text):
+    """An option value out of its range is refused before any work, naming the option; one in range
+    passes the boundary (and the command then stops at the refusal its other arguments cause)."""
+    command, flag, lo, hi = spec
+    missing = tmp_path / "missing.safetensors"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    rest = {
+        "train": ["--data-dir", world["fm"], "--output", blocker],
+        "predict": ["--checkpoint", missing, world["image"]],
+        "eval": ["--checkpoint", missing],
+        "convert": ["--checkpoint", missing],
+        "export": ["--checkpoint", missing],
+        "bench": ["--checkpoint", missing],
+    }[command]
+    res = cli(command, *rest, f"{flag}={text}", seconds=30)
+    line = assert_one_line(res)
+    ok = _in_range(text, lo, hi) and not (flag in ("--lr", "--tolerance") and float(text) == 0)
+    if ok:
+        assert "not a run folder" in line or "checkpoint not found" in line, line
+    else:
+        assert flag in line, line
+
+
+# ------------------------------------------------------------------------ the table of damaged files
+def _model_cases(world: dict[str, Path], tmp: Path) -> dict[str, tuple[Path, str]]:
+    """Damaged or foreign model files: name -> (file, a fragment of the expected error)."""
+    model = world["model"]
+    text = tmp / "text.safetensors"
+    text.write_text("hello, not a model\n")
+    truncated = tmp / "truncated.safetensors"
+    truncated.write_bytes(model.read_bytes()[:5000])
+    state = tmp / "checkpoint.safetensors"
+    save_state(state, {"step": 1, "config": {}})
+
+    def complex_tensor(head: dict) -> None:  # a float32 tensor's bytes read as half as many complex64
+        key = next(k for k, v in head.items() if k != "__metadata__" and v["dtype"] == "F32")
+        head[key]["dtype"] = "C64"
+        head[key]["shape"] = [int(np.prod(head[key]["shape"])) // 2]
+
+    def bad_offsets(head: dict) -> None:
+        key = next(k for k in head if k != "__metadata__")
+        head[key]["data_offsets"] = [0, 10**15]
+
+    return {
+        "text": (text, "not a safetensors file"),
+        "truncated": (truncated, "truncated"),
+        "training state": (state, "model.safetensors"),
+        "extra a list": (rewrite(model, tmp / "e.safetensors", {"extra": "[1, 2]"}), "'extra'"),
+        "input_size text": (
+            rewrite(model, tmp / "i.safetensors", {"extra": '{"input_size": "abc"}'}),
+            "extra.input_size",
+        ),  # fmt: skip
+        "10**12 classes": (
+            rewrite(
+                model, tmp / "n.safetensors", {"model_kwargs": json.dumps({**KWARGS, "num_classes": 10**12})}
+            ),
+            "model_kwargs.num_classes",
+        ),  # fmt: skip
+        "img_size 100000": (
+            rewrite(
+                model, tmp / "s.safetensors", {"model_kwargs": json.dumps({**KWARGS, "img_size": 100000})}
+            ),
+            "model_kwargs",
+        ),  # fmt: skip
+        "unknown option": (
+            rewrite(model, tmp / "u.safetensors", {"model_kwargs": json.dumps({**KWARGS, "bogus": 1})}),
+            "model_kwargs.bogus",
+        ),  # fmt: skip
+        "reserved option": (
+            rewrite(model, tmp / "r.safetensors", {"model_kwargs": json.dumps({**KWARGS, "device": "cuda"})}),
+            "model_kwargs.device",
+        ),  # fmt: skip
+        "precision": (rewrite(model, tmp / "p.safetensors", {"precision": "int4"}), "precision"),
+        "not a string": (rewrite(model, tmp / "m.safetensors", {"model": 5}), "model"),
+        "no form": (rewrite(model, tmp / "f.safetensors", drop=("form",)), "form"),
+        "classes count": (
+            rewrite(model, tmp / "c.safetensors", {"extra": '{"classes": ["a", "b"]}'}),
+            "extra.classes",
+        ),  # fmt: skip
+        "offsets": (rewrite(model, tmp / "o.safetensors", header=bad_offsets), "truncated"),
+        "complex": (rewrite(model, tmp / "x.safetensors", header=complex_tensor), ".safetensors"),
+    }
+
+
+# Each command that reads a model file: its arguments around the file (``{f}``).
+MODEL_COMMANDS = {
+    "predict": ["predict", "--checkpoint", "{f}", "{image}", "--workers", "0"],
+    "eval": ["eval", "--checkpoint", "{f}", "--workers", "0"],
+    "convert": ["convert", "--checkpoint", "{f}", "--output", "{tmp}/out.safetensors"],
+    "export": ["export", "--checkpoint", "{f}", "--output", "{tmp}/out.onnx", "--no-check"],
+    "bench": ["bench", "--checkpoint", "{f}", "--batch-size", "1", "--warmup", "0", "--repeats", "1"],
+    "viz": ["viz", "--checkpoint", "{f}", "--output", "{tmp}/fc3.png"],
+    "train --init": ["train", "--data-dir", "{fm}", "--init", "{f}", "--output", "{tmp}/run"],
+}
+# Every damaged file goes to predict (the cheapest reader); three to each other command.
+_MODEL_TABLE = [(case, "predict") for case in (
+    "text", "truncated", "training state", "extra a list", "input_size text", "10**12 classes", "img_size 100000",
+    "unknown option", "reserved option", "precision", "not a string", "no form", "classes count", "offsets",
+    "complex")] + [(case, cmd) for cmd in MODEL_COMMANDS if cmd != "predict"
+                   for case in ("extra a list", "10**12 classes", "img_size 100000")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "command"), _MODEL_TABLE)
+def test_damaged_model_files_are_one_line(world, tmp_path, case, command):
+    path, fragment = _model_cases(world, tmp_path)[case]
+    argv = [
+        a.format(f=path, image=world["image"], tmp=tmp_path, fm=world["fm"]) for a in MODEL_COMMANDS[command]
+    ]
+    line = assert_one_line(cli(*argv, seconds=60), fragment)
+    assert path.name in line or path.stem in line, line  # the file is named
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "run").exists()
+
+
+def _torch_save(path: Path, obj: object) -> Path:
+    torch.save(obj, path)
+    return path
+
+
+def _data_cases(world: dict[str, Path], tmp: Path) -> dict[str, tuple[list[object], str]]:
+    """Damaged data, import files, labels files and outputs: name -> (argv, expected fragment)."""
+    fm, model, image, run = world["fm"], world["model"], world["image"], world["run"]
+
+    def data_copy(name: str, **files: bytes) -> Path:
+        folder = shutil.copytree(fm, tmp / name)
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        return folder
+
+    import gzip
+
+    raw = (fm / "t10k-images-idx3-ubyte.gz").read_bytes()
+    header = gzip.compress(bytes([0, 0, 8, 3]) + struct.pack(">3I", 2**31, 2**31, 2**31))
+    empty = gzip.compress(bytes([0, 0, 8, 1]) + struct.pack(">I", 0))
+    no_images = gzip.compress(bytes([0, 0, 8, 3]) + struct.pack(">3I", 0, 28, 28))
+    bomb = gzip.compress(bytes([0, 0, 8, 1]) + struct.pack(">I", 16) + bytes(16) + bytes(50_000_000))
+    labels = tmp / "labels.txt"
+    labels.write_text(
+        "\n".join(f"c{i}" for i in range(5)) + "\n\n" + "\n".join(f"c{i}" for i in range(5, 10))
+    )
+    twice = tmp / "twice.txt"
+    twice.write_text("\n".join(["a", "b", "a"] + [f"c{i}" for i in range(7)]) + "\n")
+    folder = make_image_folder(tmp / "folder", classes=2, per_class=1, size=12)  # one batch: the bomb in it
+    (folder / "train" / "class0" / "bomb.png").write_bytes(png_header(40000, 40000) + bytes(64))
+    sd = {"conv_embedding.conv.weight": torch.zeros(8, 3, 4, 4)}
+    pth = {
+        "text": tmp / "text.pth",
+        "partial": _torch_save(tmp / "partial.pth", {"stage0.0.conv.weight": torch.zeros(8, 3, 3, 3)}),
+        "sparse": _torch_save(tmp / "sparse.pth", {k: v.to_sparse() for k, v in sd.items()}),
+        "complex": _torch_save(tmp / "complex.pth", {k: v.to(torch.complex64) for k, v in sd.items()}),
+        "empty tensor": _torch_save(
+            tmp / "zero.pth", {"conv_embedding.conv.weight": torch.zeros(0, 3, 4, 4)}
+        ),
+    }
+    pth["text"].write_text("hello world\n")
+    imp = ["import", "--output", tmp / "imported.safetensors"]
+    small = ["--epochs", "1", "--batch-size", "4", "--workers", "0", "--no-bench", "--no-export"]
+    return {
+        "corrupt gzip IDX": (
+            [
+                "eval",
+                "--checkpoint",
+                model,
+                "--data-dir",
+                data_copy("c", **{"t10k-images-idx3-ubyte.gz": raw[:40] + bytes(60) + raw[100:]}),
+            ],
+            "t10k-images-idx3-ubyte.gz",
+        ),  # fmt: skip
+        "huge IDX header": (
+            [
+                "eval",
+                "--checkpoint",
+                model,
+                "--data-dir",
+                data_copy("h", **{"t10k-images-idx3-ubyte.gz": header}),
+            ],
+            "header claims",
+        ),
+        "IDX bomb": (
+            [
+                "eval",
+                "--checkpoint",
+                model,
+                "--data-dir",
+                data_copy("b", **{"t10k-labels-idx1-ubyte.gz": bomb}),
+            ],
+            "t10k-labels",
+        ),
+        "empty test set": (
+            [
+                "eval",
+                "--checkpoint",
+                model,
+                "--data-dir",
+                data_copy(
+                    "e", **{"t10k-labels-idx1-ubyte.gz": empty, "t10k-images-idx3-ubyte.gz": no_images}
+                ),
+            ],
+            "no examples",
+        ),
+        "empty training set": (
+            [
+                "train",
+                "--data-dir",
+                data_copy(
+                    "t", **{"train-labels-idx1-ubyte.gz": empty, "train-images-idx3-ubyte.gz": no_images}
+                ),
+                *small,
+                "--output",
+                tmp / "r",
+            ],
+            "no examples",
+        ),  # fmt: skip
+        "image bomb": (
+            [
+                "train",
+                "--dataset",
+                "imagefolder",
+                "--data-dir",
+                folder,
+                "--img-size",
+                "8",
+                "--model",
+                NAME,
+                "--model-arg",
+                "widths=[4]",
+                "--model-arg",
+                "partition=4",
+                *small,
+                "--output",
+                tmp / "r",
+            ],
+            "bomb.png",
+        ),  # fmt: skip
+        "labels blank line": (
+            ["predict", "--checkpoint", model, image, "--labels", labels],
+            "line 6 is blank",
+        ),
+        "labels twice": (["predict", "--checkpoint", model, image, "--labels", twice], "line 3 repeats"),
+        **{
+            f"import {k}": ([*imp[:1], p, "--model", "repmlpnet_b224", *imp[1:]], p.name)
+            for k, p in pth.items()
+        },
+        "import a model file": (
+            ["import", model, "--model", "repmlpnet_b224", "--output", tmp / "x.safetensors"],
+            "already a repmlp model file",
+        ),  # fmt: skip
+        "import partial res50": (
+            ["import", pth["partial"], "--model", "repmlp_res50", "--output", tmp / "x.safetensors"],
+            "fc.weight",
+        ),  # fmt: skip
+        "model-arg not JSON": (
+            ["train", "--data-dir", fm, "--model-arg", "kernel_sizes=1,3", *small, "--output", tmp / "r"],
+            "kernel_sizes=1,3",
+        ),  # fmt: skip
+        "convert over a state": (
+            ["convert", "--checkpoint", model, "--output", run / "checkpoint.safetensors"],
+            "is a training state",
+        ),  # fmt: skip
+        "export over a model": (
+            ["export", "--checkpoint", model, "--output", run / "deploy.safetensors"],
+            "writes a .onnx file",
+        ),  # fmt: skip
+        "export suffix": (
+            ["export", "--checkpoint", model, "--format", "exported-program", "--output", tmp / "x.onnx"],
+            "writes a .pt2 file",
+        ),  # fmt: skip
+        "bench over a report": (
+            ["bench", "--checkpoint", model, "--output", run / "report.md"],
+            "is a run report",
+        ),  # fmt: skip
+        "import over a state": (
+            [*imp[:1], pth["partial"], "--model", "repmlp_res50", "--output", run / "checkpoint.safetensors"],
+            "is a training state",
+        ),  # fmt: skip
+        "train into a file": (["train", "--data-dir", fm, "--output", image], "not a run folder"),
+        "convert size": (
+            ["convert", "--checkpoint", model, "--img-size", "13", "--output", tmp / "d.safetensors"],
+            "13x13",
+        ),  # fmt: skip
+        "unknown model": (
+            ["train", "--model", "repmlp_fmnistt", "--data-dir", fm, "--output", tmp / "r"],
+            "did you mean",
+        ),  # fmt: skip
+    }
+
+
+_DATA_TABLE = [
+    "corrupt gzip IDX", "huge IDX header", "IDX bomb", "empty test set", "empty training set", "image bomb",
+    "labels blank line", "labels twice", "import text", "import partial", "import sparse", "import complex",
+    "import empty tensor", "import a model file", "import partial res50", "model-arg not JSON",
+    "convert over a state", "export over a model", "export suffix", "bench over a report", "import over a state",
+    "train into a file", "convert size", "unknown model",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _DATA_TABLE)
+def test_damaged_data_and_outputs_are_one_line(world, tmp_path, case):
+    before = hashes(world["run"])
+    argv, fragment = _data_cases(world, tmp_path)[case]
+    line = assert_one_line(cli(*argv, seconds=120), fragment)
+    assert hashes(world["run"]) == before, "the finished run's files changed"
+    if case == "unknown model":  # each suggestion once
+        names = line.split("did you mean: ")[1].split(". ")[0].split(", ")
+        assert len(names) == len(set(names)), line
+    assert not (tmp_path / "x.safetensors").exists()
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # no file of a run written
+
+
+# --------------------------------------------------------------------------------- resumed runs
+def test_resume_of_a_finished_run_changes_nothing(world):
+    before = hashes(world["run"])
+    for extra in ([], ["--no-bench"], ["--device", "cpu", "--workers", "0"]):
+        line = assert_one_line(cli("train", "--output", world["run"], "--resume", *extra), "finished run")
+        assert str(world["run"]) in line
+    assert hashes(world["run"]) == before
+
+
+def _edit(key: str, value: object) -> Callable[[dict], None]:
+    def edit(state: dict) -> None:
+        if key.startswith("config."):
+            state["config"][key[len("config.") :]] = value
+        else:
+            state[key] = value
+
+    return edit
+
+
+EDITS = {
+    "batch_size -4": (_edit("config.batch_size", -4), "batch-size"),
+    "epochs 0": (_edit("config.epochs", 0), "epochs"),
+    "epochs text": (_edit("config.epochs", "five"), "epochs"),
+    "lr not finite": (_edit("config.lr", float("inf")), "lr"),
+    "seed -1": (_edit("config.seed", -1), "seed"),
+    "model_args img_size": (_edit("config.model_args", {**KWARGS, "img_size": 100000}), "config.model_args"),
+    "model_args device": (_edit("config.model_args", {**KWARGS, "device": "cuda"}), "model_args.device"),
+    "config a list": (_edit("config", [1, 2]), "config"),
+    "step -1": (_edit("step", -1), "step"),
+    "step huge": (_edit("step", 10**9), "step"),
+    "history text": (_edit("history", "x"), "history"),
+    "weights of another model": (_edit("model", {"w": torch.zeros(3)}), "does not fit this run"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_edited_training_states_are_refused_before_anything_changes(interrupted, edit):
+    """A training state is validated like a model file: an edited one resumes nothing and changes nothing."""
+    change, fragment = EDITS[edit]
+    path = interrupted / "checkpoint.safetensors"
+    state = load_state(path)
+    change(state)
+    save_state(path, state)
+    before = hashes(interrupted)
+    assert_one_line(cli("train", "--output", interrupted, "--resume", "--workers", "0"), fragment)
+    assert hashes(interrupted) == before
+
+
+# --------------------------------------------------------------- special files, in a child process
+_DRIVER = r"""
+import contextlib, io, json, resource, signal, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+from repmlp.cli import main
+
+class Hang(Exception):
+    pass
+
+def expire(signum, frame):
+    raise Hang()
+
+signal.signal(signal.SIGALRM, expire)
+for name, argv in json.loads(sys.argv[1]):
+    err, out = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    signal.alarm(20)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            status = main(argv)
+    except BaseException as exc:  # a hang, an exhausted memory, a crash: all are failures here
+        status = f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        signal.alarm(0)
+    print(json.dumps({"name": name, "status": status, "seconds": time.perf_counter() - start,
+                      "stderr": err.getvalue()[-3000:], "stdout": out.getvalue()[-3000:]}), flush=True)
+"""
+
+
+def test_special_files_are_named_never_read(world, tmp_path):
+    """FIFOs, devices and sockets are named and skipped (or refused), never opened for reading; a folder
+    whose symlinks loop is walked once; nothing blocks, nothing reads without bound."""
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    labels_fifo = tmp_path / "labels.fifo"
+    os.mkfifo(labels_fifo)
+    sock_path = tmp_path / "sock.png"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    loop = tmp_path / "loop"
+    (loop / "a").mkdir(parents=True)
+    shutil.copy(world["image"], loop / "a" / "x.png")
+    (loop / "a" / "back").symlink_to(loop, target_is_directory=True)
+    (loop / "self").symlink_to(".", target_is_directory=True)
+    data = shutil.copytree(world["fm"], tmp_path / "fm-fifo")
+    (data / "t10k-images-idx3-ubyte.gz").unlink()
+    os.mkfifo(data / "t10k-images-idx3-ubyte.gz")
+    model, image = str(world["model"]), str(world["image"])
+    predict = ["predict", "--checkpoint", model, "--workers", "0"]
+    cases = [
+        ("fifo input", [*predict, image, str(fifo)], 1, "fifo.png: a FIFO"),
+        ("device input", [*predict, "/dev/zero"], 2, "/dev/zero: a character device"),
+        ("socket input", [*predict, image, str(sock_path)], 1, "sock.png: a socket"),
+        ("fifo labels", [*predict, image, "--labels", str(labels_fifo)], 2, "labels file"),
+        ("fifo checkpoint", ["predict", "--checkpoint", str(fifo), image], 2, "FIFO"),
+        ("symlink loop glob", [*predict, f"{loop}/**/*.png"], 0, ""),
+        ("symlink loop folder", [*predict, str(loop)], 0, ""),
+        ("fifo IDX", ["eval", "--checkpoint", model, "--data-dir", str(data), "--workers", "0"], 2, "FIFO"),
+        (
+            "fifo init",
+            ["train", "--data-dir", str(world["fm"]), "--init", str(fifo), "--output", str(tmp_path / "r")],
+            2,
+            "FIFO",
+        ),  # fmt: skip
+        (
+            "fifo import",
+            ["import", str(fifo), "--model", "repmlpnet_b224", "--output", str(tmp_path / "i.safetensors")],
+            2,
+            "FIFO",
+        ),  # fmt: skip
+    ]
+    env = subprocess_env()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([(n, a) for n, a, _, _ in cases])],
+                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    finally:
+        sock.close()
+    results = {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert len(results) == len(cases), proc.stderr[-3000:]
+    for name, _, status, fragment in cases:
+        got = results[name]
+        assert got["status"] == status, (name, got)
+        assert "Traceback" not in got["stderr"] and got["seconds"] < 20, (name, got)
+        assert fragment in got["stderr"], (name, got["stderr"])
+        if status == 2:
+            assert got["stderr"].strip().splitlines()[-1].startswith("repmlp: error: "), (name, got)
+    for name in ("symlink loop glob", "symlink loop folder"):  # the loop's one image, once
+        rows = results[name]["stdout"].strip().splitlines()
+        assert len(rows) == 2 and "x.png" in rows[1], (name, rows)
