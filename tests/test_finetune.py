@@ -23,7 +23,7 @@ from repmlp import cli
 from repmlp.checkpoint import save_model, save_state
 from repmlp.files import CheckpointError
 from repmlp.finetune import head_prefixes, init_from_file
-from repmlp_testdata import make_image_folder, user_error_line
+from repmlp_testdata import make_cifar10, make_image_folder, user_error_line
 
 TINY = ["--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[3]"]
 RUN = ["--img-size", "28", "--batch-size", "8", "--no-export", "--no-bench", "--workers", "0", "--lr", "0.05"]
@@ -181,3 +181,75 @@ def test_timm_loads_repmlp_files(pretrained):
     with pytest.raises(ValueError, match="no pretrained weights"):
         timm.create_model("repmlp_fmnist", pretrained=True)
     assert not timm.models.get_pretrained_cfg("repmlp_fmnist").url  # still no download URL
+
+
+# ----------------------------------------------- the main job's model, fine-tuned on one's own images
+def _main_job_file(path: Path) -> Path:
+    """A file like the main job's ``model.safetensors``: repmlp_fmnist_patch2 (small widths), one channel,
+    28x28, trained on Fashion-MNIST (what its metadata records)."""
+    kwargs = {"widths": [4, 8], "img_size": 28, "in_chans": 1, "num_classes": 10}
+    torch.manual_seed(0)
+    model = repmlp.create_model("repmlp_fmnist_patch2", **kwargs).eval()
+    extra = {"dataset": "fashion-mnist", "data_dir": None, "classes": [f"c{i}" for i in range(10)],
+             "input_size": [1, 28, 28]}  # fmt: skip
+    save_model(path, model, name="repmlp_fmnist_patch2", model_kwargs=kwargs, form="train", extra=extra)
+    return path
+
+
+def test_main_job_model_finetunes_on_an_image_folder_of_any_mode(tmp_path, capsys, one_thread):
+    """The README's line (``--dataset imagefolder --init runs/X/model.safetensors``) with the main job's
+    one-channel 28x28 model: channels, size and normalisation come from the file, RGB/RGBA/16-bit images are
+    converted, and --train-limit takes a seeded subset of every class, named in the report."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from repmlp.files import read_metadata
+
+    init = _main_job_file(tmp_path / "main.safetensors")
+    folder = make_image_folder(tmp_path / "mine", classes=3, per_class=4, size=40)
+    Image.fromarray(np.full((30, 30, 4), 200, np.uint8), "RGBA").save(
+        folder / "train" / "class1" / "rgba.png"
+    )
+    Image.fromarray(np.full((30, 30), 40000, np.uint16)).save(folder / "train" / "class2" / "deep.png")
+    out = tmp_path / "out"
+    status, err = train(capsys, "--data-dir", folder, "--init", init, "--epochs", 1, "--batch-size", 4,
+                        "--train-limit", 6, "--workers", 0, "--no-bench", "--no-export", "--output", out)  # fmt: skip
+    assert status == 0, err
+    meta = read_metadata(out / "model.safetensors")
+    extra = json.loads(meta["extra"])
+    assert meta["model"] == "repmlp_fmnist_patch2" and extra["input_size"] == [1, 28, 28]
+    assert (
+        extra["eval_preprocessing"]["mean"] == pytest.approx([0.2860]) and extra["dataset"] == "imagefolder"
+    )
+    report = (out / "report.md").read_text()
+    assert "6 training / 12 validation examples (training: a seeded stratified subset" in report
+    assert "3 of 3 classes" in report
+    # The fine-tuned file evaluates and predicts on the same kind of images.
+    assert cli.main(["eval", "--checkpoint", str(out / "model.safetensors"), "--workers", "0"]) == 0
+    assert cli.main(["predict", "--checkpoint", str(out / "model.safetensors"),
+                     str(folder / "val" / "class0" / "0.png")]) == 0  # fmt: skip
+    capsys.readouterr()
+    # What cannot be adapted is one line saying which option to pass.
+    status, err = train(capsys, "--data-dir", folder, "--init", init, "--img-size", 32, "--epochs", 1,
+                        "--output", tmp_path / "o2")  # fmt: skip
+    assert status == 2 and "pass --img-size 28" in user_error_line(err)
+    cifar = make_cifar10(tmp_path / "c10", per_batch=4)
+    status = cli.main(["train", "--dataset", "cifar10", "--data-dir", str(cifar), "--init", str(init),
+                       "--output", str(tmp_path / "o3")])  # fmt: skip
+    line = user_error_line(capsys.readouterr().err)
+    assert status == 2 and "takes 1-channel images but cifar10 has 3" in line and "imagefolder" in line, line
+
+
+def test_stratified_subset_keeps_every_class_and_its_share():
+    from repmlp.data.folder import stratified_subset
+
+    labels = [0] * 90 + [1] * 9 + [2] * 1
+    pick = stratified_subset(labels, 10, seed=0)
+    assert pick == sorted(pick) and len(set(pick)) == 10
+    counts = [sum(labels[i] == c for i in pick) for c in range(3)]
+    assert counts[2] == 1 and counts[1] >= 1 and counts[0] >= 7  # every class, in proportion
+    assert stratified_subset(labels, 10, seed=0) == pick  # seeded
+    assert stratified_subset(labels, 10, seed=1) != pick
+    assert stratified_subset(labels, 500, seed=0) == list(range(100))

@@ -67,9 +67,34 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+_BASE_SIZE: list[int] = []  # the process's address space when the first command ran
+
+
+@contextlib.contextmanager
+def memory_limit(extra: int = 3 << 30) -> Iterator[None]:
+    """At most ``extra`` bytes of address space beyond what the process held at its first command: a
+    command that allocated what a hostile file asks for fails with a MemoryError instead of exhausting a
+    shared machine (the limit is absolute: memory a command freed but the allocator kept does not raise
+    it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if not _BASE_SIZE:
+        with open("/proc/self/status") as f:
+            _BASE_SIZE.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:")))
+    limit = _BASE_SIZE[0] + extra
+    resource.setrlimit(
+        resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard)
+    )
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def cli(*argv: object, seconds: float = 60):
-    """``repmlp ARGV`` in this process (output captured), within ``seconds``."""
-    with time_limit(seconds):
+    """``repmlp ARGV`` in this process (output captured), within ``seconds`` and a memory limit."""
+    with time_limit(seconds), memory_limit():
         return run_cli(*argv)
 
 
