@@ -407,193 +407,174 @@ def test_damaged_model_files_are_one_line(world, tmp_path, case, command):
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "run").exists()
 
 
-def _torch_save(path: Path, obj: object) -> Path:
-    torch.save(obj, path)
-    return path
-
-
-def _data_cases(world: dict[str, Path], tmp: Path) -> dict[str, tuple[list[object], str]]:
-    """Damaged data, import files, labels files and outputs: name -> (argv, expected fragment)."""
-    fm, model, image, run = world["fm"], world["model"], world["image"], world["run"]
-
-    def data_copy(name: str, **files: bytes) -> Path:
-        folder = shutil.copytree(fm, tmp / name)
-        for file, data in files.items():
-            (folder / file).write_bytes(data)
-        return folder
-
+def _gz_idx(kind: int, dims: tuple[int, ...], data: bytes = b"") -> bytes:
+    """A gzip-compressed IDX file: uint8 data of ``dims`` (``kind`` 3 images, 1 labels) from its header."""
     import gzip
 
-    raw = (fm / "t10k-images-idx3-ubyte.gz").read_bytes()
-    header = gzip.compress(bytes([0, 0, 8, 3]) + struct.pack(">3I", 2**31, 2**31, 2**31))
-    empty = gzip.compress(bytes([0, 0, 8, 1]) + struct.pack(">I", 0))
-    no_images = gzip.compress(bytes([0, 0, 8, 3]) + struct.pack(">3I", 0, 28, 28))
-    bomb = gzip.compress(bytes([0, 0, 8, 1]) + struct.pack(">I", 16) + bytes(16) + bytes(50_000_000))
-    labels = tmp / "labels.txt"
-    labels.write_text(
-        "\n".join(f"c{i}" for i in range(5)) + "\n\n" + "\n".join(f"c{i}" for i in range(5, 10))
-    )
-    twice = tmp / "twice.txt"
-    twice.write_text("\n".join(["a", "b", "a"] + [f"c{i}" for i in range(7)]) + "\n")
-    folder = make_image_folder(tmp / "folder", classes=2, per_class=1, size=12)  # one batch: the bomb in it
-    (folder / "train" / "class0" / "bomb.png").write_bytes(png_header(40000, 40000) + bytes(64))
-    sd = {"conv_embedding.conv.weight": torch.zeros(8, 3, 4, 4)}
-    pth = {
-        "text": tmp / "text.pth",
-        "partial": _torch_save(tmp / "partial.pth", {"stage0.0.conv.weight": torch.zeros(8, 3, 3, 3)}),
-        "sparse": _torch_save(tmp / "sparse.pth", {k: v.to_sparse() for k, v in sd.items()}),
-        "complex": _torch_save(tmp / "complex.pth", {k: v.to(torch.complex64) for k, v in sd.items()}),
-        "empty tensor": _torch_save(
-            tmp / "zero.pth", {"conv_embedding.conv.weight": torch.zeros(0, 3, 4, 4)}
-        ),
-    }
-    pth["text"].write_text("hello world\n")
-    imp = ["import", "--output", tmp / "imported.safetensors"]
-    small = ["--epochs", "1", "--batch-size", "4", "--workers", "0", "--no-bench", "--no-export"]
-    return {
-        "corrupt gzip IDX": (
-            [
-                "eval",
-                "--checkpoint",
-                model,
-                "--data-dir",
-                data_copy("c", **{"t10k-images-idx3-ubyte.gz": raw[:40] + bytes(60) + raw[100:]}),
-            ],
-            "t10k-images-idx3-ubyte.gz",
-        ),  # fmt: skip
-        "huge IDX header": (
-            [
-                "eval",
-                "--checkpoint",
-                model,
-                "--data-dir",
-                data_copy("h", **{"t10k-images-idx3-ubyte.gz": header}),
-            ],
-            "header claims",
-        ),
-        "IDX bomb": (
-            [
-                "eval",
-                "--checkpoint",
-                model,
-                "--data-dir",
-                data_copy("b", **{"t10k-labels-idx1-ubyte.gz": bomb}),
-            ],
-            "t10k-labels",
-        ),
-        "empty test set": (
-            [
-                "eval",
-                "--checkpoint",
-                model,
-                "--data-dir",
-                data_copy(
-                    "e", **{"t10k-labels-idx1-ubyte.gz": empty, "t10k-images-idx3-ubyte.gz": no_images}
-                ),
-            ],
-            "no examples",
-        ),
-        "empty training set": (
-            [
-                "train",
-                "--data-dir",
-                data_copy(
-                    "t", **{"train-labels-idx1-ubyte.gz": empty, "train-images-idx3-ubyte.gz": no_images}
-                ),
-                *small,
-                "--output",
-                tmp / "r",
-            ],
-            "no examples",
-        ),  # fmt: skip
-        "image bomb": (
-            [
-                "train",
-                "--dataset",
-                "imagefolder",
-                "--data-dir",
-                folder,
-                "--img-size",
-                "8",
-                "--model",
-                NAME,
-                "--model-arg",
-                "widths=[4]",
-                "--model-arg",
-                "partition=4",
-                *small,
-                "--output",
-                tmp / "r",
-            ],
-            "bomb.png",
-        ),  # fmt: skip
-        "labels blank line": (
-            ["predict", "--checkpoint", model, image, "--labels", labels],
-            "line 6 is blank",
-        ),
-        "labels twice": (["predict", "--checkpoint", model, image, "--labels", twice], "line 3 repeats"),
-        **{
-            f"import {k}": ([*imp[:1], p, "--model", "repmlpnet_b224", *imp[1:]], p.name)
-            for k, p in pth.items()
-        },
-        "import a model file": (
-            ["import", model, "--model", "repmlpnet_b224", "--output", tmp / "x.safetensors"],
-            "already a repmlp model file",
-        ),  # fmt: skip
-        "import partial res50": (
-            ["import", pth["partial"], "--model", "repmlp_res50", "--output", tmp / "x.safetensors"],
-            "fc.weight",
-        ),  # fmt: skip
-        "model-arg not JSON": (
-            ["train", "--data-dir", fm, "--model-arg", "kernel_sizes=1,3", *small, "--output", tmp / "r"],
-            "kernel_sizes=1,3",
-        ),  # fmt: skip
-        "convert over a state": (
-            ["convert", "--checkpoint", model, "--output", run / "checkpoint.safetensors"],
-            "is a training state",
-        ),  # fmt: skip
-        "export over a model": (
-            ["export", "--checkpoint", model, "--output", run / "deploy.safetensors"],
-            "writes a .onnx file",
-        ),  # fmt: skip
-        "export suffix": (
-            ["export", "--checkpoint", model, "--format", "exported-program", "--output", tmp / "x.onnx"],
-            "writes a .pt2 file",
-        ),  # fmt: skip
-        "bench over a report": (
-            ["bench", "--checkpoint", model, "--output", run / "report.md"],
-            "is a run report",
-        ),  # fmt: skip
-        "import over a state": (
-            [*imp[:1], pth["partial"], "--model", "repmlp_res50", "--output", run / "checkpoint.safetensors"],
-            "is a training state",
-        ),  # fmt: skip
-        "train into a file": (["train", "--data-dir", fm, "--output", image], "not a run folder"),
-        "convert size": (
-            ["convert", "--checkpoint", model, "--img-size", "13", "--output", tmp / "d.safetensors"],
-            "13x13",
-        ),  # fmt: skip
-        "unknown model": (
-            ["train", "--model", "repmlp_fmnistt", "--data-dir", fm, "--output", tmp / "r"],
-            "did you mean",
-        ),  # fmt: skip
-    }
+    return gzip.compress(bytes([0, 0, 8, kind]) + struct.pack(f">{len(dims)}I", *dims) + data)
 
 
-_DATA_TABLE = [
-    "corrupt gzip IDX", "huge IDX header", "IDX bomb", "empty test set", "empty training set", "image bomb",
-    "labels blank line", "labels twice", "import text", "import partial", "import sparse", "import complex",
-    "import empty tensor", "import a model file", "import partial res50", "model-arg not JSON",
-    "convert over a state", "export over a model", "export suffix", "bench over a report", "import over a state",
-    "train into a file", "convert size", "unknown model",
-]  # fmt: skip
+class Ctx:
+    """What the damaged-data cases build their files and command lines from (one test's folder)."""
+
+    def __init__(self, world: dict[str, Path], tmp: Path) -> None:
+        self.world, self.tmp = world, tmp
+        self.fm, self.model, self.image, self.run = world["fm"], world["model"], world["image"], world["run"]
+        self.small = ["--epochs", "1", "--batch-size", "4", "--workers", "0", "--no-bench", "--no-export"]
+
+    def data(self, **files: bytes) -> Path:
+        """A copy of the Fashion-MNIST folder with ``files`` (dots spelt as underscores) replaced."""
+        folder = shutil.copytree(self.fm, self.tmp / "data")
+        for name, data in files.items():
+            (folder / name.replace("_", "-").replace("-gz", ".gz")).write_bytes(data)
+        return folder
+
+    def eval_on(self, **files: bytes) -> list[object]:
+        return ["eval", "--checkpoint", self.model, "--data-dir", self.data(**files), "--workers", "0"]
+
+    def train_on(self, **files: bytes) -> list[object]:
+        return self.train("--data-dir", self.data(**files))
+
+    def train(self, *argv: object) -> list[object]:
+        return ["train", *argv, *self.small, "--output", self.tmp / "r"]
+
+    def predict(self, *argv: object) -> list[object]:
+        return ["predict", "--checkpoint", self.model, self.image, *argv]
+
+    def corrupt_gzip(self) -> bytes:
+        raw = (self.fm / "t10k-images-idx3-ubyte.gz").read_bytes()
+        return raw[:40] + bytes(60) + raw[100:]
+
+    def labels(self, names: list[str]) -> Path:
+        (self.tmp / "labels.txt").write_text("\n".join(names) + "\n")
+        return self.tmp / "labels.txt"
+
+    def bomb_folder(self) -> Path:
+        """An image folder whose training split (one batch) holds a PNG claiming 40000x40000 pixels."""
+        folder = make_image_folder(self.tmp / "folder", classes=2, per_class=1, size=12)
+        (folder / "train" / "class0" / "bomb.png").write_bytes(png_header(40000, 40000) + bytes(64))
+        return folder
+
+    def pth(self, name: str) -> Path:
+        """A ``.pth`` that is no importable checkpoint: text, partial, sparse, complex or empty tensors."""
+        path, w = self.tmp / f"{name}.pth", torch.zeros(8, 3, 4, 4)
+        if name == "text":
+            path.write_text("hello world\n")
+            return path
+        tensors = {
+            "partial": {"stage0.0.conv.weight": torch.zeros(8, 3, 3, 3)},
+            "sparse": {"conv_embedding.conv.weight": w.to_sparse()},
+            "complex": {"conv_embedding.conv.weight": w.to(torch.complex64)},
+            "empty": {"conv_embedding.conv.weight": torch.zeros(0, 3, 4, 4)},
+        }[name]
+        torch.save(tensors, path)
+        return path
+
+    def imports(self, name: str, model: str = "repmlpnet_b224", out: Path | None = None) -> list[object]:
+        return ["import", self.pth(name), "--model", model, "--output", out or self.tmp / "x.safetensors"]
 
 
-@pytest.mark.parametrize("case", _DATA_TABLE)
+NAMES = [f"c{i}" for i in range(10)]
+# A one-stage pure MLP for 8x8 RGB images: the smallest model an image folder trains.
+TINY_8 = ["--img-size", "8", "--model", NAME, "--model-arg", "widths=[4]", "--model-arg", "partition=4"]
+IDX_BOMB = _gz_idx(1, (16,), bytes(16) + bytes(50_000_000))  # 16 labels, then 50 MB more
+HUGE = (2**31, 2**31, 2**31)
+# name -> (the command line, a fragment of its one error line)
+DATA_CASES: dict[str, tuple[Callable[[Ctx], list[object]], str]] = {
+    "corrupt gzip IDX": (lambda c: c.eval_on(t10k_images_idx3_ubyte_gz=c.corrupt_gzip()), "t10k-images"),
+    "huge IDX header": (lambda c: c.eval_on(t10k_images_idx3_ubyte_gz=_gz_idx(3, HUGE)), "header claims"),
+    "IDX bomb": (lambda c: c.eval_on(t10k_labels_idx1_ubyte_gz=IDX_BOMB), "t10k-labels"),
+    "empty test set": (
+        lambda c: c.eval_on(
+            t10k_labels_idx1_ubyte_gz=_gz_idx(1, (0,)), t10k_images_idx3_ubyte_gz=_gz_idx(3, (0, 28, 28))
+        ),
+        "no examples",
+    ),
+    "empty training set": (
+        lambda c: c.train_on(
+            train_labels_idx1_ubyte_gz=_gz_idx(1, (0,)), train_images_idx3_ubyte_gz=_gz_idx(3, (0, 28, 28))
+        ),
+        "no examples",
+    ),
+    "image bomb": (
+        lambda c: c.train("--dataset", "imagefolder", "--data-dir", c.bomb_folder(), *TINY_8),
+        "bomb.png",
+    ),
+    "labels blank line": (
+        lambda c: c.predict("--labels", c.labels([*NAMES[:5], "", *NAMES[5:]])),
+        "line 6 is blank",
+    ),
+    "labels twice": (
+        lambda c: c.predict("--labels", c.labels(["a", "b", "a", *NAMES[3:]])),
+        "line 3 repeats",
+    ),
+    "import text": (lambda c: c.imports("text"), "text.pth"),
+    "import partial": (lambda c: c.imports("partial"), "partial.pth"),
+    "import sparse": (lambda c: c.imports("sparse"), "not dense"),
+    "import complex": (lambda c: c.imports("complex"), "complex64"),
+    "import empty tensor": (lambda c: c.imports("empty"), "is empty"),
+    "import partial res50": (lambda c: c.imports("partial", "repmlp_res50"), "fc.weight"),
+    "import a model file": (
+        lambda c: ["import", c.model, "--model", "repmlpnet_b224", "--output", c.tmp / "x.safetensors"],
+        "already a repmlp model file",
+    ),
+    "model-arg not JSON": (
+        lambda c: c.train("--data-dir", c.fm, "--model-arg", "kernel_sizes=1,3"),
+        "kernel_sizes=1,3",
+    ),
+    "convert over a state": (
+        lambda c: ["convert", "--checkpoint", c.model, "--output", c.run / "checkpoint.safetensors"],
+        "is a training state",
+    ),
+    "export over a model": (
+        lambda c: ["export", "--checkpoint", c.model, "--output", c.run / "deploy.safetensors"],
+        "writes a .onnx file",
+    ),
+    "export suffix": (
+        lambda c: [
+            "export",
+            "--checkpoint",
+            c.model,
+            "--format",
+            "exported-program",
+            "--output",
+            c.tmp / "x.onnx",
+        ],
+        "writes a .pt2 file",
+    ),
+    "bench over a report": (
+        lambda c: ["bench", "--checkpoint", c.model, "--output", c.run / "report.md"],
+        "is a run report",
+    ),
+    "import over a state": (
+        lambda c: c.imports("partial", "repmlp_res50", c.run / "checkpoint.safetensors"),
+        "is a training state",
+    ),
+    "train into a file": (lambda c: ["train", "--data-dir", c.fm, "--output", c.image], "not a run folder"),
+    "convert size": (
+        lambda c: [
+            "convert",
+            "--checkpoint",
+            c.model,
+            "--img-size",
+            "13",
+            "--output",
+            c.tmp / "d.safetensors",
+        ],
+        "13x13",
+    ),
+    "unknown model": (
+        lambda c: ["train", "--model", "repmlp_fmnistt", "--data-dir", c.fm, "--output", c.tmp / "r"],
+        "did you mean",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES))
 def test_damaged_data_and_outputs_are_one_line(world, tmp_path, case):
     before = hashes(world["run"])
-    argv, fragment = _data_cases(world, tmp_path)[case]
-    line = assert_one_line(cli(*argv, seconds=120), fragment)
+    command, fragment = DATA_CASES[case]
+    line = assert_one_line(cli(*command(Ctx(world, tmp_path)), seconds=120), fragment)
     assert hashes(world["run"]) == before, "the finished run's files changed"
     if case == "unknown model":  # each suggestion once
         names = line.split("did you mean: ")[1].split(". ")[0].split(", ")

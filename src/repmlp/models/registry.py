@@ -165,7 +165,8 @@ def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict
     merged = {**fm.model_kwargs, **kwargs}
     held = sum(t.numel() for t in tensors.values())
     try:  # the file's options may describe any size: measure on the meta device first
-        meta_model(lambda: _build_empty(name, **{**merged, "features_only": False}), 4 * held + (1 << 20),
+        plain = {k: v for k, v in merged.items() if k != "features_only"}  # sized as the plain model
+        meta_model(lambda: _build_empty(name, **plain), 4 * held + (1 << 20),
                    4 * len(tensors) + 10_000)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the options come from the file
         raise build_error(path, name, fm.model_kwargs, held, exc) from None
