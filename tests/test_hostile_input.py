@@ -387,6 +387,17 @@ MODEL_COMMANDS = {
     "bench": ["bench", "--checkpoint", "{f}", "--batch-size", "1", "--warmup", "0", "--repeats", "1"],
     "viz": ["viz", "--checkpoint", "{f}", "--output", "{tmp}/fc3.png"],
     "train --init": ["train", "--data-dir", "{fm}", "--init", "{f}", "--output", "{tmp}/run"],
+    "eval --task seg": [
+        "eval",
+        "--task",
+        "seg",
+        "--checkpoint",
+        "{f}",
+        "--data-dir",
+        "{tmp}",
+        "--workers",
+        "0",
+    ],
 }
 # Every damaged file goes to predict (the cheapest reader); three to each other command.
 _MODEL_TABLE = [(case, "predict") for case in (

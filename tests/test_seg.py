@@ -126,9 +126,9 @@ def test_backbone_weights_inherited_except_fc1_fc2(tmp_path):
     # A backbone of another architecture: every difference is listed.
     res = create_model("repmlp_res50", stages=(), img_size=64, num_classes=10, widths=small["widths"])
     bad = tmp_path / "resnet.safetensors"
-    save_model(
-        bad, res, name="repmlp_res50", model_kwargs={"stages": [], "widths": small["widths"]}, form="train"
-    )
+    # (Its metadata describes it fully: a model file's metadata is checked against its tensors.)
+    res_kwargs = {"stages": [], "widths": small["widths"], "img_size": 64, "num_classes": 10}
+    save_model(bad, res, name="repmlp_res50", model_kwargs=res_kwargs, form="train")
     with pytest.raises(
         UserError, match=r"\(from repmlp_res50\) do not fit the backbone: \d+ missing from the file: "
     ):

@@ -107,6 +107,12 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     # The task's typed config, built here at the command line's boundary.
     config = getattr(module, CONFIGS[args.task][phase]).from_args(task_args)
+    if getattr(config, "output_json", None):  # never over a model file, a training state, a report
+        from pathlib import Path
+
+        from ._common import check_report_output
+
+        check_report_output(Path(config.output_json), [Path(config.checkpoint)])
     return int(getattr(module, "train" if phase == "train" else "evaluate")(config) or 0)
 
 

@@ -121,8 +121,12 @@ class FaceFolder(ImageList):
         labels: list[int] = []
         classes: list[str] = []
         empty: list[str] = []
+        special: list[tuple[Path, str]] = []  # FIFOs, devices, sockets named as images: never opened
         for folder in identities:
-            images = sorted(p for p in folder.iterdir() if _is_image(p))
+            entries = sorted(folder.iterdir())
+            images = [p for p in entries if _is_image(p)]
+            special += [(p, k) for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS
+                        and (k := not_regular(p)) not in (None, "a folder")]  # fmt: skip
             if not images:
                 empty.append(folder.name)
                 continue
@@ -140,6 +144,8 @@ class FaceFolder(ImageList):
             )
         if loose:
             log.warning("%s: %d images outside identity folders ignored", root, len(loose))
+        for path, kind in special:
+            log.warning("%s: skipped (%s, not a regular file)", path, kind)
         super().__init__(paths, labels, transform or face_transform(size, train=train))
         self.root, self.classes = root, classes
 
