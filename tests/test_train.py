@@ -511,6 +511,20 @@ def interrupted_run(finished_run) -> Path:
     return finished_run
 
 
+def test_a_resumed_run_keeps_its_options_and_its_report_the_original_command(interrupted_run):
+    """The end of the run is the original run's (--no-bench --no-export, not given again); the report shows
+    the command that started the run and the one that resumed it."""
+    status, err = train("--output", interrupted_run, "--resume", "--workers", 0)
+    assert status == 0, err
+    assert not (interrupted_run / "deploy.onnx").exists()  # --no-export kept
+    report = (interrupted_run / "report.md").read_text()
+    assert "## Speed\n\nnot measured" in report  # --no-bench kept
+    command = next(ln for ln in report.splitlines() if ln.startswith("- Command: "))
+    assert "--no-bench" in command and "--mixup" in command and "--resume" not in command, command
+    resumed = next(ln for ln in report.splitlines() if ln.startswith("- Resumed with: "))
+    assert f"--output {interrupted_run} --resume --workers 0" in resumed, resumed
+
+
 def test_resume_of_a_finished_run_is_refused_and_changes_nothing(finished_run, capsys):
     before = snapshot(finished_run)
     run_and_expect_error(capsys, ["--output", str(finished_run), "--resume"], "holds a finished run")
