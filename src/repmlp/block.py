@@ -26,11 +26,25 @@ from torch import Tensor, nn
 
 from . import checks
 from .branches_fc import FCBranches
+from .dense import add_partition_values, dense_partition_sum, from_group_columns_like, to_group_columns
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
-__all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
+__all__ = [
+    "GlobalPerceptron",
+    "PartitionPerceptron",
+    "LocalPerceptron",
+    "RepMLPBlock",
+    "RepMLPBlock1d",
+    "TRAIN_FORMS",
+    "set_train_form",
+]
+
+# How a training-time 2-D block computes FC3 and the Local Perceptron in training mode: "conv" (the
+# paper's parallel conv-BN branches; on a CPU narrow groups run as one FC, repmlp.branches_fc), "dense"
+# (every branch and FC3 as dense batched matmuls, repmlp.dense), or "auto": dense on CUDA, conv elsewhere.
+TRAIN_FORMS = ("auto", "conv", "dense")
 
 
 def _positive_size(value: int | Sequence[int], dims: int, name: str) -> tuple[int, ...]:
@@ -177,6 +191,7 @@ def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int])
 # Leaves of traced graphs: they branch on the layout and the mode.
 torch.fx.wrap("partition_for")
 torch.fx.wrap("unpartition_like")
+torch.fx.wrap("from_group_columns_like")
 
 
 @torch.fx.wrap
@@ -244,10 +259,38 @@ class _RepMLPBlockBase(nn.Module):
             else None
         )
         self._deploy = deploy
+        self._train_form = "auto"
+        self._dense_training = False  # read by forward: a plain flag, which tracers and compilers follow
+        self._update_train_form()
 
     @property
     def deploy(self) -> bool:
         return self._deploy
+
+    @property
+    def train_form(self) -> str:
+        """How training mode computes FC3 and the Local Perceptron (one of :data:`TRAIN_FORMS`)."""
+        return self._train_form
+
+    @train_form.setter
+    def train_form(self, form: str) -> None:
+        if form not in TRAIN_FORMS:
+            raise ValueError(f"train_form must be one of {', '.join(TRAIN_FORMS)}, got {form!r}")
+        self._train_form = form
+        self._update_train_form()
+
+    def _update_train_form(self) -> None:
+        """Resolve ``train_form`` against where the parameters are (``"auto"``: dense on CUDA). Called on
+        construction, on every ``.to()``/``.cuda()`` (``_apply``) and when the setting changes, so that
+        ``forward`` branches on a flag, not on the input's device."""
+        on_cuda = self.partition_perceptron.fc3.weight.is_cuda
+        dense = self._train_form == "dense" or (self._train_form == "auto" and on_cuda)
+        self._dense_training = dense and len(self.partition) == 2
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        module = super()._apply(fn, recurse)
+        self._update_train_form()
+        return module
 
     @torch.no_grad()
     def merged_fc3(self) -> tuple[Tensor, Tensor]:
@@ -288,6 +331,22 @@ class _RepMLPBlockBase(nn.Module):
         if self.global_perceptron is not None:
             self.global_perceptron.reparameterize()
         self._deploy = True
+
+
+def set_train_form(model: nn.Module, form: str) -> int:
+    """Set :attr:`RepMLPBlock.train_form` on every 2-D RepMLP block in ``model``; returns how many.
+
+    ``"auto"`` (the default): FC3 and the Local Perceptron as dense batched matmuls when the block's
+    parameters are on a CUDA device (much faster there), the paper's conv-BN branches elsewhere;
+    ``"conv"`` / ``"dense"`` pin one form. Both compute the same function (BatchNorms on batch statistics
+    in training) to float rounding; evaluation mode always runs the conv form.
+    """
+    if form not in TRAIN_FORMS:
+        raise ValueError(f"train_form must be one of {', '.join(TRAIN_FORMS)}, got {form!r}")
+    blocks = [m for m in model.modules() if isinstance(m, RepMLPBlock)]
+    for block in blocks:
+        block.train_form = form
+    return len(blocks)
 
 
 def _kernel_sizes(
@@ -385,6 +444,8 @@ class RepMLPBlock(_RepMLPBlockBase):
                 v = v.reshape(n, g, cg, hp, wp).permute(1, 0, 3, 4, 2).reshape(g, n * hp * wp, cg, 1)
                 rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
             out = _from_group_rows_like(x, self.partition_perceptron(rows), n, hp, wp, h, w)
+        elif self._dense_training and self.training and not torch.jit.is_scripting():
+            out = self._forward_dense(x, n, hp, wp)
         else:
             parts = partition_for(x, h, w, self.training)  # (N*Hp*Wp, C, h, w)
             if self.global_perceptron is not None:
@@ -397,6 +458,22 @@ class RepMLPBlock(_RepMLPBlockBase):
         if self.padding != (0, 0):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out
+
+    @torch.jit.unused
+    def _forward_dense(self, x: Tensor, n: int, hp: int, wp: int) -> Tensor:
+        """The training-time block with FC3 and every Local Perceptron branch as dense batched matmuls
+        (:func:`repmlp.dense.dense_partition_sum`); the same function as the conv form.
+
+        Shapes: padded ``x`` ``(N, C, Hp*h, Wp*w)`` -> ``(N, O, Hp*h, Wp*w)``.
+        """
+        h, w = self.partition
+        columns = to_group_columns(x, h, w, self.groups)  # (g, C/g*h*w, N*Hp*Wp)
+        if self.global_perceptron is not None:
+            columns = add_partition_values(columns, self.global_perceptron(x), h, w)
+        pp = self.partition_perceptron
+        branches = [] if self.local_perceptron is None else list(self.local_perceptron.branches)
+        maps = dense_partition_sum(columns, pp.fc3.weight, pp.fc3.bias, pp.bn, branches, (h, w))
+        return from_group_columns_like(x, maps, n, hp, wp, h, w)
 
 
 class RepMLPBlock1d(_RepMLPBlockBase):
