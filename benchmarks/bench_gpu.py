@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import selectors
 import statistics
@@ -77,22 +78,6 @@ def _randomize_bn(model) -> None:  # noqa: ANN001
                 m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) + 0.5)
                 m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
                 m.bias.copy_(torch.rand(m.bias.shape, generator=gen) - 0.5)
-
-
-def _cuda_graph(fn, x):  # noqa: ANN001, ANN202
-    """``fn`` captured as a CUDA graph on the static input ``x``: returns a callable replaying it."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x)
-    return graph.replay
 
 
 def _set_precision_flags(tf32: bool) -> None:
@@ -184,8 +169,10 @@ def train_worker(spec: dict) -> dict:
     """Build the training steps of one model in one precision; returns ``{variant: step}``."""
     import torch
     import torch.nn.functional as F
+    from torch import Tensor
 
     from repmlp.block import set_train_form
+    from repmlp.engine import graph_module
 
     device = torch.device(spec["device"])
     img, batch = spec["img"], spec["batch"]
@@ -205,22 +192,21 @@ def train_worker(spec: dict) -> dict:
         y = torch.randint(0, classes, (batch,), device=device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
         net = torch.compile(model) if spec["path"] == "compile" else model
+        t0 = time.perf_counter()
+        if graphed:  # repmlp train's CUDA graphs: the module's forward and backward replayed as graphs
+            net = graph_module(model, (x,), torch.bfloat16 if bf16 else None)
 
-        def step(net=net, opt=opt, x=x, y=y, graphed=graphed) -> None:  # noqa: ANN001
-            # No autocast cache under graph capture (its cached casts would not be refreshed on replay).
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=not graphed):
+        def step(net=net, opt=opt, x=x, y=y) -> Tensor:  # noqa: ANN001
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = F.cross_entropy(net(x), y)
-            opt.zero_grad(set_to_none=not graphed)
+            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            return loss
 
-        t0 = time.perf_counter()
-        step()
-        step()
-        if graphed:  # the whole step (forward, backward, optimizer) replayed as one CUDA graph
-            step = _cuda_graph(lambda _x, s=step: s(), x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        losses = [float(step()) for _ in range(2)]
+        if not all(math.isfinite(v) for v in losses):
+            raise RuntimeError(f"{variant}: non-finite losses {losses}")
         facts[f"{variant} first_steps_s"] = round(time.perf_counter() - t0, 1)
         name = f"{variant}" + (" compiled" if spec["path"] == "compile" else "")
         fns[name] = step
@@ -258,7 +244,8 @@ def worker_main(spec: dict) -> None:
         built = deploy_worker(spec) if spec["kind"] == "deploy" else train_worker(spec)
         if device.type == "cuda":
             torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            if spec["kind"] == "deploy":
+                torch.cuda.empty_cache()
         ready = {"ready": True, "build_s": round(time.perf_counter() - t0, 1), "facts": built["facts"]}
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which goes on without this worker
         import traceback
@@ -286,7 +273,7 @@ def worker_main(spec: dict) -> None:
                     reply = {
                         name: _profile(fn, device) for name, fn in fns.items() if name in request["names"]
                     }
-                if device.type == "cuda":
+                if device.type == "cuda" and spec["kind"] == "deploy":
                     torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001
                 reply = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -299,7 +286,6 @@ class Worker:
         self.spec = spec
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"), PYTHONUNBUFFERED="1")
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
@@ -360,26 +346,40 @@ def deploy_specs(device: str, quick: bool) -> list[dict]:
     return specs
 
 
-def train_specs(device: str, quick: bool) -> list[dict]:
+def train_specs(device: str, quick: bool, graphs_only: bool = False) -> list[dict]:
+    """The training configurations; ``graphs_only``: the steps replayed as CUDA graphs (the eager and
+    compiled ones of run 1 left out), with the main job's model eager too."""
     img, batch = (112, 2) if quick else (224, 128)
+    graph = "+graph" if device == "cuda" else ""
     specs = []
     for precision in ("bf16", "fp32") if not quick else ("fp32",):
         common = dict(kind="train", device=device, img=img, batch=batch, precision=precision)
-        specs.append(dict(common, variants=["tv_r50"], path="eager"))
-        for model in ("rmr50", "light"):
-            specs.append(dict(common, variants=[f"{model}:conv", f"{model}:dense"], path="eager"))
-        if not quick:
-            for model in ("tv_r50", "rmr50:dense", "light:dense"):
-                specs.append(dict(common, variants=[model], path="compile"))
+        if graphs_only:
+            models = ["tv_r50", "rmr50:dense", "light:dense"] + (
+                ["rmr50:conv"] if precision == "bf16" else []
+            )
+            specs += [dict(common, variants=[f"{m}{graph}"], path="eager") for m in models]
+        else:
+            specs.append(dict(common, variants=["tv_r50"], path="eager"))
+            for model in ("rmr50", "light"):
+                specs.append(dict(common, variants=[f"{model}:conv", f"{model}:dense"], path="eager"))
+            if not quick:
+                for model in ("tv_r50", "rmr50:dense", "light:dense"):
+                    specs.append(dict(common, variants=[model], path="compile"))
         if precision == "bf16" or quick:
             cifar = dict(common, img=32, batch=128 if not quick else 4)
-            specs.append(dict(cifar, variants=["cifar:conv", "cifar:dense", "wide"], path="eager"))
-            # The main job's model and batch (repmlp train's defaults), eager, compiled, and the whole step
-            # as one CUDA graph (no compile).
+            names = ["cifar:conv", "cifar:dense", "wide"]
+            names = [f"{n}{graph}" for n in names] if graphs_only else names
+            specs.append(dict(cifar, variants=names, path="eager"))
+            # The main job's model and batch (repmlp train's defaults): eager, and its forward and backward
+            # as CUDA graphs (what repmlp train does on one GPU), or compiled.
             job = dict(common, img=28, batch=256 if not quick else 4)
-            graphs = ["fmnist:conv+graph", "fmnist:dense+graph"] if device == "cuda" else []
-            specs.append(dict(job, variants=["fmnist:conv", "fmnist:dense", *graphs], path="eager"))
-            if not quick:
+            specs.append(dict(job, variants=["fmnist:conv", "fmnist:dense"], path="eager"))
+            if graph:
+                specs.append(
+                    dict(job, variants=[f"fmnist:conv{graph}", f"fmnist:dense{graph}"], path="eager")
+                )
+            if not quick and not graphs_only:
                 specs.append(dict(job, variants=["fmnist:dense"], path="compile"))
     return specs
 
@@ -487,9 +487,10 @@ def summarize(deploy: list[dict], train: list[dict]) -> str:
         lines += ["| precision | variant | examples/s | vs ResNet-50 | spread |", "|---|---|---:|---:|---:|"]
         for r in sorted(train, key=lambda r: (r["spec"]["precision"], r["variant"])):
             p, batch, compiled = r["spec"]["precision"], r["spec"]["batch"], "compiled" in r["variant"]
-            refname = (
-                "wide" if r["variant"].startswith("cifar") else "tv_r50" + (" compiled" if compiled else "")
-            )
+            suffix = "+graph" if r["variant"].split(" ")[0].endswith("+graph") else ""
+            refname = "tv_r50" + suffix + (" compiled" if compiled else "")
+            if r["variant"].startswith("cifar"):
+                refname = "wide" + suffix
             if r["variant"].startswith("fmnist"):
                 refname = "fmnist:conv"
             ref = [q for q in train if q["spec"]["precision"] == p and q["variant"] == refname]
@@ -557,6 +558,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--round-s", type=float, default=0.2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, no compile: a smoke run")
+    parser.add_argument(
+        "--graphs-only",
+        action="store_true",
+        help="training: only the steps as CUDA graphs (and the main job's)",
+    )
     args = parser.parse_args()
     start = time.monotonic()
     out = Path(args.out)
@@ -570,7 +576,7 @@ def main() -> None:
             specs = (
                 deploy_specs(args.device, args.quick)
                 if phase == "deploy"
-                else train_specs(args.device, args.quick)
+                else train_specs(args.device, args.quick, args.graphs_only)
             )
             rows, profs, builds = run_phase(specs, args, log, start)
             results[phase] = rows

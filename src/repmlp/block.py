@@ -213,6 +213,8 @@ class _RepMLPBlockBase(nn.Module):
     implement ``forward``.
     """
 
+    __jit_unused_properties__ = ["train_form"]  # a Python-side setting: TorchScript reads the flag it sets
+
     def __init__(
         self,
         in_channels: int,

@@ -93,9 +93,10 @@ def from_group_columns(
     in channels_last memory when asked)."""
     o = maps.shape[0]
     m = maps.reshape(o, h, w, n, hp, wp)
+    # contiguous(): with one partition (hp = wp = 1) the reshapes are views in the columns' order.
     if channels_last:
-        return m.permute(3, 4, 1, 5, 2, 0).reshape(n, hp * h, wp * w, o).permute(0, 3, 1, 2)
-    return m.permute(3, 0, 4, 1, 5, 2).reshape(n, o, hp * h, wp * w)
+        return m.permute(3, 4, 1, 5, 2, 0).reshape(n, hp * h, wp * w, o).contiguous().permute(0, 3, 1, 2)
+    return m.permute(3, 0, 4, 1, 5, 2).reshape(n, o, hp * h, wp * w).contiguous()
 
 
 @torch.fx.wrap

@@ -263,6 +263,7 @@ def resolve_config(args: argparse.Namespace):
         device=args.device,
         amp=args.amp,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         workers=args.workers,
         ckpt_every=args.ckpt_every,
         output=output,

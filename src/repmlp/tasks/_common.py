@@ -58,11 +58,13 @@ class TrainOptions:
     threads: int | None
     stop_after_steps: int | None
     compile: str
+    cuda_graphs: str
 
-    # compile is a runtime option: a resumed run may change it (it changes rounding, not the maths).
+    # compile and CUDA graphs are runtime options: a resumed run may change them (they change rounding, not
+    # the maths).
     RUNTIME: ClassVar[frozenset[str]] = frozenset(
         {"data_dir", "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every",
-         "stop_after_steps", "compile"}
+         "stop_after_steps", "compile", "cuda_graphs"}
     )  # fmt: skip
 
     @classmethod
@@ -195,9 +197,19 @@ def check_train_options(args: TrainOptions) -> None:
 def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
-    from ..engine import LoopOptions, check_output, resolve_compile
+    from ..engine import LoopOptions, amp_dtype, check_output, resolve_compile, resolve_cuda_graphs
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
+    scaler = amp and amp_dtype(procs.device) == torch.float16
+    # CUDA graphs only when asked for (auto=False): this task's steps have not been measured with them.
+    graphs = resolve_cuda_graphs(
+        args.cuda_graphs,
+        procs.device,
+        world=procs.world,
+        compile_choice=args.compile,
+        scaler=scaler,
+        auto=False,
+    )
     # Every declared option but the runtime ones changes the maths: a resume must repeat them.
     config = {**args.maths(), "model_kwargs": model_kwargs, "amp": amp}
     opts = LoopOptions(
@@ -210,7 +222,8 @@ def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model
         amp=amp,
         stop_after_steps=args.stop_after_steps,
         extra_state={"model_kwargs": model_kwargs},
-        compile=resolve_compile(args.compile, procs.device),
+        cuda_graphs=graphs,
+        compile=resolve_compile(args.compile, procs.device, graphs),
     )
     return opts, check_output(opts.output, args.resume, procs)
 

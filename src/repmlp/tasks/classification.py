@@ -48,6 +48,7 @@ from ..engine import (
     check_resumable,
     prepare_module,
     resolve_compile,
+    resolve_cuda_graphs,
     setup_distributed,
     train_loop,
 )
@@ -135,6 +136,7 @@ class TrainConfig:
     output: str = "runs/latest"
 
     compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
+    cuda_graphs: str = "auto"  # --cuda-graphs: auto, on, off (see repmlp.engine.resolve_cuda_graphs)
 
     RUNTIME = (
         "device",
@@ -145,6 +147,7 @@ class TrainConfig:
         "download",
         "eval_batch_size",
         "compile",
+        "cuda_graphs",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -485,6 +488,10 @@ def run_training(
     total = steps_per_epoch * cfg.epochs
     if di.is_main:
         _log_start(cfg, model, data, di)
+    scaler = bool(cfg.amp) and amp_dtype(di.device) == torch.float16
+    graphs = resolve_cuda_graphs(
+        cfg.cuda_graphs, di.device, world=di.world, compile_choice=cfg.compile, scaler=scaler
+    )
     opts = LoopOptions(
         output=Path(cfg.output),
         config=cfg.to_dict(),
@@ -497,7 +504,8 @@ def run_training(
         # The --init report travels in the checkpoint: a resumed run reports it without the file.
         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})},
         metric_fields=METRIC_FIELDS,
-        compile=resolve_compile(cfg.compile, di.device),
+        cuda_graphs=graphs,
+        compile=resolve_compile(cfg.compile, di.device, graphs),
     )
     task = _Hooks(cfg, di, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
