@@ -149,7 +149,7 @@ def test_training_falls_back_to_eager_when_capture_fails(tmp_path, caplog):
 
         def step(n, x, y, pos):
             loss = F.cross_entropy(n(x), y)
-            return loss, {"loss": float(loss), "n": 1.0}
+            return loss, {"loss": float(loss.detach()), "n": 1.0}
 
         from repmlp.engine import LoopHooks
 
@@ -215,3 +215,34 @@ def test_graphed_training_steps_equal_eager_on_cuda():
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-4)
     for k, v in results[0][1].items():
         torch.testing.assert_close(results[1][1][k], v, rtol=1e-3, atol=1e-4, msg=k)
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_bench_on_cuda_uses_the_fastest_path(precision, caplog):
+    """repmlp.bench on CUDA prepares every form by its precision's path, and times it."""
+    from repmlp.bench import benchmark, in_precision
+
+    model = repmlp.create_model("repmlp_res50_light", **shallow("repmlp_res50_light")).eval()
+    models = {"light": in_precision(model, precision, (3, 224, 224)) if precision != "fp32" else model}
+    forms = ("deploy",) if precision != "fp32" else ("train", "deploy")
+    with caplog.at_level(logging.WARNING, logger="repmlp.inference"):
+        rows = benchmark(models, (3, 224, 224), 8, device="cuda", warmup=1, repeats=2, forms=forms)
+    assert [r.form for r in rows] == list(forms) and all(r.throughput > 0 for r in rows)
+    assert "failed" not in caplog.text  # the path was built as chosen, not a fallback
+
+
+@pytest.mark.cuda
+@CUDA
+def test_predictor_on_cuda_matches_cpu():
+    from repmlp import Predictor
+
+    torch.manual_seed(0)
+    model = reparameterize_model(
+        repmlp.create_model("repmlp_res50_light", **shallow("repmlp_res50_light")).eval()
+    )
+    x = torch.randn(3, 3, 224, 224)
+    cpu = Predictor(copy.deepcopy(model), device="cpu", top_k=3).predict_batch(x)
+    gpu = Predictor(model, device="cuda", top_k=3).predict_batch(x)
+    assert [[p.index for p in r] for r in gpu] == [[p.index for p in r] for r in cpu]

@@ -107,6 +107,7 @@ def benchmark(
     repeats: int = 10,
     forms: Sequence[str] = ("train", "deploy"),
     runtime: str = "torch",
+    path: str = "auto",
 ) -> list[BenchRow]:
     """Measure every model in its training-time and deployed form.
 
@@ -122,6 +123,9 @@ def benchmark(
         runtime: ``"torch"``, or an ONNX runtime (:data:`repmlp.runtimes.RUNTIMES`) that runs each form's
             exported graph (:func:`repmlp.runtimes.to_runtime`, CPU only); parameters and MACs are the
             PyTorch model's.
+        path: how PyTorch runs each form on a GPU (:data:`repmlp.inference.PATHS`; ``"auto"``: the path
+            measured fastest for the form's precision, :func:`repmlp.inference.fastest_path`); on a CPU
+            the models run as they are.
 
     Returns:
         One :class:`BenchRow` per model and form, in input order.
@@ -150,17 +154,23 @@ def benchmark(
             net = base if deployed_already else reparameterize_model(base)
             variants.append((name, "deploy", net, *profile(net, input_size)))
     nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
+    inputs = [x] * len(nets)
+    if device.type == "cuda" and runtime == "torch":
+        from .inference import prepare_for_device
+
+        prepared = [prepare_for_device(net, x, path) for net in nets]
+        nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
     # Interleaved rounds (every form once per round): on a shared machine the load drifts, and
     # interleaving makes the drift hit every form alike, so the ratios between them stay meaningful.
     times: list[list[float]] = [[] for _ in nets]
     with torch.inference_mode():
-        for net in nets:
+        for net, xi in zip(nets, inputs, strict=True):
             for _ in range(warmup):
-                net(x)
+                net(xi)
         _sync(device)
         for _ in range(repeats):
             for i, net in enumerate(nets):
-                times[i] += time_forward(net, x, warmup=0, repeats=1)
+                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
     rows: list[BenchRow] = []
     for (name, form, _, params, macs), t in zip(variants, times, strict=True):
         median = statistics.median(t)
@@ -189,7 +199,8 @@ def benchmark(
             100 * worst,
         )
     for net in nets:
-        net.to("cpu")
+        if isinstance(net, nn.Module):
+            net.to("cpu")
     return rows
 
 

@@ -20,6 +20,7 @@ replays one input shape; :class:`GraphReplay` runs other shapes through the un-c
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable
 
@@ -28,7 +29,18 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PATHS", "GraphReplay", "fuse_conv_epilogues", "prepare_inference"]
+__all__ = [
+    "PATHS",
+    "GraphReplay",
+    "fuse_conv_epilogues",
+    "prepare_inference",
+    "fastest_path",
+    "serving_format",
+    "prepare_for_device",
+    "fused_or_plain",
+]
+
+log = logging.getLogger(__name__)
 
 PATHS = ("eager", "graph", "fused", "fused+graph", "compile", "compile+graph")
 
@@ -157,3 +169,59 @@ def prepare_inference(
     if path.endswith("graph"):
         return GraphReplay(fn, example)
     return fn
+
+
+def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
+    """The path measured fastest for deployed models on ``device`` in ``dtype`` (docs/gpu.md, run 1: ResNet-50,
+    RepMLP-Res50 and the Light model at batch 128 on an H200): ``compile+graph`` in fp16/bf16,
+    ``fused+graph`` in fp32 (TF32 off: inductor's code was 16-20% slower than cuDNN's fused kernels);
+    ``eager`` on a CPU (the CPU's own fast forms are chosen inside the model: repmlp.ops)."""
+    if device.type != "cuda":
+        return "eager"
+    return "fused+graph" if dtype == torch.float32 else "compile+graph"
+
+
+def serving_format(device: torch.device, dtype: torch.dtype) -> torch.memory_format:
+    """The activations' layout for a deployed model: channels_last for half precision on CUDA (tensor-core
+    convolutions), NCHW for fp32 on CUDA (6-15% faster there, docs/gpu.md) and on a CPU (the models put
+    their CPU activations channels_last themselves)."""
+    cuda_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return torch.channels_last if cuda_half else torch.contiguous_format
+
+
+def fused_or_plain(model: nn.Module) -> nn.Module:
+    """:func:`fuse_conv_epilogues` of ``model``, or ``model`` itself where it cannot be traced (logged)."""
+    try:
+        return fuse_conv_epilogues(model)[0]
+    except Exception as exc:  # noqa: BLE001 - any tracing failure leaves the model as it is
+        log.info("no fused conv epilogues (%s: %s): running the model as it is", type(exc).__name__, exc)
+        return model
+
+
+def prepare_for_device(model: nn.Module, example: Tensor, path: str = "auto") -> tuple[Callable, Tensor]:
+    """``model`` (deployed, eval, on its device) and ``example`` in the layout and path for that device:
+    ``auto`` is :func:`fastest_path` for the model's device and parameter dtype. Returns the callable and
+    the example as the callable takes it (the model's dtype, :func:`serving_format`): time or serve it with
+    inputs like that. A path that cannot be built for this model (not traceable for ``fused``, a failed
+    compile) falls back to the next simpler one with a logged line.
+    """
+    param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    device = example.device
+    if path == "auto":
+        path = fastest_path(device, dtype)
+    example = example.to(dtype)
+    if device.type == "cuda":  # on a CPU the models keep the layouts they chose (repmlp.layers)
+        fmt = serving_format(device, dtype)
+        model = model.to(memory_format=fmt)
+        example = example.contiguous(memory_format=fmt)
+    for attempt in (path, "graph" if path.endswith("graph") else "eager", "eager"):
+        try:
+            return prepare_inference(model, example, attempt), example
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if attempt == "eager":
+                raise
+            log.warning(
+                "inference path %s failed (%s): trying a simpler one", attempt, str(exc).splitlines()[0]
+            )
+    raise AssertionError("unreachable")
