@@ -477,6 +477,14 @@ def run_training(
     di = setup_distributed(cfg.device)
     if cfg.batch_size % di.world:
         raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
+    amp = cfg.amp if cfg.amp is not None else di.device.type == "cuda"
+    graphs = resolve_cuda_graphs(  # before anything is written: a refused --cuda-graphs on is a usage error
+        cfg.cuda_graphs,
+        di.device,
+        world=di.world,
+        compile_choice=cfg.compile,
+        scaler=amp and amp_dtype(di.device) == torch.float16,
+    )
     cfg, state = _open_run(cfg, resume, given, di)
     cfg.amp = (
         cfg.amp if cfg.amp is not None else di.device.type == "cuda"
@@ -488,10 +496,7 @@ def run_training(
     total = steps_per_epoch * cfg.epochs
     if di.is_main:
         _log_start(cfg, model, data, di)
-    scaler = bool(cfg.amp) and amp_dtype(di.device) == torch.float16
-    graphs = resolve_cuda_graphs(
-        cfg.cuda_graphs, di.device, world=di.world, compile_choice=cfg.compile, scaler=scaler
-    )
+
     opts = LoopOptions(
         output=Path(cfg.output),
         config=cfg.to_dict(),
