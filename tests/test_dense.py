@@ -15,22 +15,9 @@ from repmlp import RepMLPBlock, reparameterize_model
 from repmlp.block import TRAIN_FORMS, set_train_form
 from repmlp.dense import conv_as_dense_flipped, from_group_columns, to_group_columns
 from repmlp.reparam import conv_to_fc
+from test_block import randomize
 
 FAST = settings(max_examples=25, deadline=None)
-
-
-@torch.no_grad()
-def randomize(block: nn.Module, seed: int) -> nn.Module:
-    """Random BN running statistics and affine parameters."""
-    gen = torch.Generator().manual_seed(seed)
-    for m in block.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            n = m.num_features
-            m.running_mean.copy_(torch.randn(n, generator=gen, dtype=m.running_mean.dtype) * 0.5)
-            m.running_var.copy_(torch.rand(n, generator=gen, dtype=m.running_var.dtype) * 2 + 0.2)
-            m.weight.copy_(torch.randn(n, generator=gen, dtype=m.weight.dtype))
-            m.bias.copy_(torch.randn(n, generator=gen, dtype=m.bias.dtype) * 0.5)
-    return block
 
 
 def pair(
