@@ -238,11 +238,15 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
 
 
 def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
+    """Run one example through ``model`` (in full float32); a shape the model rejects is a :class:`UserError`."""
+    from .numerics import full_float32
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), full_float32():
             model(torch.zeros(1, *input_size))
     except (RuntimeError, ValueError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
+            raise
         size = "x".join(str(s) for s in input_size)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
