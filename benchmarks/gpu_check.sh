@@ -110,7 +110,7 @@ if [ "$DRY" = 0 ]; then
         command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         $PY -c 'import sys, torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN",
             torch.backends.cudnn.version(), "Python", sys.version.split()[0], "GPU:", torch.cuda.is_available())' 2>&1
-        echo "CPU: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
+        echo "CPU: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | sed 's/^ //'), $(getconf _NPROCESSORS_ONLN) cores"
     } >"$OUT_DIR/environment.txt" 2>&1
 fi
 
