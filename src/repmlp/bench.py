@@ -27,6 +27,7 @@ __all__ = [
     "BenchRow",
     "benchmark",
     "time_forward",
+    "sync_device",
     "render_markdown",
     "default_input_size",
     "model_input_size",
@@ -69,7 +70,8 @@ def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)
     return tuple(int(s) for s in fallback)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA, MPS), so that a host timer counts it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":  # pragma: no cover - Apple only
@@ -88,11 +90,11 @@ def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int
     with torch.inference_mode():
         for _ in range(warmup):
             model(x)
-        _sync(x.device)
+        sync_device(x.device)
         for _ in range(repeats):
             start = time.perf_counter()
             model(x)
-            _sync(x.device)
+            sync_device(x.device)
             times.append(time.perf_counter() - start)
     return times
 
@@ -157,7 +159,7 @@ def benchmark(
         for net in nets:
             for _ in range(warmup):
                 net(x)
-        _sync(device)
+        sync_device(device)
         for _ in range(repeats):
             for i, net in enumerate(nets):
                 times[i] += time_forward(net, x, warmup=0, repeats=1)

@@ -136,27 +136,25 @@ def speed_reference(row: PaperRow) -> PaperRow:
     return next(r for r in PAPER_ROWS if r.table == row.table and r.label == _REFERENCE[row.table])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_path(fn: Callable[[Tensor], Tensor], x: Tensor, opts: SpeedOptions) -> float:
     """Seconds per batch of ``fn(x)``: the median over ``opts.rounds`` rounds of the mean pass time, each
     round repeating the pass for at least ``opts.round_seconds``, after ``opts.warmup`` untimed passes (one
-    round of one pass with ``opts.quick``). The device is synchronised around every round."""
+    round of one pass with ``opts.quick``). The device is synchronised after every pass, as in
+    :func:`repmlp.bench.time_forward`, so that a GPU's queued kernels are counted in full."""
+    from .bench import sync_device
+
     warmup, rounds, seconds = (1, 1, 0.0) if opts.quick else (opts.warmup, opts.rounds, opts.round_seconds)
     per_pass = []
     with torch.inference_mode():
         for _ in range(warmup):
             fn(x)
-        _sync(x.device)
+        sync_device(x.device)
         for _ in range(rounds):
             n, start = 0, time.perf_counter()
             while True:
                 fn(x)
                 n += 1
-                _sync(x.device)
+                sync_device(x.device)
                 elapsed = time.perf_counter() - start
                 if elapsed >= seconds:
                     break
@@ -231,7 +229,6 @@ def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult
     deployed = reparameterize_model(model)
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)).to(opts.device)
     result.check_rel_diff = _check(model, deployed, x[: min(batch, 2)])
-    del model  # the timing needs the memory
     result.speed = _time_precisions(deployed, x, opts)
     return result
 
