@@ -27,6 +27,7 @@ __all__ = [
     "BenchRow",
     "benchmark",
     "time_forward",
+    "sync_device",
     "render_markdown",
     "default_input_size",
     "model_input_size",
@@ -69,7 +70,8 @@ def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)
     return tuple(int(s) for s in fallback)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA, MPS), so that a host timer counts it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":  # pragma: no cover - Apple only
@@ -88,11 +90,11 @@ def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int
     with torch.inference_mode():
         for _ in range(warmup):
             model(x)
-        _sync(x.device)
+        sync_device(x.device)
         for _ in range(repeats):
             start = time.perf_counter()
             model(x)
-            _sync(x.device)
+            sync_device(x.device)
             times.append(time.perf_counter() - start)
     return times
 
@@ -167,7 +169,7 @@ def benchmark(
         for net, xi in zip(nets, inputs, strict=True):
             for _ in range(warmup):
                 net(xi)
-        _sync(device)
+        sync_device(device)
         for _ in range(repeats):
             for i, net in enumerate(nets):
                 times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
@@ -249,11 +251,15 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
 
 
 def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
+    """Run one example through ``model`` (in full float32); a shape the model rejects is a :class:`UserError`."""
+    from .numerics import full_float32
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), full_float32():
             model(torch.zeros(1, *input_size))
     except (RuntimeError, ValueError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
+            raise
         size = "x".join(str(s) for s in input_size)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None

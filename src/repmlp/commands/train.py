@@ -100,6 +100,8 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
         task_args = parser.parse_args(task_argv(args.argv, command))
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    # For the one-line error of an out-of-memory run (repmlp.cli), which sees only the top-level options.
+    args.batch_size = getattr(task_args, "batch_size", None)
     # The task's typed config, built here at the command line's boundary.
     config = getattr(module, CONFIGS[args.task][phase]).from_args(task_args)
     return int(getattr(module, "train" if phase == "train" else "evaluate")(config) or 0)
