@@ -137,6 +137,19 @@ class PartitionPerceptron(nn.Module):
         return y.reshape(b, g, q).transpose(0, 1)
 
 
+@torch.fx.wrap
+def _layout_for_branches(x: Tensor) -> Tensor:
+    """The partition map in the layout the Local Perceptron's convs take: channels_last without autograd
+    (4-D maps only: the layout exists for 4-d tensors alone), as it is with autograd.
+
+    A torch.fx leaf, since it branches on the autograd mode and on the map's dimensions: a traced graph
+    decides when it runs, as the module does. Shapes: ``(B, C, h, w)`` or ``(B, C, l)``, unchanged.
+    """
+    if not torch.is_grad_enabled() and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
 class LocalPerceptron(FCBranches, nn.Module):
     """Parallel groupwise conv+BN branches on the partition map, summed (training time only).
 
@@ -162,14 +175,15 @@ class LocalPerceptron(FCBranches, nn.Module):
         # branches write the partition map's own layout even in a channels_last model (whose weights are
         # stored channels_last); a conv that oneDNN runs slowly in NCHW still computes in channels_last
         # inside (layers.conv_in_layout_of; benchmarks/bench_train.py, not measured on CUDA).
-        grad = torch.is_grad_enabled()
-        if grad and not torch.jit.is_scripting() and self._fits_fc(x):
+        # Both choices depend on the autograd mode, so they are made inside torch.fx leaves
+        # (_layout_for_branches, layers.conv_by_grad_mode): a traced graph makes them when it runs, as here.
+        # The FC form is eager-only (branches_fit_fc declines a traced input): a graph runs the convs.
+        if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(x):
             return self._forward_as_fc(x)  # few channels a group on a CPU: one FC for all branches
-        if not grad and x.dim() == 4:  # channels_last exists for 4-d tensors only
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = _layout_for_branches(x)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
         for branch in self.branches:
-            y = branch.forward_in_input_layout(x) if grad else branch(x)
+            y = branch.forward_by_grad_mode(x)
             out = y if out is None else out + y
         assert out is not None  # at least one branch (checked in __init__)
         return out
