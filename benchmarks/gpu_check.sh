@@ -58,7 +58,7 @@ else
 fi
 MAIN_CMD=($PY -m repmlp train --device "$DEVICE" --data-dir "$DATA" --output "$OUT_DIR/main-job"
     ${MAIN_EXTRA[@]+"${MAIN_EXTRA[@]}"})
-TIER_CMD=($PY -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$OUT_DIR/cuda-tier.xml")
+TIER_CMD=($PY -m pytest -q -m cuda tests -p no:cacheprovider --durations=15 --junitxml "$OUT_DIR/cuda-tier.xml")
 TABLES_CMD=($PY -m repmlp tables --speed --device "$DEVICE" --precision fp32 fp16 --output "$OUT_DIR/speed-tables.md"
     ${TABLES_EXTRA[@]+"${TABLES_EXTRA[@]}"})
 # The training step of ResNet-50, RepMLP-Res50 and Light (batch 128, 224x224, bf16 and fp32) and of the
