@@ -133,8 +133,10 @@ def full_float32() -> Iterator[None]:
         _set(exact, False)
         for device in _autocast_devices():
             try:
-                stack.enter_context(torch.autocast(device, enabled=False))
-            except (AssertionError, RuntimeError, ValueError):  # a backend without AMP support
+                with warnings.catch_warnings():  # notices about a backend's AMP support: irrelevant when off
+                    warnings.simplefilter("ignore")
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            except Exception:  # noqa: BLE001 - a backend this build cannot run autocast for: nothing to switch off
                 continue
         yield
 

@@ -282,10 +282,13 @@ def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x"
 
 
-def _speed_cell(value: float | None) -> str:
+def _speed_cell(value: float | None, *, paper: bool = False) -> str:
+    """examples/s: the paper's figure as printed (5,002; 10.43), ours to the unit above 100, else 3 digits."""
     if value is None:
         return "-"
-    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+    if paper:
+        return f"{value:,g}"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def render_speed_tables(
@@ -310,7 +313,7 @@ def render_speed_tables(
             if res.check_rel_diff == res.check_rel_diff and not res.check_ok:
                 check += " FAILED"
             cells = [row.label, f"`{row.call}`", str(row.input_size), str(res.batch), check,
-                     _speed_cell(row.speed), _ratio(row.speed, ref.speed)]  # fmt: skip
+                     _speed_cell(row.speed, paper=True), _ratio(row.speed, ref.speed)]  # fmt: skip
             for p in opts.precisions:
                 ours = res.speed.get(p)
                 cells += [_speed_cell(ours) if not res.error else res.error,
