@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU (issue 34): the main job on CUDA, the CUDA tier of the test suite,
-# the paper's speed tables in fp32 and fp16, and the training-step benchmark (benchmarks/bench_gpu.py, when
-# present). At most 8 minutes in all: every step runs under `timeout`, capped by what is left of the
+# One prepared check for a lent GPU: the main job on CUDA, the training-step benchmark
+# (benchmarks/bench_gpu.py), the CUDA tier of the test suite and the paper's speed tables in fp32 and fp16,
+# in that order. At most 8 minutes in all (GPU_CHECK_BUDGET seconds, default 470): every step runs under `timeout`, capped by what is left of the
 # budget; every output goes under one folder; a summary comes last (also written to summary.md).
 #
 #   benchmarks/gpu_check.sh [--out DIR] [--device cuda|cpu] [--quick] [--only STEP[,STEP]] [--dry-run]
@@ -9,7 +9,7 @@
 #   --out DIR    output folder (default: $OUT if set, else ./gpu-check-out)
 #   --device D   cuda (default) or cpu: with --quick, a CPU run of the same steps, to try the script
 #   --quick      small settings (main job on 256 images, speed tables --quick on the face rows)
-#   --only S     run only these steps: main, tier, tables, bench (comma-separated)
+#   --only S     run only these steps: main, bench, tier, tables (comma-separated)
 #   --dry-run    print the steps, their commands and time limits, run nothing
 #
 # Environment: REPMLP_FMNIST_DIR, the folder of the four Fashion-MNIST IDX files (default: Debian's

@@ -30,12 +30,13 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
     assert steps["main"][1].endswith(
         f"-m repmlp train --device cuda --data-dir {data} --output {tmp_path}/out/main-job"
     )
-    assert "-m pytest -q -m cuda tests/test_cuda.py" in steps["tier"][1]
+    assert "-m pytest -q -m cuda tests -p no:cacheprovider --durations=15" in steps["tier"][1]
     assert "-m repmlp tables --speed --device cuda --precision fp32 fp16 --output" in steps["tables"][1]
-    assert "bench" in steps or "benchmarks/bench_gpu.py not found" in res.stdout
+    assert "benchmarks/bench_gpu.py --device cuda --phase train --graphs-only" in steps["bench"][1]
+    assert list(steps) == ["main", "bench", "tier", "tables"]  # by what a short lease needs most
     # Each step has its own limit, and the script caps them all by a budget under 8 minutes.
     assert all(0 < cap <= 240 for cap, _ in steps.values())
-    budget = int(re.search(r"^BUDGET=(\d+)", SCRIPT.read_text(), re.M).group(1))
+    budget = int(re.search(r"^BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
     assert budget <= 8 * 60
     assert not (tmp_path / "out").exists()
 

@@ -38,6 +38,7 @@ __all__ = [
     "serving_format",
     "prepare_for_device",
     "fused_or_plain",
+    "prepare_fast",
 ]
 
 log = logging.getLogger(__name__)
@@ -225,3 +226,11 @@ def prepare_for_device(model: nn.Module, example: Tensor, path: str = "auto") ->
                 "inference path %s failed (%s): trying a simpler one", attempt, str(exc).splitlines()[0]
             )
     raise AssertionError("unreachable")
+
+
+def prepare_fast(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
+    """:func:`prepare_inference` by :func:`fastest_path` for the model's parameter dtype on ``example``'s
+    device, for inputs of ``example``'s dtype and layout (``repmlp tables --speed --path fast``)."""
+    param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    return prepare_inference(model, example, fastest_path(example.device, dtype))

@@ -62,7 +62,8 @@ def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
 
 
 #: Inference paths by name: a function ``prepare(model, example) -> callable``, or ``"module:function"``.
-PATHS: dict[str, Prepare | str] = {"eager": _eager}
+#: ``fast``: the path measured fastest for the device and precision (:func:`repmlp.inference.fastest_path`).
+PATHS: dict[str, Prepare | str] = {"eager": _eager, "fast": "repmlp.inference:prepare_fast"}
 
 
 def prepare_path(name: str) -> Prepare:
