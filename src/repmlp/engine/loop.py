@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,14 +178,39 @@ def graph_module(
     wrapper = _Captured(net).train()
     static = tuple(t.detach().clone() for t in example)  # the graphs' input buffers
     amp = autocast_dtype is not None
-    # No autocast cache inside a capture: its cast weights would be baked into the graph.
-    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=amp, cache_enabled=False):
-        graphed = torch.cuda.make_graphed_callables(wrapper, static, allow_unused_input=True)
-    with torch.no_grad():
-        for k, b in net.named_buffers():
-            b.copy_(buffers[k])
-    set_rng_state(rngs, device)
+    try:
+        # No autocast cache inside a capture: its cast weights would be baked into the graph.
+        with (
+            torch.autocast(
+                device.type, dtype=autocast_dtype or torch.float32, enabled=amp, cache_enabled=False
+            ),
+            _quiet_capture(),
+        ):
+            graphed = torch.cuda.make_graphed_callables(wrapper, static, allow_unused_input=True)
+    finally:
+        with torch.no_grad():
+            for k, b in net.named_buffers():
+                b.copy_(buffers[k])
+        set_rng_state(rngs, device)
     return GraphedModule(net, graphed, example)
+
+
+@contextmanager
+def _quiet_capture() -> Iterator[None]:
+    """Silence the two warnings PyTorch raises for what a capture does on purpose: its warm-up runs the
+    backward on a side stream (the accumulate-grad stream mismatch), whose thread makes its own cuBLAS
+    context current."""
+    mismatch = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*AccumulateGrad node's stream does not match.*")
+        warnings.filterwarnings("ignore", message=".*no current CUDA context.*")
+        if mismatch is not None:
+            mismatch(False)
+        try:
+            yield
+        finally:
+            if mismatch is not None:
+                mismatch(True)  # PyTorch's default; it has no getter to restore another setting
 
 
 def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
