@@ -27,6 +27,7 @@ __all__ = [
     "BenchRow",
     "benchmark",
     "time_forward",
+    "sync_device",
     "render_markdown",
     "default_input_size",
     "model_input_size",
@@ -69,7 +70,8 @@ def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)
     return tuple(int(s) for s in fallback)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA, MPS), so that a host timer counts it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":  # pragma: no cover - Apple only
@@ -88,11 +90,11 @@ def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int
     with torch.inference_mode():
         for _ in range(warmup):
             model(x)
-        _sync(x.device)
+        sync_device(x.device)
         for _ in range(repeats):
             start = time.perf_counter()
             model(x)
-            _sync(x.device)
+            sync_device(x.device)
             times.append(time.perf_counter() - start)
     return times
 
@@ -107,6 +109,7 @@ def benchmark(
     repeats: int = 10,
     forms: Sequence[str] = ("train", "deploy"),
     runtime: str = "torch",
+    path: str = "auto",
 ) -> list[BenchRow]:
     """Measure every model in its training-time and deployed form.
 
@@ -122,6 +125,9 @@ def benchmark(
         runtime: ``"torch"``, or an ONNX runtime (:data:`repmlp.runtimes.RUNTIMES`) that runs each form's
             exported graph (:func:`repmlp.runtimes.to_runtime`, CPU only); parameters and MACs are the
             PyTorch model's.
+        path: how PyTorch runs each form on a GPU (:data:`repmlp.inference.PATHS`; ``"auto"``: the path
+            measured fastest for the form's precision, :func:`repmlp.inference.fastest_path`); on a CPU
+            the models run as they are.
 
     Returns:
         One :class:`BenchRow` per model and form, in input order.
@@ -150,17 +156,23 @@ def benchmark(
             net = base if deployed_already else reparameterize_model(base)
             variants.append((name, "deploy", net, *profile(net, input_size)))
     nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
+    inputs = [x] * len(nets)
+    if device.type == "cuda" and runtime == "torch":
+        from .inference import prepare_for_device
+
+        prepared = [prepare_for_device(net, x, path) for net in nets]
+        nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
     # Interleaved rounds (every form once per round): on a shared machine the load drifts, and
     # interleaving makes the drift hit every form alike, so the ratios between them stay meaningful.
     times: list[list[float]] = [[] for _ in nets]
     with torch.inference_mode():
-        for net in nets:
+        for net, xi in zip(nets, inputs, strict=True):
             for _ in range(warmup):
-                net(x)
-        _sync(device)
+                net(xi)
+        sync_device(device)
         for _ in range(repeats):
             for i, net in enumerate(nets):
-                times[i] += time_forward(net, x, warmup=0, repeats=1)
+                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
     rows: list[BenchRow] = []
     for (name, form, _, params, macs), t in zip(variants, times, strict=True):
         median = statistics.median(t)
@@ -189,7 +201,8 @@ def benchmark(
             100 * worst,
         )
     for net in nets:
-        net.to("cpu")
+        if isinstance(net, nn.Module):
+            net.to("cpu")
     return rows
 
 
@@ -238,11 +251,15 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
 
 
 def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one example through ``model``; a shape the model rejects is a :class:`UserError`."""
+    """Run one example through ``model`` (in full float32); a shape the model rejects is a :class:`UserError`."""
+    from .numerics import full_float32
+
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), full_float32():
             model(torch.zeros(1, *input_size))
     except (RuntimeError, ValueError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
+            raise
         size = "x".join(str(s) for s in input_size)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None

@@ -26,11 +26,25 @@ from torch import Tensor, nn
 
 from . import checks
 from .branches_fc import FCBranches
+from .dense import add_partition_values, dense_partition_sum, from_group_columns_like, to_group_columns
 from .layers import ConvBN, GroupwiseLinear
 from .ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from .reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
-__all__ = ["GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron", "RepMLPBlock", "RepMLPBlock1d"]
+__all__ = [
+    "GlobalPerceptron",
+    "PartitionPerceptron",
+    "LocalPerceptron",
+    "RepMLPBlock",
+    "RepMLPBlock1d",
+    "TRAIN_FORMS",
+    "set_train_form",
+]
+
+# How a training-time 2-D block computes FC3 and the Local Perceptron in training mode: "conv" (the
+# paper's parallel conv-BN branches; on a CPU narrow groups run as one FC, repmlp.branches_fc), "dense"
+# (every branch and FC3 as dense batched matmuls, repmlp.dense), or "auto": dense on CUDA, conv elsewhere.
+TRAIN_FORMS = ("auto", "conv", "dense")
 
 
 def _positive_size(value: int | Sequence[int], dims: int, name: str) -> tuple[int, ...]:
@@ -123,6 +137,19 @@ class PartitionPerceptron(nn.Module):
         return y.reshape(b, g, q).transpose(0, 1)
 
 
+@torch.fx.wrap
+def _layout_for_branches(x: Tensor) -> Tensor:
+    """The partition map in the layout the Local Perceptron's convs take: channels_last without autograd
+    (4-D maps only: the layout exists for 4-d tensors alone), as it is with autograd.
+
+    A torch.fx leaf, since it branches on the autograd mode and on the map's dimensions: a traced graph
+    decides when it runs, as the module does. Shapes: ``(B, C, h, w)`` or ``(B, C, l)``, unchanged.
+    """
+    if not torch.is_grad_enabled() and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
 class LocalPerceptron(FCBranches, nn.Module):
     """Parallel groupwise conv+BN branches on the partition map, summed (training time only).
 
@@ -148,14 +175,15 @@ class LocalPerceptron(FCBranches, nn.Module):
         # branches write the partition map's own layout even in a channels_last model (whose weights are
         # stored channels_last); a conv that oneDNN runs slowly in NCHW still computes in channels_last
         # inside (layers.conv_in_layout_of; benchmarks/bench_train.py, not measured on CUDA).
-        grad = torch.is_grad_enabled()
-        if grad and not torch.jit.is_scripting() and self._fits_fc(x):
+        # Both choices depend on the autograd mode, so they are made inside torch.fx leaves
+        # (_layout_for_branches, layers.conv_by_grad_mode): a traced graph makes them when it runs, as here.
+        # The FC form is eager-only (branches_fit_fc declines a traced input): a graph runs the convs.
+        if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(x):
             return self._forward_as_fc(x)  # few channels a group on a CPU: one FC for all branches
-        if not grad and x.dim() == 4:  # channels_last exists for 4-d tensors only
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = _layout_for_branches(x)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
         for branch in self.branches:
-            y = branch.forward_in_input_layout(x) if grad else branch(x)
+            y = branch.forward_by_grad_mode(x)
             out = y if out is None else out + y
         assert out is not None  # at least one branch (checked in __init__)
         return out
@@ -177,6 +205,7 @@ def _check_block_input(x: Tensor, in_channels: int, resolution: tuple[int, int])
 # Leaves of traced graphs: they branch on the layout and the mode.
 torch.fx.wrap("partition_for")
 torch.fx.wrap("unpartition_like")
+torch.fx.wrap("from_group_columns_like")
 
 
 @torch.fx.wrap
@@ -197,6 +226,8 @@ class _RepMLPBlockBase(nn.Module):
     gave it, for error messages; ``partition`` and every kernel size have as many dimensions. Subclasses
     implement ``forward``.
     """
+
+    __jit_unused_properties__ = ["train_form"]  # a Python-side setting: TorchScript reads the flag it sets
 
     def __init__(
         self,
@@ -244,10 +275,38 @@ class _RepMLPBlockBase(nn.Module):
             else None
         )
         self._deploy = deploy
+        self._train_form = "auto"
+        self._dense_training = False  # read by forward: a plain flag, which tracers and compilers follow
+        self._update_train_form()
 
     @property
     def deploy(self) -> bool:
         return self._deploy
+
+    @property
+    def train_form(self) -> str:
+        """How training mode computes FC3 and the Local Perceptron (one of :data:`TRAIN_FORMS`)."""
+        return self._train_form
+
+    @train_form.setter
+    def train_form(self, form: str) -> None:
+        if form not in TRAIN_FORMS:
+            raise ValueError(f"train_form must be one of {', '.join(TRAIN_FORMS)}, got {form!r}")
+        self._train_form = form
+        self._update_train_form()
+
+    def _update_train_form(self) -> None:
+        """Resolve ``train_form`` against where the parameters are (``"auto"``: dense on CUDA). Called on
+        construction, on every ``.to()``/``.cuda()`` (``_apply``) and when the setting changes, so that
+        ``forward`` branches on a flag, not on the input's device."""
+        on_cuda = self.partition_perceptron.fc3.weight.is_cuda
+        dense = self._train_form == "dense" or (self._train_form == "auto" and on_cuda)
+        self._dense_training = dense and len(self.partition) == 2
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        module = super()._apply(fn, recurse)
+        self._update_train_form()
+        return module
 
     @torch.no_grad()
     def merged_fc3(self) -> tuple[Tensor, Tensor]:
@@ -288,6 +347,22 @@ class _RepMLPBlockBase(nn.Module):
         if self.global_perceptron is not None:
             self.global_perceptron.reparameterize()
         self._deploy = True
+
+
+def set_train_form(model: nn.Module, form: str) -> int:
+    """Set :attr:`RepMLPBlock.train_form` on every 2-D RepMLP block in ``model``; returns how many.
+
+    ``"auto"`` (the default): FC3 and the Local Perceptron as dense batched matmuls when the block's
+    parameters are on a CUDA device (much faster there), the paper's conv-BN branches elsewhere;
+    ``"conv"`` / ``"dense"`` pin one form. Both compute the same function (BatchNorms on batch statistics
+    in training) to float rounding; evaluation mode always runs the conv form.
+    """
+    if form not in TRAIN_FORMS:
+        raise ValueError(f"train_form must be one of {', '.join(TRAIN_FORMS)}, got {form!r}")
+    blocks = [m for m in model.modules() if isinstance(m, RepMLPBlock)]
+    for block in blocks:
+        block.train_form = form
+    return len(blocks)
 
 
 def _kernel_sizes(
@@ -385,6 +460,8 @@ class RepMLPBlock(_RepMLPBlockBase):
                 v = v.reshape(n, g, cg, hp, wp).permute(1, 0, 3, 4, 2).reshape(g, n * hp * wp, cg, 1)
                 rows = (rows.reshape(g, n * hp * wp, cg, h * w) + v).reshape(rows.shape)
             out = _from_group_rows_like(x, self.partition_perceptron(rows), n, hp, wp, h, w)
+        elif self._dense_training and self.training and not torch.jit.is_scripting():
+            out = self._forward_dense(x, n, hp, wp)
         else:
             parts = partition_for(x, h, w, self.training)  # (N*Hp*Wp, C, h, w)
             if self.global_perceptron is not None:
@@ -397,6 +474,22 @@ class RepMLPBlock(_RepMLPBlockBase):
         if self.padding != (0, 0):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out
+
+    @torch.jit.unused
+    def _forward_dense(self, x: Tensor, n: int, hp: int, wp: int) -> Tensor:
+        """The training-time block with FC3 and every Local Perceptron branch as dense batched matmuls
+        (:func:`repmlp.dense.dense_partition_sum`); the same function as the conv form.
+
+        Shapes: padded ``x`` ``(N, C, Hp*h, Wp*w)`` -> ``(N, O, Hp*h, Wp*w)``.
+        """
+        h, w = self.partition
+        columns = to_group_columns(x, h, w, self.groups)  # (g, C/g*h*w, N*Hp*Wp)
+        if self.global_perceptron is not None:
+            columns = add_partition_values(columns, self.global_perceptron(x), h, w)
+        pp = self.partition_perceptron
+        branches = [] if self.local_perceptron is None else list(self.local_perceptron.branches)
+        maps = dense_partition_sum(columns, pp.fc3.weight, pp.fc3.bias, pp.bn, branches, (h, w))
+        return from_group_columns_like(x, maps, n, hp, wp, h, w)
 
 
 class RepMLPBlock1d(_RepMLPBlockBase):

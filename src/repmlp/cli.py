@@ -110,6 +110,41 @@ def _one_line(exc: BaseException) -> str:
     return last
 
 
+def out_of_memory(exc: BaseException | None) -> BaseException | None:
+    """The ``MemoryError`` or ``torch.OutOfMemoryError`` in ``exc``'s chain of causes, else ``None``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        # The CPU allocator's failure is a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory").
+        if (
+            isinstance(exc, MemoryError)
+            or type(exc).__name__ == "OutOfMemoryError"
+            or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+        ):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def out_of_memory_message(exc: BaseException, args: argparse.Namespace) -> str:
+    """One line for an out-of-memory error of ``args.command``: the batch size it ran and what to try."""
+    text = str(exc)
+    where = "CUDA" if "CUDA" in text else "MPS" if "MPS" in text else "the device" if text else "the process"
+    batch = getattr(args, "batch_size", None)
+    at = f"--batch-size {batch}" if batch else "the default --batch-size"
+    smaller = f"--batch-size {max(1, batch // 2)}" if batch and batch > 1 else "a smaller --batch-size"
+    line = f"{where} out of memory in `repmlp {args.command}` at {at}; try {smaller}"
+    if args.command == "train":
+        # The checkpoint files are written atomically: the last one written before the error is whole.
+        line += (
+            " in a new --output (the run's last checkpoint is intact: --resume continues it with the "
+            "same options once memory is free)"
+        )
+    else:
+        line += " or another --device"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status (0 success, 2 user error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -132,19 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("repmlp: interrupted", file=sys.stderr)
         return 130
-    except MemoryError:
-        print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
-        return 1
-    except RuntimeError as exc:
-        # torch.OutOfMemoryError (CUDA, MPS) and the CPU allocator's failure are RuntimeErrors; any other
-        # RuntimeError is a bug.
-        if "can't allocate memory" in str(exc):
-            print("repmlp: error: out of memory (try a smaller --batch-size)", file=sys.stderr)
-            return 1
-        if type(exc).__name__ != "OutOfMemoryError":
+    except (MemoryError, RuntimeError) as exc:
+        # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError, possibly wrapped by torch.compile; any
+        # other RuntimeError is a bug and keeps its traceback.
+        oom = out_of_memory(exc)
+        if oom is None:
             raise
-        print("repmlp: error: device out of memory (try a smaller --batch-size)", file=sys.stderr)
-        return 1
+        log.debug("out of memory", exc_info=True)
+        print(f"repmlp: error: {out_of_memory_message(oom, args)}", file=sys.stderr)
+        return 2
     except OSError as exc:
         # Disk full, permission denied, ...: the user's environment, not a bug in repmlp.
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""

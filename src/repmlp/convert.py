@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch import nn
 
 from .layers import channels_last_weights_on_cpu
+from .numerics import full_float32
 from .reparam import _BN, fuse_bn
 
 __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
@@ -207,13 +208,16 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         )
     if not inplace:
         model = copy.deepcopy(model)
-    model = _reparameterize_tree(model)
-    left = ConversionReport()
-    if fuse_bn:
-        model, left = fuse_conv_bn(model)
-        if left:
-            shown = ", ".join(left[:8]) + (f", ... ({len(left) - 8} more)" if len(left) > 8 else "")
-            log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), shown)
+    # The merged weights are products of weights (BN scales, conv kernels into FC matrices): computed in
+    # full float32 whatever TF32 or autocast settings the caller holds, or they would carry its rounding.
+    with full_float32():
+        model = _reparameterize_tree(model)
+        left = ConversionReport()
+        if fuse_bn:
+            model, left = fuse_conv_bn(model)
+    if left:
+        shown = ", ".join(left[:8]) + (f", ... ({len(left) - 8} more)" if len(left) > 8 else "")
+        log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), shown)
     model.eval()
     try:
         model.unfused_batchnorms = left

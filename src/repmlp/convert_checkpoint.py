@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import UserError
+from .numerics import full_float32
 
 __all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
 
@@ -98,8 +99,9 @@ def check_inputs(
 
 
 def _max_error(reference: nn.Module, candidate: nn.Module, x: Tensor) -> tuple[float, float]:
-    """Max abs difference of the two models' outputs on ``x``, and the max abs reference output."""
-    with torch.inference_mode():
+    """Max abs difference of the two models' outputs on ``x``, and the max abs reference output; both
+    forms run in full float32 (no TF32, no autocast), whatever the caller's settings."""
+    with torch.inference_mode(), full_float32():
         ref, out = reference(x), candidate(x)
     if isinstance(ref, (tuple, list)):
         ref, out = ref[0], out[0]
@@ -153,11 +155,12 @@ def _reduce_precision(
     reason = native_support(precision)
     if reason:
         log.warning("%s", reason)
-    with torch.inference_mode():
+    # The float32 reference in full float32; the reduced model without autocast (its own dtype).
+    with torch.inference_mode(), full_float32():
         ref = deployed(x).float()
     try:
         reduced = to_precision(copy.deepcopy(deployed), precision, calibration, input_size=tuple(x.shape[1:]))
-        with torch.inference_mode():
+        with torch.inference_mode(), full_float32():
             out = reduced(x).float()
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .numerics import full_float32
 from .ops import fc3_backend
 
 __all__ = [
@@ -116,6 +117,7 @@ def _staging(path: Path) -> Iterator[Path]:
         os.replace(staged, path)
 
 
+@full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
 def export_onnx(
     model: nn.Module,
     path: str | os.PathLike,
@@ -192,6 +194,7 @@ def _check_onnx(path: Path, net: nn.Module, input_size: Sequence[int], rtol: flo
     return _check_close("ONNX", torch.from_numpy(got), ref, rtol)
 
 
+@full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
 def export_torchscript(
     model: nn.Module,
     path: str | os.PathLike,
@@ -236,6 +239,7 @@ def export_torchscript(
     return diff
 
 
+@full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
 def export_program(
     model: nn.Module,
     path: str | os.PathLike,

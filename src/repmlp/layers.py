@@ -72,6 +72,17 @@ class ConvBN(nn.Module):
         x = self.conv(x)
         return x if self.bn is None else self.bn(x)
 
+    def forward_by_grad_mode(self, x: Tensor) -> Tensor:
+        """:meth:`forward_in_input_layout` with autograd on, :meth:`forward` without (:func:`conv_by_grad_mode`),
+        chosen when it runs: a torch.fx graph traced in either mode computes bitwise what the module computes in
+        the mode it runs in. TorchScript compiles :meth:`forward`. Shapes: as :meth:`forward`."""
+        c = self.conv
+        if torch.jit.is_scripting():  # the plain conv, as forward_in_input_layout compiles
+            x = c(x)
+        else:
+            x = conv_by_grad_mode(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
+        return x if self.bn is None else self.bn(x)
+
     def forward_in_input_layout(self, x: Tensor) -> Tensor:
         """:meth:`forward`, with the conv writing its output in ``x``'s memory format on a CPU (see
         :func:`conv_in_layout_of`), so that the BatchNorm's input and gradient share a layout. Elsewhere the
@@ -134,6 +145,24 @@ def conv_in_layout_of(
         y = conv(_Relayout.apply(x, cl), weight.contiguous(memory_format=cl), *args)
         return _Relayout.apply(y, torch.contiguous_format)
     return conv(x, weight.clone(memory_format=torch.contiguous_format), *args)
+
+
+# A leaf of traced graphs (it branches on the autograd mode), called as Python by TorchScript of a traced graph.
+@torch.fx.wrap
+@torch.jit.ignore
+def conv_by_grad_mode(
+    x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any, padding: Any, dilation: Any, groups: int
+) -> Tensor:
+    """With autograd on, :func:`conv_in_layout_of` (the training step's layout choice); without, the plain
+    ``F.conv{1,2,3}d(x, weight, ...)``, which is what ``nn.Conv{1,2,3}d`` with zero padding computes.
+
+    Decided when the call runs, so that a graph traced with or without autograd (torch.fx,
+    torchvision's ``create_feature_extractor``) takes the eager module's path in either mode.
+    Shapes: as the conv.
+    """
+    if torch.is_grad_enabled():
+        return conv_in_layout_of(x, weight, bias, stride, padding, dilation, groups)
+    return _CONV_FN[weight.dim()](x, weight, bias, stride, padding, dilation, groups)
 
 
 def _slow_in_nchw(weight: Tensor, groups: int) -> bool:

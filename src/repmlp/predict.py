@@ -418,6 +418,17 @@ class Predictor:
         names = labels if labels is not None else self.metadata.classes
         self.labels = list(names) if names and len(names) == n else [str(i) for i in range(n)]
         self.transform = eval_image_transform(self.metadata.preprocessing)
+        # On a GPU: every conv-bias-ReLU(-add) as one cuDNN call (repmlp.inference; docs/gpu.md), inputs in
+        # the model's dtype and layout (the rewritten graph has no input-casting hook).
+        param = next(self.model.parameters(), None)
+        self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        self._format = torch.contiguous_format
+        self._run: Any = self.model
+        if self.device.type == "cuda" and runtime == "torch":
+            from .inference import fused_or_plain, serving_format
+
+            self._format = serving_format(self.device, self._dtype)
+            self._run = fused_or_plain(self.model.to(memory_format=self._format))
 
     @property
     def input_size(self) -> tuple[int, int, int]:
@@ -427,7 +438,10 @@ class Predictor:
     def predict_batch(self, x: Tensor) -> list[list[Prediction]]:
         """Top-k of a preprocessed batch ``x`` ``(N, C, H, W)`` (float32: the model casts it to its own
         precision)."""
-        logits = self.model(x.to(self.device, non_blocking=True)).float()
+        x = x.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            x = x.to(self._dtype).contiguous(memory_format=self._format)
+        logits = self._run(x).float()
         probs = torch.softmax(logits, dim=1).cpu()
         top = probs.topk(self.top_k, dim=1)
         return [

@@ -174,9 +174,10 @@ def to_runtime(
 
 def _check(wrapped: RuntimeModel, model: nn.Module, input_size: Sequence[int]) -> None:
     from .export import DEFAULT_RTOL, ExportError, _check_close, _example
+    from .numerics import full_float32
 
     x = _example(input_size, 3, seed=1)
-    with torch.inference_mode():
+    with torch.inference_mode(), full_float32():
         ref = model(x)
         try:
             _check_close(wrapped.runtime, wrapped(x), ref, DEFAULT_RTOL)

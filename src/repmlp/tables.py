@@ -26,7 +26,8 @@ class PaperRow:
     """One row of a paper table: the model that reproduces it and the paper's counts.
 
     ``form`` is ``"deploy"`` (converted model, the paper's convention) or ``"train"`` (row A).
-    ``params``/``macs`` are in millions, as printed in the paper.
+    ``params``/``macs`` are in millions, as printed in the paper; ``speed`` is the paper's examples/second
+    on its 1080Ti (batch 128; face models 512, PSPNets 16), for the rows it timed.
     """
 
     table: str
@@ -38,6 +39,7 @@ class PaperRow:
     kwargs: dict[str, Any] = field(default_factory=dict)
     form: str = "deploy"
     note: str = ""
+    speed: float | None = None
 
     @property
     def call(self) -> str:
@@ -88,39 +90,39 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
     PaperRow("puremlp", "D) FC3 as conv9", "repmlp_cifar_fc3_conv9", 32, 0.81, 66.2, note=_PURE),
     PaperRow("puremlp", "E) RepMLP as conv9", "repmlp_cifar_conv9", 32, 0.48, 65.8, note=_PURE),
     PaperRow("puremlp", "Wide ConvNet", "wide_convnet_cifar", 32, 0.50, 65.1, note=_PURE),
-    PaperRow("c4_rg", "RepMLP-Res50 r=4 g=8", _R, 224, 30.87, None, _c4(4, 8)),
-    PaperRow("c4_rg", "RepMLP-Res50 r=4 g=2", _R, 224, 49.31, None, _c4(4, 2)),
-    PaperRow("c4_rg", "RepMLP-Res50 r=8 g=8", _R, 224, 25.02, None, _c4(8, 8)),
-    PaperRow("c4_rg", "RepMLP-Res50 r=2 g=8", _R, 224, 52.77, None, _c4(2, 8)),
-    PaperRow("c4_rg", "Original Res50", _R, 224, 25.53, None, {"stages": ()}),
-    PaperRow("stages", "c2+c3+c4+c5", _R, 224, 74.46, None, {"stages": "c2+c3+c4+c5"}),
-    PaperRow("stages", "c2+c3+c4", _R, 224, 66.97, None, {"stages": "c2+c3+c4"}),
-    PaperRow("stages", "c3+c4+c5", _R, 224, 48.35, None, {"stages": "c3+c4+c5"}),
-    PaperRow("stages", "c3+c4", _R, 224, 40.87, None, {"stages": "c3+c4"}),
-    PaperRow("stages", "c3", _R, 224, 35.52, None, {"stages": "c3"}),
-    PaperRow("stages", "c4", _R, 224, 30.87, None, {"stages": "c4"}),
-    PaperRow("stages", "Original Res50", _R, 224, 25.53, None, {"stages": ()}),
-    PaperRow("comparisons", "ResNet-50", "torchvision:resnet50", 224, 25.53, 4089),
-    PaperRow("comparisons", "ResNet-101", "torchvision:resnet101", 224, 44.49, 7801),
-    PaperRow("comparisons", "RepMLP-Res50", _R, 224, 40.87, 3890),
-    PaperRow("comparisons", "ResNet-50", "torchvision:resnet50", 320, 25.53, 8343),
-    PaperRow("comparisons", "ResNet-101", "torchvision:resnet101", 320, 44.49, 15919),
-    PaperRow("comparisons", "RepMLP-Res50-g8/16", "repmlp_res50_g8_16", 320, 59.22, 8057),
-    PaperRow("comparisons", "RepMLP-Res50-g8/8", "repmlp_res50_g8_8", 320, 72.02, 8108),
-    PaperRow("comparisons", "RepMLP-Res50-g4/8", "repmlp_res50_g4_8", 320, 87.38, 8354),
-    PaperRow("comparisons", "NL-Res50", "nl_res50", 320, 27.63, 9182),
-    PaperRow("comparisons", "GC-Res50", "gc_res50", 320, 28.05, 8351),
-    PaperRow("comparisons", "EfficientNet-B1", "timm:efficientnet_b1", 240, 7.76, 686),
-    PaperRow("comparisons", "EfficientNet-B2", "timm:efficientnet_b2", 260, 9.07, 993),
-    PaperRow("comparisons", "EfficientNet-B3", "timm:efficientnet_b3", 300, 12.18, 1827),
-    PaperRow("light", "Original", _R, 224, 25.53, 4089, {"stages": ()}),
-    PaperRow("light", "RepMLP Bottleneck", _R, 224, 40.87, 3890),
-    PaperRow("light", "RepMLP Light Block", "repmlp_res50_light", 224, 57.86, 2919),
-    PaperRow("face", "MobileFaceNet", "mobilefacenet", 96, 0.98, 162),
-    PaperRow("face", "FaceResNet", "face_resnet", 96, 40.35, 1050),
-    PaperRow("face", "RepMLP-FaceRes", "repmlp_face_resnet", 96, 28.32, 406, note=_FACE),
-    PaperRow("seg", "RepMLP-Res50 (g4/8)", "pspnet_repmlp_res50", 713, 175.41, 342696),
-    PaperRow("seg", "ResNet-50", "pspnet_res50", 713, 46.56, 350004),
+    PaperRow("c4_rg", "RepMLP-Res50 r=4 g=8", _R, 224, 30.87, None, _c4(4, 8), speed=671),
+    PaperRow("c4_rg", "RepMLP-Res50 r=4 g=2", _R, 224, 49.31, None, _c4(4, 2), speed=666),
+    PaperRow("c4_rg", "RepMLP-Res50 r=8 g=8", _R, 224, 25.02, None, _c4(8, 8), speed=759),
+    PaperRow("c4_rg", "RepMLP-Res50 r=2 g=8", _R, 224, 52.77, None, _c4(2, 8), speed=639),
+    PaperRow("c4_rg", "Original Res50", _R, 224, 25.53, None, {"stages": ()}, speed=689),
+    PaperRow("stages", "c2+c3+c4+c5", _R, 224, 74.46, None, {"stages": "c2+c3+c4+c5"}, speed=574),
+    PaperRow("stages", "c2+c3+c4", _R, 224, 66.97, None, {"stages": "c2+c3+c4"}, speed=575),
+    PaperRow("stages", "c3+c4+c5", _R, 224, 48.35, None, {"stages": "c3+c4+c5"}, speed=632),
+    PaperRow("stages", "c3+c4", _R, 224, 40.87, None, {"stages": "c3+c4"}, speed=636),
+    PaperRow("stages", "c3", _R, 224, 35.52, None, {"stages": "c3"}, speed=644),
+    PaperRow("stages", "c4", _R, 224, 30.87, None, {"stages": "c4"}, speed=671),
+    PaperRow("stages", "Original Res50", _R, 224, 25.53, None, {"stages": ()}, speed=689),
+    PaperRow("comparisons", "ResNet-50", "torchvision:resnet50", 224, 25.53, 4089, speed=689),
+    PaperRow("comparisons", "ResNet-101", "torchvision:resnet101", 224, 44.49, 7801, speed=421),
+    PaperRow("comparisons", "RepMLP-Res50", _R, 224, 40.87, 3890, speed=636),
+    PaperRow("comparisons", "ResNet-50", "torchvision:resnet50", 320, 25.53, 8343, speed=344),
+    PaperRow("comparisons", "ResNet-101", "torchvision:resnet101", 320, 44.49, 15919, speed=213),
+    PaperRow("comparisons", "RepMLP-Res50-g8/16", "repmlp_res50_g8_16", 320, 59.22, 8057, speed=312),
+    PaperRow("comparisons", "RepMLP-Res50-g8/8", "repmlp_res50_g8_8", 320, 72.02, 8108, speed=311),
+    PaperRow("comparisons", "RepMLP-Res50-g4/8", "repmlp_res50_g4_8", 320, 87.38, 8354, speed=305),
+    PaperRow("comparisons", "NL-Res50", "nl_res50", 320, 27.63, 9182, speed=316),
+    PaperRow("comparisons", "GC-Res50", "gc_res50", 320, 28.05, 8351, speed=312),
+    PaperRow("comparisons", "EfficientNet-B1", "timm:efficientnet_b1", 240, 7.76, 686, speed=512),
+    PaperRow("comparisons", "EfficientNet-B2", "timm:efficientnet_b2", 260, 9.07, 993, speed=396),
+    PaperRow("comparisons", "EfficientNet-B3", "timm:efficientnet_b3", 300, 12.18, 1827, speed=228),
+    PaperRow("light", "Original", _R, 224, 25.53, 4089, {"stages": ()}, speed=689),
+    PaperRow("light", "RepMLP Bottleneck", _R, 224, 40.87, 3890, speed=636),
+    PaperRow("light", "RepMLP Light Block", "repmlp_res50_light", 224, 57.86, 2919, speed=1074),
+    PaperRow("face", "MobileFaceNet", "mobilefacenet", 96, 0.98, 162, speed=5002),
+    PaperRow("face", "FaceResNet", "face_resnet", 96, 40.35, 1050, speed=3811),
+    PaperRow("face", "RepMLP-FaceRes", "repmlp_face_resnet", 96, 28.32, 406, note=_FACE, speed=5425),
+    PaperRow("seg", "RepMLP-Res50 (g4/8)", "pspnet_repmlp_res50", 713, 175.41, 342696, speed=10.43),
+    PaperRow("seg", "ResNet-50", "pspnet_res50", 713, 46.56, 350004, speed=10.22),
     *(
         PaperRow(
             "repmlpnet",

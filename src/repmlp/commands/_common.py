@@ -168,8 +168,17 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
         "--compile",
         choices=("auto", "on", "off"),
         default="auto",
-        help="torch.compile the training step (default auto: on CUDA, off on CPU, where it measured slower); "
+        help="torch.compile the training step (default auto: on CUDA unless the step runs as CUDA graphs, off on "
+        "CPU, where it measured slower); "
         "a failed compilation falls back to eager with one logged line",
+    )
+    group.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="replay the model's forward and backward as CUDA graphs, so that the host launches two graphs "
+        "a step instead of every kernel (default auto: on for classification on one CUDA device without "
+        "--compile on; a failed capture falls back to eager with one logged line)",
     )
     # Hidden: a simulated crash after N steps (exit 3, no cleanup), for tests of --resume.
     group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)

@@ -74,6 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "which is enough for speed); reduced-precision checkpoints are timed as stored",
     )
     add_runtime_argument(p, "the forms")
+    p.add_argument(
+        "--path",
+        choices=("auto", "eager", "graph", "fused", "fused+graph", "compile", "compile+graph"),
+        default="auto",
+        help="how PyTorch runs the forms on a GPU (auto: the fastest measured for the precision, "
+        "docs/gpu.md: compile+graph in fp16/bf16, fused+graph in fp32); CPUs run the models as they are",
+    )
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     p.set_defaults(func=run)
     return p
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             forms=wanted,
             runtime=args.runtime,
+            path=args.path,
         )
     size = "x".join(str(s) for s in input_size)
     runtime = "" if args.runtime == "torch" else f", run by {runtime_version(args.runtime)}"

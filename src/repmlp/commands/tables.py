@@ -1,30 +1,122 @@
-"""``repmlp tables``: the paper's model tables (structures, params, FLOPs) as computed by this package."""
+"""``repmlp tables``: the paper's model tables (structures, params, FLOPs) as computed by this package.
+
+With ``--speed``, the paper's speed tables instead: every row the paper timed (RepMLP-Res50's r/g and
+stage variants, the 320x320 comparisons with ResNet-101, NL- and GC-Res50 and the EfficientNets, the Light
+Block, the face models at batch 512 and 96x96, the PSPNets at batch 16 and 713x713) is built, converted,
+checked against its training-time form in full float32 and timed at the paper's batch and input, beside
+the paper's examples/s and ratios (see ``repmlp.speed``). Exit status 1 when a conversion check fails or
+a row could not be measured.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
+
+from ..errors import UserError
+
+log = logging.getLogger(__name__)
+
+_SPEED_ONLY = ("device", "precision", "quick", "rows", "path", "tf32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from ..cli import HelpFormatter
+    from ..speed import PATHS
+
     p = subparsers.add_parser(
         "tables",
-        help="print the paper's model tables (params, FLOPs) computed from the registered models",
+        help="print the paper's model tables (params, FLOPs), or with --speed its speed tables, measured here",
         description=__doc__,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown to this file")
+    p.add_argument("--speed", action="store_true", help="measure the paper's speed tables on this machine")
+    speed = p.add_argument_group("--speed options")
+    speed.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N or auto (default: auto, CUDA when available)"
+    )
+    speed.add_argument(
+        "--precision",
+        nargs="+",
+        choices=("fp32", "fp16", "bf16"),
+        default=None,
+        help="time the converted models in these precisions (fp16/bf16: weights and input cast, channels_last; "
+        "default: fp32)",
+    )
+    speed.add_argument(
+        "--quick",
+        action="store_true",
+        help="batch 1 and one timed pass per row: every row in minutes on a CPU",
+    )
+    speed.add_argument(
+        "--rows",
+        nargs="+",
+        metavar="TEXT",
+        default=None,
+        help="only the rows whose label, model or table contains one of these (e.g. c4 face), with the "
+        "references of their ratios",
+    )
+    speed.add_argument(
+        "--path",
+        choices=sorted(PATHS),
+        default=None,
+        help="how the converted models run (repmlp.speed.PATHS; default: eager)",
+    )
+    speed.add_argument(
+        "--tf32",
+        action="store_true",
+        help="let fp32 timings use TF32 (off by default, as on the paper's GPU)",
+    )
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import atomic_write_text
-    from ..tables import render_tables
     from ._common import check_report_output
 
     check_report_output(args.output)
-    text = render_tables()
-    print(text)
+    if not args.speed:
+        given = [f"--{name}" for name in _SPEED_ONLY if getattr(args, name) not in (None, False)]
+        if given:
+            raise UserError(f"{', '.join(given)} apply to the speed tables: add --speed")
+        from ..tables import render_tables
+
+        text = render_tables()
+    else:
+        text, ok = _speed(args)
+    print(text, end="" if text.endswith("\n") else "\n")
     if args.output is not None:
         atomic_write_text(args.output, text if text.endswith("\n") else text + "\n")
-    return 0
+    return 0 if not args.speed or ok else 1
+
+
+def _speed(args: argparse.Namespace) -> tuple[str, bool]:
+    """The speed tables' Markdown, and whether every row was measured and passed its check."""
+    import shlex
+
+    from ..engine import resolve_device
+    from ..speed import SpeedOptions, describe, measure_speed_rows, render_speed_tables, speed_rows
+
+    device = resolve_device(args.device or "auto")
+    rows = speed_rows(args.rows)
+    if not rows:
+        raise UserError(f"--rows {' '.join(args.rows)}: no speed row matches (see `repmlp tables --speed`)")
+    opts = SpeedOptions(
+        device=device,
+        precisions=tuple(dict.fromkeys(args.precision or ["fp32"])),
+        quick=args.quick,
+        path=args.path or "eager",
+        tf32=args.tf32,
+    )
+    results = measure_speed_rows(rows, opts)
+    command = "repmlp " + " ".join(shlex.quote(a) for a in args.argv)
+    text = render_speed_tables(results, opts, note=f"{describe(opts)} Command: `{command}`.")
+    bad = [r.label for r, res in results if res.error or not res.check_ok]
+    if bad:
+        log.error(
+            "%d row(s) failed their conversion check or could not be measured: %s", len(bad), ", ".join(bad)
+        )
+    return text, not bad

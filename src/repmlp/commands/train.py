@@ -105,6 +105,8 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
         task_args = parser.parse_args(task_argv(args.argv, command))
     except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    # For the one-line error of an out-of-memory run (repmlp.cli), which sees only the top-level options.
+    args.batch_size = getattr(task_args, "batch_size", None)
     # The task's typed config, built here at the command line's boundary.
     config = getattr(module, CONFIGS[args.task][phase]).from_args(task_args)
     if getattr(config, "output_json", None):  # never over a model file, a training state, a report
@@ -286,6 +288,7 @@ def resolve_config(args: argparse.Namespace):
         device=args.device,
         amp=args.amp,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         workers=args.workers,
         ckpt_every=args.ckpt_every,
         output=output,

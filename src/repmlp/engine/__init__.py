@@ -27,14 +27,17 @@ from .devices import (
     hardware_summary,
     keep_freed_memory,
     resolve_compile,
+    resolve_cuda_graphs,
     resolve_device,
     takes_img_size,
 )
 from .loop import (
+    GraphedModule,
     LoopHooks,
     LoopOptions,
     LoopResult,
     Position,
+    graph_module,
     loss_step,
     optimizer_step,
     progress,
@@ -66,6 +69,7 @@ from .state import (
 )
 
 __all__ = [
+    "GraphedModule",
     "DistInfo",
     "LOSS_FIELDS",
     "LoopHooks",
@@ -74,6 +78,7 @@ __all__ = [
     "METRICS_FILE",
     "Position",
     "REPORT_FILE",
+    "graph_module",
     "STATE_FILE",
     "all_reduce_sum",
     "amp_dtype",
@@ -87,6 +92,7 @@ __all__ = [
     "hardware_summary",
     "keep_freed_memory",
     "resolve_compile",
+    "resolve_cuda_graphs",
     "loss_step",
     "optimizer_step",
     "option_flag",

@@ -169,12 +169,41 @@ def keep_freed_memory() -> bool:
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
-def resolve_compile(choice: str, device: torch.device) -> bool:
-    """``--compile`` -> whether to ``torch.compile`` the training step. ``auto``: on CUDA, off elsewhere.
+def resolve_compile(choice: str, device: torch.device, graphs: bool = False) -> bool:
+    """``--compile`` -> whether to ``torch.compile`` the training step. ``auto``: on CUDA unless the step runs
+    as CUDA graphs (``graphs``, :func:`resolve_cuda_graphs`), off elsewhere.
 
     Off on CPU because compiling measured slower there: inductor's CPU kernels for the BatchNorm
     reductions over RepMLP's partition layouts are slower than the eager ones (benchmarks/bench_train.py).
+    On CUDA the eager step replayed as CUDA graphs beat the compiled step for RepMLP models, whose steps
+    are bound by the host's kernel launches, and it needs no compile time (docs/gpu.md).
     """
     if choice not in COMPILE_CHOICES:
         raise UserError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
-    return choice == "on" or (choice == "auto" and device.type == "cuda")
+    return choice == "on" or (choice == "auto" and device.type == "cuda" and not graphs)
+
+
+def resolve_cuda_graphs(
+    choice: str, device: torch.device, *, world: int, compile_choice: str, scaler: bool, auto: bool = True
+) -> bool:
+    """``--cuda-graphs`` -> whether the training module's forward and backward run as CUDA graphs
+    (:func:`repmlp.engine.loop.graph_module`).
+
+    ``auto``: on a CUDA device, in one process, without ``--compile on`` and without a gradient scaler (fp16
+    AMP), when the task supports it (``auto``); ``on`` asks for it and is refused where it cannot work;
+    ``off`` never. A graph replays one batch shape; other shapes run eagerly.
+    """
+    if choice not in COMPILE_CHOICES:
+        raise UserError(f"--cuda-graphs must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    possible = device.type == "cuda" and world == 1 and not scaler
+    if choice == "on":
+        why = (
+            "a CUDA device" if device.type != "cuda" else
+            "one process (not torchrun with several)" if world > 1 else
+            "bfloat16 or no AMP (fp16 AMP's gradient scaler cannot be captured)" if scaler else
+            "no --compile on" if compile_choice == "on" else ""
+        )  # fmt: skip
+        if why:
+            raise UserError(f"--cuda-graphs on needs {why}")
+        return True
+    return choice == "auto" and auto and possible and compile_choice != "on"

@@ -55,15 +55,14 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
-def run_in_processes(args, body: Callable[[Any, DistInfo], None]) -> int:
+def run_in_processes(args, body: Callable[[Any, DistInfo], int | None]) -> int:
     """``body(args, procs)`` with ``--threads`` applied, in the torchrun process group when there is one
-    (left again whatever happens). Returns exit status 0."""
+    (left again whatever happens). Returns the exit status ``body`` returns (``None``: 0)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     procs = setup_distributed(args.device)
     try:
-        body(args, procs)
-        return 0
+        return int(body(args, procs) or 0)
     finally:
         cleanup_distributed()
 

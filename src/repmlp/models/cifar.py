@@ -120,14 +120,13 @@ class PartitionConvBlock(FCBranches, nn.Module):
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
         # On a CPU with autograd the convs write the partition map's layout, or run as one FC, as in
-        # LocalPerceptron.forward.
-        grad = torch.is_grad_enabled()
-        if grad and not torch.jit.is_scripting() and self._fits_fc(parts):
+        # LocalPerceptron.forward; the layout is chosen when the conv runs (a torch.fx leaf).
+        if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(parts):
             return unpartition_like(x, self._forward_as_fc(parts), n, self.parts, self.parts, self.training)
-        out = self.conv.forward_in_input_layout(parts) if grad else self.conv(parts)
+        out = self.conv.forward_by_grad_mode(parts)
         if self.local is not None:
             for branch in self.local:
-                out = out + (branch.forward_in_input_layout(parts) if grad else branch(parts))
+                out = out + branch.forward_by_grad_mode(parts)
         return unpartition_like(x, out, n, self.parts, self.parts, self.training)
 
     def _conv_branches(self) -> list[ConvBN]:

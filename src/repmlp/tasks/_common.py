@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -58,11 +59,13 @@ class TrainOptions:
     threads: int | None
     stop_after_steps: int | None
     compile: str
+    cuda_graphs: str
 
-    # compile is a runtime option: a resumed run may change it (it changes rounding, not the maths).
+    # compile and CUDA graphs are runtime options: a resumed run may change them (they change rounding, not
+    # the maths).
     RUNTIME: ClassVar[frozenset[str]] = frozenset(
         {"data_dir", "output", "resume", "device", "workers", "threads", "log_interval", "ckpt_every",
-         "stop_after_steps", "compile"}
+         "stop_after_steps", "compile", "cuda_graphs"}
     )  # fmt: skip
 
     @classmethod
@@ -195,9 +198,19 @@ def check_train_options(args: TrainOptions) -> None:
 def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
-    from ..engine import LoopOptions, check_output, resolve_compile
+    from ..engine import LoopOptions, amp_dtype, check_output, resolve_compile, resolve_cuda_graphs
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
+    scaler = amp and amp_dtype(procs.device) == torch.float16
+    # CUDA graphs only when asked for (auto=False): this task's steps have not been measured with them.
+    graphs = resolve_cuda_graphs(
+        args.cuda_graphs,
+        procs.device,
+        world=procs.world,
+        compile_choice=args.compile,
+        scaler=scaler,
+        auto=False,
+    )
     # Every declared option but the runtime ones changes the maths: a resume must repeat them.
     config = {**args.maths(), "model_kwargs": model_kwargs, "amp": amp}
     opts = LoopOptions(
@@ -210,7 +223,8 @@ def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model
         amp=amp,
         stop_after_steps=args.stop_after_steps,
         extra_state={"model_kwargs": model_kwargs},
-        compile=resolve_compile(args.compile, procs.device),
+        cuda_graphs=graphs,
+        compile=resolve_compile(args.compile, procs.device, graphs),
     )
     return opts, check_output(opts.output, args.resume, procs)
 
@@ -252,27 +266,85 @@ def evaluate_both_forms(
     The training form runs first, so that non-finite outputs there are blamed on the weights and
     non-finite outputs of the converted model alone on the conversion.
     """
-    reference = evaluate(trained, "the training-form model") if check else None
-    try:
-        metrics = evaluate(deployed, "the converted model")
-    except NonFiniteOutput:
-        if reference is None:
-            raise
-        raise conversion_broke("the converted model") from None
+    from ..numerics import full_float32
+
+    # A check compares the forms in full float32 (TF32 rounding on a GPU would show as a difference);
+    # the converted model alone is evaluated in the session's own precision.
+    precision = full_float32() if check else contextlib.nullcontext()
+    with precision:
+        reference = evaluate(trained, "the training-form model") if check else None
+        try:
+            metrics = evaluate(deployed, "the converted model")
+        except NonFiniteOutput:
+            if reference is None:
+                raise
+            raise conversion_broke("the converted model") from None
     if reference is not None:
         metrics["train_form"] = reference
     return metrics
 
 
+# Converted outputs must match the training form's to float rounding: max |diff| / max |training-form output|.
+CONVERSION_RTOL = 1e-4
+
+
+@dataclass
+class ConversionCheck:
+    """How far the converted model's outputs are from the training form's on ``inputs`` random inputs."""
+
+    max_abs_diff: float
+    max_rel_diff: float  # relative to the largest training-form output
+    inputs: int
+
+    @property
+    def equivalent(self) -> bool:
+        return self.max_rel_diff <= CONVERSION_RTOL
+
+    def summary(self) -> str:
+        """One line for logs and reports."""
+        verdict = "equivalent" if self.equivalent else "NOT EQUIVALENT"
+        return (
+            f"conversion check on {self.inputs} random inputs, both forms in full float32 (no autocast, no "
+            f"TF32): max |output diff| {self.max_abs_diff:.2e} (relative {self.max_rel_diff:.2e}, tolerance "
+            f"{CONVERSION_RTOL:g}) -> {verdict}"
+        )
+
+
+def check_conversion(
+    trained: nn.Module, deployed: nn.Module, input_size: tuple[int, ...], n: int = 2
+) -> ConversionCheck:
+    """Run both forms (eval mode, same device) on ``n`` seeded random inputs ``(n, *input_size)`` in full
+    float32 and compare their (first) outputs: embeddings ``(n, D)`` or logits ``(n, K[, H, W])``."""
+    from ..numerics import full_float32
+
+    device = next(trained.parameters()).device
+    x = torch.randn(n, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode(), full_float32():
+        ref, out = (_first_output(m(x)).double() for m in (trained, deployed))
+    diff = (ref - out).abs().max().item()
+    return ConversionCheck(diff, diff / max(ref.abs().max().item(), 1e-12), n)
+
+
+def _first_output(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 def save_run(
-    out: Path, trained: nn.Module, name: str, kwargs: dict[str, Any], meta: dict[str, Any], history: list
-) -> None:
+    out: Path,
+    trained: nn.Module,
+    name: str,
+    kwargs: dict[str, Any],
+    meta: dict[str, Any],
+    history: list,
+    input_size: tuple[int, ...],
+) -> ConversionCheck:
     """Write a task run: ``model.safetensors`` (training form), ``deploy.safetensors`` (converted,
-    loads into ``create_model(name, deploy=True, **kwargs)``) and ``train_log.json``."""
+    loads into ``create_model(name, deploy=True, **kwargs)``) and ``train_log.json``; returns the
+    conversion check (:func:`check_conversion` on inputs of ``input_size``, ``(C, H, W)``), logged too."""
     from ..checkpoint import save_model
     from ..convert import reparameterize_model
 
-    trained = trained.eval()
+    trained = trained.float().eval()
     save_model(out / "model.safetensors", trained, name=name, model_kwargs=kwargs, form="train", extra=meta)
     deployed = reparameterize_model(trained)
     save_model(
@@ -283,6 +355,9 @@ def save_run(
         {"task": meta.get("task"), "model": name, "model_kwargs": kwargs, "history": history},
     )
     log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
+    check = check_conversion(trained, deployed, input_size)
+    (log.info if check.equivalent else log.error)("%s", check.summary())
+    return check
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -49,6 +49,7 @@ from ..engine import (
     check_resumable,
     prepare_module,
     resolve_compile,
+    resolve_cuda_graphs,
     setup_distributed,
     train_loop,
 )
@@ -136,6 +137,7 @@ class TrainConfig:
     output: str = "runs/latest"
 
     compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
+    cuda_graphs: str = "auto"  # --cuda-graphs: auto, on, off (see repmlp.engine.resolve_cuda_graphs)
     # Image folders: the images' channels and normalisation (None: RGB, ImageNet's mean/std); with --init
     # they default to the init file's (its recorded preprocessing), so they change the maths.
     channels: int | None = None
@@ -164,6 +166,7 @@ class TrainConfig:
         "bench_batch_size",
         "run_command",
         "resumed_with",
+        "cuda_graphs",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -605,6 +608,14 @@ def run_training(
     di = setup_distributed(cfg.device)
     if cfg.batch_size % di.world:
         raise UserError(f"--batch-size {cfg.batch_size} is not divisible by the {di.world} processes")
+    amp = cfg.amp if cfg.amp is not None else di.device.type == "cuda"
+    graphs = resolve_cuda_graphs(  # before anything is written: a refused --cuda-graphs on is a usage error
+        cfg.cuda_graphs,
+        di.device,
+        world=di.world,
+        compile_choice=cfg.compile,
+        scaler=amp and amp_dtype(di.device) == torch.float16,
+    )
     cfg, state = _open_run(cfg, resume, given, di, finished_ok)
     cfg.amp = (
         cfg.amp if cfg.amp is not None else di.device.type == "cuda"
@@ -616,6 +627,7 @@ def run_training(
     total = steps_per_epoch * cfg.epochs
     if di.is_main:
         _log_start(cfg, model, data, di)
+
     opts = LoopOptions(
         output=Path(cfg.output),
         config=cfg.to_dict(),
@@ -628,7 +640,8 @@ def run_training(
         # The --init report travels in the checkpoint: a resumed run reports it without the file.
         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})},
         metric_fields=METRIC_FIELDS,
-        compile=resolve_compile(cfg.compile, di.device),
+        cuda_graphs=graphs,
+        compile=resolve_compile(cfg.compile, di.device, graphs),
     )
     task = _Hooks(cfg, di, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.

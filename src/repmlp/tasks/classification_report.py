@@ -23,6 +23,7 @@ from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save
 from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
 from ..finetune import report_lines
 from ..metrics import accuracy, compare_logits
+from ..numerics import full_float32, run_precision
 
 if TYPE_CHECKING:
     from .classification import TrainResult
@@ -180,12 +181,14 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     }
     if data.eval_preprocessing:  # an image folder's own normalisation (e.g. a fine-tuned greyscale model)
         extra["eval_preprocessing"] = data.eval_preprocessing
-    # Float32 for the equivalence check: AMP rounding would hide (or fake) conversion errors.
+    # Full float32 for the equivalence check (no AMP, no TF32, whatever the run trained with): their
+    # rounding (TF32 keeps 10 mantissa bits, ~5e-4) would hide or fake conversion errors.
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
     save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
                extra=extra)  # fmt: skip
     log.info("evaluating the training-time model ...")
-    ref_logits, labels = predict(model, val, device)
+    with full_float32():
+        ref_logits, labels = predict(model, val, device)
     t = time.perf_counter()
     deployed = reparameterize_model(model.eval())
     convert_s = time.perf_counter() - t
@@ -193,7 +196,8 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
                form="deploy", extra=extra)  # fmt: skip
     # Check the file, not the in-memory object: a deploy=True model must load it strictly.
     deployed, _ = load_model(out / "deploy.safetensors", device=device, form="deploy")
-    dep_logits, _ = predict(deployed, val, device)
+    with full_float32():
+        dep_logits, _ = predict(deployed, val, device)
     outcome = Outcome(accuracy(ref_logits, labels), accuracy(dep_logits, labels),
                       compare_logits(ref_logits, dep_logits), convert_s)  # fmt: skip
     log.info(
@@ -270,6 +274,9 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
         f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
         f"- Model options: `{result.model_kwargs}`",
+        f"- Precision: training and the per-epoch validation of the training curve in "
+        f"{run_precision(result.dist_info.device, bool(cfg.amp), amp_dtype(result.dist_info.device))}; "
+        "the accuracies of both forms and the conversion check in full float32 (no autocast, no TF32)",
         *report_lines(result.init),
         f"- Replicas: {len(hashes)} process(es), final weights sha256 "
         + ", ".join(f"rank {r}: `{h[:16]}`" for r, h in enumerate(hashes))
@@ -284,6 +291,8 @@ def _accuracy_lines(outcome: Outcome) -> list[str]:
     return [
         "",
         "## Accuracy",
+        "",
+        "Both forms on the whole validation set in full float32 (no autocast, no TF32):",
         "",
         "| form | top-1 (%) | top-5 (%) |",
         "|---|---|---|",

@@ -136,7 +136,7 @@ def train(args: FaceTrainConfig) -> int:
     return run_in_processes(args, _train)
 
 
-def _train(args: FaceTrainConfig, procs) -> None:
+def _train(args: FaceTrainConfig, procs) -> int:
     from ..data.face import FaceFolder
     from ..engine import prepare_module, train_loop, write_run_report
     from ..losses import AMSoftmax
@@ -179,7 +179,9 @@ def _train(args: FaceTrainConfig, procs) -> None:
     history = loop.history
     if procs.is_main:
         meta = {"task": "face", "identities": str(len(dataset.classes)), "iterations": str(args.iterations)}
-        save_run(opts.output, unwrap(net).model, args.model, kwargs, meta, history)
+        trained = unwrap(net).model
+        input_size = (getattr(trained, "in_chans", 3), size, size)
+        check = save_run(opts.output, trained, args.model, kwargs, meta, history, input_size)
         section = [
             f"- Data: {loader.num_samples} face crops of {len(dataset.classes)} identities ({args.data_dir})",
             f"- Model: `{args.model}` {kwargs}, AM-Softmax s={args.am_scale:g} m={args.am_margin:g}",
@@ -189,9 +191,12 @@ def _train(args: FaceTrainConfig, procs) -> None:
             f"{loop.mode} training step",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task face`",
+            f"- Conversion: {check.summary()}",
             *report_lines(init),
         ]
         write_run_report(opts.output, f"repmlp face run: {args.model}", history, section)
+        return 0 if check.equivalent else 1
+    return 0
 
 
 def _init_trunk(model: nn.Module, path: str | None, procs) -> dict[str, Any] | None:

@@ -184,7 +184,7 @@ def _check_batches(args: SegTrainConfig, procs: DistInfo, images: int) -> int:
     return per_process
 
 
-def _train(args: SegTrainConfig, procs: DistInfo) -> None:
+def _train(args: SegTrainConfig, procs: DistInfo) -> int:
     from ..data.cityscapes import CityscapesSegmentation
     from ..engine import prepare_module, train_loop, write_run_report
 
@@ -223,7 +223,8 @@ def _train(args: SegTrainConfig, procs: DistInfo) -> None:
     history = loop.history
     if procs.is_main:
         meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
-        save_run(opts.output, model, args.model, kwargs, meta, history)
+        input_size = (getattr(model, "in_chans", 3), crop, crop)
+        check = save_run(opts.output, model, args.model, kwargs, meta, history, input_size)
         section = [
             f"- Data: {loader.num_samples} images of {args.data_dir} ({args.train_split}), crops {crop}x{crop}, "
             f"scale {args.scale_min:g}-{args.scale_max:g}",
@@ -234,9 +235,12 @@ def _train(args: SegTrainConfig, procs: DistInfo) -> None:
             f"{loop.mode} training step",
             "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
             "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task seg`",
+            f"- Conversion: {check.summary()}",
             *report_lines(init),
         ]
         write_run_report(opts.output, f"repmlp segmentation run: {args.model}", history, section)
+        return 0 if check.equivalent else 1
+    return 0
 
 
 @torch.no_grad()

@@ -1,0 +1,62 @@
+"""``benchmarks/gpu_check.sh``, the prepared script for a lent GPU, tried on the CPU: its dry run lists every
+step with its command and time limit within the 8-minute budget, and a quick CPU run of one step writes
+its files and ends with the summary."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from repmlp_testdata import subprocess_env
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+
+
+def gpu_check(*args: object, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          env=subprocess_env(**env), timeout=600)  # fmt: skip
+
+
+def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
+    data = tmp_path / "fmnist"
+    data.mkdir()
+    res = gpu_check("--dry-run", "--out", tmp_path / "out", REPMLP_FMNIST_DIR=str(data))
+    assert res.returncode == 0, res.stderr
+    steps = {m[0]: (int(m[1]), m[2]) for m in re.findall(r"^(\w+) +timeout +(\d+)s: (.*)$", res.stdout, re.M)}
+    assert {"main", "tier", "tables"} <= set(steps)
+    assert steps["main"][1].endswith(
+        f"-m repmlp train --device cuda --data-dir {data} --output {tmp_path}/out/main-job"
+    )
+    assert "-m pytest -q -m cuda tests -p no:cacheprovider --durations=15" in steps["tier"][1]
+    assert "-m repmlp tables --speed --device cuda --precision fp32 fp16 --output" in steps["tables"][1]
+    assert "benchmarks/bench_gpu.py --device cuda --phase train --graphs-only" in steps["bench"][1]
+    assert list(steps) == ["main", "bench", "tier", "tables"]  # by what a short lease needs most
+    # Each step has its own limit, and the script caps them all by a budget under 8 minutes.
+    assert all(0 < cap <= 240 for cap, _ in steps.values())
+    budget = int(re.search(r"^BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
+    assert budget <= 8 * 60
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_arguments_are_refused():
+    res = gpu_check("--device", "tpu", "--dry-run")
+    assert res.returncode == 2 and "--device cuda or cpu" in res.stderr
+    res = gpu_check("--frobnicate")
+    assert res.returncode == 2 and "unknown argument --frobnicate" in res.stderr
+
+
+@pytest.mark.slow  # a real step: the speed tables' face rows on the CPU (~20 s)
+def test_a_quick_cpu_run_writes_its_folder_and_ends_with_the_summary(tmp_path):
+    out = tmp_path / "out"
+    res = gpu_check("--device", "cpu", "--quick", "--only", "tables", "--out", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for name in ("environment.txt", "tables.log", "speed-tables.md", "summary.md"):
+        assert (out / name).is_file(), name
+    summary = (out / "summary.md").read_text()
+    assert res.stdout.endswith(summary)  # printed last
+    assert re.search(r"^\| tables \| ok \| \d+ \|$", summary, re.M)
+    assert "| RepMLP-FaceRes | `repmlp_face_resnet` | 96 | 1 |" in summary
+    assert "torch " in (out / "environment.txt").read_text()
