@@ -2,8 +2,11 @@
 
 Modelled on timm's own ``tests/test_models.py``: forward/backward, default cfg, forward_features /
 forward_head(pre_logits) / reset_classifier, features_only + feature_info, torch.fx symbolic tracing
-forward and backward. Full-size models run on the meta device (shapes only, nothing computed, so every
-check is cheap at the paper's resolutions); numerical checks use small configurations.
+forward and backward. Every model is also traced and its feature maps extracted as timm and torchvision
+do it for detection and segmentation (torchvision's ``create_feature_extractor``, timm's fx features):
+in eval mode without autograd and in train mode with autograd, the two ways a backbone runs. Full-size
+models run on the meta device (shapes only, nothing computed, so every check is cheap at the paper's
+resolutions); numerical checks use small configurations.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import timm
 import torch
 import torch.fx
 from torch import Tensor, nn
+from torchvision.models.feature_extraction import create_feature_extractor
 
 from repmlp import create_model, list_models
-from repmlp.models.sequence import RowSequenceMLP
 from zoo import shallow
 
 
@@ -46,16 +49,66 @@ def _meta_input(model: nn.Module, batch: int = 2) -> Tensor:
     return torch.randn(batch, c, h, w, device="meta")
 
 
+def _levels(model: nn.Module) -> list[str]:
+    """Module names of the feature maps a backbone user extracts: the model's ``feature_info``, or for the
+    PSPNets (no classifier contract) their backbone's levels, c2..c5."""
+    info = getattr(model, "feature_info", None)
+    if info is None:
+        return [f"backbone.{n}" for n in model.backbone.feature_info.module_name()]
+    return [f["module"] for f in info]
+
+
+def _eager_maps(model: nn.Module, names: list[str], x: Tensor) -> tuple[list[tuple[int, ...]], Tensor]:
+    """Shapes of the outputs of ``model``'s submodules ``names`` in an eager forward of ``x``, and its output."""
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def keep(name: str) -> object:
+        def hook(module: nn.Module, args: object, out: Tensor) -> None:  # None: the output stays
+            shapes[name] = tuple(out.shape)
+
+        return hook
+
+    hooks = [model.get_submodule(n).register_forward_hook(keep(n)) for n in names]
+    try:
+        out = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [shapes[n] for n in names], out
+
+
+@pytest.mark.filterwarnings("ignore:NOTE. The nodes obtained by tracing:UserWarning")  # PSPNet's aux head
 @pytest.mark.parametrize("name", ALL)
-def test_fx_trace_forward_backward(name: str) -> None:
-    """``torch.fx.symbolic_trace`` of every model (built shallow, every block kind: tests/zoo.py); the
-    traced module runs forward and backward."""
-    model = _meta_model(name, **shallow(name)).train()
-    traced = torch.fx.symbolic_trace(model)
+def test_fx_traces_and_extracts_in_both_modes(name: str) -> None:
+    """Every model (built shallow, every block kind: tests/zoo.py) as a detection or segmentation backbone:
+    torchvision's ``create_feature_extractor`` on its feature levels, traced without autograd (as under
+    ``torch.no_grad`` / ``torch.inference_mode``, timm's fx forward test): the eval graph, run without
+    autograd, gives the eager model's maps; the train graph runs with autograd and backward reaches every
+    parameter of the levels.
+
+    Traced with autograd (timm's fx backward test): the timm models through timm's fx features
+    (test_features_through_timms_fx_extractor), the others here by ``torch.fx.symbolic_trace`` in train
+    mode, run forward and backward.
+    """
+    model = _meta_model(name, **shallow(name)).eval()
     x = _meta_input(model)
-    outs, refs = traced(x), model(x)
-    outs, refs = (outs, refs) if isinstance(outs, tuple) else ((outs,), (refs,))  # PSPNet: (main, aux)
-    assert [o.shape for o in outs] == [r.shape for r in refs]
+    levels = _levels(model)
+    with torch.no_grad():
+        refs, out = _eager_maps(model, levels, x)
+        extractor = create_feature_extractor(model, return_nodes=levels)
+        assert [tuple(o.shape) for o in extractor.eval()(x).values()] == refs
+    maps = extractor.train()(x)
+    assert [tuple(o.shape) for o in maps.values()] == refs
+    sum(o.sum() for o in maps.values()).backward()
+    assert all(p.grad is not None for n in levels for p in model.get_submodule(n).parameters())
+    if name in TIMM:
+        return
+
+    model.zero_grad(set_to_none=True)
+    traced = torch.fx.symbolic_trace(model.train())
+    outs = traced(x)
+    outs = outs if isinstance(outs, tuple) else (outs,)  # PSPNet in training: (main, aux)
+    assert outs[0].shape == out.shape
     sum(o.sum() for o in outs).backward()
     grads = [p.grad for p in traced.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
@@ -71,10 +124,73 @@ def test_fx_traced_model_matches_eager_and_keeps_its_input_check(one_thread: Non
         traced(torch.randn(2, 1, 32, 32))
 
 
-def test_only_pspnet_stays_out_of_timms_registry() -> None:
-    """Every model of repmlp's registry is a timm model too, except the PSPNets (see docs/models.md)."""
-    assert set(list_models()) - set(TIMM) == {"pspnet_res50", "pspnet_repmlp_res50"}
-    assert {"repmlp_res50", "repmlp_cifar", "mobilefacenet", "face_resnet"} <= set(TIMM)
+@pytest.mark.parametrize(
+    "name, kwargs, channels_last",
+    [
+        ("repmlp_fmnist", {}, False),
+        ("repmlp_fmnist", {}, True),
+        ("repmlp1d_fmnist", dict(widths=(8, 16, 32)), False),
+    ],
+    ids=["2d", "2d-channels-last", "1d"],
+)
+def test_graphs_compute_the_models_bits_whatever_mode_they_were_traced_in(
+    name: str, kwargs: dict, channels_last: bool, one_thread: None
+) -> None:
+    """The Local Perceptron's layout and conv choices depend on the autograd mode and are made in torch.fx
+    leaves: a graph traced with or without autograd computes, run without autograd (eval; ``torch.no_grad``
+    and ``torch.inference_mode``) or with it (train: outputs and gradients), bitwise what the eager model
+    computes in that mode (one process: FC3's timed form is the same)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = create_model(name, **kwargs)
+    x = torch.randn(3, *model.pretrained_cfg["input_size"])
+    if channels_last:
+        model, x = (
+            model.to(memory_format=torch.channels_last),
+            x.contiguous(memory_format=torch.channels_last),
+        )
+
+    def trace(mode: bool, grad: bool) -> nn.Module:
+        with torch.set_grad_enabled(grad):
+            return torch.fx.symbolic_trace(copy.deepcopy(model).train(mode))
+
+    def train_step(m: nn.Module) -> tuple[Tensor, dict[str, Tensor | None]]:
+        out = m(x)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    with torch.no_grad():
+        ref = model.eval()(x)
+    ref_out, ref_grads = train_step(copy.deepcopy(model).train())
+    for grad in (False, True):
+        evaluating = trace(False, grad)
+        with torch.no_grad():
+            assert torch.equal(evaluating(x), ref)
+        with torch.inference_mode():  # as timm's fx forward test runs it
+            assert torch.equal(evaluating(x), ref)
+        out, grads = train_step(trace(True, grad))
+        assert torch.equal(out, ref_out)
+        assert grads.keys() == ref_grads.keys()
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+def test_models_outside_timms_registry() -> None:
+    """Every model of repmlp's registry is a timm model too, except those outside timm's image-model
+    contract (docs/models.md): the PSPNets (dense predictors) and the sequence models, whose feature maps
+    are 1-D. Those build with repmlp, their feature levels too, and timm does not know their names."""
+    one_d = {"repmlp1d_fmnist", "conv1d_fmnist"}
+    assert set(list_models()) - set(TIMM) == {"pspnet_res50", "pspnet_repmlp_res50"} | one_d
+    assert {"repmlp_res50", "repmlp_cifar", "repmlp_fmnist_patch2", "mobilefacenet", "face_resnet"} <= set(
+        TIMM
+    )
+    for name in one_d:
+        with pytest.raises(RuntimeError, match="Unknown model"):
+            timm.create_model(name)
+        features = _meta_model(name, features_only=True).eval()
+        maps = features(torch.randn(2, 1, 28, 28, device="meta"))
+        assert [tuple(m.shape) for m in maps] == [(2, 64, 28), (2, 128, 14), (2, 128, 7)]
+        assert features.feature_info.channels() == [64, 128, 128]
 
 
 @pytest.mark.parametrize("name", TIMM)
@@ -90,6 +206,7 @@ def test_default_cfg(name: str) -> None:
     keys = model.state_dict().keys()
     assert cfg["first_conv"] + ".weight" in keys and cfg["classifier"] + ".weight" in keys
     feats = model.forward_features(_meta_input(model))
+    assert feats.dim() == 4, "timm's image models give (N, C, H, W) feature maps"
     assert feats.shape[1] == model.num_features and tuple(feats.shape[2:]) == cfg["pool_size"]
     if cfg["fixed_input_size"]:  # generic code must not feed other sizes: the model refuses them
         with pytest.raises(ValueError):
@@ -193,20 +310,19 @@ def test_face_models_global_pool(name: str) -> None:
 
 @pytest.mark.parametrize("name", TIMM)
 def test_features_only(name: str) -> None:
-    """timm's test_model_forward_features: features_only=True, feature_info channels and reductions
-    (built shallow, every block kind: tests/zoo.py)."""
+    """timm's test_model_forward_features: features_only=True gives at least 3 levels (timm's backbones'
+    minimum), 2-D maps of feature_info's channels and reductions (built shallow, every block kind:
+    tests/zoo.py)."""
     full = _meta_model(name, **shallow(name))
     n = len(full.feature_info)
     model = _meta_model(name, features_only=True, **shallow(name)).eval()
     x = _meta_input(full)
     outs = model(x)
     info = model.feature_info
-    assert len(outs) == len(info.channels()) == n
+    assert len(outs) == len(info.channels()) == n >= 3
     for out, chans, red in zip(outs, info.channels(), info.reduction(), strict=True):
-        reduced = tuple(s // red for s in x.shape[2:])
-        if isinstance(full, RowSequenceMLP):  # an image read as a sequence of rows: 1-D maps (the rows)
-            reduced = reduced[:1]
-        assert out.shape[1] == chans and tuple(out.shape[2:]) == reduced
+        assert out.dim() == 4 and out.shape[1] == chans
+        assert tuple(out.shape[2:]) == tuple(s // red for s in x.shape[2:])
     last = _meta_model(name, features_only=True, out_indices=(n - 2, n - 1), **shallow(name)).eval()
     assert [o.shape for o in last(x)] == [o.shape for o in outs[-2:]]
     assert last.feature_info.channels() == info.channels()[-2:]
@@ -214,12 +330,22 @@ def test_features_only(name: str) -> None:
 
 @pytest.mark.parametrize("name", TIMM)
 def test_features_through_timms_fx_extractor(name: str) -> None:
-    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based) gives the same maps as features_only
-    (built shallow, every block kind: tests/zoo.py)."""
+    """``feature_cls="fx"`` (timm's FeatureGraphNet, torch.fx based), traced with autograd (timm's fx
+    backward test; test_fx_traces_and_extracts_in_both_modes traces without): run without autograd in eval
+    mode it gives feature_info's maps (as features_only, test_features_only); in train mode with autograd
+    it runs backward (built shallow, every block kind: tests/zoo.py)."""
     model = _meta_model(name, features_only=True, feature_cls="fx", **shallow(name)).eval()
-    ref = _meta_model(name, features_only=True, **shallow(name)).eval()
-    x = _meta_input(_meta_model(name))
-    assert [o.shape for o in model(x)] == [o.shape for o in ref(x)]
+    x = _meta_input(model)
+    with torch.no_grad():
+        maps = model(x)
+    info = model.feature_info
+    sizes = zip(info.channels(), info.reduction(), strict=True)
+    expected = [(2, c, *(s // r for s in x.shape[2:])) for c, r in sizes]
+    assert [tuple(o.shape) for o in maps] == expected
+    maps = model.train()(x)
+    assert [tuple(o.shape) for o in maps] == expected
+    sum(o.sum() for o in maps).backward()
+    assert all(p.grad is not None for p in model.parameters())  # the graph holds the levels' layers only
 
 
 @pytest.mark.parametrize("name", TIMM)

@@ -49,7 +49,7 @@ class Recipe:
 PRESETS: dict[str, Recipe] = {
     "fmnist": Recipe(
         # repmlp_fmnist until issue 19: the patch stem halves the stages' resolution, so that five epochs fit
-        # in five minutes on the slowest 2-core CPU, at the same accuracy (README, "Quickstart").
+        # in five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
         model="repmlp_fmnist_patch2",
         epochs=5,
         batch_size=256,

@@ -5,6 +5,15 @@ Debian's ``dataset-fashion-mnist``, about five minutes on a 2-core CPU. ``--pres
 the paper's recipes; every preset value can be overridden. Under ``torchrun --nproc_per_node N`` the same
 command trains with DistributedDataParallel. ``--task face|seg`` runs the face-recognition or
 segmentation pipeline instead (their options: ``repmlp train --task face --help``).
+
+On a CUDA device (``--device auto`` picks one when there is one) training runs in AMP with bfloat16
+autocast (float16 with a gradient scaler on GPUs without bfloat16; ``--no-amp`` for float32), channels_last
+activations, float32 convolutions in TF32 (PyTorch's default for cuDNN; float32 matmuls stay full float32)
+and ``cudnn.benchmark`` left off (PyTorch's default). On one GPU the model's forward and backward are
+captured once as CUDA graphs and replayed every step (``--cuda-graphs auto``; no compile then); with
+several GPUs, and for the face and segmentation tasks, the step is ``torch.compile``-d (``--compile
+auto``). The RepMLP blocks train in their dense form on CUDA (repmlp.dense), in the conv form inside CUDA
+graphs. The conversion check always runs in full float32. Measurements: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class PureMLP(PooledClassifierMixin, nn.Module):
             ``groups``): the ablation study's knob for a cheaper run of the same architectures.
         patch_size: ``p``; the stem is an FC on each non-overlapping ``p x p`` patch (a ``p x p`` conv of
             stride ``p``, as MLP-Mixer's patch embedding), so the stages run at ``img_size / p``; 1 (the
-            paper's 1x1 FC) by default.
+            paper's 1x1 FC) by default. A stem with ``p > 1`` is the first entry of ``feature_info``.
         num_classes, in_chans, deploy: as everywhere.
         global_pool: ``"avg"`` or ``""`` (no pooling), as timm's models.
 
@@ -303,6 +303,10 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         )
         for info in self.feature_info:
             info["reduction"] *= patch_size
+        if patch_size > 1:
+            # A stem that downsamples is a feature level of its own, as timm lists ResNet's (stride 2): so a
+            # two-stage model still has the three levels timm's backbones give (docs/models.md).
+            self.feature_info.insert(0, dict(num_chs=widths[0], reduction=patch_size, module="stem"))
         self.num_features = self.head_hidden_size = widths[-1]
         self.reset_classifier(num_classes, global_pool)
 
@@ -326,10 +330,11 @@ def pure_mlp_cfg(
     mean: tuple[float, ...],
     std: tuple[float, ...],
     pool_size: tuple[int, ...],
-    stages: int,
+    levels: int,
 ) -> dict[str, Any]:
     """timm's ``pretrained_cfg`` of a pure MLP for 10 classes (head ``head``, stem ``stem.conv``, fixed
-    input size) whose last features are ``pool_size`` and whose ``stages`` stages give features."""
+    input size) whose last features are ``pool_size`` and which has ``levels`` feature levels (its
+    ``feature_info``: the stages, after a downsampling stem)."""
     return dict(
         input_size=input_size,
         num_classes=10,
@@ -340,16 +345,16 @@ def pure_mlp_cfg(
         first_conv="stem.conv",
         pool_size=pool_size,
         fixed_input_size=True,
-        feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(stages))),
+        feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(levels))),
     )
 
 
-def fmnist_cfg(pool_size: tuple[int, ...], stages: int) -> dict[str, Any]:
+def fmnist_cfg(pool_size: tuple[int, ...], levels: int) -> dict[str, Any]:
     """:func:`pure_mlp_cfg` of a Fashion-MNIST model (28x28x1)."""
-    return pure_mlp_cfg((1, 28, 28), _FMNIST_MEAN, _FMNIST_STD, pool_size, stages)
+    return pure_mlp_cfg((1, 28, 28), _FMNIST_MEAN, _FMNIST_STD, pool_size, levels)
 
 
-_CIFAR_CFG = pure_mlp_cfg((3, 32, 32), _CIFAR_MEAN, _CIFAR_STD, (8, 8), stages=3)
+_CIFAR_CFG = pure_mlp_cfg((3, 32, 32), _CIFAR_MEAN, _CIFAR_STD, (8, 8), levels=3)
 
 
 @register_model(**_CIFAR_CFG)
@@ -388,7 +393,7 @@ def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return PureMLP(**{"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128), **kwargs})
 
 
-@register_model(**fmnist_cfg((7, 7), stages=3))
+@register_model(**fmnist_cfg((7, 7), levels=3))
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes.
 
@@ -401,13 +406,14 @@ def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return PureMLP(**{**defaults, **kwargs})
 
 
-@register_model(**fmnist_cfg((7, 7), stages=2))
+@register_model(**fmnist_cfg((7, 7), levels=3))  # the patch stem and two stages
 def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The main job's model: :func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two
     stages run at 14 and 7 (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron,
     at 7 one partition). Cheaper to train on a CPU than ``repmlp_fmnist``, whose first stage runs at
     28x28 on 8 channels (a slow case for the CPU kernels), at the same accuracy in the main job's five
-    epochs (README; ``benchmarks/bench_train.py``, case ``main job``)."""
+    epochs (``benchmarks/bench_train.py``, case ``main job``). Its feature levels (``features_only``): the
+    stem's 14x14 map and both stages' (strides 2, 2, 4)."""
     defaults: dict[str, Any] = dict(
         widths=(16, 32),
         img_size=28,

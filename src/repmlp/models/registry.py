@@ -36,7 +36,10 @@ _CFGS: dict[str, dict[str, Any]] = {}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-_FEATURE_CFGS: dict[str, dict[str, Any]] = {}  # timm-registered models: their feature_cfg
+# Models built through timm's build_model_with_cfg (those registered with timm, and repmlp-only models with
+# feature levels): their feature_cfg. _TIMM_NAMES: the ones registered with timm.
+_FEATURE_CFGS: dict[str, dict[str, Any]] = {}
+_TIMM_NAMES: set[str] = set()
 
 # Keyword arguments timm's factory passes to every entrypoint; our builders do not use them.
 _TIMM_ONLY_KWARGS = ("pretrained_cfg", "cache_dir")
@@ -83,7 +86,10 @@ def register_model(
     timm's ``build_model_with_cfg``: ``features_only=True`` (with ``out_indices``) then wraps it in
     timm's feature extractor chosen by ``feature_cfg`` (``FeatureListNet`` on the model's
     ``feature_info`` by default; ``feature_cls="getter"`` for models with ``forward_intermediates``).
-    ``timm=False`` keeps it in repmlp's registry only (models outside timm's classifier contract).
+    ``timm=False`` keeps it in repmlp's registry only, for models outside timm's image-model contract (a
+    dense predictor, 1-D feature maps): ``timm.create_model`` does not know the name. Such a model given a
+    ``feature_cfg`` is still built by ``build_model_with_cfg`` (its cfg passed explicitly), so
+    ``repmlp.create_model(name, features_only=True)`` wraps it as timm would.
     """
 
     def wrap(fn: ModelFn) -> ModelFn:
@@ -91,10 +97,21 @@ def register_model(
         _MODELS[name] = fn
         _CFGS[name] = _default_cfg(name, **cfg)
         if timm and _register_with_timm(name, fn):
+            _TIMM_NAMES.add(name)
             _FEATURE_CFGS[name] = dict(feature_cfg or {})
+        elif feature_cfg is not None and _timm_importable():
+            _FEATURE_CFGS[name] = dict(feature_cfg)
         return fn
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _timm_importable() -> bool:
+    try:
+        import timm.models  # noqa: F401
+    except ImportError:  # timm is a dependency, but the registry works without it
+        return False
+    return True
 
 
 def _register_with_timm(name: str, fn: ModelFn) -> bool:
@@ -193,6 +210,14 @@ def _build(
     return model
 
 
+def _pretrained_cfg_arg(name: str, given: Any) -> Any:
+    """``build_model_with_cfg``'s ``pretrained_cfg``: the one given, else none for a model registered with timm
+    (timm's registry holds its cfg), else the model's own cfg (a repmlp-only model)."""
+    if given is not None or name in _TIMM_NAMES:
+        return given
+    return dict(_CFGS[name])
+
+
 def _build_empty(name: str, *, pretrained_cfg_overlay: dict | None = None, **kwargs: Any) -> nn.Module:
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
     if name in _FEATURE_CFGS:
@@ -202,6 +227,7 @@ def _build_empty(name: str, *, pretrained_cfg_overlay: dict | None = None, **kwa
             functools.partial(_call_builder, _MODELS[name]),
             name,
             pretrained=False,
+            pretrained_cfg=_pretrained_cfg_arg(name, kwargs.pop("pretrained_cfg", None)),
             pretrained_cfg_overlay=pretrained_cfg_overlay,
             feature_cfg=dict(_FEATURE_CFGS[name]),
             **kwargs,
