@@ -353,7 +353,8 @@ def set_train_form(model: nn.Module, form: str) -> int:
     """Set :attr:`RepMLPBlock.train_form` on every 2-D RepMLP block in ``model``; returns how many.
 
     ``"auto"`` (the default): FC3 and the Local Perceptron as dense batched matmuls when the block's
-    parameters are on a CUDA device (much faster there), the paper's conv-BN branches elsewhere;
+    parameters are on a CUDA device (fewer, larger kernels: eager training steps ran 3-18% faster there,
+    docs/gpu.md), the paper's conv-BN branches elsewhere;
     ``"conv"`` / ``"dense"`` pin one form. Both compute the same function (BatchNorms on batch statistics
     in training) to float rounding; evaluation mode always runs the conv form.
     """

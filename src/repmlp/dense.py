@@ -2,14 +2,15 @@
 
 The paper's identity (Sec. 3.3): a same-padded conv on an ``h x w`` partition is an FC whose kernel holds
 the conv's weights at fixed places and zeros elsewhere. On a GPU the Local Perceptron's convs are grouped
-convs with a few channels a group on ``7 x 7`` maps, shapes cuDNN runs far below its matmul rate, while
-the same sums as batched matmuls run on the tensor cores (``benchmarks/bench_gpu.py``). So a training step
-there computes every branch as an FC: the kernel is expanded into its dense FC (a view of the zero-padded
-kernel, materialised once a step; autograd sums the FC's gradient back onto the kernel), one ``bmm`` gives
-the branch's pre-BN output, and the branch's own BatchNorm normalises it on batch statistics, as the conv
-form does. The dense FCs cost ``h*w / (kh*kw)`` times the convs' multiply-accumulates (zeros), which the
-matmul rate repays many times over on a GPU; on a CPU the conv form (with :mod:`repmlp.branches_fc` for
-narrow groups) stays.
+convs with a few channels a group on ``7 x 7`` maps, each launched with its own BatchNorm, while the same
+sums as batched matmuls are a few large kernels on the tensor cores. So an eager training step there
+computes every branch as an FC: the kernel is expanded into its dense FC (a view of the zero-padded kernel,
+materialised once a step; autograd sums the FC's gradient back onto the kernel), one ``bmm`` gives the
+branch's pre-BN output, and the branch's own BatchNorm normalises it on batch statistics, as the conv form
+does. The dense FCs cost ``h*w / (kh*kw)`` times the convs' multiply-accumulates (zeros). Measured on an
+H200 (``benchmarks/bench_gpu.py``, docs/gpu.md): eager training steps 3-18% faster than the conv form; as
+CUDA graphs, where launches cost nothing, the conv form was 1-9% faster, and the engine uses it there. On a
+CPU the conv form (with :mod:`repmlp.branches_fc` for narrow groups) stays.
 
 Layout: the partitions are *columns*, ``(g, C/g*h*w, B)`` with ``B = N*Hp*Wp``, so that every output is
 ``(O*h*w, B)`` in memory: FC3's ``BatchNorm1d(O*h*w)`` normalises it as ``(1, O*h*w, B)`` (features x
