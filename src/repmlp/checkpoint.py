@@ -147,16 +147,8 @@ def load_model(
     ``meta`` device and compared with the file's tensors before the real one is built
     (:mod:`repmlp.modelfile`): a file from elsewhere cannot make this allocate more than it holds.
     """
-    from .modelfile import parse_metadata
-    from .models.registry import model_options
-
     path = Path(path)
-    tensors, meta = read_tensors(path)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(_not_a_model_file(path, meta))
-    fm = parse_metadata(path, meta, model_options)
-    if form is not None and form != fm.form:
-        raise CheckpointError(f"{path} holds the {fm.form!r} form of {fm.model}, expected the {form!r} form")
+    tensors, fm = _checked_metadata(path, form)
     model = _build_for(fm, tensors)
     _load_strict(model, tensors, path, fm.model, fm.form)
     channels_last_weights_on_cpu(model.to(device).eval())
@@ -165,21 +157,31 @@ def load_model(
     return model, info
 
 
-def read_model_file(path: str | os.PathLike, *, form: Form | None = None) -> tuple[dict[str, Tensor], Any]:
-    """The tensors and checked metadata (:class:`repmlp.modelfile.ModelFileMeta`) of a float model file,
-    the model its metadata describes checked against the tensors on the ``meta`` device: what
-    ``--init`` and the backbone loaders read, which build a model of their own. ``form`` (if given) must
-    be the file's."""
-    from .modelfile import check_fit, parse_metadata
-    from .models.registry import create_model, model_options
+def _checked_metadata(path: Path, form: Form | None) -> tuple[dict[str, Tensor], Any]:
+    """The tensors of the model file ``path`` and its metadata, checked field by field
+    (:func:`repmlp.modelfile.parse_metadata`); ``form`` (if given) must be the file's."""
+    from .modelfile import parse_metadata
+    from .models.registry import model_options
 
-    path = Path(path)
     tensors, meta = read_tensors(path)
     if meta.get("format") != FORMAT:
         raise CheckpointError(_not_a_model_file(path, meta))
     fm = parse_metadata(path, meta, model_options)
     if form is not None and form != fm.form:
         raise CheckpointError(f"{path} holds the {fm.form!r} form of {fm.model}, expected the {form!r} form")
+    return tensors, fm
+
+
+def read_model_file(path: str | os.PathLike, *, form: Form | None = None) -> tuple[dict[str, Tensor], Any]:
+    """The tensors and checked metadata (:class:`repmlp.modelfile.ModelFileMeta`) of a float model file,
+    the model its metadata describes checked against the tensors on the ``meta`` device: what
+    ``--init`` and the backbone loaders read, which build a model of their own. ``form`` (if given) must
+    be the file's."""
+    from .modelfile import check_fit
+    from .models.registry import create_model
+
+    path = Path(path)
+    tensors, fm = _checked_metadata(path, form)
     if fm.precision == "int8":
         raise CheckpointError(f"{path} is an int8 (ONNX) file: it holds a graph, not weights to train")
     check_fit(fm, tensors, create_model)
