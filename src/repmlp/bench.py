@@ -162,17 +162,7 @@ def benchmark(
 
         prepared = [prepare_for_device(net, x, path) for net in nets]
         nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
-    # Interleaved rounds (every form once per round): on a shared machine the load drifts, and
-    # interleaving makes the drift hit every form alike, so the ratios between them stay meaningful.
-    times: list[list[float]] = [[] for _ in nets]
-    with torch.inference_mode():
-        for net, xi in zip(nets, inputs, strict=True):
-            for _ in range(warmup):
-                net(xi)
-        sync_device(device)
-        for _ in range(repeats):
-            for i, net in enumerate(nets):
-                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
+    times = _time_interleaved(nets, inputs, warmup, repeats)
     rows: list[BenchRow] = []
     for (name, form, _, params, macs), t in zip(variants, times, strict=True):
         median = statistics.median(t)
@@ -204,6 +194,25 @@ def benchmark(
         if isinstance(net, nn.Module):
             net.to("cpu")
     return rows
+
+
+def _time_interleaved(
+    nets: Sequence, inputs: Sequence[torch.Tensor], warmup: int, repeats: int
+) -> list[list[float]]:
+    """Seconds of each pass of every ``nets[i](inputs[i])``, ``repeats`` of each after ``warmup`` untimed
+    ones, in interleaved rounds (every net once per round): on a shared machine the load drifts, and
+    interleaving makes the drift hit every form alike, so the ratios between them stay meaningful."""
+    times: list[list[float]] = [[] for _ in nets]
+    with torch.inference_mode():
+        for net, x in zip(nets, inputs, strict=True):
+            for _ in range(warmup):
+                net(x)
+        for x in inputs[:1]:
+            sync_device(x.device)
+        for _ in range(repeats):
+            for i, net in enumerate(nets):
+                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
+    return times
 
 
 def _is_deployed(model: nn.Module) -> bool:
