@@ -58,7 +58,11 @@ else
 fi
 MAIN_CMD=($PY -m repmlp train --device "$DEVICE" --data-dir "$DATA" --output "$OUT_DIR/main-job"
     ${MAIN_EXTRA[@]+"${MAIN_EXTRA[@]}"})
-TIER_CMD=($PY -m pytest -q -m cuda tests -p no:cacheprovider --durations=15 --junitxml "$OUT_DIR/cuda-tier.xml")
+# The tier as TIER_SHARDS pytest processes side by side (benchmarks/pytest_shards.sh): its tests are mostly
+# Python, subprocesses and compiles, which one process ran one after another (docs/gpu.md, run 2).
+TIER_SHARDS=${GPU_CHECK_TIER_SHARDS:-4}
+TIER_CMD=(bash benchmarks/pytest_shards.sh "$TIER_SHARDS" "$OUT_DIR/tier" -m cuda tests -p no:cacheprovider -v
+    -rfE --durations=10)
 TABLES_CMD=($PY -m repmlp tables --speed --device "$DEVICE" --precision fp32 fp16 --output "$OUT_DIR/speed-tables.md"
     ${TABLES_EXTRA[@]+"${TABLES_EXTRA[@]}"})
 # The training step of ResNet-50, RepMLP-Res50 and Light (batch 128, 224x224, bf16 and fp32) and of the
@@ -68,7 +72,7 @@ BENCH_CMD=($PY benchmarks/bench_gpu.py --device "$DEVICE" --phase train --graphs
     --budget-s 110 --build-s 60 --rounds 4 --round-s 0.15)
 [ "$QUICK" = 1 ] && BENCH_CMD=($PY benchmarks/bench_gpu.py --device "$DEVICE" --phase train --quick
     --out "$OUT_DIR/bench" --rounds 2 --round-s 0.05)
-declare -A CAP=([main]=90 [tier]=180 [tables]=200 [bench]=120)
+declare -A CAP=([main]=90 [tier]=180 [tables]=240 [bench]=120)
 
 declare -a NAMES STATUS TOOK
 START=$(date +%s)
@@ -152,7 +156,14 @@ if wanted tables; then run_step tables "${TABLES_CMD[@]}"; fi
     fi
     if [ -f "$OUT_DIR/tier.log" ]; then
         echo; echo "## CUDA tier"; echo
-        grep -E "^(FAILED|ERROR)|passed|failed|skipped|error" "$OUT_DIR/tier.log" | tail -n 15 | sed 's/^/    /'
+        for f in "$OUT_DIR"/tier-*.log; do
+            [ -f "$f" ] || continue
+            # A shard's result line, or what it had reported when the step was cut.
+            last=$(grep -E "^=+ .*(passed|failed|skipped|error|no tests ran).* =+$" "$f" | tail -n 1)
+            [ -n "$last" ] || last="cut: $(grep -c " PASSED" "$f") passed, $(grep -c " FAILED" "$f") failed so far"
+            echo "    $(basename "$f" .log): $last"
+            grep -E "^(FAILED|ERROR) " "$f" | sed 's/^/        /'
+        done
     fi
     if [ -f "$OUT_DIR/speed-tables.md" ]; then
         echo; echo "## speed tables ($OUT_DIR/speed-tables.md)"; echo

@@ -79,7 +79,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     import os
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    return {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", **extra}
+    # Not this process's test shard (benchmarks/pytest_shards.sh): a pytest started here selects its own tests.
+    env = {k: v for k, v in os.environ.items() if k != "REPMLP_TEST_SHARD"}
+    return {**env, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", **extra}
 
 
 def user_error_line(err: str) -> str:

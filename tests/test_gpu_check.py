@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from repmlp_testdata import subprocess_env
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SHARDS = ROOT / "benchmarks" / "pytest_shards.sh"
 
 
 def gpu_check(*args: object, **env: str) -> subprocess.CompletedProcess:
@@ -30,7 +33,9 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
     assert steps["main"][1].endswith(
         f"-m repmlp train --device cuda --data-dir {data} --output {tmp_path}/out/main-job"
     )
-    assert "-m pytest -q -m cuda tests -p no:cacheprovider --durations=15" in steps["tier"][1]
+    assert steps["tier"][1].startswith(
+        f"bash benchmarks/pytest_shards.sh 4 {tmp_path}/out/tier -m cuda tests "
+    )
     assert "-m repmlp tables --speed --device cuda --precision fp32 fp16 --output" in steps["tables"][1]
     assert "benchmarks/bench_gpu.py --device cuda --phase train --graphs-only" in steps["bench"][1]
     assert list(steps) == ["main", "bench", "tier", "tables"]  # by what a short lease needs most
@@ -60,3 +65,41 @@ def test_a_quick_cpu_run_writes_its_folder_and_ends_with_the_summary(tmp_path):
     assert re.search(r"^\| tables \| ok \| \d+ \|$", summary, re.M)
     assert "| RepMLP-FaceRes | `repmlp_face_resnet` | 96 | 1 |" in summary
     assert "torch " in (out / "environment.txt").read_text()
+
+
+def pytest_shards(n: object, prefix: Path, *args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SHARDS), str(n), str(prefix), "-p", "no:cacheprovider", *map(str, args)],
+                          capture_output=True, text=True, env=subprocess_env(PYTHON=sys.executable), cwd=ROOT,
+                          timeout=300)  # fmt: skip
+
+
+def collect(test_file: str, **env: str) -> subprocess.CompletedProcess:
+    """``pytest --collect-only -q`` of one test file in a process of its own, with ``env`` added."""
+    command = [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", test_file]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=subprocess_env(**env), cwd=ROOT, timeout=300
+    )
+
+
+def test_shards_split_the_selected_tests_between_processes(tmp_path):
+    # The tier's way on a GPU machine: 4 shards of test_layout.py's 3 tests, so one shard is left with none.
+    res = pytest_shards(4, tmp_path / "s", "-v", "tests/test_layout.py")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    ran = [re.findall(r"^(tests/\S+) PASSED", (tmp_path / f"s-{k}.log").read_text(), re.M) for k in range(4)]
+    assert sorted(len(r) for r in ran) == [0, 1, 1, 1]  # disjoint, one test each ...
+    every = re.findall(r"^def (test_\w+)", (ROOT / "tests" / "test_layout.py").read_text(), re.M)
+    assert sorted(sum(ran, [])) == sorted(
+        f"tests/test_layout.py::{name}" for name in every
+    )  # ... all of them
+    assert all((tmp_path / f"s-{k}.xml").is_file() for k in range(4))
+    assert [line for line in res.stdout.splitlines() if line.startswith("== shard")] == [
+        f"== shard {k}/4 ({tmp_path}/s-{k}.log)" for k in range(4)
+    ]
+
+
+def test_a_failing_shard_fails_the_run_and_bad_shards_are_refused(tmp_path):
+    res = pytest_shards(1, tmp_path / "s", "tests/no_such_file.py")
+    assert res.returncode == 4  # pytest's usage error, passed on
+    assert pytest_shards("0", tmp_path / "s").returncode == 2
+    res = collect("tests/test_layout.py", REPMLP_TEST_SHARD="3/3")
+    assert res.returncode != 0 and "REPMLP_TEST_SHARD must be K/N with 0 <= K < N, got '3/3'" in res.stderr
