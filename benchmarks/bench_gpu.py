@@ -15,7 +15,10 @@ compiled model replayed as a CUDA graph (``compile+graph``); fp16 (channels_last
 Training (``--phase train``; SGD with momentum, cross-entropy, batch 128, 224x224, channels_last): the same
 three models in AMP bf16 and in fp32 with TF32, eager and compiled, the RepMLP models in the paper's conv
 form and the dense form (:mod:`repmlp.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
-ConvNet at 32x32.
+ConvNet at 32x32. ``--graphs-only``: the steps as ``repmlp train`` runs them on one GPU (the module's forward
+and backward captured as CUDA graphs); ``--compiled-graphs``: the steps compiled with
+``mode="reduce-overhead"`` (inductor's kernels, which fuse BatchNorm's elementwise work with its
+neighbours', replayed as CUDA graphs), AMP bf16.
 
     PYTHONPATH=src python3 benchmarks/bench_gpu.py [--phase deploy,train] [--out DIR] [--budget-s 420]
     PYTHONPATH=src python3 benchmarks/bench_gpu.py --device cpu --quick      # a smoke run on the CPU
@@ -36,6 +39,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+# Training paths: eager, torch.compile's default mode, and reduce-overhead (inductor's fused kernels, its
+# graphs replayed as CUDA graphs). The suffix each adds to a variant's name.
+COMPILE_MODES = {"compile": None, "compile-ro": "reduce-overhead"}
+COMPILED_SUFFIX = {"compile": " compiled", "compile-ro": " compiled+graphs"}
 
 MODELS = {
     "tv_r50": ("ResNet-50 (torchvision)", None),
@@ -191,12 +199,16 @@ def train_worker(spec: dict) -> dict:
         classes = 1000 if model_name in ("tv_r50", "r50", "rmr50", "light") else 10
         y = torch.randint(0, classes, (batch,), device=device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-        net = torch.compile(model) if spec["path"] == "compile" else model
+        path = spec["path"]
+        net = torch.compile(model, mode=COMPILE_MODES[path]) if path in COMPILE_MODES else model
         t0 = time.perf_counter()
         if graphed:  # repmlp train's CUDA graphs: the module's forward and backward replayed as graphs
             net = graph_module(model, (x,), torch.bfloat16 if bf16 else None)
+        # reduce-overhead replays inductor's graphs: a new step may overwrite the last one's outputs.
+        mark_step = torch.compiler.cudagraph_mark_step_begin if path == "compile-ro" else (lambda: None)
 
-        def step(net=net, opt=opt, x=x, y=y) -> Tensor:  # noqa: ANN001
+        def step(net=net, opt=opt, x=x, y=y, mark_step=mark_step) -> Tensor:  # noqa: ANN001
+            mark_step()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = F.cross_entropy(net(x), y)
             opt.zero_grad(set_to_none=True)
@@ -204,12 +216,15 @@ def train_worker(spec: dict) -> dict:
             opt.step()
             return loss
 
-        losses = [float(step()) for _ in range(2)]
+        losses = [float(step().detach()) for _ in range(2)]
         if not all(math.isfinite(v) for v in losses):
             raise RuntimeError(f"{variant}: non-finite losses {losses}")
         facts[f"{variant} first_steps_s"] = round(time.perf_counter() - t0, 1)
-        name = f"{variant}" + (" compiled" if spec["path"] == "compile" else "")
-        fns[name] = step
+        if path == "compile-ro":  # whether inductor kept its CUDA graphs (it skips them on some patterns)
+            from torch._dynamo.utils import counters
+
+            facts[f"{variant} cudagraph_skips"] = dict(counters["inductor"]).get("cudagraph_skips", 0)
+        fns[variant + COMPILED_SUFFIX.get(path, "")] = step
     return {"fns": fns, "facts": facts}
 
 
@@ -346,11 +361,23 @@ def deploy_specs(device: str, quick: bool) -> list[dict]:
     return specs
 
 
-def train_specs(device: str, quick: bool, graphs_only: bool = False) -> list[dict]:
+def train_specs(
+    device: str, quick: bool, graphs_only: bool = False, compiled_graphs: bool = False
+) -> list[dict]:
     """The training configurations; ``graphs_only``: the steps replayed as CUDA graphs (the eager and
-    compiled ones of run 1 left out), with the main job's model eager too."""
+    compiled ones of run 1 left out), with the main job's model eager too; ``compiled_graphs``: only the
+    steps compiled with ``mode="reduce-overhead"``, AMP bf16 (ResNet-50, and the RepMLP models in both
+    training forms)."""
     img, batch = (112, 2) if quick else (224, 128)
     graph = "+graph" if device == "cuda" else ""
+    if compiled_graphs:
+        common = dict(
+            kind="train", device=device, img=img, batch=batch, precision="bf16" if not quick else "fp32"
+        )
+        # reduce-overhead's graphs need CUDA; --quick (a smoke run) compiles nothing
+        path = "eager" if quick else "compile-ro" if device == "cuda" else "compile"
+        models = ["tv_r50", "rmr50:conv", "rmr50:dense", "light:conv", "light:dense"]
+        return [dict(common, variants=[m], path=path) for m in models]
     specs = []
     for precision in ("bf16", "fp32") if not quick else ("fp32",):
         common = dict(kind="train", device=device, img=img, batch=batch, precision=precision)
@@ -488,7 +515,7 @@ def summarize(deploy: list[dict], train: list[dict]) -> str:
         for r in sorted(train, key=lambda r: (r["spec"]["precision"], r["variant"])):
             p, batch, compiled = r["spec"]["precision"], r["spec"]["batch"], "compiled" in r["variant"]
             suffix = "+graph" if r["variant"].split(" ")[0].endswith("+graph") else ""
-            refname = "tv_r50" + suffix + (" compiled" if compiled else "")
+            refname = "tv_r50" + suffix + (" " + r["variant"].partition(" ")[2] if compiled else "")
             if r["variant"].startswith("cifar"):
                 refname = "wide" + suffix
             if r["variant"].startswith("fmnist"):
@@ -563,6 +590,11 @@ def main() -> None:
         action="store_true",
         help="training: only the steps as CUDA graphs (and the main job's)",
     )
+    parser.add_argument(
+        "--compiled-graphs",
+        action="store_true",
+        help='training: only the steps compiled with mode="reduce-overhead" (AMP bf16)',
+    )
     args = parser.parse_args()
     start = time.monotonic()
     out = Path(args.out)
@@ -576,7 +608,7 @@ def main() -> None:
             specs = (
                 deploy_specs(args.device, args.quick)
                 if phase == "deploy"
-                else train_specs(args.device, args.quick, args.graphs_only)
+                else train_specs(args.device, args.quick, args.graphs_only, args.compiled_graphs)
             )
             rows, profs, builds = run_phase(specs, args, log, start)
             results[phase] = rows
