@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,15 +156,9 @@ def sample_fc3(
         return weight.reshape(out_c, h, w, cg, h, w)[out_channel, y, x, in_channel]
 
     largest = max(kernels, key=lambda k: k[0] * k[1]) if kernels else None
-    return FC3Sample(
-        block_name=name,
-        out_channel=out_channel,
-        in_channel=in_channel,
-        input_channel=(out_channel // (out_c // groups)) * cg + in_channel,
-        point=(y, x),
-        largest_kernel=largest,
-        train=fc3_log_weights(pick(fc3.detach())),
-        merged=fc3_log_weights(pick(block.merged_fc3()[0])),
+    layout = (out_c, groups, cg)
+    return _sample(
+        name, block, fc3, pick, layout, out_channel, in_channel, point=(y, x), largest_kernel=largest
     )
 
 
@@ -194,16 +188,39 @@ def _sample_fc3_1d(
         return weight.reshape(out_c, length, cg, length)[out_channel, :, in_channel, :]
 
     largest = max((k[0] for k in kernels), default=None)
+    layout = (out_c, groups, cg)
+    return _sample(
+        name, block, fc3, pick, layout, out_channel, in_channel, point=(y, y),
+        largest_kernel=(1, largest) if largest else None, one_d=True,
+    )  # fmt: skip
+
+
+def _sample(
+    name: str,
+    block: nn.Module,
+    fc3: Tensor,
+    pick: Callable[[Tensor], Tensor],
+    layout: tuple[int, int, int],
+    out_channel: int,
+    in_channel: int,
+    *,
+    point: tuple[int, int],
+    largest_kernel: tuple[int, int] | None,
+    one_d: bool = False,
+) -> FC3Sample:
+    """The sample of ``pick`` (one matrix of an FC3 kernel, ``(h, w)`` or ``(l, l)``) from the training-time
+    ``fc3`` and from the merged kernel; ``layout`` is ``(out channels, groups, input channels per group)``."""
+    out_c, groups, cg = layout
     return FC3Sample(
         block_name=name,
         out_channel=out_channel,
         in_channel=in_channel,
         input_channel=(out_channel // (out_c // groups)) * cg + in_channel,
-        point=(y, y),
-        largest_kernel=(1, largest) if largest else None,
+        point=point,
+        largest_kernel=largest_kernel,
         train=fc3_log_weights(pick(fc3.detach())),
         merged=fc3_log_weights(pick(block.merged_fc3()[0])),
-        one_d=True,
+        one_d=one_d,
     )
 
 
