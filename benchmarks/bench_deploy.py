@@ -5,7 +5,7 @@ the same treatment (same input size), and the table gives examples/s and the rat
 
 * ``eager``: float32, NCHW;  ``channels_last``: float32, model and input channels_last;
 * ``compiled``: float32 ``torch.compile`` (inductor);  ``bf16``: bfloat16 weights and input, channels_last;
-* ``bf16_compiled``: the same compiled;  ``int8``: onnxruntime static int8 (``repmlp.deploy``, calibrated
+* ``bf16_compiled``: the same compiled;  ``int8``: onnxruntime static int8 (``repmlp.deploy.precision``, calibrated
   on random inputs: enough for speed).
 
 Models: deployed RepMLP-Res50 and RepMLP-Res50-Light (224x224), deployed ``repmlp_cifar`` (32x32; its
@@ -32,8 +32,8 @@ import torchvision
 
 from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
-from repmlp.deploy import native_support, to_precision
-from repmlp.profile import count_macs
+from repmlp.bench.counts import count_macs
+from repmlp.deploy.precision import native_support, to_precision
 
 TREATMENTS = ("eager", "channels_last", "compiled", "bf16", "bf16_compiled", "int8")
 MODELS = {"repmlp_res50": 224, "repmlp_res50_light": 224, "repmlp_cifar": 32}
@@ -92,7 +92,7 @@ def make_input(batch: int, size: tuple[int, int, int], dtype: torch.dtype, treat
 def matmul_fns(dtype: torch.dtype, n: int = 2048) -> dict:
     """An ``n x n`` by ``n x n`` matmul in ``dtype`` (``n**3`` MACs), two ways, as zero-argument callables:
     ``torch.mm`` (PyTorch's BLAS) and a oneDNN 1x1 conv over ``n`` channels_last pixels (the GEMM that
-    ``repmlp.ops.groupwise_fc_onednn`` uses). The machine's peak is the faster of the two."""
+    ``repmlp.nn.ops.groupwise_fc_onednn`` uses). The machine's peak is the faster of the two."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     image = b.t().contiguous().reshape(1, n, 1, n).permute(0, 3, 1, 2)  # (1, n, n, 1), channels_last
     kernel = a.reshape(n, n, 1, 1)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common import device_arg, hardware, set_tf32, table, time_interleaved
-from repmlp.ops import (
+from repmlp.nn.ops import (
     from_group_rows,
     groupwise_fc,
     groupwise_fc_bmm,
@@ -94,7 +94,7 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
 
     fns: dict[str, Callable[[Tensor], Tensor]] = {
         "conv1x1 (paper)": conv1x1,
-        "repmlp.ops.groupwise_fc (picks one)": repmlp_ops,
+        "repmlp.nn.ops.groupwise_fc (picks one)": repmlp_ops,
         "baddbmm group rows": baddbmm_group_rows,
         "oneDNN conv per group, group rows": onednn_group_rows,
         "baddbmm, weight pre-transposed": baddbmm_contig_weight,

@@ -5,9 +5,9 @@ kernel of megabytes, bound by reading the kernel. This script takes every FC3 of
 runs at batch 1 (the rows each ``GroupwiseLinear`` gets, recorded by a hook) and times, interleaved, the
 whole set of them per form:
 
-- ``fp32``: what the deployed model runs (``repmlp.ops.groupwise_fc``, float32: the form timed fastest
+- ``fp32``: what the deployed model runs (``repmlp.nn.ops.groupwise_fc``, float32: the form timed fastest
   for the kernel shape and row count on this machine), and each float32 form on its own (``bmm``,
-  ``onednn``, ``transposed``: ``repmlp.ops.FC3_FORMS``);
+  ``onednn``, ``transposed``: ``repmlp.nn.ops.FC3_FORMS``);
 - ``bf16``: kernel and rows in bfloat16 (batched matmul), the result back in float32;
 - ``int8 w, fp32 rows`` / ``int8 w, bf16 rows``: the kernel in int8 with one scale per output row,
   through PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, one call per group), rows
@@ -33,8 +33,8 @@ from torch import Tensor
 
 from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
-from repmlp.layers import GroupwiseLinear, prepare_fc3
-from repmlp.ops import FC3_FORMS, fc3_backend, groupwise_fc, groupwise_fc_bmm
+from repmlp.nn.layers import GroupwiseLinear, prepare_fc3
+from repmlp.nn.ops import FC3_FORMS, fc3_backend, groupwise_fc, groupwise_fc_bmm
 
 
 def fc3_calls(model: torch.nn.Module, size: int) -> list[tuple[Tensor, Tensor, Tensor | None]]:

@@ -14,7 +14,7 @@ compiled model replayed as a CUDA graph (``compile+graph``); fp16 (channels_last
 
 Training (``--phase train``; SGD with momentum, cross-entropy, batch 128, 224x224, channels_last): the same
 three models in AMP bf16 and in fp32 with TF32, eager and compiled, the RepMLP models in the paper's conv
-form and the dense form (:mod:`repmlp.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
+form and the dense form (:mod:`repmlp.nn.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
 ConvNet at 32x32. ``--graphs-only``: the steps as ``repmlp train`` runs them on one GPU (the module's forward
 and backward captured as CUDA graphs); ``--compiled-graphs``: the steps compiled with
 ``mode="reduce-overhead"`` (inductor's kernels, which fuse BatchNorm's elementwise work with its
@@ -122,7 +122,7 @@ def deploy_worker(spec: dict) -> dict:
     import torch
 
     from repmlp import reparameterize_model
-    from repmlp.inference import GraphReplay, fuse_conv_epilogues, prepare_inference
+    from repmlp.deploy.gpu import GraphReplay, fuse_conv_epilogues, prepare_inference
 
     device = torch.device(spec["device"])
     img, batch = spec["img"], spec["batch"]
@@ -179,8 +179,8 @@ def train_worker(spec: dict) -> dict:
     import torch.nn.functional as F
     from torch import Tensor
 
-    from repmlp.block import set_train_form
     from repmlp.engine import graph_module
+    from repmlp.nn.block import set_train_form
 
     device = torch.device(spec["device"])
     img, batch = spec["img"], spec["batch"]
@@ -558,7 +558,7 @@ def dense_check(device: str) -> str:
     import torch
 
     from repmlp import RepMLPBlock
-    from repmlp.block import set_train_form
+    from repmlp.nn.block import set_train_form
 
     torch.manual_seed(0)
     block = RepMLPBlock(64, 64, 28, 7, groups=8, kernel_sizes=(1, 3, 5)).double().to(device).train()

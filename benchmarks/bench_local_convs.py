@@ -1,5 +1,5 @@
 """Training a Local Perceptron branch (groupwise conv + BatchNorm on the partition map) on a CPU: plain NCHW
-vs what ``ConvBN.forward_in_input_layout`` runs (``repmlp.layers.conv_in_layout_of``).
+vs what ``ConvBN.forward_in_input_layout`` runs (``repmlp.nn.layers.conv_in_layout_of``).
 
 Forward and backward of one branch, ``(B, C, h, h)`` partition maps in NCHW with an NCHW gradient (as the
 training-time RepMLP block hands them), ``g = 2``, for channels per group 2 to 16 and kernels 1, 3 and 7.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
-from repmlp import layers
-from repmlp.layers import ConvBN
+from repmlp.nn import layers
+from repmlp.nn.layers import ConvBN
 
 CASES = [(cg, k, h) for cg in (2, 4, 6, 8, 16) for k in (1, 3, 7) for h in (7, 8)]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
-from repmlp.checkpoint import load_model
 from repmlp.data import DataConfig, build_data
+from repmlp.models.model_file import load_model
 
 _GOAL_TOP1 = {"bf16": 0.3, "fp16": 0.3, "int8": 1.0}
 

@@ -5,7 +5,7 @@ preprocessing: resize 256, centre crop 224, mean/std) and ``repmlp_fmnist`` on 2
 Each model is built with random weights (speed does not depend on them), converted and saved as a
 ``deploy.safetensors`` like a run's. Per case, interleaved over ``--rounds`` rounds (median):
 
-- model: ``repmlp.bench.benchmark`` of the deployed model at ``--batch-size`` (what ``repmlp bench``
+- model: ``repmlp.bench.throughput.benchmark`` of the deployed model at ``--batch-size`` (what ``repmlp bench``
   measures: forward passes on a ready batch);
 - predict: :meth:`repmlp.Predictor.predict_files` over the folder (what ``repmlp predict`` runs after
   loading the model): DataLoader worker processes decode batch i+1 while the model runs on batch i,
@@ -61,7 +61,7 @@ def save_deployed(
     path: Path, name: str, kwargs: dict, dataset: str, input_size: tuple[int, int, int]
 ) -> None:
     import repmlp
-    from repmlp.checkpoint import save_model
+    from repmlp.models.model_file import save_model
 
     model = repmlp.create_model(name, **kwargs).eval()
     extra = {"dataset": dataset, "input_size": list(input_size)}
@@ -72,7 +72,7 @@ def save_deployed(
 
 def measure(case: str, root: Path, args) -> list[str]:
     import repmlp
-    from repmlp.bench import benchmark
+    from repmlp.bench.throughput import benchmark
 
     name, kwargs, size, suffix, dataset, input_size = CASES[case]
     ckpt = root / f"{name}.safetensors"
@@ -125,7 +125,7 @@ def describe_workers(args) -> str:
     """``--workers`` as predict ran it: ``auto`` also says how many processes that meant here."""
     if args.workers is not None:
         return str(args.workers)
-    from repmlp.predict import auto_workers
+    from repmlp.deploy.predict import auto_workers
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.predict_threads or threads)

@@ -4,8 +4,8 @@ For each runtime, precision and batch size, the deployed RepMLP-Res50-Light, Rep
 RepMLPNet-B224 and torchvision's ResNet-50 (BatchNorm fused by ``repmlp.reparameterize_model``) run
 interleaved, round after round, in one process (``common.time_interleaved``), and the table gives
 examples/s and each model's ratio to ResNet-50 in the same cell. The ONNX runtimes get the graph of
-``repmlp.runtimes.to_runtime`` (the ``repmlp export`` file, checked against PyTorch), int8 the QDQ graph
-of ``repmlp.deploy.quantize_int8`` (calibrated on random inputs: enough for speed).
+``repmlp.deploy.runtimes.to_runtime`` (the ``repmlp export`` file, checked against PyTorch), int8 the QDQ graph
+of ``repmlp.deploy.precision.quantize_int8`` (calibrated on random inputs: enough for speed).
 
     python3 benchmarks/bench_runtimes.py [--runtimes eager compiled onnxruntime openvino]
         [--precisions fp32 int8] [--batch-sizes 1 8 32] [--profile] [--quick]
@@ -30,9 +30,9 @@ import torchvision
 
 from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
 from repmlp import create_model, reparameterize_model
-from repmlp.deploy import quantize_int8
-from repmlp.profile import count_macs, count_params
-from repmlp.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
+from repmlp.bench.counts import count_macs, count_params
+from repmlp.deploy.precision import quantize_int8
+from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
 
 MODELS = ("repmlp_res50_light", "repmlp_res50", "repmlpnet_b224")
 REFERENCE = "resnet50"
@@ -49,7 +49,9 @@ def build(name: str) -> torch.nn.Module:
 def variants(nets: dict[str, torch.nn.Module], runtime: str, precision: str) -> dict[str, object] | None:
     """name -> callable on a float32 batch, for one runtime and precision; ``None`` when it has no such form."""
     if precision == "int8" and runtime not in ("onnxruntime", "openvino"):
-        return None  # PyTorch's CPU int8 is onnxruntime's graph here (repmlp.deploy): see those rows
+        return (
+            None  # PyTorch's CPU int8 is onnxruntime's graph here (repmlp.deploy.precision): see those rows
+        )
     if runtime in ("onnxruntime", "openvino") and missing_runtime(runtime):
         print(f"  skipped {runtime}: {missing_runtime(runtime)}", file=sys.stderr)
         return None
@@ -206,8 +208,9 @@ def main() -> None:
     print(
         f"\nMedians of {rounds} interleaved rounds. MAC ratios (ResNet-50's MACs / the model's, the speed ratio "
         f"at equal work per second): {ratios}. Deployed parameters (the bytes a batch-1 pass reads): "
-        f"{params}. int8: the QDQ graph of repmlp.deploy.quantize_int8 (per-channel weights, FC3's per tensor), "
-        "run by each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch (compiled: torch.compile)."
+        f"{params}. int8: the QDQ graph of repmlp.deploy.precision.quantize_int8 (per-channel weights, FC3's "
+        "per tensor), run by each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch "
+        "(compiled: torch.compile)."
     )
     if args.profile:
         runtimes = [r for r in args.runtimes if r not in ("eager", "compiled")]

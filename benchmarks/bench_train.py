@@ -67,8 +67,8 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
 
     import repmlp
     from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
-    from repmlp.recipes import PRESETS
     from repmlp.tasks.classification import TrainConfig, make_optimizer
+    from repmlp.tasks.recipes import PRESETS
 
     preset_name, batch, size, channels_last = CASES[case][:4]
     preset = PRESETS[preset_name]
@@ -175,8 +175,8 @@ def matmul_gmacs() -> float:
 
 def training_macs(model_name: str, size: int, model_args: dict) -> float:
     """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients). The
-    convs' count: the dense FC form of narrow branches (repmlp.branches_fc) adds zeros, not maths."""
-    from repmlp.profile import profile_model
+    convs' count: the dense FC form of narrow branches (repmlp.nn.branches_fc) adds zeros, not maths."""
+    from repmlp.bench.counts import profile_model
 
     kwargs = dict(num_classes=10, in_chans=1, **model_args)
     _, macs = profile_model(model_name, (1, size, size), deploy=False, **kwargs)

@@ -31,7 +31,7 @@ def stages_of(model: nn.Module) -> list[nn.Module]:
 
 def stage_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """The input each stage sees when ``model`` runs on ``x`` (repmlp's trunks start channels_last)."""
-    from repmlp import layers
+    from repmlp.nn import layers
 
     if not isinstance(model, torchvision.models.ResNet):
         x = layers.cpu_channels_last(x)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# timm's own model tests (tests/test_models.py of the installed timm's source distribution) on every model
+# timm's own model tests (tests/models/test_models.py of the installed timm's source distribution) on every model
 # this package registers with timm. Fetches the sdist once with pip (network), then runs its tests with a
 # pytest plugin (scripts/timm_tests_plugin.py) that imports repmlp, so that timm's registry holds its
 # models, and keeps only the tests parametrized over those. Extra arguments go to pytest, e.g.
@@ -10,11 +10,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 version=$($PY -c 'import timm; print(timm.__version__)')
 dir=${TIMM_SDIST_DIR:-${TMPDIR:-/tmp}/timm-sdist}
-if [ ! -f "$dir/timm-$version/tests/test_models.py" ]; then
+if [ ! -f "$dir/timm-$version/tests/models/test_models.py" ]; then
   mkdir -p "$dir"
   $PY -m pip download -q "timm==$version" --no-binary :all: --no-deps -d "$dir"
   tar -xzf "$dir/timm-$version.tar.gz" -C "$dir"
 fi
 export PYTHONPATH="$PWD/src:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 cd "$dir/timm-$version"
-exec "$PY" -m pytest -p timm_tests_plugin -p no:cacheprovider tests/test_models.py -q -rfEs "$@"
+exec "$PY" -m pytest -p timm_tests_plugin -p no:cacheprovider tests/models/test_models.py -q -rfEs "$@"

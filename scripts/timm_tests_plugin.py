@@ -1,4 +1,4 @@
-"""pytest plugin for timm's own ``tests/test_models.py`` (``scripts/timm_model_tests.sh``).
+"""pytest plugin for timm's own ``tests/models/test_models.py`` (``scripts/timm_model_tests.sh``).
 
 Loaded with ``-p`` before the test module is collected: importing repmlp registers its models with timm,
 so timm's ``list_models()`` parametrizations include them; collection then keeps only the tests whose

@@ -1,7 +1,7 @@
 """``repmlp convert / export / bench / viz / tables`` through the real entry point, and their library code.
 
 A tiny ``repmlp_fmnist`` (two stages of 4 and 8 channels, 7x7 partitions, K=1,3,5) saved with
-``repmlp.checkpoint.save_model`` stands in for a trained run, so no test depends on training.
+``repmlp.models.model_file.save_model`` stands in for a trained run, so no test depends on training.
 The commands run through ``repmlp.cli.main`` in this process (the function the console script runs,
 which returns the exit status), to keep the suite fast on two cores; the ONNX/TorchScript export runs as a
 real ``python -m repmlp`` process, end to end.
@@ -20,7 +20,7 @@ import torch
 
 import repmlp
 from repmlp import cli
-from repmlp.checkpoint import load_model, save_model
+from repmlp.models.model_file import load_model, save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -200,7 +200,7 @@ def test_bench_table_for_checkpoint_and_models(run_dir, capsys):
 
 
 def test_benchmark_function_rows():
-    from repmlp.bench import benchmark, render_markdown
+    from repmlp.bench.throughput import benchmark, render_markdown
 
     rows = benchmark({"tiny": tiny_model()}, INPUT, 2, device="cpu", warmup=0, repeats=2)
     assert [(r.model, r.form) for r in rows] == [("tiny", "train"), ("tiny", "deploy")]
@@ -229,7 +229,7 @@ def test_viz_writes_the_fc3_figure(run_dir, tmp_path):
 
 @torch.no_grad()
 def test_sample_fc3_picks_the_papers_entry_and_normalises_by_the_minimum():
-    from repmlp.viz import fc3_log_weights, sample_fc3
+    from repmlp.bench.viz import fc3_log_weights, sample_fc3
 
     model = tiny_model()
     block = model.get_submodule("stages.1.1.0")  # C = O = 8, g = 2, 7x7 partition, K = 1, 3, 5
@@ -275,7 +275,7 @@ def test_export_exported_program_pt2(run_dir, tmp_path):
 
 
 def test_failed_onnx_export_keeps_the_earlier_file(tmp_path):
-    from repmlp.export import ExportError, export_onnx
+    from repmlp.deploy.export import ExportError, export_onnx
 
     # (The successful export and its onnxruntime check run in the export command's test.)
     model = repmlp.reparameterize_model(tiny_model())
@@ -385,7 +385,7 @@ def test_eval_of_a_foreign_model_checks_its_own_input_channels(tmp_path, capsys)
 def test_export_checks_report_the_difference_relative_to_the_output_scale():
     """Logits near 4.6e6 that differ by 16 in float32 agree to 3.5e-6: that is what the check bounds and
     what the command prints (an absolute 1.6e1 reads as a failure)."""
-    from repmlp.export import ExportError, _check_close
+    from repmlp.deploy.export import ExportError, _check_close
 
     ref = torch.tensor([[4.6e6, -2.0e6], [1.0, 0.5]])
     assert _check_close("ONNX", ref + 16, ref, 1e-4) == pytest.approx(16 / 4.6e6)

@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 -m pytest -q -m cuda tests/test_cuda.py    # benchmarks/gpu_check.sh runs it
 
 - conversion of every registered model (shallow builds, tests/zoo.py) on the GPU: float32 exact with TF32
-  off (:func:`repmlp.numerics.full_float32`), fp16 and bf16 within their precision;
+  off (:func:`repmlp.nn.numerics.full_float32`), fp16 and bf16 within their precision;
 - the main job's pipeline (``python -m repmlp train --device cuda --compile on``) on a subset of the real
   Fashion-MNIST (``$REPMLP_FMNIST_DIR``, else Debian's ``/usr/share/datasets/fashion-mnist``; skipped
   without either), then on its files: ONNX checked with onnxruntime (CPU), ``eval`` and ``predict`` on
@@ -33,10 +33,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from repmlp import create_model, list_models, reparameterize_model, to_precision
-from repmlp.bench import default_input_size
-from repmlp.checkpoint import load_model
+from repmlp.bench.throughput import default_input_size
 from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
-from repmlp.numerics import full_float32
+from repmlp.models.model_file import load_model
+from repmlp.nn.numerics import full_float32
 from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 from zoo import shallow
 

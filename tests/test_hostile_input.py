@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import repmlp
-from repmlp.checkpoint import load_state, save_model, save_state
+from repmlp.models.model_file import load_state, save_model, save_state
 from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from repmlp import create_model
-from repmlp.checkpoint import load_state, save_model
 from repmlp.data.fashion_mnist import load_fashion_mnist
+from repmlp.models.model_file import load_state, save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

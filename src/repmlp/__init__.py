@@ -1,14 +1,14 @@
 """repmlp: RepMLP (Ding et al.), re-parameterizing convolutions into fully-connected layers."""
 
-from ._version import __version__ as __version__  # repmlp.__version__
-from .block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock, RepMLPBlock1d
-from .convert import fuse_conv_bn, reparameterize_model
-from .deploy import PRECISIONS, to_precision
-from .layers import ConvBN, GroupwiseLinear
-from .models import create_model, list_models, register_model
-from .predict import ModelMetadata, Prediction, Predictor, load_model
-from .profile import profile
-from .reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
+from repmlp._version import __version__ as __version__  # repmlp.__version__
+from repmlp.bench.counts import profile
+from repmlp.deploy.precision import PRECISIONS, to_precision
+from repmlp.deploy.predict import ModelMetadata, Prediction, Predictor, load_model
+from repmlp.models import create_model, list_models, register_model
+from repmlp.nn.block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock, RepMLPBlock1d
+from repmlp.nn.convert import fuse_conv_bn, reparameterize_model
+from repmlp.nn.layers import ConvBN, GroupwiseLinear
+from repmlp.nn.reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity, fuse_bn
 
 __all__ = [
     "RepMLPBlock",

@@ -1,5 +1,5 @@
 """``python -m repmlp`` is the ``repmlp`` command."""
 
-from .cli import main
+from repmlp.cli import main
 
 raise SystemExit(main())

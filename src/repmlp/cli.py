@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from .errors import UserError
+from repmlp.errors import UserError
 
 # Command modules under repmlp.commands, in --help order. Add a command by adding its module name here.
 COMMANDS: list[str] = [
@@ -62,7 +62,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: global options plus one sub-parser per module in :data:`COMMANDS`."""
-    from . import __version__
+    from repmlp import __version__
 
     parser = ArgumentParser(
         prog="repmlp",
@@ -104,7 +104,7 @@ def _one_line(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else type(exc).__name__
     last = lines[-1]
-    for prefix in ("repmlp.errors.UserError: ", "repmlp.files.CheckpointError: ", "UserError: "):
+    for prefix in ("repmlp.errors.UserError: ", "repmlp.models.file_format.CheckpointError: ", "UserError: "):
         if last.startswith(prefix):
             return last[len(prefix) :]
     return last

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import UserError
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ def check_report_output(
     output: Path | None, inputs: Sequence[Path] = (), *, kind: str = "a text file"
 ) -> None:
     """Refuse an ``--output`` for a text report or figure that would replace an input, a model file, or an
-    existing file of another kind than ``kind`` (:func:`repmlp.files.file_kind`: a training state, a run's
+    existing file of another kind than ``kind`` (:func:`repmlp.models.file_format.file_kind`: a training state, a run's
     report, ...)."""
-    from ..files import check_output_kind
+    from repmlp.models.file_format import check_output_kind
 
     if output is None:
         return
@@ -186,7 +186,7 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
 
 def add_init_argument(group, *, help: str, aliases: Sequence[str] = ()) -> None:
     """``--init FILE``: start training from the weights of a model file (every task; see
-    :mod:`repmlp.finetune`). ``aliases``: older spellings of the same option."""
+    :mod:`repmlp.tasks.finetune`). ``aliases``: older spellings of the same option."""
     group.add_argument("--init", *aliases, dest="init", default=None, metavar="FILE", help=help)
 
 
@@ -199,7 +199,7 @@ def add_device_argument(parser: argparse.ArgumentParser, default: str = "cpu") -
 
 
 def add_runtime_argument(parser: argparse.ArgumentParser, what: str) -> None:
-    from ..runtimes import RUNTIMES
+    from repmlp.deploy.runtimes import RUNTIMES
 
     parser.add_argument(
         "--runtime",
@@ -212,7 +212,7 @@ def add_runtime_argument(parser: argparse.ArgumentParser, what: str) -> None:
 
 def check_runtime(runtime: str, device) -> None:  # noqa: ANN001 - torch.device
     """A runtime that is not installed, or an ONNX runtime asked for a GPU, is a one-line error."""
-    from ..runtimes import missing_runtime
+    from repmlp.deploy.runtimes import missing_runtime
 
     reason = missing_runtime(runtime)
     if reason is not None:
@@ -232,8 +232,8 @@ def runtime_version(runtime: str) -> str:
 
 
 def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """:func:`repmlp.checkpoint.load_model` on the CPU (its errors are already one-line UserErrors)."""
-    from ..checkpoint import load_model
+    """:func:`repmlp.models.model_file.load_model` on the CPU (its errors are already one-line UserErrors)."""
+    from repmlp.models.model_file import load_model
 
     return load_model(path, device="cpu", form=form)
 
@@ -241,7 +241,7 @@ def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Mo
 def checkpoint_input_size(
     model: nn.Module, info: dict[str, Any], img_size: int | None = None
 ) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.bench.model_input_size`)."""
-    from ..bench import model_input_size
+    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.bench.throughput.model_input_size`)."""
+    from repmlp.bench.throughput import model_input_size
 
     return model_input_size(model, info, img_size)

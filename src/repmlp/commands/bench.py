@@ -12,8 +12,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..engine import hardware_summary, resolve_device
-from ._common import (
+from repmlp.commands._common import (
     MAX_BATCH,
     MAX_CHANNELS,
     MAX_SIDE,
@@ -24,13 +23,14 @@ from ._common import (
     int_at_least,
     runtime_version,
 )
+from repmlp.engine import hardware_summary, resolve_device
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ..deploy import PRECISIONS
+    from repmlp.cli import HelpFormatter
+    from repmlp.deploy.precision import PRECISIONS
 
     p = subparsers.add_parser(
         "bench",
@@ -87,9 +87,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench import benchmark, in_precision, models_to_bench, render_markdown
-    from ..checkpoint import atomic_write_text
-    from ..deploy import precision_of
+    from repmlp.bench.throughput import benchmark, in_precision, models_to_bench, render_markdown
+    from repmlp.deploy.precision import precision_of
+    from repmlp.models.model_file import atomic_write_text
 
     check_report_output(args.output, args.checkpoint or [])
     device = resolve_device(args.device)

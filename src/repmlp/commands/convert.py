@@ -13,14 +13,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from ._common import MAX_SIDE, int_at_least, positive_float
+from repmlp.commands._common import MAX_SIDE, int_at_least, positive_float
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ..deploy import PRECISIONS
+    from repmlp.cli import HelpFormatter
+    from repmlp.deploy.precision import PRECISIONS
 
     p = subparsers.add_parser(
         "convert",
@@ -57,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         choices=PRECISIONS,
         default="fp32",
         help="precision of the deployed file; int8 is post-training static quantization with onnxruntime, "
-        "calibrated on the run's training images (see repmlp.deploy)",
+        "calibrated on the run's training images (see repmlp.deploy.precision)",
     )
     p.add_argument(
         "--calibration-examples",
@@ -70,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..convert_checkpoint import convert_checkpoint
+    from repmlp.deploy.convert_file import convert_checkpoint
 
     res = convert_checkpoint(
         args.checkpoint,

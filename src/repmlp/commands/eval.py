@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ._common import MAX_BATCH, MAX_SIDE, MAX_WORKERS, int_at_least
-from .train import add_task_option, print_help_if_asked, run_task
+from repmlp.commands._common import MAX_BATCH, MAX_SIDE, MAX_WORKERS, int_at_least
+from repmlp.commands.train import add_task_option, print_help_if_asked, run_task
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ..data import DATASETS
+    from repmlp.cli import HelpFormatter
+    from repmlp.data import DATASETS
 
     p = subparsers.add_parser(
         "eval",
@@ -64,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.task != "cls":
         return run_task(args, "eval", "eval")
-    from ..tasks.classification import EvalConfig, evaluate
+    from repmlp.tasks.classification import EvalConfig, evaluate
 
     return evaluate(EvalConfig.from_args(args))

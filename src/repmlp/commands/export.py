@@ -11,14 +11,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..bench import check_forward
-from ..errors import UserError
-from ._common import MAX_SIDE, checkpoint_input_size, int_at_least, load_checkpoint
+from repmlp.bench.throughput import check_forward
+from repmlp.commands._common import MAX_SIDE, checkpoint_input_size, int_at_least, load_checkpoint
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
-# What each format's file is (repmlp.files.file_kind): an existing file of another kind is not replaced.
+# What each format's file is (repmlp.models.file_format.file_kind): an existing file of another kind is not replaced.
 _KIND = {
     "onnx": "an ONNX model",
     "torchscript": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",
@@ -27,7 +27,7 @@ _KIND = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
+    from repmlp.cli import HelpFormatter
 
     p = subparsers.add_parser(
         "export",
@@ -72,9 +72,15 @@ def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, P
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import reparameterize_model
-    from ..export import ExportError, export_onnx, export_program, export_torchscript, write_int8_onnx
-    from ..files import check_output_kind
+    from repmlp import reparameterize_model
+    from repmlp.deploy.export import (
+        ExportError,
+        export_onnx,
+        export_program,
+        export_torchscript,
+        write_int8_onnx,
+    )
+    from repmlp.models.file_format import check_output_kind
 
     paths = output_paths(args.checkpoint, args.output, args.format)
     for fmt, path in paths.items():

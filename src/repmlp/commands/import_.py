@@ -16,14 +16,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..errors import UserError
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ._common import model_arg
+    from repmlp.cli import HelpFormatter
+    from repmlp.commands._common import model_arg
 
     p = subparsers.add_parser(
         "import",
@@ -49,8 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import check_output_kind
-    from ..importer import import_to_file
+    from repmlp.models.file_format import check_output_kind
+    from repmlp.models.importer import import_to_file
 
     out: Path = args.output
     if out.suffix != ".safetensors":

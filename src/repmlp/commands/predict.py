@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._common import (
+from repmlp.commands._common import (
     MAX_BATCH,
     MAX_THREADS,
     MAX_WORKERS,
@@ -30,7 +30,7 @@ from ._common import (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
+    from repmlp.cli import HelpFormatter
 
     p = subparsers.add_parser(
         "predict",
@@ -80,8 +80,8 @@ def _workers(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..engine import resolve_device
-    from ..predict import output_format, predict_paths, render_table, result_record, write_results
+    from repmlp.deploy.predict import output_format, predict_paths, render_table, result_record, write_results
+    from repmlp.engine import resolve_device
 
     if args.output:
         output_format(args.output)  # a bad name is an error before any work

@@ -19,8 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import RepMLPBlock, reparameterize_model
-    from ..numerics import full_float32
+    from repmlp import RepMLPBlock, reparameterize_model
+    from repmlp.nn.numerics import full_float32
 
     torch.manual_seed(0)
     block = RepMLPBlock(16, 16, 32, 8, groups=2).eval()

@@ -15,8 +15,8 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser, HelpFormatter
-    from ._common import add_device_argument, add_limit_argument, float_in, int_at_least
+    from repmlp.cli import ArgumentParser, HelpFormatter
+    from repmlp.commands._common import add_device_argument, add_limit_argument, float_in, int_at_least
 
     p = subparsers.add_parser(
         "study", help="reproduce the paper's studies (ablation: Table 1)", description=__doc__
@@ -90,9 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..engine import keep_freed_memory
-    from ..tasks.study import StudyOptions, train_study
-    from ..tasks.study_report import write_report
+    from repmlp.engine import keep_freed_memory
+    from repmlp.tasks.study import StudyOptions, train_study
+    from repmlp.tasks.study_report import write_report
 
     keep_freed_memory()  # as repmlp train: no page faults per training step
 

@@ -4,7 +4,7 @@ With ``--speed``, the paper's speed tables instead: every row the paper timed (R
 stage variants, the 320x320 comparisons with ResNet-101, NL- and GC-Res50 and the EfficientNets, the Light
 Block, the face models at batch 512 and 96x96, the PSPNets at batch 16 and 713x713) is built, converted,
 checked against its training-time form in full float32 and timed at the paper's batch and input, beside
-the paper's examples/s and ratios (see ``repmlp.speed``). Exit status 1 when a conversion check fails or
+the paper's examples/s and ratios (see ``repmlp.bench.speed_tables``). Exit status 1 when a conversion check fails or
 a row could not be measured.
 """
 
@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..errors import UserError
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ _SPEED_ONLY = ("device", "precision", "quick", "rows", "path", "tf32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
-    from ..speed import PATHS
+    from repmlp.bench.speed_tables import PATHS
+    from repmlp.cli import HelpFormatter
 
     p = subparsers.add_parser(
         "tables",
@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--path",
         choices=sorted(PATHS),
         default=None,
-        help="how the converted models run (repmlp.speed.PATHS; default: eager)",
+        help="how the converted models run (repmlp.bench.speed_tables.PATHS; default: eager)",
     )
     speed.add_argument(
         "--tf32",
@@ -74,15 +74,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import atomic_write_text
-    from ._common import check_report_output
+    from repmlp.commands._common import check_report_output
+    from repmlp.models.model_file import atomic_write_text
 
     check_report_output(args.output)
     if not args.speed:
         given = [f"--{name}" for name in _SPEED_ONLY if getattr(args, name) not in (None, False)]
         if given:
             raise UserError(f"{', '.join(given)} apply to the speed tables: add --speed")
-        from ..tables import render_tables
+        from repmlp.bench.tables import render_tables
 
         text = render_tables()
     else:
@@ -97,8 +97,14 @@ def _speed(args: argparse.Namespace) -> tuple[str, bool]:
     """The speed tables' Markdown, and whether every row was measured and passed its check."""
     import shlex
 
-    from ..engine import resolve_device
-    from ..speed import SpeedOptions, describe, measure_speed_rows, render_speed_tables, speed_rows
+    from repmlp.bench.speed_tables import (
+        SpeedOptions,
+        describe,
+        measure_speed_rows,
+        render_speed_tables,
+        speed_rows,
+    )
+    from repmlp.engine import resolve_device
 
     device = resolve_device(args.device or "auto")
     rows = speed_rows(args.rows)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ._common import (
+from repmlp.commands._common import (
     MAX_BATCH,
     MAX_SIDE,
     MAX_WORKERS,

@@ -12,7 +12,7 @@ activations, float32 convolutions in TF32 (PyTorch's default for cuDNN; float32 
 and ``cudnn.benchmark`` left off (PyTorch's default). On one GPU the model's forward and backward are
 captured once as CUDA graphs and replayed every step (``--cuda-graphs auto``; no compile then); with
 several GPUs, and for the face and segmentation tasks, the step is ``torch.compile``-d (``--compile
-auto``). The RepMLP blocks train in their dense form on CUDA (repmlp.dense), in the conv form inside CUDA
+auto``). The RepMLP blocks train in their dense form on CUDA (repmlp.nn.dense), in the conv form inside CUDA
 graphs. The conversion check always runs in full float32. Measurements: docs/gpu.md.
 """
 
@@ -24,8 +24,7 @@ import os
 import sys
 import time
 
-from ..errors import UserError
-from ._common import (
+from repmlp.commands._common import (
     MAX_BATCH,
     MAX_PAD,
     MAX_SIDE,
@@ -39,6 +38,7 @@ from ._common import (
     positive_float,
     seed_int,
 )
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +99,15 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     """Parse the task's own options from the raw command line and call its ``train``/``evaluate``."""
     import importlib
 
-    from ..cli import ArgumentParser
-    from ..tasks import TASK_MODULES
+    from repmlp.cli import ArgumentParser
+    from repmlp.tasks import TASK_MODULES
 
     module = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[args.task]}")
     parser = ArgumentParser(
         prog=f"repmlp {command} --task {args.task}",
         description=(module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else None,
     )
-    from .task_options import TASK_OPTIONS
+    from repmlp.commands.task_options import TASK_OPTIONS
 
     TASK_OPTIONS[args.task][phase](parser)
     try:
@@ -121,14 +121,14 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     if getattr(config, "output_json", None):  # never over a model file, a training state, a report
         from pathlib import Path
 
-        from ._common import check_report_output
+        from repmlp.commands._common import check_report_output
 
         check_report_output(Path(config.output_json), [Path(config.checkpoint)])
     return int(getattr(module, "train" if phase == "train" else "evaluate")(config) or 0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
+    from repmlp.cli import HelpFormatter
 
     p = subparsers.add_parser(
         "train",
@@ -147,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
     """The data set options of ``repmlp train``."""
-    from ..data import DATASETS
+    from repmlp.data import DATASETS
 
     g = parser.add_argument_group("data")
     g.add_argument("--dataset", choices=DATASETS, default="fashion-mnist", help="(default: fashion-mnist)")
@@ -167,7 +167,7 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
     """The model and recipe options (their defaults come from ``--preset``)."""
-    from ..recipes import PRESETS
+    from repmlp.tasks.recipes import PRESETS
 
     g = parser.add_argument_group("model and recipe (defaults come from --preset)")
     g.add_argument(
@@ -257,8 +257,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def resolve_config(args: argparse.Namespace):
     """Preset values for every option not given on the command line -> :class:`TrainConfig`."""
-    from ..recipes import DEFAULT_PRESET, PRESETS
-    from ..tasks.classification import TrainConfig
+    from repmlp.tasks.classification import TrainConfig
+    from repmlp.tasks.recipes import DEFAULT_PRESET, PRESETS
 
     preset = args.preset or DEFAULT_PRESET[args.dataset]
     values = PRESETS[preset].to_dict()
@@ -273,7 +273,7 @@ def resolve_config(args: argparse.Namespace):
     init = os.path.abspath(os.path.expanduser(args.init)) if args.init else None
     folder: dict[str, object] = {}
     if init and not args.resume:
-        from ..finetune import init_model_options
+        from repmlp.tasks.finetune import init_model_options
 
         if args.model is None:
             # Fine-tuning without --model: the file's model with its options (the new data set the classes).
@@ -317,7 +317,7 @@ def _init_folder_defaults(
     (its channels, its input size unless ``--img-size`` is given, its normalisation and evaluation resize),
     so that the main job's one-channel 28x28 model fine-tunes on one's own images of any mode and size.
     Returns the :class:`~repmlp.tasks.classification.TrainConfig` fields; sets ``values["img_size"]``."""
-    from ..finetune import folder_preprocessing, init_preprocessing
+    from repmlp.tasks.finetune import folder_preprocessing, init_preprocessing
 
     pre = init_preprocessing(init)
     size = pre["input_size"]
@@ -362,7 +362,7 @@ def given_options(args: argparse.Namespace) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     if print_help_if_asked(args):
         return 0
-    from ..engine import keep_freed_memory
+    from repmlp.engine import keep_freed_memory
 
     keep_freed_memory()  # the application's allocator setting: no page faults per step (docs/benchmarks.md)
     if args.task != "cls":
@@ -372,9 +372,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from ..engine import cleanup_distributed
-    from ..tasks.classification import run_training
-    from ..tasks.classification_report import finish_run
+    from repmlp.engine import cleanup_distributed
+    from repmlp.tasks.classification import run_training
+    from repmlp.tasks.classification_report import finish_run
 
     cfg = resolve_config(args)
     try:

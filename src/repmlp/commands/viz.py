@@ -12,14 +12,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from ..errors import UserError
-from ._common import check_report_output, int_at_least, load_checkpoint
+from repmlp.commands._common import check_report_output, int_at_least, load_checkpoint
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
+    from repmlp.cli import HelpFormatter
 
     p = subparsers.add_parser(
         "viz",
@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..viz import describe, find_repmlp_blocks, plot_fc3
+    from repmlp.bench.viz import describe, find_repmlp_blocks, plot_fc3
 
     output = args.output or args.checkpoint.with_name("fc3_weights.png")
     check_report_output(output, [args.checkpoint], kind="a PNG image")

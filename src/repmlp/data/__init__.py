@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
-from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
-from .cifar import load_cifar10
-from .fashion_mnist import CLASSES as FMNIST_CLASSES
-from .fashion_mnist import find_fashion_mnist, load_fashion_mnist
-from .folder import ImageFolderData, scan_image_folder, stratified_subset
-from .loader import FolderLoader, InMemoryLoader
+from repmlp.data.cifar import load_cifar10
+from repmlp.data.fashion_mnist import CLASSES as FMNIST_CLASSES
+from repmlp.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist
+from repmlp.data.folder import ImageFolderData, scan_image_folder, stratified_subset
+from repmlp.data.loader import FolderLoader, InMemoryLoader
+from repmlp.errors import UserError
+from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "DATASETS",

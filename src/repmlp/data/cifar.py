@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
-from ..inputs import not_regular, read_bytes
+from repmlp.data.inputs import not_regular, read_bytes
+from repmlp.errors import UserError
 
 __all__ = ["load_cifar10", "find_cifar10"]
 

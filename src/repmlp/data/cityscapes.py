@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..errors import UserError
-from ..models.registry import IMAGENET_MEAN, IMAGENET_STD
+from repmlp.errors import UserError
+from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "NUM_CLASSES",
@@ -122,8 +122,8 @@ def random_scale_crop_flip(
 
 def _read(path: Path, mode: str) -> np.ndarray:
     """One image or label map in ``mode``: a regular file of bounded size and pixel count
-    (:func:`repmlp.inputs.open_image`)."""
-    from ..inputs import InputError, open_image
+    (:func:`repmlp.data.inputs.open_image`)."""
+    from repmlp.data.inputs import InputError, open_image
 
     try:
         with open_image(path) as img:

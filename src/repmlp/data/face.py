@@ -24,8 +24,8 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from ..errors import UserError
-from ..inputs import InputError, not_regular, open_image, read_text
+from repmlp.data.inputs import InputError, not_regular, open_image, read_text
+from repmlp.errors import UserError
 
 __all__ = [
     "IMAGE_EXTENSIONS",

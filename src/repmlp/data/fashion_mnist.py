@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
-from .idx import read_idx
+from repmlp.data.idx import read_idx
+from repmlp.errors import UserError
 
 __all__ = ["load_fashion_mnist", "find_fashion_mnist", "DEBIAN_DIR", "CLASSES"]
 
@@ -47,7 +47,7 @@ def default_cache_dir() -> Path:
 def _find_file(folder: Path, stem: str) -> Path | None:
     """The IDX file ``stem`` (``.gz`` or not) in ``folder``; one that is there but not a regular file (a
     FIFO would block the reader) is a :class:`UserError` naming it."""
-    from ..inputs import not_regular
+    from repmlp.data.inputs import not_regular
 
     for name in (stem + ".gz", stem, stem.replace("-idx", ".idx")):
         kind = not_regular(folder / name)

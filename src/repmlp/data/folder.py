@@ -2,7 +2,7 @@
 
 The folders are the user's: a class folder is walked once even when symlinks loop back into it, files
 that are not regular (FIFOs, devices, sockets) are named and left out, and an image is decoded only when
-its file and its pixel count are within bounds (:mod:`repmlp.inputs`). Images of any mode are converted
+its file and its pixel count are within bounds (:mod:`repmlp.data.inputs`). Images of any mode are converted
 to the channels the model takes (:func:`image_to_channels`). A limit on the number of examples takes a
 seeded subset that keeps every class's share (:func:`stratified_subset`).
 """
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UserError
-from ..inputs import InputError, not_regular, open_image, walk_files
+from repmlp.data.inputs import InputError, not_regular, open_image, walk_files
+from repmlp.errors import UserError
 
 __all__ = ["ImageFolderData", "scan_image_folder", "IMG_EXTENSIONS", "image_to_channels", "stratified_subset"]
 

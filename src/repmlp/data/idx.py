@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
-from ..inputs import InputError, not_regular
+from repmlp.data.inputs import InputError, not_regular
+from repmlp.errors import UserError
 
 __all__ = ["read_idx", "MAX_BYTES"]
 

@@ -20,7 +20,7 @@ loop) and :mod:`.report` (metrics.csv, curves and report of a loss log). Their p
 importable from :mod:`repmlp.engine`.
 """
 
-from .devices import (
+from repmlp.engine.devices import (
     amp_dtype,
     build_model,
     cpu_name,
@@ -31,7 +31,7 @@ from .devices import (
     resolve_device,
     takes_img_size,
 )
-from .loop import (
+from repmlp.engine.loop import (
     GraphedModule,
     LoopHooks,
     LoopOptions,
@@ -43,7 +43,7 @@ from .loop import (
     progress,
     train_loop,
 )
-from .processes import (
+from repmlp.engine.processes import (
     DistInfo,
     all_reduce_sum,
     cleanup_distributed,
@@ -52,8 +52,8 @@ from .processes import (
     setup_distributed,
     unwrap,
 )
-from .report import LOSS_FIELDS, write_metrics_csv, write_run_report
-from .state import (
+from repmlp.engine.report import LOSS_FIELDS, write_metrics_csv, write_run_report
+from repmlp.engine.state import (
     METRICS_FILE,
     REPORT_FILE,
     STATE_FILE,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UserError
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def build_model(
     model is built on the ``meta`` device and compared with it first, so that a state whose options
     describe a huge model is refused before anything is allocated.
     """
-    from ..models import create_model
+    from repmlp.models import create_model
 
     kwargs = dict(model_args or {})
     kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
@@ -99,9 +99,9 @@ def build_model(
 def _check_expected(name: str, kwargs: dict[str, Any], expect: Mapping[str, Any], where: object) -> None:
     """The model ``create_model(name, **kwargs)`` would build, on the ``meta`` device, must hold the keys
     and shapes of ``expect`` (a state dict of tensors)."""
-    from ..files import CheckpointError
-    from ..modelfile import build_error, compare_state, meta_model
-    from ..models import create_model
+    from repmlp.models import create_model
+    from repmlp.models.file_format import CheckpointError
+    from repmlp.models.file_metadata import build_error, compare_state, meta_model
 
     if not all(isinstance(v, torch.Tensor) for v in expect.values()):
         raise CheckpointError(f"{where}: its model weights are not all tensors")
@@ -118,7 +118,7 @@ def _check_expected(name: str, kwargs: dict[str, Any], expect: Mapping[str, Any]
 def takes_img_size(name: str) -> bool:
     """Whether model ``name`` is built for one input size: every repmlp model (FC3 and the partitions
     depend on it), and timm models whose config says ``fixed_input_size`` (vision transformers...)."""
-    from ..models import is_model
+    from repmlp.models import is_model
 
     source, _, bare = name.rpartition(":")
     if source in ("", "repmlp") and is_model(bare):

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from .devices import amp_dtype
-from .processes import DistInfo, all_reduce_sum, unwrap
-from .report import LOSS_FIELDS, write_metrics_csv
-from .state import (
+from repmlp.engine.devices import amp_dtype
+from repmlp.engine.processes import DistInfo, all_reduce_sum, unwrap
+from repmlp.engine.report import LOSS_FIELDS, write_metrics_csv
+from repmlp.engine.state import (
     METRICS_FILE,
     STATE_FILE,
     check_resumable,
@@ -28,6 +27,7 @@ from .state import (
     rng_state,
     set_rng_state,
 )
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def graph_module(
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
     # Replayed as graphs, the paper's conv form of the RepMLP blocks measured 1-9% faster than the dense
     # form that "auto" picks on CUDA for eager steps (docs/gpu.md, run 2): blocks left on "auto" take it.
-    from ..block import RepMLPBlock
+    from repmlp.nn.block import RepMLPBlock
 
     for m in net.modules():
         if isinstance(m, RepMLPBlock) and m.train_form == "auto":
@@ -448,7 +448,7 @@ class _Loop:
 
     def save(self) -> None:
         """``checkpoint.safetensors``: everything a resume needs (rank 0 writes; every process's RNG)."""
-        from ..checkpoint import save_state
+        from repmlp.models.model_file import save_state
 
         rngs = gather_object(rng_state(self.procs.device), self.procs)
         self.saved_at = self.pos.step
@@ -466,7 +466,7 @@ class _Loop:
         save_state(self.path, state)
 
     def restore(self, state: dict[str, Any]) -> None:
-        from ..files import CheckpointError
+        from repmlp.models.file_format import CheckpointError
 
         opts, procs = self.opts, self.procs
         check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .devices import resolve_device
+from repmlp.engine.devices import resolve_device
 
 log = logging.getLogger(__name__)
 

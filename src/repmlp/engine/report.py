@@ -17,7 +17,7 @@ LOSS_FIELDS = ("iteration", "epoch", "loss", "lr", "seconds")
 
 def write_metrics_csv(path: Path, history: list[dict[str, Any]], fields: Sequence[str] = LOSS_FIELDS) -> None:
     """The history as CSV (floats to 6 significant digits), written atomically."""
-    from ..checkpoint import atomic_write_text
+    from repmlp.models.model_file import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore", lineterminator="\n")
@@ -30,7 +30,7 @@ def write_metrics_csv(path: Path, history: list[dict[str, Any]], fields: Sequenc
 def write_run_report(out: Path, title: str, history: list[dict[str, Any]], section: list[str]) -> None:
     """``curves.png`` (loss against iteration) and ``report.md`` of a run with a loss log (the loop wrote
     ``metrics.csv``): the task's own ``section`` (markdown lines), then the loss log."""
-    from ..checkpoint import atomic_write_text
+    from repmlp.models.model_file import atomic_write_text
 
     curves = _plot_loss(history, out / "curves.png", title)
     lines = [f"# {title}", "", *section, "", "## Training loss", ""]
@@ -50,7 +50,7 @@ def _plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> bool:
     except ImportError:
         log.warning("matplotlib is not installed: curves.png skipped")
         return False
-    from ..checkpoint import atomic_write_bytes
+    from repmlp.models.model_file import atomic_write_bytes
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["iteration"] for r in history], [r["loss"] for r in history], "o-")

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UserError
-from .processes import DistInfo
+from repmlp.engine.processes import DistInfo
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def check_output(
     ``resume`` of a finished run (its ``report.md`` written) is refused too, before anything is read or
     written: a finished ``--output`` is never overwritten (``finished_ok``: the caller redoes the end of a
     finished run on purpose, as ``repmlp study`` does for a run whose results it did not record)."""
-    from ..checkpoint import load_state
-    from ..inputs import not_regular
+    from repmlp.data.inputs import not_regular
+    from repmlp.models.model_file import load_state
 
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):

@@ -1,7 +1,7 @@
 """repmlp's model zoo: the paper's models by name (``repmlp.create_model``), also registered with timm."""
 
-from . import cifar, face, pspnet, repmlpnet, resnet, sequence
-from .blocks import (
+from repmlp.models import cifar, face, pspnet, repmlpnet, resnet, sequence
+from repmlp.models.blocks import (
     Bottleneck,
     ConvBNReLU,
     GlobalContextBlock,
@@ -10,7 +10,7 @@ from .blocks import (
     RepMLPLightBlock,
     ResNet,
 )
-from .registry import create_model, is_model, list_models, model_default_cfg, register_model
+from repmlp.models.registry import create_model, is_model, list_models, model_default_cfg, register_model
 
 __all__ = [
     "create_model",

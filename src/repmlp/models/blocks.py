@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks, layers
-from ..block import RepMLPBlock
-from ..layers import ConvBN
-from ..ops import pointwise_conv_as_linear
-from .head import PooledClassifierMixin
+from repmlp.models.head import PooledClassifierMixin
+from repmlp.nn import checks, layers
+from repmlp.nn.block import RepMLPBlock
+from repmlp.nn.layers import ConvBN
+from repmlp.nn.ops import pointwise_conv_as_linear
 
 __all__ = [
     "ConvBNReLU",
@@ -526,7 +526,7 @@ class ResNet(PooledClassifierMixin, nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)`` (channels_last
-        memory on CPU: the trunk runs in oneDNN's native layout, see :func:`repmlp.layers.cpu_channels_last`).
+        memory on CPU: the trunk runs in oneDNN's native layout, see :func:`repmlp.nn.layers.cpu_channels_last`).
         """
         return self.forward_stages(layers.cpu_channels_last(x))[-1]
 
@@ -590,7 +590,7 @@ class ResNet(PooledClassifierMixin, nn.Module):
 @torch.jit.ignore  # Python-side check: TorchScript calls it as Python
 def check_input_size(x: Tensor, subject: str, in_chans: int, img_size: Any, fixed: bool) -> None:
     """The models' one input check: raise ``ValueError`` unless ``x`` is ``(N, in_chans, H, W)``, with
-    ``(H, W) == img_size`` when ``fixed`` (see :mod:`repmlp.checks`).
+    ``(H, W) == img_size`` when ``fixed`` (see :mod:`repmlp.nn.checks`).
 
     ``subject`` names what fixes the size in the message (``"MobileFaceNet is"``, ``"this model's RepMLP
     layers are"``): a fixed-size layer fed another size would fail deep inside, or silently change

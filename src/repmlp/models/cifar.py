@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks
-from ..block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
-from ..branches_fc import FCBranches
-from ..layers import ConvBN, MaxPool2x2
-from ..ops import partition_for, unpartition_like
-from .blocks import ConvBNReLU
-from .head import PooledClassifierMixin
-from .registry import register_model
+from repmlp.models.blocks import ConvBNReLU
+from repmlp.models.head import PooledClassifierMixin
+from repmlp.models.registry import register_model
+from repmlp.nn import checks
+from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
+from repmlp.nn.branches_fc import FCBranches
+from repmlp.nn.layers import ConvBN, MaxPool2x2
+from repmlp.nn.ops import partition_for, unpartition_like
 
 __all__ = [
     "PureMLP",
@@ -60,7 +60,7 @@ torch.fx.wrap("unpartition_like")
 
 def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
     """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message
-    (see :mod:`repmlp.checks`)."""
+    (see :mod:`repmlp.nn.checks`)."""
     checks.check_input_shape(
         x,
         (chans, size, size),

@@ -8,7 +8,7 @@
   c2, c3, c4 with h=w=6, r=2, g=4).
 
 Every model returns an embedding ``(N, embedding_dim)``; the classification layer lives in the
-loss (:class:`repmlp.losses.AMSoftmax`), so the deployed model is the embedding network alone.
+loss (:class:`repmlp.tasks.losses.AMSoftmax`), so the deployed model is the embedding network alone.
 """
 
 from collections.abc import Sequence
@@ -18,10 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..layers import ConvBN
-from .blocks import ConvBNReLU, RepMLPSpec, ResNet, StageSpec, check_input_size, parse_stages, per_stage
-from .head import layer_like
-from .registry import register_model
+from repmlp.models.blocks import (
+    ConvBNReLU,
+    RepMLPSpec,
+    ResNet,
+    StageSpec,
+    check_input_size,
+    parse_stages,
+    per_stage,
+)
+from repmlp.models.head import layer_like
+from repmlp.models.registry import register_model
+from repmlp.nn.layers import ConvBN
 
 __all__ = [
     "MobileFaceNet",
@@ -215,7 +223,7 @@ class EmbeddingHead(nn.Module):
         """Fold both BNs into the FC (equivalent in eval mode)."""
         if isinstance(self.bn_out, nn.Identity):
             return
-        from ..reparam import absorb_bn_into_fc, fuse_bn
+        from repmlp.nn.reparam import absorb_bn_into_fc, fuse_bn
 
         w, b = self.fc.weight, self.fc.bias
         # bn_in normalises each channel of a (C, k, k) map: one affine per channel, repeated k*k times.

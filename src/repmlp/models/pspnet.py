@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
-from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
-from .resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
+from repmlp.models.blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
+from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD, register_model
+from repmlp.models.resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
 
@@ -246,9 +246,9 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
     them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the
     file's ``"model"``.
     """
-    from ..checkpoint import read_model_file
-    from ..errors import UserError
-    from ..files import CheckpointError
+    from repmlp.errors import UserError
+    from repmlp.models.file_format import CheckpointError
+    from repmlp.models.model_file import read_model_file
 
     try:  # the file's metadata and tensors checked as any model file's
         tensors, fm = read_model_file(Path(path))

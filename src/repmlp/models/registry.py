@@ -160,12 +160,12 @@ def _pretrained_file(name: str, pretrained: bool, overlay: dict | None) -> str |
 def _read_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict]:
     """A repmlp model file for ``name``: its tensors and metadata, and ``kwargs`` completed with the file's
     model options (those not given; ``num_classes`` given keeps its value, as timm adapts the head). The
-    metadata is checked (:func:`repmlp.modelfile.parse_metadata`) and the model it describes is sized on
+    metadata is checked (:func:`repmlp.models.file_metadata.parse_metadata`) and the model it describes is sized on
     the ``meta`` device against the file before anything real is built."""
     from pathlib import Path
 
-    from ..files import FORMAT, CheckpointError, read_tensors
-    from ..modelfile import build_error, check_tensors, meta_model, parse_metadata
+    from repmlp.models.file_format import FORMAT, CheckpointError, read_tensors
+    from repmlp.models.file_metadata import build_error, check_tensors, meta_model, parse_metadata
 
     tensors, meta = read_tensors(Path(path))
     if meta.get("format") != FORMAT or meta.get("model") != name:
@@ -198,7 +198,7 @@ def _build(
         kwargs, tensors, meta = _read_pretrained(name, file, kwargs)
     model = _build_empty(name, pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs)
     if file and not kwargs.get("features_only"):
-        from ..files import load_matching
+        from repmlp.models.file_format import load_matching
 
         # Strict, but a classifier for another number of classes keeps its fresh initialisation (timm's
         # load_pretrained). bf16/fp16 weights are copied into the float32 model.
@@ -333,7 +333,7 @@ def _unknown(name: str) -> ValueError:
 def _maybe_deploy(model: nn.Module, deploy: bool) -> nn.Module:
     if not deploy:
         return model
-    from ..convert import reparameterize_model
+    from repmlp.nn.convert import reparameterize_model
 
     return reparameterize_model(model.eval(), inplace=True)
 

@@ -30,13 +30,13 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import checks, layers
-from ..block import LocalPerceptron
-from ..layers import ConvBN, GroupwiseLinear
-from ..reparam import merge_fc3, pair
-from .blocks import ConvBNReLU
-from .head import PooledClassifierMixin
-from .registry import IMAGENET_MEAN, IMAGENET_STD, register_model
+from repmlp.models.blocks import ConvBNReLU
+from repmlp.models.head import PooledClassifierMixin
+from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD, register_model
+from repmlp.nn import checks, layers
+from repmlp.nn.block import LocalPerceptron
+from repmlp.nn.layers import ConvBN, GroupwiseLinear
+from repmlp.nn.reparam import merge_fc3, pair
 
 __all__ = [
     "RepMLPNet",
@@ -63,7 +63,7 @@ REPMLPNET_ARCHS: dict[str, dict[str, Any]] = {
 
 
 def _check_input(x: Tensor, in_chans: int, img_size: tuple[int, int]) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (see :mod:`repmlp.checks`)."""
+    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (see :mod:`repmlp.nn.checks`)."""
     checks.check_input_shape(
         x,
         (in_chans, *img_size),
@@ -175,7 +175,7 @@ class RepMLPNetBlock(nn.Module):
     def merged_fc3(self) -> tuple[Tensor, Tensor]:
         """FC3 kernel ``(S*h*w, h*w)`` and bias ``(S*h*w,)`` with ``fc3_bn`` and every Local branch merged.
 
-        By :func:`repmlp.reparam.merge_fc3`, which spreads the ``BatchNorm2d(S)`` over each set's ``h*w``
+        By :func:`repmlp.nn.reparam.merge_fc3`, which spreads the ``BatchNorm2d(S)`` over each set's ``h*w``
         rows. Uses running statistics (equivalent in eval mode); half-precision blocks merge in float32.
         """
         branches = [] if self.local is None else self.local.branches
@@ -196,7 +196,7 @@ class RepMLPNetBlock(nn.Module):
         weight, bias = self.merged_fc3()
         n = self.fc3.in_features
         fc3 = GroupwiseLinear(n, n, self.sharesets, bias=True).to(device=weight.device, dtype=weight.dtype)
-        fc3.train(self.training)  # its mode picks the FC3 form (repmlp.ops.groupwise_fc)
+        fc3.train(self.training)  # its mode picks the FC3 form (repmlp.nn.ops.groupwise_fc)
         fc3.weight.copy_(weight)
         fc3.bias.copy_(bias)
         self.fc3, self.fc3_bn, self.local = fc3, None, None

@@ -7,8 +7,8 @@ specifies (torchvision's ResNet-50 stages, with RepMLP, Non-local or GC blocks w
 from collections.abc import Sequence
 from typing import Any
 
-from .blocks import RepMLPSpec, ResNet, StageSpec, parse_stages, per_stage
-from .registry import register_model
+from repmlp.models.blocks import RepMLPSpec, ResNet, StageSpec, parse_stages, per_stage
+from repmlp.models.registry import register_model
 
 __all__ = [
     "repmlp_res50_stages",

@@ -16,11 +16,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .. import checks
-from .blocks import ConvBNReLU
-from .cifar import MixerSpec, fmnist_cfg, mixer_layer, pure_mlp_stages
-from .head import PooledClassifierMixin
-from .registry import register_model
+from repmlp.models.blocks import ConvBNReLU
+from repmlp.models.cifar import MixerSpec, fmnist_cfg, mixer_layer, pure_mlp_stages
+from repmlp.models.head import PooledClassifierMixin
+from repmlp.models.registry import register_model
+from repmlp.nn import checks
 
 __all__ = [
     "SequenceMLP",

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from ..engine import DistInfo
-from ..errors import UserError
+from repmlp.engine import DistInfo
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def is_task_model(model: nn.Module, task: str) -> bool:
         # The loss and the metrics need the embedding width; face models return (N, embedding_dim).
         return getattr(model, "embedding_dim", None) is not None
     if task == "seg":
-        from ..models.pspnet import PSPNet
+        from repmlp.models.pspnet import PSPNet
 
         return isinstance(model, PSPNet)
     raise ValueError(f"unknown task {task!r}")
@@ -198,7 +198,7 @@ def check_train_options(args: TrainOptions) -> None:
 def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model_kwargs: dict[str, Any]):
     """The engine's options for this run; checks ``--output`` (refusing to overwrite a run) and loads
     the state to resume. Returns ``(options, state or None)``."""
-    from ..engine import LoopOptions, amp_dtype, check_output, resolve_compile, resolve_cuda_graphs
+    from repmlp.engine import LoopOptions, amp_dtype, check_output, resolve_compile, resolve_cuda_graphs
 
     amp = args.amp if args.amp is not None else procs.device.type == "cuda"
     scaler = amp and amp_dtype(procs.device) == torch.float16
@@ -232,12 +232,12 @@ def start_run(args: TrainOptions, procs: DistInfo, iterations: int, lr_at, model
 def training_loader(dataset: Dataset, args: TrainOptions, procs: DistInfo, batch_size: int):
     """This process's shuffled, epoch-seeded training batches of ``dataset`` (``--seed``, ``--workers``,
     ``--train-limit``: of a dataset with ``labels``, a seeded stratified subset)."""
-    from ..data.loader import FolderLoader
+    from repmlp.data.loader import FolderLoader
 
     if args.train_limit is not None and args.train_limit < len(dataset):  # type: ignore[arg-type]
         labels = getattr(dataset, "labels", None)
         if labels is not None:  # an identity folder: a seeded subset that keeps every identity's share
-            from ..data.folder import stratified_subset
+            from repmlp.data.folder import stratified_subset
 
             keep = stratified_subset(labels, args.train_limit, args.seed)
         else:
@@ -266,7 +266,7 @@ def evaluate_both_forms(
     The training form runs first, so that non-finite outputs there are blamed on the weights and
     non-finite outputs of the converted model alone on the conversion.
     """
-    from ..numerics import full_float32
+    from repmlp.nn.numerics import full_float32
 
     # A check compares the forms in full float32 (TF32 rounding on a GPU would show as a difference);
     # the converted model alone is evaluated in the session's own precision.
@@ -315,7 +315,7 @@ def check_conversion(
 ) -> ConversionCheck:
     """Run both forms (eval mode, same device) on ``n`` seeded random inputs ``(n, *input_size)`` in full
     float32 and compare their (first) outputs: embeddings ``(n, D)`` or logits ``(n, K[, H, W])``."""
-    from ..numerics import full_float32
+    from repmlp.nn.numerics import full_float32
 
     device = next(trained.parameters()).device
     x = torch.randn(n, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
@@ -341,8 +341,8 @@ def save_run(
     """Write a task run: ``model.safetensors`` (training form), ``deploy.safetensors`` (converted,
     loads into ``create_model(name, deploy=True, **kwargs)``) and ``train_log.json``; returns the
     conversion check (:func:`check_conversion` on inputs of ``input_size``, ``(C, H, W)``), logged too."""
-    from ..checkpoint import save_model
-    from ..convert import reparameterize_model
+    from repmlp.models.model_file import save_model
+    from repmlp.nn.convert import reparameterize_model
 
     trained = trained.float().eval()
     save_model(out / "model.safetensors", trained, name=name, model_kwargs=kwargs, form="train", extra=meta)
@@ -361,7 +361,7 @@ def save_run(
 
 
 def write_json(path: Path, obj: Any) -> None:
-    from ..checkpoint import atomic_write_text
+    from repmlp.models.model_file import atomic_write_text
 
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
@@ -376,8 +376,8 @@ def load_for_eval(
     ``"cls"`` for a classification run, which records its ``dataset``) or of another kind of model, and
     one whose weights hold NaN/inf (a diverged run), are :class:`UserError`.
     """
-    from ..checkpoint import load_model
-    from ..convert import reparameterize_model
+    from repmlp.models.model_file import load_model
+    from repmlp.nn.convert import reparameterize_model
 
     model, info = load_model(path, device=device)
     extra = info.get("extra") or {}

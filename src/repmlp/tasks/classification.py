@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..data import Data, DataConfig, build_data
-from ..data.loader import batch_generator
-from ..engine import (
+from repmlp.data import Data, DataConfig, build_data
+from repmlp.data.loader import batch_generator
+from repmlp.engine import (
     STATE_FILE,
     DistInfo,
     LoopHooks,
@@ -53,11 +53,11 @@ from ..engine import (
     setup_distributed,
     train_loop,
 )
-from ..engine import write_metrics_csv as _write_csv
-from ..errors import UserError
-from ..files import CheckpointError
-from ..metrics import topk_correct
-from ..recipes import PRESETS
+from repmlp.engine import write_metrics_csv as _write_csv
+from repmlp.errors import UserError
+from repmlp.models.file_format import CheckpointError
+from repmlp.tasks.metrics import topk_correct
+from repmlp.tasks.recipes import PRESETS
 
 __all__ = [
     "METRIC_FIELDS",
@@ -97,7 +97,7 @@ _DEFAULT = PRESETS["fmnist"]  # the main job's recipe: TrainConfig's defaults
 class TrainConfig:
     """Every option of a classification run (JSON-serialisable; stored in the checkpoint).
 
-    The defaults are the ``fmnist`` preset (:data:`repmlp.recipes.PRESETS`), the main job's recipe.
+    The defaults are the ``fmnist`` preset (:data:`repmlp.tasks.recipes.PRESETS`), the main job's recipe.
     """
 
     dataset: str = "fashion-mnist"
@@ -364,7 +364,7 @@ class TrainResult:
     train_seconds: float
     replica_hashes: list[str]
     dist_info: DistInfo
-    init: dict[str, Any] | None = None  # repmlp.finetune.InitReport of --init, as a dict
+    init: dict[str, Any] | None = None  # repmlp.tasks.finetune.InitReport of --init, as a dict
     mode: str = "eager"  # how the training steps ran (repmlp.engine.LoopResult.mode)
 
 
@@ -396,8 +396,8 @@ def _open_run(
     """The run's configuration and the state to resume from (``None`` for a new run); refuses to
     overwrite a run in ``cfg.output`` and to resume a finished one. A resumed run's saved configuration is
     checked like a model file's metadata (types, ranges, model options) before anything is built."""
-    from ..modelfile import check_model_kwargs
-    from ..models.registry import model_options
+    from repmlp.models.file_metadata import check_model_kwargs
+    from repmlp.models.registry import model_options
 
     out = Path(cfg.output)
     state = check_output(out, resume, di, finished_ok=finished_ok)
@@ -468,8 +468,8 @@ def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
     """A new ``--init`` run of the file's own model must give it inputs it was built for: the channels
     (image folders are converted to them; an in-memory data set has its own) and, for a model built for
     one input size, the size. A mismatch is one line saying which option to pass."""
-    from ..engine import takes_img_size
-    from ..finetune import init_preprocessing
+    from repmlp.engine import takes_img_size
+    from repmlp.tasks.finetune import init_preprocessing
 
     if not cfg.init:
         return
@@ -657,12 +657,12 @@ def _initialise(
     cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, di: DistInfo
 ) -> dict[str, Any] | None:
     """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed
-    run, whose weights come from its checkpoint). Returns the :class:`repmlp.finetune.InitReport` dict."""
+    run, whose weights come from its checkpoint). Returns the :class:`repmlp.tasks.finetune.InitReport` dict."""
     if not cfg.init:
         return None
     if state is not None:
         return state.get("init")
-    from ..finetune import init_from_file
+    from repmlp.tasks.finetune import init_from_file
 
     report = init_from_file(model, cfg.init)
     if di.is_main:
@@ -715,9 +715,9 @@ def evaluate(args: EvalConfig) -> int:
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
-    from ..bench import model_input_size
-    from ..checkpoint import load_model
-    from ..engine import resolve_device
+    from repmlp.bench.throughput import model_input_size
+    from repmlp.engine import resolve_device
+    from repmlp.models.model_file import load_model
 
     device = resolve_device(args.device)
     model, info = load_model(args.checkpoint, device=device)

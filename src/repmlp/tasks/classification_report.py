@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint import atomic_write_bytes, atomic_write_text, load_model, save_model
-from ..engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
-from ..finetune import report_lines
-from ..metrics import accuracy, compare_logits
-from ..numerics import full_float32, run_precision
+from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
+from repmlp.models.model_file import atomic_write_bytes, atomic_write_text, load_model, save_model
+from repmlp.nn.numerics import full_float32, run_precision
+from repmlp.tasks.finetune import report_lines
+from repmlp.tasks.metrics import accuracy, compare_logits
 
 if TYPE_CHECKING:
-    from .classification import TrainResult
+    from repmlp.tasks.classification import TrainResult
 
 __all__ = [
     "EQUIVALENCE_RTOL",
@@ -89,7 +89,7 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def _missing_export_packages() -> list[str]:
-    from ..export import missing_onnx_packages
+    from repmlp.deploy.export import missing_onnx_packages
 
     return missing_onnx_packages()
 
@@ -165,7 +165,7 @@ def _input_size(result: TrainResult) -> tuple[int, int, int]:
 
 def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outcome]:
     """Save both forms, evaluate both on the whole validation set: ``(model, deployed, outcome)``."""
-    from ..convert import reparameterize_model
+    from repmlp.nn.convert import reparameterize_model
 
     cfg, data = result.config, result.data
     out, device = Path(cfg.output), result.dist_info.device
@@ -214,7 +214,7 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
 
 
 def _benchmark(result: TrainResult, model: nn.Module, batch_size: int) -> tuple[list[Any], str]:
-    from ..bench import benchmark, render_markdown
+    from repmlp.bench.throughput import benchmark, render_markdown
 
     device = result.dist_info.device
     rows = benchmark({result.config.model: model}, _input_size(result), batch_size, device=device, warmup=3,
@@ -232,14 +232,14 @@ def _export(result: TrainResult, deployed: nn.Module, outcome: Outcome) -> float
         log.warning("%s", msg)
         outcome.notes.append(msg)
         return None
-    from ..export import export_onnx
+    from repmlp.deploy.export import export_onnx
 
     path = Path(result.config.output) / "deploy.onnx"
     return _optional("ONNX export", lambda: export_onnx(deployed, path, _input_size(result)), outcome)
 
 
 def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
-    from ..viz import find_repmlp_blocks, plot_fc3
+    from repmlp.bench.viz import find_repmlp_blocks, plot_fc3
 
     if not find_repmlp_blocks(model):
         notes.append("FC3 figure skipped: the model has no RepMLP block")

@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import build_model, progress, unwrap
-from ..errors import UserError
-from ..finetune import report_lines
-from ._common import (
+from repmlp.engine import build_model, progress, unwrap
+from repmlp.errors import UserError
+from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,
     check_finite,
@@ -40,6 +39,7 @@ from ._common import (
     training_loader,
     write_json,
 )
+from repmlp.tasks.finetune import report_lines
 
 __all__ = [
     "train",
@@ -130,16 +130,16 @@ def check_options(args: FaceTrainConfig) -> None:
 
 def train(args: FaceTrainConfig) -> int:
     """``repmlp train --task face``: train, then save the training-form and converted models."""
-    from ..engine import run_in_processes
+    from repmlp.engine import run_in_processes
 
     check_options(args)
     return run_in_processes(args, _train)
 
 
 def _train(args: FaceTrainConfig, procs) -> int:
-    from ..data.face import FaceFolder
-    from ..engine import prepare_module, train_loop, write_run_report
-    from ..losses import AMSoftmax
+    from repmlp.data.face import FaceFolder
+    from repmlp.engine import prepare_module, train_loop, write_run_report
+    from repmlp.tasks.losses import AMSoftmax
 
     torch.manual_seed(args.seed)
     kwargs = model_options(args)
@@ -203,7 +203,7 @@ def _init_trunk(model: nn.Module, path: str | None, procs) -> dict[str, Any] | N
     """``--init``: the file's weights into the trunk; the embedding head keeps its fresh initialisation."""
     if not path:
         return None
-    from ..finetune import head_prefixes, init_from_file
+    from repmlp.tasks.finetune import head_prefixes, init_from_file
 
     report = init_from_file(model, path, fresh_head=True, head=head_prefixes(model, embedding_head=True))
     if procs.is_main:
@@ -226,7 +226,7 @@ def embed_images(
 
     Raises :class:`UserError` naming ``what`` when the model's outputs are NaN/inf.
     """
-    from ..data.face import ImageList, face_transform
+    from repmlp.data.face import ImageList, face_transform
 
     dataset = ImageList(list(paths), [0] * len(paths), face_transform(img_size, train=False))
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers)
@@ -251,7 +251,7 @@ def face_metrics(
     """Verification accuracy and/or rank-1 identification of ``model`` on ``sets``
     (:func:`read_face_sets`); ``args`` gives the batch size and workers.
     """
-    from ..metrics import rank1_identification, verification_accuracy
+    from repmlp.tasks.metrics import rank1_identification, verification_accuracy
 
     pairs, folds, probe, gallery = sets
     result: dict[str, Any] = {}
@@ -284,7 +284,7 @@ def read_face_sets(args: FaceEvalConfig) -> tuple[Any, int, Any, Any]:
 
     Every problem is a :class:`UserError` raised here, before a progress bar starts.
     """
-    from ..data.face import FaceFolder, read_pairs
+    from repmlp.data.face import FaceFolder, read_pairs
 
     if not args.pairs and not (args.probe or args.gallery):
         raise UserError("nothing to evaluate: give --pairs and/or --probe with --gallery")
@@ -309,7 +309,7 @@ def read_face_sets(args: FaceEvalConfig) -> tuple[Any, int, Any, Any]:
 
 def evaluate(args: FaceEvalConfig) -> int:
     """``repmlp eval --task face``: metrics on the converted model's embeddings."""
-    from ..engine import resolve_device
+    from repmlp.engine import resolve_device
 
     sets = read_face_sets(args)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(args.device)

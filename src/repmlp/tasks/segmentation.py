@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engine import (
+from repmlp.engine import (
     DistInfo,
     all_reduce_sum,
     build_model,
@@ -34,9 +34,8 @@ from ..engine import (
     setup_distributed,
     unwrap,
 )
-from ..errors import UserError
-from ..finetune import report_lines
-from ._common import (
+from repmlp.errors import UserError
+from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,
     check_train_options,
@@ -52,6 +51,7 @@ from ._common import (
     training_loader,
     write_json,
 )
+from repmlp.tasks.finetune import report_lines
 
 __all__ = [
     "train",
@@ -104,8 +104,8 @@ class SegTrainModule(nn.Module):
         self.model, self.aux_weight = model, aux_weight
 
     def forward(self, images: Tensor, labels: Tensor) -> Tensor:
-        from ..data.cityscapes import IGNORE_INDEX
-        from ..losses import pspnet_loss
+        from repmlp.data.cityscapes import IGNORE_INDEX
+        from repmlp.tasks.losses import pspnet_loss
 
         out = self.model(images)
         main, aux = out if isinstance(out, tuple) else (out, None)
@@ -132,7 +132,7 @@ def check_options(args: SegTrainConfig) -> None:
 
 def train(args: SegTrainConfig) -> int:
     """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
-    from ..engine import run_in_processes
+    from repmlp.engine import run_in_processes
 
     check_options(args)
     return run_in_processes(args, _train)
@@ -143,8 +143,8 @@ def _build(
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The PSPNet of ``args``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
     it and what was loaded (``None`` without ``--init``)."""
-    from ..finetune import file_sha256
-    from ..models.pspnet import load_backbone_weights
+    from repmlp.models.pspnet import load_backbone_weights
+    from repmlp.tasks.finetune import file_sha256
 
     model, _ = build_model(args.model, kwargs)
     require_task_model(model, "seg", args.model)
@@ -185,8 +185,8 @@ def _check_batches(args: SegTrainConfig, procs: DistInfo, images: int) -> int:
 
 
 def _train(args: SegTrainConfig, procs: DistInfo) -> int:
-    from ..data.cityscapes import CityscapesSegmentation
-    from ..engine import prepare_module, train_loop, write_run_report
+    from repmlp.data.cityscapes import CityscapesSegmentation
+    from repmlp.engine import prepare_module, train_loop, write_run_report
 
     torch.manual_seed(args.seed)
     kwargs = model_options(args)
@@ -306,8 +306,8 @@ def segmentation_metrics(
     Raises :class:`NonFiniteOutput` naming ``what`` when the model's logits hold NaN/inf (on every
     process: the count is summed first, so no process is left waiting in a collective).
     """
-    from ..data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
-    from ..metrics import confusion_matrix, iou_from_confusion
+    from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
+    from repmlp.tasks.metrics import confusion_matrix, iou_from_confusion
 
     procs = procs or DistInfo(device=device)
     indices = list(range(procs.rank, len(dataset), procs.world))
@@ -343,14 +343,14 @@ def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, i
 
 def _fixed_resolution(model: nn.Module) -> bool:
     """Whether ``model`` holds RepMLPs, which take one input resolution only."""
-    from ..block import RepMLPBlock
+    from repmlp.nn.block import RepMLPBlock
 
     return any(isinstance(m, RepMLPBlock) for m in model.modules())
 
 
 def evaluate(args: SegEvalConfig) -> int:
     """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
-    from ..data.cityscapes import CityscapesSegmentation
+    from repmlp.data.cityscapes import CityscapesSegmentation
 
     procs = setup_distributed(args.device)
     try:

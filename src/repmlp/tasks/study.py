@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import atomic_write_text
-from ..errors import UserError
+from repmlp.errors import UserError
+from repmlp.models.model_file import atomic_write_text
 
 __all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one", "start_order"]
 
@@ -141,9 +141,9 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
     Fashion-MNIST goes through ``img_size=32`` (zero-padded to the paper's resolution, one channel).
     The preset's own model and epochs are replaced by the row's and the study's.
     """
-    from ..engine import resolve_device
-    from ..recipes import PRESETS
-    from .classification import TrainConfig
+    from repmlp.engine import resolve_device
+    from repmlp.tasks.classification import TrainConfig
+    from repmlp.tasks.recipes import PRESETS
 
     recipe = PRESETS[opts.preset].to_dict()
     recipe.update(
@@ -176,10 +176,10 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     then :func:`repmlp.pipeline.finish_run` (conversion, equivalence check, report) without ONNX export
     and benchmark (the study times all rows side by side instead).
     """
-    from ..checkpoint import load_state
-    from ..engine import STATE_FILE
-    from .classification import TrainConfig, resumed_config, run_training
-    from .classification_report import finish_run
+    from repmlp.engine import STATE_FILE
+    from repmlp.models.model_file import load_state
+    from repmlp.tasks.classification import TrainConfig, resumed_config, run_training
+    from repmlp.tasks.classification_report import finish_run
 
     cfg = train_config(model, seed, opts, run_dir)
     result_path = run_dir / RESULT_FILE
@@ -254,7 +254,7 @@ def start_order(jobs: list[tuple[Row, int]], opts: StudyOptions) -> list[int]:
 def _training_macs(model: str, opts: StudyOptions) -> int:
     """Multiply-accumulates of one image through the training-time network: the study's estimate of a
     run's cost (the same on every machine, so the order of the runs is too)."""
-    from ..profile import profile_model
+    from repmlp.bench.counts import profile_model
 
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3
     size = (in_chans, IMG_SIZE, IMG_SIZE)

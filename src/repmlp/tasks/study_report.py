@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import atomic_write_bytes, atomic_write_text
-from .study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
+from repmlp.models.model_file import atomic_write_bytes, atomic_write_text
+from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
 __all__ = [
     "write_report",
@@ -91,10 +91,10 @@ def measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dic
     """Params, MACs and speed of every row's network, training-time and deployed, timed side by side.
 
     Speed does not depend on the weights, so freshly built networks are timed (interleaved rounds, see
-    :func:`repmlp.bench.benchmark`); keys are ``(model name, deployed)``.
+    :func:`repmlp.bench.throughput.benchmark`); keys are ``(model name, deployed)``.
     """
-    from ..bench import benchmark
-    from ..models.registry import create_model
+    from repmlp.bench.throughput import benchmark
+    from repmlp.models.registry import create_model
 
     kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def plot_study(
 
 def describe_recipe(preset: str) -> str:
     """One line naming a preset and the values a study run takes from it (epochs and model are the study's)."""
-    from ..recipes import PRESETS
+    from repmlp.tasks.recipes import PRESETS
 
     r = PRESETS[preset]
     whose = "the paper's CIFAR recipe" if preset == "cifar" else "the main job's recipe"
@@ -226,7 +226,7 @@ def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
 
 def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
-    from ..engine import hardware_summary
+    from repmlp.engine import hardware_summary
 
     stats = summarize(results)
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3

@@ -1,0 +1,1 @@
+"""repmlp.bench.throughput."""

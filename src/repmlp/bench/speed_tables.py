@@ -1,0 +1,350 @@
+"""The paper's speed tables (Tables 2-6 and Appendix A) measured on this machine: ``repmlp tables --speed``.
+
+The paper times every model converted (RepMLPs merged, every conv-BN fused) on one 1080Ti at batch 128
+(face models 512 at 96x96, PSPNets 16 at 713x713) and reports examples/second. For each row of
+:data:`repmlp.bench.tables.PAPER_ROWS` with a paper speed, :func:`measure_speed_rows` builds the training-time
+model with random weights and random BatchNorm statistics, converts it with
+:func:`repmlp.reparameterize_model` (torchvision's and timm's models: BatchNorm folded), checks the
+converted model against the training-time one in full float32 (:func:`repmlp.nn.numerics.full_float32`),
+and times it at the paper's batch and input: float32 with TF32 off by default (the 1080Ti has none),
+fp16/bf16 as the model and input cast to that dtype in channels_last, ``cudnn.benchmark`` on CUDA.
+Ratios are to the row's reference (:func:`speed_reference`): ResNet-50 at the same input (the
+EfficientNets: ResNet-50 at 320, beside which the paper lists them), MobileFaceNet, PSPNet-ResNet-50.
+
+How a converted model is run is a *path* (:data:`PATHS`): ``eager`` calls the module; another path
+(a compiled or CUDA-graph form) is a function ``prepare(model, example) -> callable`` registered there,
+as ``"module:function"`` to import it only when chosen. Every timing goes through :func:`time_path`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
+
+__all__ = [
+    "SPEED_TABLES",
+    "PATHS",
+    "SpeedOptions",
+    "SpeedResult",
+    "speed_rows",
+    "speed_reference",
+    "paper_batch",
+    "measure_speed_rows",
+    "render_speed_tables",
+    "time_path",
+    "prepare_path",
+]
+
+log = logging.getLogger(__name__)
+
+SPEED_TABLES = ("c4_rg", "stages", "comparisons", "light", "face", "seg")
+_BATCH = {"face": 512, "seg": 16}  # the paper's batch per table; 128 elsewhere
+_REFERENCE = {"c4_rg": "Original Res50", "stages": "Original Res50", "light": "Original", "face": "MobileFaceNet",
+              "seg": "ResNet-50"}  # fmt: skip
+CHECK_RTOL = 1e-4  # max |converted - training-time| / max |training-time output|, full float32
+
+Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
+
+
+def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
+    """The module itself, called as it is."""
+    return model
+
+
+#: Inference paths by name: a function ``prepare(model, example) -> callable``, or ``"module:function"``.
+#: ``fast``: the path measured fastest for the device and precision (:func:`repmlp.deploy.gpu.fastest_path`).
+PATHS: dict[str, Prepare | str] = {"eager": _eager, "fast": "repmlp.deploy.gpu:prepare_fast"}
+
+
+def prepare_path(name: str) -> Prepare:
+    """The ``prepare`` function of path ``name`` (imported now if it was registered as a string)."""
+    entry = PATHS[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+    return entry
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    """How :func:`measure_speed_rows` measures. ``quick``: batch 1, one short round (every row on a CPU in
+    minutes; the figures then only show that each row runs)."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    precisions: tuple[str, ...] = ("fp32",)
+    quick: bool = False
+    path: str = "eager"
+    tf32: bool = False  # let float32 timings use TF32 (the check never does)
+    warmup: int = 3
+    rounds: int = 3
+    round_seconds: float = 0.33  # each round repeats the batch for at least this long
+
+    def batch(self, row: PaperRow) -> int:
+        return 1 if self.quick else paper_batch(row)
+
+
+@dataclass
+class SpeedResult:
+    """One measured model (shared by the rows that build the same structure at the same input and batch).
+
+    ``speed`` maps precision -> examples/s; ``error`` says why a row has no figures (e.g. out of memory).
+    """
+
+    batch: int
+    check_rel_diff: float = float("nan")
+    speed: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def check_ok(self) -> bool:
+        return self.check_rel_diff <= CHECK_RTOL
+
+
+def paper_batch(row: PaperRow) -> int:
+    """The batch size the paper timed ``row`` at."""
+    return _BATCH.get(row.table, 128)
+
+
+def speed_rows(patterns: Sequence[str] | None = None) -> list[PaperRow]:
+    """The rows with a paper speed, in table order; with ``patterns``, those whose label, model or table
+    contains one of them (case-insensitive), plus the references their ratios need."""
+    rows = [r for t in SPEED_TABLES for r in PAPER_ROWS if r.table == t and r.speed is not None]
+    if not patterns:
+        return rows
+    wanted = [p.lower() for p in patterns]
+    chosen = [r for r in rows if any(p in f"{r.table} {r.label} {r.call}".lower() for p in wanted)]
+    return [r for r in rows if any(r is c or speed_reference(c) is r for c in chosen)]
+
+
+def speed_reference(row: PaperRow) -> PaperRow:
+    """The row ``row``'s speed ratio is taken to: ResNet-50 of its table (torchvision's at the same input
+    in the comparisons table, at 320 for the EfficientNets), MobileFaceNet, PSPNet with ResNet-50."""
+    if row.table == "comparisons":
+        size = 224 if row.input_size == 224 else 320
+        return next(
+            r for r in PAPER_ROWS if r.table == row.table and r.label == "ResNet-50" and r.input_size == size
+        )
+    return next(r for r in PAPER_ROWS if r.table == row.table and r.label == _REFERENCE[row.table])
+
+
+def time_path(fn: Callable[[Tensor], Tensor], x: Tensor, opts: SpeedOptions) -> float:
+    """Seconds per batch of ``fn(x)``: the median over ``opts.rounds`` rounds of the mean pass time, each
+    round repeating the pass for at least ``opts.round_seconds``, after ``opts.warmup`` untimed passes (one
+    round of one pass with ``opts.quick``). The device is synchronised after every pass, as in
+    :func:`repmlp.bench.throughput.time_forward`, so that a GPU's queued kernels are counted in full."""
+    from repmlp.bench.throughput import sync_device
+
+    warmup, rounds, seconds = (1, 1, 0.0) if opts.quick else (opts.warmup, opts.rounds, opts.round_seconds)
+    per_pass = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            fn(x)
+        sync_device(x.device)
+        for _ in range(rounds):
+            n, start = 0, time.perf_counter()
+            while True:
+                fn(x)
+                n += 1
+                sync_device(x.device)
+                elapsed = time.perf_counter() - start
+                if elapsed >= seconds:
+                    break
+            per_pass.append(elapsed / n)
+    return statistics.median(per_pass)
+
+
+def _randomize_batchnorm(model: nn.Module, seed: int = 0) -> None:
+    """Random running statistics and affine parameters, so that folding them is not a no-op."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                n = m.num_features
+                m.running_mean.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
+                m.running_var.copy_(torch.rand(n, generator=gen) * 1.5 + 0.5)
+                if m.affine:
+                    m.weight.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
+                    m.bias.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
+
+
+def _build(row: PaperRow) -> nn.Module:
+    from repmlp.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model(row.model, **row.kwargs)
+    _randomize_batchnorm(model)
+    return model.eval()
+
+
+def _check(model: nn.Module, deployed: nn.Module, x: Tensor) -> float:
+    """Max |deployed - training-time| relative to max |training-time output|, both in full float32."""
+    from repmlp.nn.numerics import full_float32
+
+    with torch.inference_mode(), full_float32():
+        ref, out = model(x), deployed(x)
+    ref, out = (t[0] if isinstance(t, (tuple, list)) else t for t in (ref, out))
+    return ((ref.double() - out.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
+
+
+def _time_precisions(deployed: nn.Module, x: Tensor, opts: SpeedOptions) -> dict[str, float]:
+    """examples/s of ``deployed`` on ``x`` in each of ``opts.precisions``."""
+    import contextlib
+
+    from repmlp.deploy.precision import DTYPES
+    from repmlp.nn.numerics import full_float32
+
+    prepare = prepare_path(opts.path)
+    speed = {}
+    for precision in opts.precisions:
+        if precision == "fp32":
+            net, inp = deployed, x
+        else:  # the way GPUs serve: weights and activations in the dtype, channels_last
+            dtype = DTYPES[precision]
+            net = copy.deepcopy(deployed).to(dtype=dtype, memory_format=torch.channels_last)
+            inp = x.to(dtype=dtype, memory_format=torch.channels_last)
+        precise = full_float32() if precision == "fp32" and not opts.tf32 else contextlib.nullcontext()
+        with precise:
+            seconds = time_path(prepare(net, inp), inp, opts)
+        speed[precision] = len(x) / seconds
+        del net
+    return speed
+
+
+def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult:
+    """Convert, check and time ``row``'s training-time ``model`` (CPU, eval mode)."""
+    from repmlp.nn.convert import reparameterize_model
+
+    batch, size = opts.batch(row), row.input_size
+    result = SpeedResult(batch)
+    model = model.to(opts.device)
+    deployed = reparameterize_model(model)
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)).to(opts.device)
+    result.check_rel_diff = _check(model, deployed, x[: min(batch, 2)])
+    result.speed = _time_precisions(deployed, x, opts)
+    return result
+
+
+def _failure(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if type(exc).__name__ == "OutOfMemoryError":
+        return "out of memory"
+    return f"{type(exc).__name__}: {first[:160]}"
+
+
+def measure_speed_rows(rows: Sequence[PaperRow], opts: SpeedOptions) -> list[tuple[PaperRow, SpeedResult]]:
+    """Every row measured (see the module docstring); rows whose models have the same structure (the
+    same module tree), input and batch share one measurement. A row that fails (out of memory, say) gets
+    its error instead of figures, and the others go on."""
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = opts.device.type == "cuda"  # the paper's practice; restored below
+    done: dict[tuple, SpeedResult] = {}
+    results: list[tuple[PaperRow, SpeedResult]] = []
+    try:
+        for i, row in enumerate(rows, 1):
+            try:
+                model = _build(row)
+                key = (repr(model), row.input_size, opts.batch(row))
+                if key not in done:
+                    done[key] = _measure(row, model, opts)
+                result = done[key]
+            except Exception as exc:  # noqa: BLE001 - one row's failure is reported in its row
+                log.debug("%s failed", row.label, exc_info=True)
+                result = SpeedResult(opts.batch(row), error=_failure(exc))
+            finally:
+                model = None
+                if opts.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results.append((row, result))
+            _log_row(i, len(rows), row, result)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    return results
+
+
+def _log_row(i: int, n: int, row: PaperRow, res: SpeedResult) -> None:
+    figures = res.error or ", ".join(f"{p} {v:,.1f}/s" for p, v in res.speed.items())
+    log.info("[%d/%d] %s: %s @%d, batch %d: check %.1e; %s", i, n, TABLE_TITLES[row.table].split(" (")[0],
+             row.label, row.input_size, res.batch, res.check_rel_diff, figures)  # fmt: skip
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    if not value or not reference:
+        return "-"
+    return f"{value / reference:.2f}x"
+
+
+def _speed_cell(value: float | None, *, paper: bool = False) -> str:
+    """examples/s: the paper's figure as printed (5,002; 10.43), ours to the unit above 100, else 3 digits."""
+    if value is None:
+        return "-"
+    if paper:
+        return f"{value:,g}"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def render_speed_tables(
+    results: Sequence[tuple[PaperRow, SpeedResult]], opts: SpeedOptions, *, note: str = ""
+) -> str:
+    """The measured rows as Markdown, one table per paper table: examples/s and the ratio to the row's
+    reference in each precision, beside the paper's examples/s and ratio."""
+    parts = []
+    for table in SPEED_TABLES:
+        rows = [(r, res) for r, res in results if r.table == table]
+        if not rows:
+            continue
+        head = ["Model", "Built as", "Input", "Batch", "Check (rel. diff)", "Paper examples/s", "Paper ratio"]
+        for p in opts.precisions:
+            head += [f"{p} examples/s", f"{p} ratio"]
+        lines = [f"### {TABLE_TITLES[table]}: speed", "", "| " + " | ".join(head) + " |",
+                 "|" + "|".join(["---"] * 3 + ["---:"] * (len(head) - 3)) + "|"]  # fmt: skip
+        for row, res in rows:
+            ref = speed_reference(row)
+            ref_res = next((m for r, m in results if r is ref), None)
+            check = "-" if res.check_rel_diff != res.check_rel_diff else f"{res.check_rel_diff:.1e}"
+            if res.check_rel_diff == res.check_rel_diff and not res.check_ok:
+                check += " FAILED"
+            cells = [row.label, f"`{row.call}`", str(row.input_size), str(res.batch), check,
+                     _speed_cell(row.speed, paper=True), _ratio(row.speed, ref.speed)]  # fmt: skip
+            for p in opts.precisions:
+                ours = res.speed.get(p)
+                cells += [_speed_cell(ours) if not res.error else res.error,
+                          _ratio(ours, ref_res.speed.get(p) if ref_res else None)]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        ref_names = sorted({f"{speed_reference(r).label} @{speed_reference(r).input_size}" for r, _ in rows})
+        lines += ["", f"Ratios to {', '.join(ref_names)}."]
+        parts.append("\n".join(lines))
+    return (note + "\n\n" if note else "") + "\n\n".join(parts) + "\n"
+
+
+def describe(opts: SpeedOptions) -> str:
+    """How the figures were measured, in one paragraph (above the tables)."""
+    from repmlp.engine import hardware_summary
+
+    how = (
+        "batch 1, one timed pass after one warm-up pass (--quick: the figures only show that each row runs)"
+        if opts.quick
+        else f"the paper's batch, median of {opts.rounds} rounds of at least {opts.round_seconds:g} s after "
+        f"{opts.warmup} warm-up passes"
+    )
+    precisions = ", ".join(
+        ("fp32 (TF32 " + ("allowed" if opts.tf32 else "off") + ")")
+        if p == "fp32"
+        else f"{p} (weights and input cast, channels_last)"
+        for p in opts.precisions
+    )
+    bench = ", cudnn.benchmark on" if opts.device.type == "cuda" else ""
+    return (
+        f"Converted models (random weights and BatchNorm statistics), checked against the training-time "
+        f"form in full float32 (tolerance {CHECK_RTOL:g} of the output scale), timed on "
+        f"{hardware_summary(opts.device)}: {precisions}; path `{opts.path}`{bench}; {how}. Paper: one 1080Ti."
+    )

@@ -1,0 +1,386 @@
+"""Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's.
+
+The paper reports speed as examples per second at a fixed batch size in inference (Tables 1-6);
+:func:`benchmark` measures the same for each model twice: as built (the training-time structure run in
+eval mode) and after :func:`repmlp.reparameterize_model` (the deployed structure), with parameters and
+multiply-accumulates of each form from :func:`repmlp.profile`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from repmlp.errors import UserError
+
+__all__ = [
+    "BenchRow",
+    "benchmark",
+    "time_forward",
+    "sync_device",
+    "render_markdown",
+    "default_input_size",
+    "model_input_size",
+    "check_forward",
+    "models_to_bench",
+    "in_precision",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchRow:
+    """One measured model form. ``throughput`` is examples/second (median over the repeats)."""
+
+    model: str
+    form: str  # "train" (training-time structure, eval mode) or "deploy"
+    input_size: tuple[int, ...]  # (C, H, W)
+    batch_size: int
+    device: str
+    params: int
+    macs: int
+    throughput: float
+    latency_ms: float  # median time of one batch
+    spread: float = 0.0  # interquartile range of the batch times / their median
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)) -> tuple[int, ...]:
+    """``(C, H, W)`` the model expects: its timm ``pretrained_cfg`` input size, else ``fallback``.
+
+    repmlp's registry updates that config to the ``img_size``/``in_chans`` a model was built with.
+    """
+    for attr in ("pretrained_cfg", "default_cfg"):
+        cfg = getattr(model, attr, None)
+        if isinstance(cfg, Mapping) and cfg.get("input_size"):
+            return tuple(int(s) for s in cfg["input_size"])
+    return tuple(int(s) for s in fallback)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA, MPS), so that a host timer counts it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":  # pragma: no cover - Apple only
+        torch.mps.synchronize()
+
+
+def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` forward passes of ``model`` on ``x`` after ``warmup`` untimed ones.
+
+    Runs under ``torch.inference_mode`` and synchronises the device around each timed pass, so GPU
+    kernels are counted in full.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    times = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            model(x)
+        sync_device(x.device)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(x)
+            sync_device(x.device)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def benchmark(
+    models: Mapping[str, nn.Module],
+    input_size: Sequence[int],
+    batch_size: int,
+    *,
+    device: str | torch.device = "cpu",
+    warmup: int = 3,
+    repeats: int = 10,
+    forms: Sequence[str] = ("train", "deploy"),
+    runtime: str = "torch",
+    path: str = "auto",
+) -> list[BenchRow]:
+    """Measure every model in its training-time and deployed form.
+
+    Args:
+        models: name -> model (training-time form; one already deployed is measured as ``deploy`` only).
+            Models are copied, never modified.
+        input_size: ``(C, H, W)`` of one example.
+        batch_size: examples per forward pass.
+        device: where to run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        warmup: untimed passes before timing (cuDNN autotuning, allocator, caches).
+        repeats: timed passes; the row reports the median.
+        forms: which forms to measure.
+        runtime: ``"torch"``, or an ONNX runtime (:data:`repmlp.deploy.runtimes.RUNTIMES`) that runs each form's
+            exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only); parameters and MACs are the
+            PyTorch model's.
+        path: how PyTorch runs each form on a GPU (:data:`repmlp.deploy.gpu.PATHS`; ``"auto"``: the path
+            measured fastest for the form's precision, :func:`repmlp.deploy.gpu.fastest_path`); on a CPU
+            the models run as they are.
+
+    Returns:
+        One :class:`BenchRow` per model and form, in input order.
+    """
+    from repmlp.bench.counts import profile
+    from repmlp.deploy.runtimes import to_runtime
+    from repmlp.nn.convert import reparameterize_model
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = torch.device(device)
+    if runtime != "torch" and device.type != "cpu":
+        raise ValueError(f"runtime {runtime!r} runs on the CPU, not on {device}")
+    input_size = tuple(int(s) for s in input_size)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *input_size, generator=gen).to(device)
+    variants: list[tuple[str, str, nn.Module, int, int]] = []
+    for name, model in models.items():
+        base = copy.deepcopy(model).eval()
+        deployed_already = _is_deployed(base)
+        if "train" in forms and not deployed_already:
+            variants.append((name, "train", base, *profile(base, input_size)))
+        if "deploy" in forms:
+            net = base if deployed_already else reparameterize_model(base)
+            variants.append((name, "deploy", net, *profile(net, input_size)))
+    nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
+    inputs = [x] * len(nets)
+    if device.type == "cuda" and runtime == "torch":
+        from repmlp.deploy.gpu import prepare_for_device
+
+        prepared = [prepare_for_device(net, x, path) for net in nets]
+        nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
+    times = _time_interleaved(nets, inputs, warmup, repeats)
+    rows: list[BenchRow] = []
+    for (name, form, _, params, macs), t in zip(variants, times, strict=True):
+        median = statistics.median(t)
+        q = statistics.quantiles(t, n=4) if len(t) > 1 else [median, median, median]
+        rows.append(
+            BenchRow(
+                model=name,
+                form=form,
+                input_size=input_size,
+                batch_size=batch_size,
+                device=str(device),
+                params=int(params),
+                macs=int(macs),
+                throughput=batch_size / median if median > 0 else math.inf,
+                latency_ms=median * 1e3,
+                spread=(q[2] - q[0]) / median if median > 0 else 0.0,
+            )
+        )
+        log.info(
+            "%s (%s): %.1f examples/s (spread %.0f%%)", name, form, rows[-1].throughput, 100 * rows[-1].spread
+        )
+    worst = max((r.spread for r in rows), default=0.0)
+    if worst > 0.25:
+        log.warning(
+            "timings vary by up to %.0f%% between passes: the machine is busy; compare ratios, or rerun",
+            100 * worst,
+        )
+    for net in nets:
+        if isinstance(net, nn.Module):
+            net.to("cpu")
+    return rows
+
+
+def _time_interleaved(
+    nets: Sequence, inputs: Sequence[torch.Tensor], warmup: int, repeats: int
+) -> list[list[float]]:
+    """Seconds of each pass of every ``nets[i](inputs[i])``, ``repeats`` of each after ``warmup`` untimed
+    ones, in interleaved rounds (every net once per round): on a shared machine the load drifts, and
+    interleaving makes the drift hit every form alike, so the ratios between them stay meaningful."""
+    times: list[list[float]] = [[] for _ in nets]
+    with torch.inference_mode():
+        for net, x in zip(nets, inputs, strict=True):
+            for _ in range(warmup):
+                net(x)
+        for x in inputs[:1]:
+            sync_device(x.device)
+        for _ in range(repeats):
+            for i, net in enumerate(nets):
+                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
+    return times
+
+
+def _is_deployed(model: nn.Module) -> bool:
+    """True when nothing in ``model`` would change on re-parameterization (no BN, no training-time branch)."""
+    for m in model.modules():
+        if getattr(m, "deploy", None) is False:
+            return False
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return False
+    return True
+
+
+def _millions(n: int) -> str:
+    # The paper's precision for its models (22.41M), more digits for the tiny ones (0.218M).
+    m = n / 1e6
+    return f"{m:.2f}" if m >= 1 else f"{m:.3f}"
+
+
+def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note: str | None = None) -> str:
+    """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s.
+
+    ``spread`` is the interquartile range of the batch times relative to their median. Each deployed
+    row also shows its speed relative to the training-time row of the same model;
+    ``title`` goes above the table, ``note`` (say, the hardware) below it.
+    """
+    train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
+    lines = []
+    if title:
+        lines += [title, ""]
+    lines += [
+        "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | spread | vs. train |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        rel = train_speed.get(r.model)
+        ratio = f"{r.throughput / rel:.2f}x" if r.form == "deploy" and rel else ""
+        size = "x".join(str(s) for s in r.input_size)
+        lines.append(
+            f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
+            f"| {r.throughput:.1f} | {100 * r.spread:.0f}% | {ratio} |"
+        )
+    if note:
+        lines += ["", note]
+    return "\n".join(lines)
+
+
+def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
+    """Run one example through ``model`` (in full float32); a shape the model rejects is a :class:`UserError`."""
+    from repmlp.nn.numerics import full_float32
+
+    try:
+        with torch.inference_mode(), full_float32():
+            model(torch.zeros(1, *input_size))
+    except (RuntimeError, ValueError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
+            raise
+        size = "x".join(str(s) for s in input_size)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
+
+
+def models_to_bench(
+    names: Sequence[str] | None,
+    checkpoints: Sequence[Path] | None,
+    *,
+    num_classes: int | None = None,
+    in_chans: int | None = None,
+    img_size: int | None = None,
+) -> tuple[dict[str, nn.Module], tuple[int, ...], dict[str, str]]:
+    """What ``repmlp bench`` times: registered ``names`` (random weights) or model files ``checkpoints``.
+
+    Returns name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form;
+    models that take different input sizes, or not the given one, are a :class:`UserError`.
+    """
+    from repmlp.engine import build_model
+    from repmlp.models.model_file import load_model
+
+    models: dict[str, nn.Module] = {}
+    sizes: dict[str, tuple[int, ...]] = {}
+    forms: dict[str, str] = {}
+    if names:
+        for name in dict.fromkeys(names):
+            model, _ = build_model(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)
+            model.eval()  # measured and exported as an inference model
+            c, h, w = default_input_size(model)
+            if in_chans is not None:
+                c = in_chans
+            if img_size is not None:
+                h = w = img_size
+            models[name], sizes[name], forms[name] = model, (c, h, w), "train"
+    else:
+        paths = list(dict.fromkeys(checkpoints or []))
+        for path in paths:
+            model, info = load_model(path, device="cpu")
+            label = f"{info['model']} ({Path(path).name})" if len(paths) > 1 else info["model"]
+            models[label] = model
+            sizes[label] = model_input_size(model, info, img_size)
+            forms[label] = info["form"]
+            if info.get("precision") == "int8":
+                model.profile_counts = _int8_counts(info, sizes[label])
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
+        raise UserError(
+            f"the models take different input sizes ({listed}); pass --img-size or bench them apart"
+        )
+    input_size = next(iter(sizes.values()))
+    for name, model in models.items():
+        check_forward(model, input_size, name)
+    return models, input_size, forms
+
+
+def _int8_counts(info: dict[str, Any], input_size: tuple[int, ...]) -> tuple[int, int]:
+    """``(params, MACs)`` of an int8 file's model: its deployed float structure's, counted on the ``meta``
+    device (the ONNX graph has no PyTorch parameters; it holds the same weights, in int8)."""
+    from repmlp.bench.counts import profile_model
+
+    kwargs = dict(info.get("model_kwargs") or {})
+    kwargs.setdefault("in_chans", input_size[0])
+    try:
+        return profile_model(info["model"], tuple(input_size[1:]), deploy=True, **kwargs)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        log.warning("%s: cannot count the int8 model's parameters (%s)", info["model"], exc)
+        return 0, 0
+
+
+def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
+    """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
+    from repmlp.bench.counts import profile
+    from repmlp.deploy.precision import precision_of, to_precision
+    from repmlp.nn.convert import reparameterize_model
+
+    if precision_of(model) != "fp32":
+        return model
+    gen = torch.Generator().manual_seed(0)
+    calibration = [torch.randn(8, *input_size, generator=gen)] if precision == "int8" else None
+    try:
+        deployed = reparameterize_model(model)
+        counts = profile(deployed, input_size) if precision == "int8" else None
+        reduced = to_precision(deployed, precision, calibration, input_size=input_size)
+        if counts is not None:  # an ONNX graph: the deployed structure's parameters and MACs, in int8
+            reduced.profile_counts = counts
+        return reduced
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
+
+
+def model_input_size(
+    model: nn.Module, info: dict[str, Any], img_size: int | None = None
+) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the model in a file: ``img_size``, else what the file recorded, else defaults.
+
+    Looks at, in order: the file's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
+    the model's timm config, and finally ``(3, 224, 224)``.
+    """
+    extra = info.get("extra") or {}
+    kwargs = info.get("model_kwargs") or {}
+    recorded = extra.get("input_size")
+    if isinstance(recorded, Sequence) and len(recorded) == 3:
+        c, h, w = (int(s) for s in recorded)
+    else:
+        c, h, w = default_input_size(model)
+        c = int(kwargs.get("in_chans", c))
+        size = kwargs.get("img_size")
+        if isinstance(size, int):
+            h = w = size
+        elif isinstance(size, Sequence) and len(size) == 2:
+            h, w = (int(s) for s in size)
+    if img_size is not None:
+        h = w = img_size
+    return c, h, w

@@ -1,0 +1,1 @@
+"""repmlp.deploy.precision."""

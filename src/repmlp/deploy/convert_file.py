@@ -1,0 +1,275 @@
+"""A training-time model file -> a verified deployed model file (``repmlp convert``, paper Sec. 3.4).
+
+Every RepMLP block becomes FC1, FC2 and FC3 (Local Perceptron and BatchNorms merged in), every conv-BN
+pair one conv. The deployed file is written only after it has been loaded back into a freshly built
+``deploy=True`` model and that model's outputs matched the training-time model's on real inputs: a
+batch of the run's validation data when the file names its data set (or ``dataset`` is given),
+otherwise random inputs. A reduced precision (bf16, fp16, int8) is applied to the verified model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from repmlp.errors import UserError
+from repmlp.nn.numerics import full_float32
+
+__all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Converted:
+    """What :func:`convert_checkpoint` wrote and measured."""
+
+    output: Path
+    model: str
+    precision: str
+    params_train: int
+    params_deploy: int
+    max_error: float  # |deployed - training-time|, max over the check inputs
+    max_output: float  # max |training-time output|
+    source: str  # where the check inputs came from
+    precision_error: float | None = None  # max |reduced - float32 deployed| logit change
+    changed: float | None = None  # share of predictions the reduced precision changed
+
+
+def default_output(checkpoint: Path) -> Path:
+    if checkpoint.name == "model.safetensors":
+        return checkpoint.with_name("deploy.safetensors")
+    return checkpoint.with_name(f"{checkpoint.stem}-deploy.safetensors")
+
+
+def check_inputs(
+    info: dict[str, Any],
+    input_size: tuple[int, int, int],
+    n: int,
+    *,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+) -> tuple[Tensor, str]:
+    """``(n, C, H, W)`` inputs for the equivalence check and a description of where they come from.
+
+    Real validation images when a data set is known (``dataset`` or the checkpoint's ``extra["dataset"]``)
+    and loadable at ``input_size``; else standard-normal noise (seeded). A data set the user named
+    explicitly that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back to
+    noise with a warning (the data may live on another machine).
+    """
+    extra = info.get("extra") or {}
+    name = dataset or extra.get("dataset")
+    folder = data_dir or extra.get("data_dir")
+    if name:
+        from repmlp.data import DataConfig, build_data
+
+        try:
+            data = build_data(
+                DataConfig(
+                    dataset=name,
+                    data_dir=folder,
+                    need_train=False,
+                    val_limit=n,
+                    eval_batch_size=n,
+                    img_size=input_size[1],
+                    workers=0,
+                )
+            )
+            x, _ = next(iter(data.val.batches(0)))
+            if tuple(x.shape[1:]) != tuple(input_size):
+                raise UserError(f"its images are {tuple(x.shape[1:])}, the model takes {tuple(input_size)}")
+            return x.float(), f"{len(x)} {name} validation images"
+        except UserError as exc:
+            if dataset:
+                msg = str(exc)
+                raise UserError(
+                    msg if msg.startswith("--dataset") else f"--dataset {dataset}: {msg}"
+                ) from None
+            log.warning("cannot load the run's data set %s (%s); checking on random inputs", name, exc)
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, *input_size, generator=gen), f"{n} random inputs (no data set known)"
+
+
+def _max_error(reference: nn.Module, candidate: nn.Module, x: Tensor) -> tuple[float, float]:
+    """Max abs difference of the two models' outputs on ``x``, and the max abs reference output; both
+    forms run in full float32 (no TF32, no autocast), whatever the caller's settings."""
+    with torch.inference_mode(), full_float32():
+        ref, out = reference(x), candidate(x)
+    if isinstance(ref, (tuple, list)):
+        ref, out = ref[0], out[0]
+    return (ref.double() - out.double()).abs().max().item(), ref.abs().max().item()
+
+
+def calibration_batches(
+    info: dict[str, Any],
+    input_size: tuple[int, int, int],
+    n: int,
+    *,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+) -> list[Tensor]:
+    """The first ``n`` training images of the run's data set (or ``dataset``) in batches of <= 64.
+
+    No data set known, or one that cannot be loaded, is a :class:`UserError`: int8 ranges calibrated
+    on noise would be wrong for real images.
+    """
+    from repmlp.data import DataConfig, build_data
+
+    extra = info.get("extra") or {}
+    name = dataset or extra.get("dataset")
+    if not name:
+        raise UserError(
+            "--precision int8 needs calibration data: the checkpoint names no data set; pass --dataset "
+            "(and --data-dir) of the training data"
+        )
+    try:
+        data = build_data(
+            DataConfig(
+                dataset=name,
+                data_dir=data_dir or extra.get("data_dir"),
+                train_limit=n,
+                batch_size=min(n, 64),
+                img_size=input_size[1],
+                workers=0,
+            )
+        )
+    except UserError as exc:
+        raise UserError(f"--precision int8: cannot load calibration data ({exc})") from None
+    return [x.float() for x, _ in data.train.batches(0)]
+
+
+def _reduce_precision(
+    deployed: nn.Module, precision: str, x: Tensor, calibration: list[Tensor] | None
+) -> tuple[nn.Module, float, float]:
+    """``deployed`` (float32, verified) in ``precision``; its max abs logit change and changed-argmax share."""
+    from repmlp.deploy.precision import native_support, to_precision
+
+    reason = native_support(precision)
+    if reason:
+        log.warning("%s", reason)
+    # The float32 reference in full float32; the reduced model without autocast (its own dtype).
+    with torch.inference_mode(), full_float32():
+        ref = deployed(x).float()
+    try:
+        reduced = to_precision(copy.deepcopy(deployed), precision, calibration, input_size=tuple(x.shape[1:]))
+        with torch.inference_mode(), full_float32():
+            out = reduced(x).float()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"--precision {precision}: this machine cannot run the model in {precision} ({first})"
+        ) from None
+    if not torch.isfinite(out).all():
+        raise UserError(f"--precision {precision}: the model's outputs overflow in {precision}")
+    err = (out - ref).abs().max().item()
+    changed = (out.argmax(1) != ref.argmax(1)).float().mean().item() if out.dim() == 2 else float("nan")
+    return reduced, err, changed
+
+
+def convert_checkpoint(
+    checkpoint: Path,
+    output: Path | None = None,
+    *,
+    precision: str = "fp32",
+    tolerance: float = 1e-4,
+    num_examples: int = 64,
+    img_size: int | None = None,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+    calibration_examples: int = 512,
+) -> Converted:
+    """Convert, verify and write (atomically) the deployed form of the training-time ``checkpoint``.
+
+    ``output`` defaults to :func:`default_output`. The check runs the training-time and the reloaded
+    deployed model on :func:`check_inputs`; a difference above ``tolerance * max(1, max |output|)`` is a
+    :class:`UserError` and nothing is written.
+    """
+    from repmlp.bench.throughput import check_forward, model_input_size
+    from repmlp.models.file_format import check_output_kind
+    from repmlp.models.model_file import load_model
+
+    output = output or default_output(checkpoint)
+    if output.exists() and output.resolve() == checkpoint.resolve():
+        raise UserError(f"--output {output} would overwrite the checkpoint being converted")
+    # Only an earlier deployed file may be replaced: not a training state, a training-time model, a report.
+    check_output_kind(output, "a deployed model file", ("a deployed model file",))
+    model, info = load_model(checkpoint, device="cpu")
+    if info["form"] != "train":
+        raise UserError(f"{checkpoint} is already a deployed checkpoint of {info['model']}")
+    input_size = model_input_size(model, info, img_size)
+    check_forward(model, input_size, info["model"])  # a size the model does not take: one line
+    x, source = check_inputs(info, input_size, num_examples, dataset=dataset, data_dir=data_dir)
+    calibration = None
+    if precision == "int8":
+        calibration = calibration_batches(info, input_size, calibration_examples, dataset=dataset,
+                                          data_dir=data_dir)  # fmt: skip
+    extra = {**(info.get("extra") or {}), "converted_from": str(checkpoint)}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Stage in the output's folder; the real name appears only once the file has passed the check.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        reloaded = _write_deployed(tmp, model, info, extra)
+        err, largest = _max_error(model, reloaded, x)
+        if not err <= tolerance * max(1.0, largest):
+            raise UserError(
+                f"deployed model differs from the training-time model by {err:.3g} on {source} "
+                f"(allowed {tolerance * max(1.0, largest):.3g}); {output} not written"
+            )
+        result = Converted(output, info["model"], precision, _params(model), _params(reloaded), err, largest,
+                           source)  # fmt: skip
+        if precision != "fp32":
+            reduced, result.precision_error, result.changed = _reduce_precision(reloaded, precision, x,
+                                                                                calibration)  # fmt: skip
+            # An int8 graph has no registry config left to tell its input size: record it.
+            extra.setdefault("input_size", list(input_size))
+            _save(tmp, reduced, info, extra, precision)
+            load_model(tmp, form="deploy")  # the file must load back
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _save(path: Path, model: nn.Module, info: dict[str, Any], extra: dict[str, Any], precision: str) -> None:
+    from repmlp.models.model_file import save_model
+
+    save_model(path, model, name=info["model"], model_kwargs=info["model_kwargs"], form="deploy", extra=extra,
+               precision=precision)  # fmt: skip
+
+
+def _write_deployed(path: Path, model: nn.Module, info: dict[str, Any], extra: dict[str, Any]) -> nn.Module:
+    """The deployed form written to ``path`` and loaded back into ``create_model(..., deploy=True)``.
+
+    Every BN is folded (smallest, fastest model) unless the registered ``deploy=True`` model keeps some
+    (e.g. timm models that know nothing of ``deploy=``): the file must load into that model.
+    """
+    from repmlp.models.file_format import CheckpointError
+    from repmlp.models.model_file import load_model
+    from repmlp.nn.convert import reparameterize_model
+
+    for fuse_bn in (True, False):
+        _save(path, reparameterize_model(model, fuse_bn=fuse_bn), info, extra, "fp32")
+        try:
+            return load_model(path, form="deploy")[0]
+        except CheckpointError as exc:
+            if not fuse_bn:
+                raise UserError(
+                    f"the deployed {info['model']} does not load into create_model({info['model']!r}, "
+                    f"deploy=True): {exc}"
+                ) from None
+            log.info("deploy=True %s keeps some BatchNorms; converting without folding them", info["model"])
+    raise AssertionError("unreachable")

@@ -1,0 +1,605 @@
+"""Putting a model file to use: :func:`load_model` and :class:`Predictor` (what ``repmlp predict`` runs).
+
+A model file (any this project writes or imports: training-time or deployed, float32, bf16, fp16 or
+int8) carries what a prediction needs besides its weights: the model's name and options, its class names
+(``extra["classes"]``) and its evaluation preprocessing (``extra["dataset"]``, ``input_size``,
+``eval_preprocessing``). :func:`load_model` returns the model with that as ``model.metadata``
+(:class:`ModelMetadata`); :class:`Predictor` turns image files, PIL images or a batch tensor into the
+top-k ``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval``
+applies (the same functions of :mod:`repmlp.data`).
+
+Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together, see
+:mod:`repmlp.data.png`): where the model leaves CPU cores free, in ``DataLoader`` worker processes, one
+batch per work item, while the model runs on the previous batch; where its threads use every core, in
+this process between batches (:func:`auto_workers`). A file that cannot be decoded does not stop the
+others: :meth:`Predictor.predict_files` yields it with the reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from repmlp.bench.throughput import model_input_size
+from repmlp.data.folder import image_to_channels
+from repmlp.errors import UserError
+
+__all__ = [
+    "ModelMetadata",
+    "Prediction",
+    "Predictor",
+    "FileResult",
+    "load_model",
+    "expand_inputs",
+    "image_to_channels",
+    "read_labels",
+]
+
+
+class Prediction(NamedTuple):
+    """One of an image's top-k classes."""
+
+    label: str
+    index: int
+    probability: float
+
+
+@dataclass
+class ModelMetadata:
+    """What a model file says besides its weights.
+
+    ``preprocessing``: ``{"dataset", "input_size" [C, H, W], "eval_preprocessing"}`` (JSON), the inputs of
+    :func:`eval_image_transform`; ``classes``: the class names (``None`` when the file has none).
+    """
+
+    name: str
+    model_kwargs: dict[str, Any]
+    form: str
+    precision: str
+    num_classes: int
+    input_size: tuple[int, int, int]
+    classes: list[str] | None = None
+    preprocessing: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FileResult:
+    """One input file of :meth:`Predictor.predict_files`: its top-k, or why it was skipped."""
+
+    path: str
+    top_k: list[Prediction] | None = None
+    error: str | None = None
+
+
+def _num_classes(model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]) -> int:
+    n = (info.get("model_kwargs") or {}).get("num_classes") or getattr(model, "num_classes", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    with torch.inference_mode():  # e.g. a torchvision model: ask the model itself
+        return int(model(torch.zeros(1, *input_size, device=_device_of(model))).shape[-1])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _preprocessing(
+    model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]
+) -> dict[str, Any]:
+    """The evaluation preprocessing of a file (see :class:`ModelMetadata`); without a recorded data set
+    or published preprocessing, the model's own timm config (mean/std/crop) at its input size."""
+    from repmlp.data import NATIVE_SIZE
+
+    extra = info.get("extra") or {}
+    dataset = extra.get("dataset")
+    pre = extra.get("eval_preprocessing")
+    if dataset not in NATIVE_SIZE and not pre:
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
+        pre = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in keys} or None
+    return {"dataset": dataset, "input_size": list(input_size), "eval_preprocessing": pre}
+
+
+def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tensor]:
+    """PIL image (already in the model's channels) -> the model's normalised ``(C, H, W)`` input.
+
+    An in-memory data set's models (Fashion-MNIST, CIFAR-10) take its pixels as ``repmlp eval`` does
+    (:class:`repmlp.data.PixelEvalTransform`); every other model the image folder's evaluation transform
+    (:func:`repmlp.data.folder_eval_transform`: resize, centre crop, mean/std).
+    """
+    from repmlp.data import NATIVE_SIZE, PixelEvalTransform, folder_eval_transform
+
+    c, h, _ = preprocessing["input_size"]
+    if preprocessing.get("dataset") in NATIVE_SIZE:
+        return PixelEvalTransform(preprocessing["dataset"], h)
+    pre = dict(preprocessing.get("eval_preprocessing") or {})
+    if c == 1 and pre:  # a one-channel model: one mean/std value (ImageNet's three would broadcast)
+        pre.update({k: list(pre[k])[:1] for k in ("mean", "std") if k in pre})
+    return folder_eval_transform(h, pre or None)
+
+
+def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
+    """The model of a repmlp model file, in the file's form and precision, in eval mode, on ``device``.
+
+    ``model.metadata`` (:class:`ModelMetadata`) holds the model's name and options, its class names and
+    its preprocessing. A missing, truncated or foreign file raises :class:`repmlp.models.file_format.CheckpointError`
+    (a :class:`~repmlp.errors.UserError`) with a one-line message.
+    """
+    from repmlp.models.model_file import load_model as load
+
+    model, info = load(path, device=device)
+    _check_classifier(info, path)
+    model.metadata = _metadata(model, info)
+    return model
+
+
+def _check_classifier(info: dict[str, Any], path: str | os.PathLike) -> None:
+    task = (info.get("extra") or {}).get("task")
+    if task in ("face", "seg"):
+        kind = "a face embedding model" if task == "face" else "a segmentation model"
+        raise UserError(f"{path} holds {kind} ({info['model']}), not an image classifier")
+
+
+def _metadata(model: nn.Module, info: dict[str, Any]) -> ModelMetadata:
+    extra = info.get("extra") or {}
+    size = model_input_size(model, info)
+    classes = extra.get("classes")
+    return ModelMetadata(
+        name=info["model"],
+        model_kwargs=dict(info.get("model_kwargs") or {}),
+        form=info["form"],
+        precision=info.get("precision", "fp32"),
+        num_classes=_num_classes(model, info, size),
+        input_size=size,
+        classes=[str(c) for c in classes] if isinstance(classes, list) and classes else None,
+        preprocessing=_preprocessing(model, info, size),
+        path=info.get("path"),
+        extra=extra,
+    )
+
+
+# A labels file of more than this is not one (ImageNet's 1000 names take 30 kB).
+_MAX_LABELS_BYTES = 16 << 20
+
+
+def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
+    """Class names from a text file, one a line (trailing blank lines ignored); their count must be
+    ``num_classes``. A blank line between names, or a name given twice, is refused: either would put
+    every later class under another class's name. The file must be a regular file (a FIFO would block)."""
+    from repmlp.data.inputs import InputError, read_text
+
+    try:
+        lines = read_text(path, _MAX_LABELS_BYTES, "labels file").splitlines()
+    except InputError as exc:
+        raise UserError(str(exc)) from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    names = [ln.strip() for ln in lines]
+    blank = next((i for i, name in enumerate(names) if not name), None)
+    if blank is not None:
+        raise UserError(
+            f"labels file {path}: line {blank + 1} is blank (one name a line, no blank lines between them)"
+        )
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:
+            raise UserError(f"labels file {path}: line {i + 1} repeats {name!r} of line {seen[name] + 1}")
+        seen[name] = i
+    if len(names) != num_classes:
+        raise UserError(f"labels file {path} has {len(names)} names but the model has {num_classes} classes")
+    return names
+
+
+def _image_extensions() -> set[str]:
+    from PIL import Image
+
+    return {ext.lower() for ext in Image.registered_extensions()}
+
+
+def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Image files of ``inputs``: ``(files, problems)``.
+
+    A file is taken as it is (whatever its name; decoding tells whether it is an image); a folder gives
+    every file under it with an extension Pillow reads, recursively, in sorted order, each real folder
+    once (symlinks that loop are followed once); a pattern with ``*``, ``?`` or ``[`` is expanded (``**``
+    recursively, as :func:`repmlp.data.inputs.expand_glob`), sorted. ``problems`` lists ``(input, reason)``
+    for a path that does not exist, a pattern that matches nothing, and anything that is not a regular
+    file or a folder (a FIFO, a device such as ``/dev/zero``, a socket): those are named, never read.
+    Duplicates are kept once.
+    """
+    from repmlp.data.inputs import expand_glob, not_regular, walk_files
+
+    exts = _image_extensions()
+    files: list[str] = []
+    problems: list[tuple[str, str]] = []
+
+    def add(item: str) -> None:
+        kind = not_regular(item)
+        if kind == "a folder":
+            found, skipped = walk_files(item, sorted(exts))
+            problems.extend(skipped)
+            if not found:
+                problems.append((item, "folder holds no image files"))
+            files.extend(found)
+        elif kind is None:
+            files.append(item)
+        elif kind == "missing":
+            problems.append((item, "no such file or folder"))
+        else:
+            problems.append((item, f"{kind}, not a regular file"))
+
+    for item in map(str, inputs):
+        if not_regular(item) == "missing" and glob.has_magic(item):
+            matches = expand_glob(item)
+            if not matches:
+                problems.append((item, "pattern matches no file"))
+            for m in matches:
+                add(m)
+        else:
+            add(item)
+    return list(dict.fromkeys(files)), problems
+
+
+def decode_image(path: str, channels: int, transform: Callable[[Any], Tensor]) -> Tensor:
+    """Read one image file (a GIF's first frame; a regular file of bounded size and pixel count,
+    :func:`repmlp.data.inputs.open_image`) and apply ``transform``; raises what decoding raised."""
+    from repmlp.data.inputs import open_image
+
+    with open_image(path) as im:
+        return transform(image_to_channels(im, channels))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    if isinstance(exc, UserError) and text:  # repmlp's own reasons read as they are
+        return text[0]
+    msg = getattr(exc, "strerror", None) or (text[0] if text else "")
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+class _FileBatches(torch.utils.data.Dataset):
+    """Item ``i``: batch ``i`` of ``paths`` decoded: ``(first index, (N, C, H, W) tensor, ok mask, errors)``.
+
+    A batch per item keeps inter-process traffic to one tensor per batch. Undecodable files leave a zero
+    image and ``ok[j] = False`` with the reason in ``errors[j]``. A transform with ``pixels`` and
+    ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes each image to uint8 (plain PNGs of
+    the data set's size all at once, :func:`repmlp.data.png.unfilter`) and normalises the batch at once,
+    as the evaluation loader does.
+    """
+
+    def __init__(self, paths: list[str], batch_size: int, channels: int, transform: Callable, size) -> None:
+        self.paths, self.batch_size, self.channels, self.transform = paths, batch_size, channels, transform
+        self.size = tuple(size)
+        self.batched = hasattr(transform, "pixels") and hasattr(transform, "normalize")
+
+    def __len__(self) -> int:
+        return (len(self.paths) + self.batch_size - 1) // self.batch_size
+
+    def _decode(self, path: str) -> Any:
+        """One file -> the transform's ``(C, H, W)`` tensor, or (pixel transforms) ``(H, W, C)`` uint8."""
+        from repmlp.data.inputs import open_image
+
+        # Decoded in open_image (a truncated file fails there); everything inside: a closed image has no pixels.
+        with open_image(path) as im:
+            img = image_to_channels(im, self.channels)
+            return self.transform.pixels(img) if self.batched else self.transform(img)
+
+    def __getitem__(self, item: int) -> tuple[int, Tensor, Tensor, list[str]]:
+        from repmlp.data.png import png_scanlines, unfilter
+
+        start = item * self.batch_size
+        chunk = self.paths[start : start + self.batch_size]
+        images: list[Any] = [None] * len(chunk)
+        errors = [""] * len(chunk)
+        plain: dict[int, bytes] = {}  # plain PNGs of the data set's size: decoded together below
+        for j, path in enumerate(chunk):
+            try:
+                raw = png_scanlines(path, self.channels, self.transform.native) if self.batched else None
+                if raw is None:
+                    images[j] = self._decode(path)
+                else:
+                    plain[j] = raw
+            except Exception as exc:  # noqa: BLE001 - any undecodable file is skipped with its reason
+                errors[j] = _reason(exc)
+        if plain:
+            for j, pixels in zip(plain, unfilter(list(plain.values()), self.channels, self.transform.native),
+                                 strict=True):  # fmt: skip
+                images[j] = pixels
+        ok = torch.tensor([x is not None for x in images], dtype=torch.bool)
+        first = next((x for x in images if x is not None), None)
+        if first is None:
+            return start, torch.zeros(len(chunk), *self.size), ok, errors
+        if self.batched:  # uint8 (H, W, C) arrays: one copy into the batch, normalised at once
+            batch = np.zeros((len(chunk), *first.shape), dtype=np.uint8)
+            for j, x in enumerate(images):
+                if x is not None:
+                    batch[j] = x
+            out = self.transform.normalize(torch.from_numpy(batch).permute(0, 3, 1, 2))
+        else:
+            out = torch.stack([torch.zeros_like(first) if x is None else x for x in images])
+        if tuple(out.shape[1:]) != self.size:
+            raise ValueError(f"preprocessing gave {tuple(out.shape[1:])}, expected {self.size}")
+        return start, out, ok, errors
+
+
+def _as_batches(paths: list[str], batch_size: int, workers: int, channels: int, transform, size):
+    dataset = _FileBatches(paths, batch_size, channels, transform, size)
+    if workers == 0 or len(dataset) == 1:  # no process to start, nothing to overlap
+        return (dataset[i] for i in range(len(dataset)))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,  # the dataset batches: one item is one batch
+        num_workers=min(workers, len(dataset)),
+        prefetch_factor=2,
+        persistent_workers=False,
+    )
+
+
+def auto_workers(device: str | torch.device = "cpu") -> int:
+    """Decoding processes for the CPU cores the model leaves free (``repmlp predict --workers auto``).
+
+    A model on the CPU runs ``torch.get_num_threads()`` threads; workers beyond the remaining cores
+    preempt those threads, and each preempted thread stalls the others at the next synchronisation,
+    which costs more than decoding in between batches. A GPU model leaves all but one core free.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    busy = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    return max(0, min(cores - busy, 8))
+
+
+def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
+    """A classifier with ``metadata`` run by ``runtime``: its deployed form, exported and checked, with the
+    same ``metadata``. A training-time model is converted first (a copy), as a deployment would be."""
+    from repmlp.deploy.precision import Int8OnnxModel
+    from repmlp.deploy.runtimes import to_runtime
+    from repmlp.nn.convert import reparameterize_model
+
+    if _device_of(model).type != "cpu":
+        raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
+    metadata = model.metadata
+    if not isinstance(model, Int8OnnxModel):
+        model = reparameterize_model(model.eval())
+    wrapped = to_runtime(model, runtime, metadata.input_size)
+    wrapped.metadata = metadata
+    return wrapped
+
+
+class Predictor:
+    """Top-k classes of images under a model file or a model.
+
+    ``Predictor(path_or_model, *, device=None, top_k=5)``: a path is read with :func:`load_model`; a model
+    (e.g. one :func:`load_model` returned) is used as it is, with its ``metadata`` when it has one (else
+    its timm config for preprocessing, and class indices for labels). ``device=None``: the model's own.
+    ``labels`` replaces the class names. ``runtime``: ``"torch"``, or ``"onnxruntime"``/``"openvino"`` to
+    run the deployed model's ONNX graph there (:func:`repmlp.deploy.runtimes.to_runtime`; CPU).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        top_k: int = 5,
+        labels: Sequence[str] | None = None,
+        runtime: str = "torch",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            model = load_model(model, device=device or "cpu")
+        elif getattr(model, "metadata", None) is None:
+            info = {"model": type(model).__name__, "form": "unknown", "model_kwargs": {}}
+            model.metadata = _metadata(model.eval(), info)
+        if runtime != "torch":
+            model = in_runtime(model, runtime)
+        if device is not None:
+            model = model.to(device)
+        self.model: nn.Module = model.eval()
+        self.metadata: ModelMetadata = model.metadata
+        self.device = torch.device(device) if device is not None else _device_of(model)
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.top_k = min(top_k, self.metadata.num_classes)
+        n = self.metadata.num_classes
+        if labels is not None and len(labels) != n:
+            raise UserError(f"{len(labels)} labels given but the model has {n} classes")
+        names = labels if labels is not None else self.metadata.classes
+        self.labels = list(names) if names and len(names) == n else [str(i) for i in range(n)]
+        self.transform = eval_image_transform(self.metadata.preprocessing)
+        # On a GPU: every conv-bias-ReLU(-add) as one cuDNN call (repmlp.deploy.gpu; docs/gpu.md), inputs in
+        # the model's dtype and layout (the rewritten graph has no input-casting hook).
+        param = next(self.model.parameters(), None)
+        self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        self._format = torch.contiguous_format
+        self._run: Any = self.model
+        if self.device.type == "cuda" and runtime == "torch":
+            from repmlp.deploy.gpu import fused_or_plain, serving_format
+
+            self._format = serving_format(self.device, self._dtype)
+            self._run = fused_or_plain(self.model.to(memory_format=self._format))
+
+    @property
+    def input_size(self) -> tuple[int, int, int]:
+        return self.metadata.input_size
+
+    @torch.inference_mode()
+    def predict_batch(self, x: Tensor) -> list[list[Prediction]]:
+        """Top-k of a preprocessed batch ``x`` ``(N, C, H, W)`` (float32: the model casts it to its own
+        precision)."""
+        x = x.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            x = x.to(self._dtype).contiguous(memory_format=self._format)
+        logits = self._run(x).float()
+        probs = torch.softmax(logits, dim=1).cpu()
+        top = probs.topk(self.top_k, dim=1)
+        return [
+            [Prediction(self.labels[i], i, float(p)) for p, i in zip(ps.tolist(), idx.tolist(), strict=True)]
+            for ps, idx in zip(top.values, top.indices, strict=True)
+        ]
+
+    def preprocess(self, image: Any) -> Tensor:
+        """A PIL image -> the model's ``(C, H, W)`` input (the evaluation preprocessing)."""
+        return self.transform(image_to_channels(image, self.input_size[0]))
+
+    def predict(self, inputs: Any) -> list[list[Prediction]]:
+        """Top-k ``(label, index, probability)`` per image of ``inputs``: a path, a PIL image, a list of
+        these, or a preprocessed batch tensor ``(N, C, H, W)`` (``(C, H, W)``: one image).
+
+        A file that cannot be read raises :class:`~repmlp.errors.UserError` naming it (use
+        :meth:`predict_files` to skip such files instead).
+        """
+        if isinstance(inputs, Tensor):
+            return self.predict_batch(inputs[None] if inputs.dim() == 3 else inputs)
+        items = (
+            [inputs] if isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode") else list(inputs)
+        )
+        batch = []
+        for item in items:
+            if hasattr(item, "mode"):  # a PIL image
+                batch.append(self.preprocess(item))
+                continue
+            try:
+                batch.append(decode_image(str(item), self.input_size[0], self.transform))
+            except Exception as exc:  # noqa: BLE001 - the API names the file and why
+                raise UserError(f"cannot read image {item}: {_reason(exc)}") from None
+        return self.predict_batch(torch.stack(batch)) if batch else []
+
+    def predict_files(
+        self, paths: Sequence[str], *, batch_size: int = 64, workers: int | None = None
+    ) -> Iterator[FileResult]:
+        """Top-k of each file of ``paths``, in order; an undecodable file comes back with ``error`` set.
+
+        ``workers`` processes decode batches ahead while the model runs (0: this process decodes each batch
+        before the model runs on it; ``None``: :func:`auto_workers`).
+        """
+        if not paths:
+            return
+        workers = auto_workers(self.device) if workers is None else workers
+        loader = _as_batches(list(paths), batch_size, workers, self.input_size[0], self.transform,
+                             self.input_size)  # fmt: skip
+        for start, x, ok, errors in loader:
+            decoded = ok.tolist()
+            tops = iter(self.predict_batch(x if all(decoded) else x[ok]) if any(decoded) else ())
+            for j, (good, error) in enumerate(zip(decoded, errors, strict=True)):
+                path = paths[start + j]
+                yield FileResult(path, top_k=next(tops)) if good else FileResult(path, error=error)
+
+
+# ------------------------------------------------------------------------------ files in, results out
+def predict_paths(
+    checkpoint: str | os.PathLike,
+    inputs: Sequence[str | os.PathLike],
+    *,
+    top_k: int = 5,
+    batch_size: int = 64,
+    device: str | torch.device = "cpu",
+    workers: int | None = None,
+    labels_file: str | os.PathLike | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
+    progress: bool = True,
+    runtime: str = "torch",
+) -> tuple[list[FileResult], list[tuple[str, str]]]:
+    """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``.
+
+    ``skipped`` lists ``(path, reason)`` of inputs that are missing or not decodable; ``on_skip`` is called
+    for each as it is found. :class:`~repmlp.errors.UserError` when no input names an image file, the
+    checkpoint cannot be used, or the labels file does not fit.
+    """
+    from tqdm import tqdm
+
+    files, skipped = expand_inputs(inputs)
+    report = on_skip or (lambda path, reason: None)
+    for path, reason in skipped:
+        report(path, reason)
+    if not files:
+        raise UserError("no input images (" + "; ".join(f"{p}: {r}" for p, r in skipped[:3]) + ")"
+                        if skipped else "no input images given")  # fmt: skip
+    model = load_model(checkpoint, device=device)
+    labels = read_labels(labels_file, model.metadata.num_classes) if labels_file else None
+    predictor = Predictor(model, top_k=top_k, labels=labels, runtime=runtime)
+    done: list[FileResult] = []
+    # A bar only where it helps: more than a few files, and stderr a terminal (disable=None).
+    with tqdm(total=len(files), unit="img", desc="predict", leave=False,
+              disable=None if progress and len(files) > 8 else True) as bar:  # fmt: skip
+        for res in predictor.predict_files(files, batch_size=batch_size, workers=workers):
+            if res.error is not None:
+                skipped.append((res.path, res.error))
+                report(res.path, res.error)
+            else:
+                done.append(res)
+            bar.update(1)
+    return done, skipped
+
+
+def result_record(res: FileResult) -> dict[str, Any]:
+    """The JSON (Lines) record of one file: ``{"path", "top_k": [{"label", "index", "probability"}]}``."""
+    top = [{"label": p.label, "index": p.index, "probability": p.probability} for p in res.top_k or []]
+    return {"path": res.path, "top_k": top}
+
+
+def render_csv(results: Sequence[FileResult], k: int) -> str:
+    """CSV with columns ``path,label_1,prob_1,index_1,...,label_K,prob_K,index_K``."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["path"] + [f"{c}_{i}" for i in range(1, k + 1) for c in ("label", "prob", "index")])
+    for res in results:
+        row: list[Any] = [res.path]
+        for p in res.top_k or []:
+            row += [p.label, f"{p.probability:.6g}", p.index]
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def render_table(results: Sequence[FileResult]) -> str:
+    """A readable table: the file, then each of its top-k labels with its probability."""
+    if not results:
+        return ""
+    width = min(60, max(len("file"), *(len(r.path) for r in results)))
+    k = max(len(r.top_k or []) for r in results)
+    head = f"{'file':<{width}}  " + "  ".join(f"{'top-' + str(i + 1):<24}" for i in range(k))
+    lines = [head.rstrip()]
+    for res in results:
+        path = res.path if len(res.path) <= width else "..." + res.path[-(width - 3) :]
+        cells = [f"{p.label[:16]} {100 * p.probability:5.1f}%" for p in res.top_k or []]
+        lines.append((f"{path:<{width}}  " + "  ".join(f"{c:<24}" for c in cells)).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def write_results(path: str | os.PathLike, results: Sequence[FileResult], k: int) -> None:
+    """``OUT.csv`` or ``OUT.jsonl`` (by the suffix), written atomically."""
+    import json
+
+    from repmlp.models.model_file import atomic_write_text
+
+    if output_format(path) == "csv":
+        text = render_csv(results, k)
+    else:
+        text = "".join(json.dumps(result_record(r)) + "\n" for r in results)
+    atomic_write_text(path, text)
+
+
+def output_format(path: str | os.PathLike) -> str:
+    """``"csv"`` or ``"jsonl"`` by the file name's suffix; :class:`UserError` for anything else."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        return "csv"
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if Path(path).is_dir():
+        raise UserError(f"--output {path} is a folder")
+    raise UserError(f"--output {path}: expected a .csv or .jsonl file name")

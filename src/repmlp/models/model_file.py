@@ -1,0 +1,314 @@
+"""Checkpoints in safetensors, written atomically and loaded without unpickling anything.
+
+Two kinds of files:
+
+- **model files** (:func:`save_model` / :func:`load_model`): a model's ``state_dict`` plus string metadata
+  ``{"format": "repmlp", "model": name, "model_kwargs": JSON, "form": "train"|"deploy", ...}`` that is
+  enough to rebuild the model with :func:`repmlp.create_model` and load it strictly.
+- **state files** (:func:`save_state` / :func:`load_state`): any nested structure of dicts, lists, tuples,
+  numbers, strings, tensors and numpy arrays (a training state: model, optimizer, scheduler, RNG states,
+  data position). Tensors and arrays go into the safetensors body, the rest into a JSON tree kept in the
+  file's metadata, so one file holds one consistent state.
+
+Every write goes to a temporary file in the same folder, is fsync'ed, then ``os.replace``'d over the
+target: a crash leaves either the old file or the new one, never half of one. Every problem while reading
+(missing, not safetensors, truncated, another model or form, mismatched keys) raises
+:class:`CheckpointError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors.torch import save as st_save
+from torch import Tensor, nn
+
+from repmlp.models.file_format import (
+    FORMAT,
+    STATE_FORMAT,
+    CheckpointError,
+    read_tensors,
+)
+from repmlp.nn.layers import channels_last_weights_on_cpu
+
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "save_model",
+    "load_model",
+    "read_model_file",
+    "save_state",
+    "load_state",
+]
+
+Form = Literal["train", "deploy"]
+_FORMS = ("train", "deploy")
+
+
+# ----------------------------------------------------------------------------------------- writing
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        # mkstemp creates the file 0600; give it the permissions a plain open() would (0666 & ~umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    # Make the rename itself durable (POSIX); harmless where directories cannot be opened.
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """UTF-8 text version of :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _cpu_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    # safetensors refuses tensors that share storage (tied weights, views); cloning makes each
+    # entry its own contiguous CPU buffer, which is what goes on disk anyway.
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
+def save_model(
+    path: str | os.PathLike,
+    model: nn.Module,
+    *,
+    name: str,
+    model_kwargs: dict[str, Any],
+    form: Form,
+    extra: dict[str, Any] | None = None,
+    precision: str = "fp32",
+) -> None:
+    """Save ``model.state_dict()`` to ``path`` (safetensors) with what :func:`load_model` needs.
+
+    ``precision`` (``repmlp.deploy.precision.PRECISIONS``) is recorded for reduced-precision deployed models
+    (``bf16``/``fp16`` weights, or an int8 ONNX graph); float32 files carry no such key.
+
+    ``model_kwargs`` (JSON-serialisable) are passed back to ``create_model(name, deploy=..., **kwargs)``;
+    ``extra`` (JSON-serialisable) is stored under the ``"extra"`` metadata key.
+    """
+    if form not in _FORMS:
+        raise ValueError(f"form must be one of {_FORMS}, got {form!r}")
+    from repmlp._version import __version__
+
+    metadata = {
+        "format": FORMAT,
+        "model": name,
+        "model_kwargs": json.dumps(model_kwargs, sort_keys=True),
+        "form": form,
+        "repmlp_version": __version__,
+    }
+    if extra:
+        metadata["extra"] = json.dumps(extra, sort_keys=True)
+    if precision != "fp32":
+        metadata["precision"] = precision
+    atomic_write_bytes(path, st_save(_cpu_tensors(model.state_dict()), metadata=metadata))
+
+
+# ----------------------------------------------------------------------------------------- reading
+def load_model(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", form: Form | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model saved by :func:`save_model` and load its weights strictly.
+
+    Returns ``(model, info)`` with ``info = {"model", "model_kwargs", "form", "extra", "path"}``; the model
+    is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv weights stored
+    channels_last: :func:`~repmlp.nn.layers.channels_last_weights_on_cpu`). ``form`` (if given) must match
+    the file's form. The metadata is checked field by field and the model it describes is built on the
+    ``meta`` device and compared with the file's tensors before the real one is built
+    (:mod:`repmlp.models.file_metadata`): a file from elsewhere cannot make this allocate more than it holds.
+    """
+    path = Path(path)
+    tensors, fm = _checked_metadata(path, form)
+    model = _build_for(fm, tensors)
+    _load_strict(model, tensors, path, fm.model, fm.form)
+    channels_last_weights_on_cpu(model.to(device).eval())
+    info = {"model": fm.model, "model_kwargs": fm.model_kwargs, "form": fm.form, "extra": fm.extra,
+            "path": str(path), "precision": fm.precision}  # fmt: skip
+    return model, info
+
+
+def _checked_metadata(path: Path, form: Form | None) -> tuple[dict[str, Tensor], Any]:
+    """The tensors of the model file ``path`` and its metadata, checked field by field
+    (:func:`repmlp.models.file_metadata.parse_metadata`); ``form`` (if given) must be the file's."""
+    from repmlp.models.file_metadata import parse_metadata
+    from repmlp.models.registry import model_options
+
+    tensors, meta = read_tensors(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(_not_a_model_file(path, meta))
+    fm = parse_metadata(path, meta, model_options)
+    if form is not None and form != fm.form:
+        raise CheckpointError(f"{path} holds the {fm.form!r} form of {fm.model}, expected the {form!r} form")
+    return tensors, fm
+
+
+def read_model_file(path: str | os.PathLike, *, form: Form | None = None) -> tuple[dict[str, Tensor], Any]:
+    """The tensors and checked metadata (:class:`repmlp.models.file_metadata.ModelFileMeta`) of a float model file,
+    the model its metadata describes checked against the tensors on the ``meta`` device: what
+    ``--init`` and the backbone loaders read, which build a model of their own. ``form`` (if given) must
+    be the file's."""
+    from repmlp.models.file_metadata import check_fit
+    from repmlp.models.registry import create_model
+
+    path = Path(path)
+    tensors, fm = _checked_metadata(path, form)
+    if fm.precision == "int8":
+        raise CheckpointError(f"{path} is an int8 (ONNX) file: it holds a graph, not weights to train")
+    check_fit(fm, tensors, create_model)
+    return tensors, fm
+
+
+def _not_a_model_file(path: Path, meta: dict[str, str]) -> str:
+    """Why a safetensors file is no model file; a training state gets the hint to use the run's model."""
+    if meta.get("format") == STATE_FORMAT:
+        return (
+            f"{path} is a training state (for `repmlp train --resume`), not a model file: use the run's "
+            f"model.safetensors ({path.with_name('model.safetensors')}) or deploy.safetensors"
+        )
+    return f"{path} is not a repmlp model file (metadata format={meta.get('format')!r})"
+
+
+def _build_for(fm: Any, tensors: dict[str, Tensor]) -> nn.Module:
+    """The empty model a file's weights load into, in the file's form and precision (checked first:
+    :func:`repmlp.models.file_metadata.build_checked`)."""
+    from repmlp.deploy.precision import Int8OnnxModel, to_precision
+    from repmlp.models.file_metadata import build_checked
+    from repmlp.models.registry import create_model
+
+    if fm.precision == "int8":
+        onnx = tensors.get("onnx")
+        if onnx is None or onnx.dtype != torch.uint8 or onnx.dim() != 1 or len(tensors) != 1:
+            raise CheckpointError(
+                f"{fm.path} is marked int8 but holds no ONNX graph (one uint8 tensor 'onnx')"
+            )
+        try:
+            return Int8OnnxModel(onnx)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime's parse errors: the bytes are not a graph
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(
+                f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first[:200]})"
+            ) from None
+    model = build_checked(fm, tensors, create_model)
+    return model if fm.precision == "fp32" else to_precision(model, fm.precision)
+
+
+def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name: str, form: str) -> None:
+    """``load_state_dict(strict=True)`` with a one-line error that names the first mismatches."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in tensors]
+    unexpected = [k for k in tensors if k not in own]
+    shapes = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+            if keys:
+                parts.append(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}")
+        raise CheckpointError(f"{path} does not fit {name} ({form} form): {'; '.join(parts)}")
+    model.load_state_dict(tensors, strict=True)
+
+
+# -------------------------------------------------------------------------------- training states
+def _encode(obj: Any, tensors: dict[str, Tensor], prefix: str) -> Any:
+    """JSON tree for ``obj``; tensors and arrays are moved into ``tensors`` and referenced by key."""
+    if isinstance(obj, Tensor):
+        key = f"t{len(tensors)}:{prefix}"
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}:{prefix}"
+        tensors[key] = torch.from_numpy(np.ascontiguousarray(obj))
+        return {"__ndarray__": key}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        if isinstance(obj, float) and not np.isfinite(obj):
+            return {"__float__": repr(obj)}
+        return obj
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors, f"{prefix}.{k}") for k, v in obj.items()}
+        # Non-string keys (optimizer state is keyed by parameter index) keep their type.
+        return {
+            "__items__": [
+                [_encode(k, tensors, prefix), _encode(v, tensors, f"{prefix}.{k}")] for k, v in obj.items()
+            ]
+        }
+    raise TypeError(f"cannot store {type(obj).__name__} at {prefix or '<root>'} in a training state")
+
+
+def _decode(obj: Any, tensors: dict[str, Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy()
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["__items__"]}
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def save_state(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+    """Save a nested training state (see module docstring) to one safetensors file, atomically."""
+    tensors: dict[str, Tensor] = {}
+    tree = _encode(dict(state), tensors, "")
+    metadata = {"format": STATE_FORMAT, "state": json.dumps(tree, allow_nan=False)}
+    atomic_write_bytes(path, st_save(_cpu_tensors(tensors), metadata=metadata))
+
+
+def load_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Inverse of :func:`save_state` (tensors come back on the CPU)."""
+    path = Path(path)
+    tensors, meta = read_tensors(path)
+    if meta.get("format") != STATE_FORMAT or "state" not in meta:
+        raise CheckpointError(
+            f"{path} is not a repmlp training state (metadata format={meta.get('format')!r})"
+        )
+    try:
+        tree = json.loads(meta["state"])
+        state = _decode(tree, tensors)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} has a malformed training state ({exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} has a malformed training state (root is not a mapping)")
+    return state

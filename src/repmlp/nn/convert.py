@@ -1,0 +1,226 @@
+"""Whole-model conversion into the inference form."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch.fx as fx
+from torch import nn
+
+from repmlp.nn.layers import channels_last_weights_on_cpu
+from repmlp.nn.numerics import full_float32
+from repmlp.nn.reparam import _BN, fuse_bn
+
+__all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
+
+log = logging.getLogger(__name__)
+
+# The flavours whose forward only normalises (a fold leaves nothing behind).
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_FUSABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+class ConversionReport(list):
+    """Names of the BatchNorm modules :func:`reparameterize_model` could not fold (a ``list``)."""
+
+
+class _Tracer(fx.Tracer):
+    """Leaves: modules with their own ``reparameterize`` (already converted) and every BatchNorm.
+
+    BatchNorm subclasses from other libraries (timm's ``BatchNormAct2d``) must stay whole call sites,
+    or the tracer would inline them into ``F.batch_norm`` calls that cannot be folded.
+    """
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return hasattr(m, "reparameterize") or isinstance(m, _BN) or super().is_leaf_module(m, qualname)
+
+
+def _after_fold(bn: nn.Module) -> nn.Module | None:
+    """What replaces ``bn`` once its statistics are folded into the preceding layer.
+
+    ``nn.Identity`` for a plain BatchNorm; for a norm-act layer in timm's convention (``BatchNormAct2d``:
+    batch norm, then ``drop``, then ``act``) the ``drop`` and ``act`` it applies after normalising.
+    ``None`` for other BatchNorm subclasses, whose forward may do more than normalise.
+    """
+    if type(bn) in _PLAIN_BN:
+        return nn.Identity()
+    drop, act = getattr(bn, "drop", None), getattr(bn, "act", None)
+    if type(bn).__name__ == "BatchNormAct2d" and isinstance(drop, nn.Module) and isinstance(act, nn.Module):
+        return nn.Sequential(drop, act)
+    return None
+
+
+def _fused_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
+    weight, bias = fuse_bn(layer.weight, bn, layer.bias)
+    new = copy.deepcopy(layer)
+    if new.bias is None:
+        new.bias = nn.Parameter(bias.detach().clone())
+    else:
+        new.bias.data = bias.detach().clone()
+    new.weight.data = weight.detach().clone()
+    return new
+
+
+def _bn_matches(layer: nn.Module, bn: nn.Module) -> bool:
+    out = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    if out != bn.num_features:
+        return False
+    # A Linear followed by BatchNorm1d folds only when the BN normalises the Linear's features.
+    return not isinstance(layer, nn.Linear) or isinstance(bn, nn.BatchNorm1d)
+
+
+def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
+    """Fold ``layer, BN`` pairs that sit next to each other in ``nn.Sequential`` containers."""
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, nn.Sequential):
+            keys = list(child._modules.keys())
+            for a, b in zip(keys, keys[1:], strict=False):
+                layer, bn = child._modules[a], child._modules[b]
+                if not (isinstance(layer, _FUSABLE) and isinstance(bn, _BN) and _bn_matches(layer, bn)):
+                    continue
+                rest = _after_fold(bn)
+                if rest is not None:
+                    child._modules[a] = _fused_layer(layer, bn)
+                    child._modules[b] = rest
+                    fused.add(f"{path}.{b}")
+        _fuse_sequential(child, path + ".", fused)
+
+
+def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
+    """Fold BN that follows a conv/linear anywhere in the traced graph, also across containers."""
+    graph = _Tracer().trace(model)
+    modules = dict(model.named_modules())
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(modules.get(node.target), _BN):
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or src.op != "call_module":
+            continue
+        layer = modules.get(src.target)
+        bn = modules[node.target]
+        rest = _after_fold(bn)
+        if (
+            not isinstance(layer, _FUSABLE)
+            or not _bn_matches(layer, bn)
+            or len(src.users) != 1
+            or rest is None
+        ):
+            continue
+        parent_name, _, attr = src.target.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, _fused_layer(layer, bn))
+        if isinstance(rest, nn.Identity):
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        else:
+            bn_parent_name, _, bn_attr = node.target.rpartition(".")
+            bn_parent = model.get_submodule(bn_parent_name) if bn_parent_name else model
+            setattr(bn_parent, bn_attr, rest)
+        fused.add(node.target)
+        changed = True
+    if not changed:
+        return model
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
+    """Fold every BatchNorm that directly follows a conv or linear layer into it (eval mode).
+
+    First inside ``nn.Sequential`` containers (keeps the model's class and attributes), then, for
+    models whose ``forward`` calls ``self.conv`` then ``self.bn`` (torchvision's ResNet, say), by
+    tracing with ``torch.fx``. Returns the fused model and the BatchNorms left unfused.
+    """
+    fused: set[str] = set()
+    _fuse_sequential(model, "", fused)
+    remaining = [n for n, m in model.named_modules() if isinstance(m, _BN)]
+    if remaining:
+        try:
+            model = _fuse_fx(model, fused)
+        except Exception as exc:  # noqa: BLE001 - untraceable forward: report, keep what was fused
+            log.warning(
+                "torch.fx could not trace %s (%s); BatchNorms outside Sequentials stay",
+                type(model).__name__,
+                exc,
+            )
+    left = ConversionReport(n for n, m in model.named_modules() if isinstance(m, _BN))
+    return model, left
+
+
+# The conversion hooks re-parameterizable blocks expose, in timm's order of preference (a module that has
+# several gets only the first): ``fuse()`` returns the module that replaces it (timm's RepViT, LeViT,
+# EfficientViT conv-BN and BN-linear pairs); ``reparameterize()`` (ours, timm's MobileOne, RepVGG, FastViT)
+# and ``switch_to_deploy()`` (timm's GhostNet, RepGhost) convert in place.
+_HOOKS = ("fuse", "reparameterize", "switch_to_deploy")
+
+
+def _convert_module(module: nn.Module) -> nn.Module:
+    """Run ``module``'s first conversion hook; return the module that takes its place."""
+    for hook in _HOOKS:
+        fn = getattr(module, hook, None)
+        if callable(fn):
+            result = fn()
+            # A fuse() that converts in place and returns nothing (or self) leaves the module where it is.
+            return result if hook == "fuse" and isinstance(result, nn.Module) else module
+    return module
+
+
+def _reparameterize_tree(module: nn.Module) -> nn.Module:
+    """Convert ``module`` then, recursively, the children it still has; return its replacement.
+
+    Parents first (as timm's ``reparameterize_model`` does): a parent such as :class:`RepMLPBlock`
+    merges its children's unfused kernels and BN statistics itself, in float32 or better, and
+    rounds once; children converted first would each round their fused kernel to a half-precision
+    model's dtype before the merge. timm's RepViT ``RepVggDw.fuse()`` likewise reads its ``ConvNorm``
+    children unfused. Unlike timm's walk, the root itself is converted too (a bare block), and the
+    walk descends into what ``fuse()`` returned, not into the module it replaced.
+    """
+    module = _convert_module(module)
+    for name, child in list(module.named_children()):
+        new = _reparameterize_tree(child)
+        if new is not child:
+            setattr(module, name, new)  # Sequential, ModuleList and plain attributes alike
+    return module
+
+
+def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bool = True) -> nn.Module:
+    """Return the inference form of ``model``.
+
+    Runs every module's conversion hook, parents before children: ``reparameterize()`` (RepMLP blocks,
+    :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT blocks), ``switch_to_deploy()``, or ``fuse()``,
+    whose result replaces the module (timm's RepViT/LeViT conv-BN pairs). Then, with ``fuse_bn``, folds
+    every remaining BatchNorm that follows a conv or linear layer into it, also in models this package
+    did not build. The model must be in eval mode (BatchNorm running statistics are merged).
+    BatchNorms that could not be folded are logged and listed in ``model.unfused_batchnorms``. With
+    ``inplace=True`` the model is converted in place, but use the returned module: a root with
+    ``fuse()``, or BN folding by ``torch.fx``, can return a different one. A CPU model whose trunk runs
+    channels_last gets its 4-D weights stored channels_last (:func:`~repmlp.nn.layers.channels_last_weights_on_cpu`).
+    """
+    if model.training:
+        raise RuntimeError(
+            "reparameterize_model needs the model in eval mode (call model.eval()): BatchNorm running "
+            "statistics are merged, so a training-mode model would not stay equivalent"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    # The merged weights are products of weights (BN scales, conv kernels into FC matrices): computed in
+    # full float32 whatever TF32 or autocast settings the caller holds, or they would carry its rounding.
+    with full_float32():
+        model = _reparameterize_tree(model)
+        left = ConversionReport()
+        if fuse_bn:
+            model, left = fuse_conv_bn(model)
+    if left:
+        shown = ", ".join(left[:8]) + (f", ... ({len(left) - 8} more)" if len(left) > 8 else "")
+        log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), shown)
+    model.eval()
+    try:
+        model.unfused_batchnorms = left
+    except Exception:  # noqa: BLE001 - e.g. a scripted module
+        pass
+    return channels_last_weights_on_cpu(model)

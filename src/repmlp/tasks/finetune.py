@@ -1,0 +1,188 @@
+"""Starting a run from the weights of a model file (``repmlp train --init FILE``), as timm's
+``--initial-checkpoint`` / mmpretrain's ``load_from`` do.
+
+Every weight of the file whose name and shape fit the new model is loaded. The head (the classifier, or
+a face model's embedding head) is the one part allowed to differ: a classifier with another number of
+classes keeps the new model's fresh initialisation (timm's ``load_pretrained`` drops it the same way);
+a face run always starts its embedding head fresh. Any other missing, unexpected or mis-shaped key is a
+one-line :class:`~repmlp.errors.UserError` naming the keys. A deployed (converted) file is refused: the
+converted model has no Local Perceptron (nor BatchNorm) left to train.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from repmlp.errors import UserError
+from repmlp.models.file_format import CheckpointError, head_prefixes, load_matching
+
+__all__ = [
+    "InitReport",
+    "init_from_file",
+    "init_model_options",
+    "init_preprocessing",
+    "folder_preprocessing",
+    "head_prefixes",
+    "file_sha256",
+    "report_lines",
+]
+
+# Options the new run's data decide, not the file: the classes, the channels and the input size.
+DATA_OPTIONS = ("num_classes", "in_chans", "img_size")
+
+
+@dataclass
+class InitReport:
+    """What :func:`init_from_file` did (JSON-serialisable via :meth:`to_dict`, kept in the run's state)."""
+
+    path: str
+    sha256: str
+    model: str
+    loaded: int
+    reinitialised: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for logs and reports."""
+        fresh = ", ".join(self.reinitialised) if self.reinitialised else "none"
+        return (
+            f"initialised from `{self.path}` ({self.model}, sha256 `{self.sha256}`): {self.loaded} tensors "
+            f"loaded; re-initialised: {fresh}"
+        )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], Any]:
+    """Tensors and checked metadata (:class:`repmlp.models.file_metadata.ModelFileMeta`) of a training-time repmlp
+    model file (:func:`repmlp.models.model_file.read_model_file`); one-line errors for anything else."""
+    from repmlp.models.model_file import read_model_file
+
+    try:
+        tensors, fm = read_model_file(path)
+    except CheckpointError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if fm.form == "deploy":
+        run_file = Path(path).with_name("model.safetensors")
+        raise UserError(
+            f"{flag} {path} holds the deployed (converted) form of {fm.model}: the converted model "
+            f"has no Local Perceptron (nor BatchNorm) left to train; use the training-time model.safetensors "
+            f"of its run instead ({run_file})"
+        )
+    return tensors, fm
+
+
+def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[str, dict[str, Any]]:
+    """``(model name, options)`` of a model file, without the options the new data decide
+    (:data:`DATA_OPTIONS`): what a fine-tuning run builds when no ``--model`` is given."""
+    _, fm = _read_model_file(path, flag)
+    return fm.model, {k: v for k, v in fm.model_kwargs.items() if k not in DATA_OPTIONS}
+
+
+def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[str, Any]:
+    """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name,
+    "input_size": [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
+    (``fixed_size``: the model is built for one input size, ``img_size`` among its options)."""
+    _, fm = _read_model_file(path, flag)
+    extra = fm.extra
+    size = extra.get("input_size")
+    if size is None and isinstance(fm.model_kwargs.get("img_size"), int):
+        size = [
+            int(fm.model_kwargs.get("in_chans", 3)),
+            fm.model_kwargs["img_size"],
+            fm.model_kwargs["img_size"],
+        ]
+    return {
+        "model": fm.model,
+        "input_size": list(size) if size else None,
+        "dataset": extra.get("dataset"),
+        "eval_preprocessing": extra.get("eval_preprocessing"),
+        "fixed_size": "img_size" in fm.model_kwargs,
+    }
+
+
+def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
+    """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
+    folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: the file's own
+    (an imported or fine-tuned model's); for a model of an in-memory data set (Fashion-MNIST, CIFAR-10),
+    the image resized to the input size and that data set's normalisation; ``None`` (ImageNet's) else."""
+    from repmlp.data import NATIVE_SIZE, NORMALIZATION
+
+    recorded = pre.get("eval_preprocessing")
+    if recorded:
+        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
+        out = {k: recorded[k] for k in keys if k in recorded}
+    elif pre.get("dataset") in NATIVE_SIZE:
+        mean, std = NORMALIZATION[pre["dataset"]]
+        out = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
+    else:
+        return None
+    mean, std = NORMALIZATION["imagefolder"]
+    out["mean"] = [float(v) for v in (out.get("mean") or mean)][:channels]
+    out["std"] = [float(v) for v in (out.get("std") or std)][:channels]
+    if len(out["mean"]) != channels or len(out["std"]) != channels:  # one value for three channels
+        out["mean"], out["std"] = out["mean"][:1] * channels, out["std"][:1] * channels
+    return out
+
+
+def init_from_file(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    fresh_head: bool = False,
+    head: Sequence[str] | None = None,
+    flag: str = "--init",
+) -> InitReport:
+    """Load the weights of model file ``path`` into ``model`` (see the module docstring).
+
+    ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`); with
+    ``fresh_head`` the head is never loaded, else only where it differs (another number of classes).
+    Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
+    """
+    tensors, fm = _read_model_file(path, flag)
+    from repmlp.models.registry import file_head_prefixes
+
+    meta = {"model": fm.model}
+    try:
+        fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(fm.model),
+                            fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
+    except CheckpointError as exc:
+        raise UserError(
+            f"{exc} (the file holds {fm.model} with {fm.model_kwargs}: leave --model and --model-arg out to "
+            "fine-tune that model, or give its options)"
+        ) from None
+    return InitReport(
+        path=str(path),
+        sha256=file_sha256(path),
+        model=fm.model,
+        loaded=fit["loaded"],
+        reinitialised=fit["reinitialised"],
+        ignored=fit["ignored"],
+    )
+
+
+def report_lines(init: dict[str, Any] | None) -> list[str]:
+    """The ``report.md`` line of a run started with ``--init`` (an :class:`InitReport` dict; none without)."""
+    if not init:
+        return []
+    fresh = ", ".join(f"`{k}`" for k in init.get("reinitialised", [])) or "none"
+    return [
+        f"- Initialised from (`--init`): `{init['path']}` ({init['model']}, sha256 `{init['sha256']}`), "
+        f"{init['loaded']} tensors loaded; re-initialised: {fresh}"
+    ]

@@ -1,0 +1,153 @@
+"""Checkpoints: safetensors round trips, atomic writes, clear errors for every kind of bad file."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import repmlp
+from repmlp.errors import UserError
+from repmlp.models.file_format import CheckpointError, read_metadata
+from repmlp.models.model_file import atomic_write_bytes, load_model, load_state, save_model, save_state
+
+TINY = {"num_classes": 10, "in_chans": 1, "img_size": 28, "widths": [4, 4, 4]}
+
+
+def _tiny(deploy: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = repmlp.create_model("repmlp_fmnist", deploy=deploy, **TINY)
+    # Non-trivial BN statistics, so a converted model differs from a fresh one.
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def test_model_round_trip_both_forms(tmp_path):
+    model = _tiny()
+    save_model(
+        tmp_path / "m.safetensors",
+        model,
+        name="repmlp_fmnist",
+        model_kwargs=TINY,
+        form="train",
+        extra={"dataset": "x"},
+    )
+    loaded, info = load_model(tmp_path / "m.safetensors")
+    assert info["form"] == "train" and info["model"] == "repmlp_fmnist" and info["extra"] == {"dataset": "x"}
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+        deployed = repmlp.reparameterize_model(model)
+        save_model(
+            tmp_path / "d.safetensors", deployed, name="repmlp_fmnist", model_kwargs=TINY, form="deploy"
+        )
+        dep, info = load_model(tmp_path / "d.safetensors", form="deploy")
+        assert info["form"] == "deploy"
+        torch.testing.assert_close(dep(x), model(x), rtol=1e-4, atol=1e-5)
+    assert read_metadata(tmp_path / "d.safetensors")["format"] == "repmlp"
+
+
+def test_wrong_form_and_other_model_are_clear_errors(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train")
+    with pytest.raises(CheckpointError, match="'train' form.*expected the 'deploy'"):
+        load_model(path, form="deploy")
+    # Weights of another architecture under this name: strict loading names the mismatch.
+    other = repmlp.create_model("repmlp_fmnist", **{**TINY, "widths": [4, 8, 8]})
+    save_model(path, other, name="repmlp_fmnist", model_kwargs=TINY, form="train")
+    with pytest.raises(CheckpointError, match="does not fit repmlp_fmnist.*shape mismatch"):
+        load_model(path)
+    save_model(path, _tiny(), name="no_such_model_xyz", model_kwargs={}, form="train")
+    with pytest.raises(CheckpointError, match="field 'model' names no model .*no_such_model_xyz"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty", "text", "truncated", "bad_header", "state_file"])
+def test_bad_files_raise_checkpoint_error(tmp_path, damage):
+    path = tmp_path / "m.safetensors"
+    save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train")
+    data = path.read_bytes()
+    if damage == "missing":
+        path = tmp_path / "nope.safetensors"
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "text":
+        path.write_text("hello, I am not a checkpoint\n" * 10)
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) - 100])
+    elif damage == "bad_header":
+        path.write_bytes(data[:9] + b"x" + data[10:])  # invalid JSON header
+    else:
+        save_state(path, {"a": torch.zeros(2)})
+    with pytest.raises(CheckpointError) as err:
+        load_model(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+    assert isinstance(err.value, UserError) and isinstance(err.value, ValueError)
+
+
+def test_state_round_trip(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    random.seed(3)
+    np.random.seed(4)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "history": [{"epoch": 1, "loss": 0.5, "inf": float("inf")}],
+        "none": None,
+    }
+    save_state(tmp_path / "s.safetensors", state)
+    back = load_state(tmp_path / "s.safetensors")
+    # The optimizer state is keyed by int parameter ids and holds 0-d "step" tensors.
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(back["optimizer"])
+    assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    for k, v in opt.state_dict()["state"][0].items():
+        torch.testing.assert_close(opt2.state_dict()["state"][0][k], v)
+    random.setstate(back["python"])
+    a = random.random()
+    random.setstate(state["python"])
+    assert a == random.random()
+    np.random.set_state(back["numpy"])
+    b = np.random.rand()
+    np.random.set_state(state["numpy"])
+    assert b == np.random.rand()
+    assert torch.equal(back["torch"], state["torch"])
+    assert back["history"] == state["history"] and back["none"] is None
+    with pytest.raises(CheckpointError, match="not a repmlp training state"):
+        save_model(tmp_path / "m.safetensors", model, name="x", model_kwargs={}, form="train")
+        load_state(tmp_path / "m.safetensors")
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    atomic_write_bytes(path, b"old")
+
+    def boom(fd):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        atomic_write_bytes(path, b"new" * 1000)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left behind
+
+
+def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "f.bin", b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o644
