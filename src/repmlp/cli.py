@@ -11,8 +11,8 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import NoReturn
 
+from repmlp.commands._parser import ArgumentParser
 from repmlp.errors import UserError
 
 # Command modules under repmlp.commands, in --help order. Add a command by adding its module name here.
@@ -33,36 +33,9 @@ COMMANDS: list[str] = [
 log = logging.getLogger("repmlp")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the descriptions' line breaks; appends ``(default: X)`` where the help does not say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            "default" in text
-            or action.default in (None, False, argparse.SUPPRESS)
-            or not action.option_strings
-        ):
-            return text
-        return f"{text} (default: %(default)s)".strip()
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """``argparse`` with errors as one line (``repmlp: error: ...``) instead of usage + message."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        # No prefix matching: a task's options pass through the top-level parser, where an abbreviation
-        # could be taken for another option (e.g. "--val" for "--val-limit").
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"repmlp: error: {message} (see '{self.prog} --help')\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: global options plus one sub-parser per module in :data:`COMMANDS`."""
-    from repmlp import __version__
+    from repmlp._version import __version__
 
     parser = ArgumentParser(
         prog="repmlp",

@@ -9,3 +9,10 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A problem with the user's input, reported as one line without a traceback."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of ``exc``'s message, or its type's name when it has none: how an error
+    from a library (onnxruntime, PIL, torch) is quoted inside one of ours."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
+from repmlp.errors import first_line
 
 __all__ = [
     "SPEED_TABLES",
@@ -235,7 +236,7 @@ def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult
 
 
 def _failure(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = first_line(exc)
     if type(exc).__name__ == "OutOfMemoryError":
         return "out of memory"
     return f"{type(exc).__name__}: {first[:160]}"

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
+from repmlp.models.builder import build_model, check_forward, default_input_size, model_input_size
 
 __all__ = [
     "BenchRow",
@@ -29,9 +30,6 @@ __all__ = [
     "time_forward",
     "sync_device",
     "render_markdown",
-    "default_input_size",
-    "model_input_size",
-    "check_forward",
     "models_to_bench",
     "in_precision",
 ]
@@ -56,18 +54,6 @@ class BenchRow:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)) -> tuple[int, ...]:
-    """``(C, H, W)`` the model expects: its timm ``pretrained_cfg`` input size, else ``fallback``.
-
-    repmlp's registry updates that config to the ``img_size``/``in_chans`` a model was built with.
-    """
-    for attr in ("pretrained_cfg", "default_cfg"):
-        cfg = getattr(model, attr, None)
-        if isinstance(cfg, Mapping) and cfg.get("input_size"):
-            return tuple(int(s) for s in cfg["input_size"])
-    return tuple(int(s) for s in fallback)
 
 
 def sync_device(device: torch.device) -> None:
@@ -259,21 +245,6 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
     return "\n".join(lines)
 
 
-def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one example through ``model`` (in full float32); a shape the model rejects is a :class:`UserError`."""
-    from repmlp.nn.numerics import full_float32
-
-    try:
-        with torch.inference_mode(), full_float32():
-            model(torch.zeros(1, *input_size))
-    except (RuntimeError, ValueError) as exc:
-        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
-            raise
-        size = "x".join(str(s) for s in input_size)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{what} does not take {size} inputs ({first}); pass the right --img-size") from None
-
-
 def models_to_bench(
     names: Sequence[str] | None,
     checkpoints: Sequence[Path] | None,
@@ -287,7 +258,6 @@ def models_to_bench(
     Returns name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form;
     models that take different input sizes, or not the given one, are a :class:`UserError`.
     """
-    from repmlp.engine import build_model
     from repmlp.models.model_file import load_model
 
     models: dict[str, nn.Module] = {}
@@ -356,31 +326,5 @@ def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) 
             reduced.profile_counts = counts
         return reduced
     except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
-
-
-def model_input_size(
-    model: nn.Module, info: dict[str, Any], img_size: int | None = None
-) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a file: ``img_size``, else what the file recorded, else defaults.
-
-    Looks at, in order: the file's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
-    the model's timm config, and finally ``(3, 224, 224)``.
-    """
-    extra = info.get("extra") or {}
-    kwargs = info.get("model_kwargs") or {}
-    recorded = extra.get("input_size")
-    if isinstance(recorded, Sequence) and len(recorded) == 3:
-        c, h, w = (int(s) for s in recorded)
-    else:
-        c, h, w = default_input_size(model)
-        c = int(kwargs.get("in_chans", c))
-        size = kwargs.get("img_size")
-        if isinstance(size, int):
-            h = w = size
-        elif isinstance(size, Sequence) and len(size) == 2:
-            h, w = (int(s) for s in size)
-    if img_size is not None:
-        h = w = img_size
-    return c, h, w

@@ -241,7 +241,7 @@ def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Mo
 def checkpoint_input_size(
     model: nn.Module, info: dict[str, Any], img_size: int | None = None
 ) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.bench.throughput.model_input_size`)."""
-    from repmlp.bench.throughput import model_input_size
+    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.models.builder.model_input_size`)."""
+    from repmlp.models.builder import model_input_size
 
     return model_input_size(model, info, img_size)

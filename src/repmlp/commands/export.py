@@ -11,9 +11,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.bench.throughput import check_forward
 from repmlp.commands._common import MAX_SIDE, checkpoint_input_size, int_at_least, load_checkpoint
 from repmlp.errors import UserError
+from repmlp.models.builder import check_forward
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _KIND = {
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import HelpFormatter
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "export",
@@ -72,7 +72,6 @@ def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, P
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp import reparameterize_model
     from repmlp.deploy.export import (
         ExportError,
         export_onnx,
@@ -81,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         write_int8_onnx,
     )
     from repmlp.models.file_format import check_output_kind
+    from repmlp.nn.convert import reparameterize_model
 
     paths = output_paths(args.checkpoint, args.output, args.format)
     for fmt, path in paths.items():

@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import HelpFormatter
     from repmlp.commands._common import model_arg
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "import",

@@ -30,7 +30,7 @@ from repmlp.commands._common import (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import HelpFormatter
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "predict",

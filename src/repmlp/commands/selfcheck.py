@@ -19,7 +19,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp import RepMLPBlock, reparameterize_model
+    from repmlp.nn.block import RepMLPBlock
+    from repmlp.nn.convert import reparameterize_model
     from repmlp.nn.numerics import full_float32
 
     torch.manual_seed(0)

@@ -15,8 +15,8 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import ArgumentParser, HelpFormatter
     from repmlp.commands._common import add_device_argument, add_limit_argument, float_in, int_at_least
+    from repmlp.commands._parser import ArgumentParser, HelpFormatter
 
     p = subparsers.add_parser(
         "study", help="reproduce the paper's studies (ablation: Table 1)", description=__doc__

@@ -23,7 +23,7 @@ _SPEED_ONLY = ("device", "precision", "quick", "rows", "path", "tf32")
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from repmlp.bench.speed_tables import PATHS
-    from repmlp.cli import HelpFormatter
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "tables",

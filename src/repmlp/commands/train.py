@@ -99,7 +99,7 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     """Parse the task's own options from the raw command line and call its ``train``/``evaluate``."""
     import importlib
 
-    from repmlp.cli import ArgumentParser
+    from repmlp.commands._parser import ArgumentParser
     from repmlp.tasks import TASK_MODULES
 
     module = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[args.task]}")
@@ -128,7 +128,7 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import HelpFormatter
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "train",

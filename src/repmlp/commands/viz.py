@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.cli import HelpFormatter
+    from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
         "viz",

@@ -18,8 +18,8 @@ from repmlp.data.fashion_mnist import CLASSES as FMNIST_CLASSES
 from repmlp.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist
 from repmlp.data.folder import ImageFolderData, scan_image_folder, stratified_subset
 from repmlp.data.loader import FolderLoader, InMemoryLoader
+from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
-from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "DATASETS",

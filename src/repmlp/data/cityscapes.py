@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
-from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "NUM_CLASSES",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from repmlp.data.idx import read_idx
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 
 __all__ = ["load_fashion_mnist", "find_fashion_mnist", "DEBIAN_DIR", "CLASSES"]
 
@@ -94,7 +94,7 @@ def _download(root: Path) -> Path:
         for train in (True, False):
             FashionMNIST(str(root), train=train, download=True)
     except Exception as exc:  # noqa: BLE001 - network, disk: all end the same way for the user
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = first_line(exc)
         raise UserError(
             f"Fashion-MNIST is not installed and the download into {root} failed ({msg}); {HOW_TO_GET}"
         ) from None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 from repmlp.nn.numerics import full_float32
 
 __all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
@@ -163,7 +163,7 @@ def _reduce_precision(
         with torch.inference_mode(), full_float32():
             out = reduced(x).float()
     except (RuntimeError, ValueError, NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise UserError(
             f"--precision {precision}: this machine cannot run the model in {precision} ({first})"
         ) from None
@@ -192,7 +192,7 @@ def convert_checkpoint(
     deployed model on :func:`check_inputs`; a difference above ``tolerance * max(1, max |output|)`` is a
     :class:`UserError` and nothing is written.
     """
-    from repmlp.bench.throughput import check_forward, model_input_size
+    from repmlp.models.builder import check_forward, model_input_size
     from repmlp.models.file_format import check_output_kind
     from repmlp.models.model_file import load_model
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from repmlp.errors import first_line
 from repmlp.nn.numerics import full_float32
 from repmlp.nn.ops import fc3_backend
 
@@ -172,7 +173,7 @@ def export_onnx(
         except ExportError:
             raise
         except Exception as exc:  # noqa: BLE001 - exporter errors are many types; report them as one
-            raise ExportError(f"ONNX export of {type(model).__name__} failed: {_first_line(exc)}") from exc
+            raise ExportError(f"ONNX export of {type(model).__name__} failed: {_quoted(exc)}") from exc
         diff = _check_onnx(staged, net, input_size, rtol) if check else float("nan")
     log.debug("wrote %s (onnxruntime relative diff %.3g)", path, diff)
     return diff
@@ -190,7 +191,7 @@ def _check_onnx(path: Path, net: nn.Module, input_size: Sequence[int], rtol: flo
     try:
         got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
-        raise ExportError(f"onnxruntime could not run the exported model: {_first_line(exc)}") from exc
+        raise ExportError(f"onnxruntime could not run the exported model: {_quoted(exc)}") from exc
     return _check_close("ONNX", torch.from_numpy(got), ref, rtol)
 
 
@@ -231,9 +232,7 @@ def export_torchscript(
             loaded = torch.jit.load(str(staged), map_location="cpu")
             got = _first_tensor(loaded(x))
         except Exception as exc:  # noqa: BLE001 - tracing errors are many types
-            raise ExportError(
-                f"TorchScript export of {type(model).__name__} failed: {_first_line(exc)}"
-            ) from exc
+            raise ExportError(f"TorchScript export of {type(model).__name__} failed: {_quoted(exc)}") from exc
         diff = _check_close("TorchScript", got, _first_tensor(net(x)), rtol)
     log.debug("wrote %s (TorchScript relative diff %.3g)", path, diff)
     return diff
@@ -278,15 +277,15 @@ def export_program(
             torch.export.save(program, str(staged))
             got = _first_tensor(torch.export.load(str(staged)).module()(x))
         except Exception as exc:  # noqa: BLE001 - export errors are many types
-            raise ExportError(f"torch.export of {type(model).__name__} failed: {_first_line(exc)}") from exc
+            raise ExportError(f"torch.export of {type(model).__name__} failed: {_quoted(exc)}") from exc
         diff = _check_close("ExportedProgram", got, _first_tensor(net(x)), rtol)
     log.debug("wrote %s (ExportedProgram max abs diff %.3g)", path, diff)
     return diff
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+def _quoted(exc: BaseException) -> str:
+    """``Type: first line`` of a library's error, for the one line an :class:`ExportError` says."""
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def write_int8_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int]) -> None:
@@ -297,6 +296,6 @@ def write_int8_onnx(model: nn.Module, path: str | os.PathLike, input_size: Seque
             model(torch.zeros(2, *input_size))
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         size = "x".join(map(str, input_size))
-        raise ExportError(f"the int8 graph does not run on {size} inputs: {_first_line(exc)}") from exc
+        raise ExportError(f"the int8 graph does not run on {size} inputs: {_quoted(exc)}") from exc
     with _staging(Path(path)) as staged:
         staged.write_bytes(model.onnx.numpy().tobytes())

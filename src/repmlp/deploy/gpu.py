@@ -29,6 +29,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp.errors import first_line
+
 __all__ = [
     "PATHS",
     "GraphReplay",
@@ -222,9 +224,7 @@ def prepare_for_device(model: nn.Module, example: Tensor, path: str = "auto") ->
         except (RuntimeError, ValueError, TypeError) as exc:
             if attempt == "eager":
                 raise
-            log.warning(
-                "inference path %s failed (%s): trying a simpler one", attempt, str(exc).splitlines()[0]
-            )
+            log.warning("inference path %s failed (%s): trying a simpler one", attempt, first_line(exc))
     raise AssertionError("unreachable")
 
 

@@ -27,6 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from repmlp.models.file_metadata import PRECISIONS
+from repmlp.models.model_file import register_precision_loader
+
 __all__ = [
     "PRECISIONS",
     "DTYPES",
@@ -37,7 +40,6 @@ __all__ = [
     "quantize_int8",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -220,3 +222,10 @@ def native_support(precision: str) -> str | None:
     if any(f in flags for f in need):
         return None
     return f"this CPU lacks {' and '.join(need)}: {precision} runs emulated, likely slower than fp32"
+
+
+# Model files in a reduced precision are rebuilt by these (repmlp.models.model_file reads the files).
+register_precision_loader("int8", lambda onnx: Int8OnnxModel(onnx))
+for _precision, _dtype in DTYPES.items():
+    if _precision != "fp32":
+        register_precision_loader(_precision, lambda model, dtype=_dtype: _float_model(model, dtype))

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from repmlp.bench.throughput import model_input_size
 from repmlp.data.folder import image_to_channels
 from repmlp.errors import UserError
+from repmlp.models.builder import model_input_size
 
 __all__ = [
     "ModelMetadata",

@@ -22,14 +22,12 @@ importable from :mod:`repmlp.engine`.
 
 from repmlp.engine.devices import (
     amp_dtype,
-    build_model,
     cpu_name,
     hardware_summary,
     keep_freed_memory,
     resolve_compile,
     resolve_cuda_graphs,
     resolve_device,
-    takes_img_size,
 )
 from repmlp.engine.loop import (
     GraphedModule,
@@ -83,7 +81,6 @@ __all__ = [
     "all_reduce_sum",
     "amp_dtype",
     "broadcast_buffers",
-    "build_model",
     "check_output",
     "check_resumable",
     "cleanup_distributed",
@@ -105,7 +102,6 @@ __all__ = [
     "set_rng_state",
     "setup_distributed",
     "state_hash",
-    "takes_img_size",
     "train_loop",
     "unwrap",
     "write_metrics_csv",

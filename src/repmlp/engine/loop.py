@@ -27,7 +27,7 @@ from repmlp.engine.state import (
     rng_state,
     set_rng_state,
 )
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +168,10 @@ def graph_module(
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
     # Replayed as graphs, the paper's conv form of the RepMLP blocks measured 1-9% faster than the dense
     # form that "auto" picks on CUDA for eager steps (docs/gpu.md, run 2): blocks left on "auto" take it.
-    from repmlp.nn.block import RepMLPBlock
-
+    # Every module with a ``train_form`` setting (the RepMLP blocks; 1-D ones compute no dense form) is set
+    # by that duck-typed attribute: the loop knows no model class.
     for m in net.modules():
-        if isinstance(m, RepMLPBlock) and m.train_form == "auto":
+        if getattr(m, "train_form", None) == "auto":
             m.train_form = "conv"
     rngs = rng_state(device)
     buffers = {k: b.clone() for k, b in net.named_buffers()}
@@ -365,7 +365,7 @@ class _Loop:
         try:
             stats = self.forward_backward(self.step_net, images, labels)
         except (TorchDynamoException, InductorError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             log.warning("torch.compile failed (%s): training eagerly", reason[:200])
             self.step_net, self.mode = self.net, "eager (compilation failed)"
             set_rng_state(rngs, images.device)
@@ -388,7 +388,7 @@ class _Loop:
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             log.warning(
                 "capturing the training step as CUDA graphs failed (%s): training eagerly", reason[:200]
             )
@@ -479,7 +479,7 @@ class _Loop:
             rngs = state["rng"]
             set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = first_line(exc)
             raise CheckpointError(f"{self.path} does not fit this run: {first}") from None
         self.saved_at = self.pos.step
         if procs.is_main:

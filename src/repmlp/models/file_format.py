@@ -18,7 +18,7 @@ from typing import Any
 from safetensors.torch import load_file as st_load_file
 from torch import Tensor, nn
 
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 
 __all__ = [
     "FORMAT",
@@ -103,9 +103,7 @@ def read_tensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         # Memory-mapped: a large checkpoint is not read whole into memory first.
         tensors = st_load_file(path)
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(
-            f"{path} is corrupted: {str(exc).splitlines()[0] if str(exc) else exc}"
-        ) from None
+        raise CheckpointError(f"{path} is corrupted: {first_line(exc)}") from None
     meta = header.get("__metadata__") or {}
     return tensors, {str(k): str(v) for k, v in meta.items()}
 
@@ -133,7 +131,8 @@ def head_prefixes(model: nn.Module, *, embedding_head: bool = False) -> list[str
     return [n + "." for n in names]
 
 
-def _listed(keys: Sequence[str], n: int = 6) -> str:
+def listed(keys: Sequence[str], n: int = 6) -> str:
+    """The first ``n`` of ``keys`` and how many more, for one-line messages."""
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
 
@@ -174,7 +173,7 @@ def load_matching(
     ]
     if missing or unexpected or shapes:
         parts = [
-            f"{len(keys)} {label}: {_listed(keys)}"
+            f"{len(keys)} {label}: {listed(keys)}"
             for label, keys in (
                 ("missing from the file", missing),
                 ("not in the model", unexpected),

@@ -31,9 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.models.file_format import CheckpointError
+from repmlp.models.file_format import CheckpointError, listed
 
 __all__ = [
+    "FORMS",
+    "PRECISIONS",
     "ModelFileMeta",
     "EXTRA_FIELDS",
     "MAX_SIDE",
@@ -50,7 +52,9 @@ __all__ = [
     "compare_state",
 ]
 
-FORMS = ("train", "deploy")
+FORMS = ("train", "deploy")  # a model file holds the training-time or the deployed form
+# The precisions a deployed model file may hold (repmlp.deploy.precision builds them).
+PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 # Bounds of plain values in metadata: far beyond any real model, far below what could exhaust memory.
 MAX_INT = 2**31 - 1
 MAX_FLOAT = 1e12
@@ -254,8 +258,6 @@ def parse_metadata(
 
     Raises :class:`CheckpointError` naming the file and the first field that is missing, of the wrong
     type or out of range."""
-    from repmlp.deploy.precision import PRECISIONS
-
     name = meta.get("model")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _bad(path, "model", f"is not a model name ({_short(name)})")
@@ -343,10 +345,6 @@ def build_error(
     return _bad(path, where, f"does not build a {model} ({reason})")
 
 
-def _listed(keys: list[str], n: int = 3) -> str:
-    return ", ".join(keys[:n]) + (f" ... ({len(keys) - n} more)" if len(keys) > n else "")
-
-
 def compare_state(path: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
     """The keys and shapes of ``own`` (a model's state dict, on any device) must be the file's."""
     missing = [k for k in own if k not in tensors]
@@ -357,7 +355,7 @@ def compare_state(path: object, what: str, own: Mapping[str, Tensor], tensors: M
         if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)
     ]
     parts = [
-        f"{label}: {_listed(keys)}"
+        f"{label}: {listed(keys, 3)}"
         for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
         if keys
     ]

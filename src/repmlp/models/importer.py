@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 from repmlp.models.file_metadata import RESERVED_OPTIONS, ModelTooLarge, meta_model
 from repmlp.nn.reparam import fuse_bn
 
@@ -41,11 +41,6 @@ __all__ = [
 
 class WeightsImportError(UserError, ValueError):
     """A checkpoint that cannot be imported (unsafe, unknown layout, keys that do not fit)."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _load(path: Path) -> Any:
@@ -67,7 +62,7 @@ def _load(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         if "weights_only" not in str(exc) and "Weights only load failed" not in str(exc):
             raise WeightsImportError(
-                f"{path} is not a PyTorch checkpoint (unpickling failed: {_first_line(exc)})"
+                f"{path} is not a PyTorch checkpoint (unpickling failed: {first_line(exc)})"
             ) from None
         found = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(exc))
         what = f" (it refers to {found.group(1)})" if found else ""
@@ -77,7 +72,7 @@ def _load(path: Path) -> Any:
         ) from None
     except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on a damaged file, it is not readable
         raise WeightsImportError(
-            f"cannot read {path} as a PyTorch checkpoint ({type(exc).__name__}: {_first_line(exc)[:200]})"
+            f"cannot read {path} as a PyTorch checkpoint ({type(exc).__name__}: {first_line(exc)[:200]})"
         ) from None
 
 
@@ -402,7 +397,7 @@ def import_checkpoint(
         ) from None
     except (IndexError, ZeroDivisionError, ValueError, RuntimeError) as exc:
         raise WeightsImportError(
-            f"{path}: its tensors' shapes do not make a model of the {layout} layout ({_first_line(exc)[:200]})"
+            f"{path}: its tensors' shapes do not make a model of the {layout} layout ({first_line(exc)[:200]})"
         ) from None
     if inferred["num_classes"] != 1000:
         kwargs.setdefault("num_classes", inferred["num_classes"])
@@ -420,7 +415,7 @@ def import_checkpoint(
             f"{path}: {name} with {kwargs} (its shapes and --model-arg) is far larger than the file's {held} weights"
         ) from None
     except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
-        raise WeightsImportError(f"cannot build {name} with {kwargs}: {_first_line(exc)[:200]}") from None
+        raise WeightsImportError(f"cannot build {name} with {kwargs}: {first_line(exc)[:200]}") from None
     _check_fit(ghost.state_dict(), mapped, path, name)
     model = create_model(name, deploy=form == "deploy", **kwargs)
     _load_exact(model, mapped, path)

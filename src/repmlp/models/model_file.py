@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,12 +30,14 @@ import torch
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from repmlp.errors import first_line
 from repmlp.models.file_format import (
     FORMAT,
     STATE_FORMAT,
     CheckpointError,
     read_tensors,
 )
+from repmlp.models.file_metadata import FORMS
 from repmlp.nn.layers import channels_last_weights_on_cpu
 
 __all__ = [
@@ -44,12 +46,12 @@ __all__ = [
     "save_model",
     "load_model",
     "read_model_file",
+    "register_precision_loader",
     "save_state",
     "load_state",
 ]
 
 Form = Literal["train", "deploy"]
-_FORMS = ("train", "deploy")
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -116,8 +118,8 @@ def save_model(
     ``model_kwargs`` (JSON-serialisable) are passed back to ``create_model(name, deploy=..., **kwargs)``;
     ``extra`` (JSON-serialisable) is stored under the ``"extra"`` metadata key.
     """
-    if form not in _FORMS:
-        raise ValueError(f"form must be one of {_FORMS}, got {form!r}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     from repmlp._version import __version__
 
     metadata = {
@@ -198,10 +200,29 @@ def _not_a_model_file(path: Path, meta: dict[str, str]) -> str:
     return f"{path} is not a repmlp model file (metadata format={meta.get('format')!r})"
 
 
+# How a model file's reduced precision is rebuilt: ``precision -> loader``. The loaders belong to
+# :mod:`repmlp.deploy.precision`, which fills this table when it is imported (``import repmlp`` does): this
+# room reads the files, the deployment room knows how a bf16 model casts its input or an int8 graph runs.
+# A bf16/fp16 loader takes the float model built from the file; the int8 loader the file's ONNX bytes.
+PRECISION_LOADERS: dict[str, Callable[[Any], nn.Module]] = {}
+
+
+def register_precision_loader(precision: str, loader: Callable[[Any], nn.Module]) -> None:
+    """Let model files in ``precision`` (one of :data:`~repmlp.models.file_metadata.PRECISIONS` but fp32)
+    be loaded by ``loader``."""
+    PRECISION_LOADERS[precision] = loader
+
+
+def _precision_loader(fm: Any) -> Callable[[Any], nn.Module]:
+    loader = PRECISION_LOADERS.get(fm.precision)
+    if loader is None:  # only when repmlp.deploy.precision was never imported
+        raise CheckpointError(f"{fm.path}: no loader for {fm.precision} files (import repmlp first)")
+    return loader
+
+
 def _build_for(fm: Any, tensors: dict[str, Tensor]) -> nn.Module:
     """The empty model a file's weights load into, in the file's form and precision (checked first:
     :func:`repmlp.models.file_metadata.build_checked`)."""
-    from repmlp.deploy.precision import Int8OnnxModel, to_precision
     from repmlp.models.file_metadata import build_checked
     from repmlp.models.registry import create_model
 
@@ -212,14 +233,15 @@ def _build_for(fm: Any, tensors: dict[str, Tensor]) -> nn.Module:
                 f"{fm.path} is marked int8 but holds no ONNX graph (one uint8 tensor 'onnx')"
             )
         try:
-            return Int8OnnxModel(onnx)
+            return _precision_loader(fm)(onnx)
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001 - onnxruntime's parse errors: the bytes are not a graph
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(
-                f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first[:200]})"
+                f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first_line(exc)[:200]})"
             ) from None
     model = build_checked(fm, tensors, create_model)
-    return model if fm.precision == "fp32" else to_precision(model, fm.precision)
+    return model if fm.precision == "fp32" else _precision_loader(fm)(model)
 
 
 def _load_strict(model: nn.Module, tensors: dict[str, Tensor], path: Path, name: str, form: str) -> None:

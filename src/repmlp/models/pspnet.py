@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.models.blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
-from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD, register_model
+from repmlp.models.registry import register_model
 from repmlp.models.resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]

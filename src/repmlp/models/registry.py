@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
+
 __all__ = [
     "register_model",
     "create_model",
@@ -33,8 +35,6 @@ _MODELS: dict[str, ModelFn] = {}
 _CFGS: dict[str, dict[str, Any]] = {}
 
 # ImageNet's per-channel statistics, the one copy (models' cfgs, ImageNet folders, Cityscapes).
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # Models built through timm's build_model_with_cfg (those registered with timm, and repmlp-only models with
 # feature levels): their feature_cfg. _TIMM_NAMES: the ones registered with timm.

@@ -30,9 +30,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.models.blocks import ConvBNReLU
 from repmlp.models.head import PooledClassifierMixin
-from repmlp.models.registry import IMAGENET_MEAN, IMAGENET_STD, register_model
+from repmlp.models.registry import register_model
 from repmlp.nn import checks, layers
 from repmlp.nn.block import LocalPerceptron
 from repmlp.nn.layers import ConvBN, GroupwiseLinear

@@ -44,7 +44,6 @@ from repmlp.engine import (
     Position,
     amp_dtype,
     broadcast_buffers,
-    build_model,
     check_output,
     check_resumable,
     prepare_module,
@@ -55,6 +54,7 @@ from repmlp.engine import (
 )
 from repmlp.engine import write_metrics_csv as _write_csv
 from repmlp.errors import UserError
+from repmlp.models.builder import build_model
 from repmlp.models.file_format import CheckpointError
 from repmlp.tasks.metrics import topk_correct
 from repmlp.tasks.recipes import PRESETS
@@ -468,7 +468,7 @@ def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
     """A new ``--init`` run of the file's own model must give it inputs it was built for: the channels
     (image folders are converted to them; an in-memory data set has its own) and, for a model built for
     one input size, the size. A mismatch is one line saying which option to pass."""
-    from repmlp.engine import takes_img_size
+    from repmlp.models.builder import takes_img_size
     from repmlp.tasks.finetune import init_preprocessing
 
     if not cfg.init:
@@ -715,8 +715,8 @@ def evaluate(args: EvalConfig) -> int:
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
-    from repmlp.bench.throughput import model_input_size
     from repmlp.engine import resolve_device
+    from repmlp.models.builder import model_input_size
     from repmlp.models.model_file import load_model
 
     device = resolve_device(args.device)

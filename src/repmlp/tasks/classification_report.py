@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
+from repmlp.errors import first_line
 from repmlp.models.model_file import atomic_write_bytes, atomic_write_text, load_model, save_model
 from repmlp.nn.numerics import full_float32, run_precision
 from repmlp.tasks.finetune import report_lines
@@ -99,7 +100,7 @@ def _optional(name: str, fn, outcome: Outcome):
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - the run's weights are saved; report what failed
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = first_line(exc)
         log.error("%s failed: %s", name, msg)
         outcome.notes.append(f"{name} failed: {msg}")
         outcome.failed.append(name)

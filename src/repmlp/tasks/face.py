@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.engine import build_model, progress, unwrap
+from repmlp.engine import progress, unwrap
 from repmlp.errors import UserError
+from repmlp.models.builder import build_model
 from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,

@@ -28,13 +28,13 @@ from torch import Tensor, nn
 from repmlp.engine import (
     DistInfo,
     all_reduce_sum,
-    build_model,
     cleanup_distributed,
     progress,
     setup_distributed,
     unwrap,
 )
 from repmlp.errors import UserError
+from repmlp.models.builder import build_model
 from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,
