@@ -1,7 +1,11 @@
 """Classification data: Fashion-MNIST (IDX), CIFAR-10 (torchvision's layout) and ImageNet-style folders.
 
 :func:`build_data` returns train and validation loaders with one contract (see :mod:`.loader`), plus
-what a model needs to know (classes, channels, resolution).
+what a model needs to know (classes, channels, resolution). The folder also holds the face and Cityscapes
+formats (:mod:`.face`, :mod:`.cityscapes`), bounded reading of the user's files (:mod:`.inputs`), PNG
+(:mod:`.png`) and the normalisation constants (:mod:`.normalization`).
+
+May import :mod:`repmlp.nn` and :mod:`repmlp.errors`; nothing above (the models read their constants here).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A deployed RepMLP model (or any CNN with its BatchNorms folded) run eagerly on a GPU spends much of its
 time outside the convolutions and FCs: every conv's bias, ReLU and residual addition is a separate
-elementwise kernel (in fp16 about 40% of the GPU time of a ResNet-50 at batch 128), and every kernel is
+elementwise kernel (a large share of a ResNet-50's GPU time in fp16: docs/gpu.md), and every kernel is
 launched from Python. The paths here remove that overhead; :data:`PATHS` names them:
 
 * ``eager``: the model as it is;
@@ -176,8 +176,8 @@ def prepare_inference(
 
 def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
     """The path measured fastest for deployed models on ``device`` in ``dtype`` (docs/gpu.md, run 1: ResNet-50,
-    RepMLP-Res50 and the Light model at batch 128 on an H200): ``compile+graph`` in fp16/bf16,
-    ``fused+graph`` in fp32 (TF32 off: inductor's code was 16-20% slower than cuDNN's fused kernels);
+    RepMLP-Res50 and the Light model at batch 128): ``compile+graph`` in fp16/bf16, ``fused+graph`` in fp32
+    (TF32 off: inductor's code was slower than cuDNN's fused kernels there);
     ``eager`` on a CPU (the CPU's own fast forms are chosen inside the model: repmlp.nn.ops)."""
     if device.type != "cuda":
         return "eager"
@@ -186,7 +186,7 @@ def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
 
 def serving_format(device: torch.device, dtype: torch.dtype) -> torch.memory_format:
     """The activations' layout for a deployed model: channels_last for half precision on CUDA (tensor-core
-    convolutions), NCHW for fp32 on CUDA (6-15% faster there, docs/gpu.md) and on a CPU (the models put
+    convolutions), NCHW for fp32 on CUDA (faster there: docs/gpu.md) and on a CPU (the models put
     their CPU activations channels_last themselves)."""
     cuda_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     return torch.channels_last if cuda_half else torch.contiguous_format

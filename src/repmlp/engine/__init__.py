@@ -14,10 +14,13 @@ change), refuses to overwrite a finished run, shows a progress bar with the task
 ``metrics.csv`` and checks that DDP replicas end identical. :func:`write_run_report` writes ``curves.png``
 and ``report.md`` for tasks that log a loss (with the task's own report section).
 
-The package's modules: :mod:`.devices` (device, hardware line, building models), :mod:`.processes`
+The package's modules: :mod:`.devices` (device, hardware line, AMP, compile choices), :mod:`.processes`
 (torchrun/DDP), :mod:`.state` (resumable runs: folder, options, RNG states, hashes), :mod:`.loop` (the
 loop) and :mod:`.report` (metrics.csv, curves and report of a loss log). Their public names are
 importable from :mod:`repmlp.engine`.
+
+May import :mod:`repmlp.models`, :mod:`repmlp.data`, :mod:`repmlp.nn` and :mod:`repmlp.errors`; never
+:mod:`repmlp.deploy` (training knows no deployment) nor anything above.
 """
 
 from repmlp.engine.devices import (

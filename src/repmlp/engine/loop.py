@@ -166,8 +166,8 @@ def graph_module(
     device = example[0].device
     if device.type != "cuda":
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
-    # Replayed as graphs, the paper's conv form of the RepMLP blocks measured 1-9% faster than the dense
-    # form that "auto" picks on CUDA for eager steps (docs/gpu.md, run 2): blocks left on "auto" take it.
+    # Replayed as graphs, the paper's conv form of the RepMLP blocks measured faster than the dense form
+    # that "auto" picks on CUDA for eager steps (docs/gpu.md, run 2): blocks left on "auto" take it.
     # Every module with a ``train_form`` setting (the RepMLP blocks; 1-D ones compute no dense form) is set
     # by that duck-typed attribute: the loop knows no model class.
     for m in net.modules():

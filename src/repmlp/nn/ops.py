@@ -1,12 +1,11 @@
 """Tensor re-arrangements and the groupwise FC used by RepMLP (paper Sec. 3.2).
 
-The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient.
-On the CPU we measured (``benchmarks/bench_fc3.py``, results in ``docs/benchmarks.md``), a batched
-matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result 1.7-5x faster than the
-grouped 1x1 conv, so it is the form used for training and on every device. For float32 CPU
-inference, one oneDNN 1x1 conv per group over a zero-copy channels_last view of the same rows can be
-faster still (on an AMD EPYC with AVX-512, oneDNN's GEMM ran at about twice PyTorch's BLAS, MKL:
-``benchmarks/bench_deploy.py`` prints both rates). With a few rows (a small batch) FC3 is bound by
+The paper implements the groupwise FC (FC3) as a grouped 1x1 conv, which it notes is inefficient. A
+batched matmul over a ``(g, partitions, C*h*w/g)`` layout computes the same result faster on every CPU
+measured (``benchmarks/bench_fc3.py``; results in ``docs/benchmarks.md``), so it is the form used for
+training and on every device. For float32 CPU inference, one oneDNN 1x1 conv per group over a zero-copy
+channels_last view of the same rows can be faster still, where oneDNN's GEMM outruns PyTorch's BLAS
+(``benchmarks/bench_deploy.py`` prints both rates). With a few rows (a small batch) FC3 is bound by
 reading its kernel, and the transposed product (:func:`groupwise_fc_transposed`) streams it fastest.
 :func:`groupwise_fc` times the forms once per kernel shape and row class, outside any forward, and keeps
 the fastest (:func:`fc3_form`), unless :func:`set_fc3_backend` (or ``REPMLP_FC3``) pins one form. The

@@ -10,6 +10,10 @@ Every task takes typed configs (dataclasses the commands build from the parsed o
 SegTrainConfig) -> int``, classification's ``run_training(TrainConfig)``. The face and segmentation
 options are defined in :mod:`repmlp.commands.task_options`.
 The study (:mod:`repmlp.tasks.study`) trains classification runs; each task's report is its own module.
+The tasks' losses (:mod:`.losses`), metrics (:mod:`.metrics`), recipes (:mod:`.recipes`) and fine-tuning
+from a model file (:mod:`.finetune`) live here too.
+
+May import every room but :mod:`repmlp.commands` and the CLI.
 """
 
 # The ``--task`` name -> the module under ``repmlp.tasks`` (short names on the command line, full ones in code).

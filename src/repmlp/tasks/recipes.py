@@ -48,7 +48,7 @@ class Recipe:
 
 PRESETS: dict[str, Recipe] = {
     "fmnist": Recipe(
-        # repmlp_fmnist until issue 19: the patch stem halves the stages' resolution, so that five epochs fit
+        # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit
         # in five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
         model="repmlp_fmnist_patch2",
         epochs=5,
