@@ -383,13 +383,13 @@ def test_training_convs_without_a_direct_nchw_kernel_run_channels_last(
     the plain conv (float64) for either layout of the weights."""
     torch.manual_seed(0)
     c = 2 * per_group
-    layer = ConvBN(c, c, kernel, groups=2).double().train()
+    layer = ConvBN(c, c, kernel, groups=2, layout_choice=True).double().train()
     if weights_channels_last:
         layer.to(memory_format=torch.channels_last)
     x = torch.randn(6, c, 7, 7, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(6, c, 7, 7, dtype=torch.float64)
     with _ConvLayouts() as layouts:
-        out = layer.forward_in_input_layout(x)
+        out = layer(x)
         got = torch.autograd.grad(out, [x, *layer.parameters()], grad_out)
     assert out.is_contiguous() and got[0].is_contiguous()
     assert {name for name, _ in layouts.calls} == {"convolution", "convolution_backward"}

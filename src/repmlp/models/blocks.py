@@ -19,8 +19,7 @@ from torch import Tensor, nn
 from repmlp.models.head import PooledClassifierMixin
 from repmlp.nn import checks, layers
 from repmlp.nn.block import RepMLPBlock
-from repmlp.nn.layers import ConvBN
-from repmlp.nn.ops import pointwise_conv_as_linear
+from repmlp.nn.layers import ConvBN, PatchwiseConv2d
 
 __all__ = [
     "ConvBNReLU",
@@ -50,18 +49,34 @@ class ConvBNReLU(ConvBN):
     Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')``.
     """
 
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] | None = None,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        *,
+        deploy: bool = False,
+        dims: int = 2,
+    ) -> None:
+        # A stem on one input channel (Fashion-MNIST), an FC on each pixel or on each k x k patch: oneDNN runs
+        # this conv slowly (its weight gradient most), and its output would leave a channels_last model in
+        # NCHW; its conv is a PatchwiseConv2d, the same sums as one matmul.
+        patch = (
+            dims == 2
+            and in_channels == 1
+            and PatchwiseConv2d.tiles(kernel_size, stride, padding, dilation, groups)
+        )
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+            deploy=deploy, dims=dims, conv_class=PatchwiseConv2d if patch else None,
+        )  # fmt: skip
+
     def forward(self, x: Tensor) -> Tensor:
-        conv = self.conv
-        k = conv.kernel_size[0]
-        patchwise = conv.kernel_size == conv.stride == (k, k) and conv.padding == (0, 0) and conv.groups == 1
-        if conv.in_channels == 1 and patchwise and conv.dilation == (1, 1):
-            # A stem on one input channel (Fashion-MNIST), an FC on each pixel or on each k x k patch: oneDNN
-            # runs this conv slowly (its weight gradient most), and its output would leave a channels_last
-            # model in NCHW. The same sums as a matmul over the patches' pixels (pixel_unshuffle orders them
-            # as the kernel's entries).
-            x = pointwise_conv_as_linear(F.pixel_unshuffle(x, k) if k > 1 else x, conv.weight, conv.bias)
-        else:
-            x = conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
+        x = self.conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
         if self.bn is not None:
             x = self.bn(x)
         # In place: the conv/BN output is a fresh tensor that nothing else holds.

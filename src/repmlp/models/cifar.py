@@ -104,9 +104,14 @@ class PartitionConvBlock(FCBranches, nn.Module):
             if global_perceptron and self.parts > 1
             else None
         )
-        self.conv = ConvBN(in_channels, out_channels, kernel_size, groups=groups, deploy=deploy)
+        # Convs on the partition map, with the Local Perceptron's CPU layout choice (layers.LayoutConv2d).
+        self.conv = ConvBN(
+            in_channels, out_channels, kernel_size, groups=groups, deploy=deploy, layout_choice=True
+        )
         self.local = (
-            nn.ModuleList(ConvBN(in_channels, out_channels, k, groups=groups) for k in kernel_sizes)
+            nn.ModuleList(
+                ConvBN(in_channels, out_channels, k, groups=groups, layout_choice=True) for k in kernel_sizes
+            )
             if kernel_sizes and not deploy
             else None
         )
@@ -119,14 +124,14 @@ class PartitionConvBlock(FCBranches, nn.Module):
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
-        # On a CPU with autograd the convs write the partition map's layout, or run as one FC, as in
-        # LocalPerceptron.forward; the layout is chosen when the conv runs (a torch.fx leaf).
+        # On a CPU with autograd the convs write the partition map's layout, or run as one FC (unless hooks
+        # watch them), as in LocalPerceptron.forward; the layout is chosen when the conv runs (a torch.fx leaf).
         if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(parts):
             return unpartition_like(x, self._forward_as_fc(parts), n, self.parts, self.parts, self.training)
-        out = self.conv.forward_by_grad_mode(parts)
+        out = self.conv(parts)
         if self.local is not None:
             for branch in self.local:
-                out = out + branch.forward_by_grad_mode(parts)
+                out = out + branch(parts)
         return unpartition_like(x, out, n, self.parts, self.parts, self.training)
 
     def _conv_branches(self) -> list[ConvBN]:

@@ -36,7 +36,7 @@ from repmlp.models.head import PooledClassifierMixin
 from repmlp.models.registry import register_model
 from repmlp.nn import checks, layers
 from repmlp.nn.block import LocalPerceptron
-from repmlp.nn.layers import ConvBN, GroupwiseLinear
+from repmlp.nn.layers import ConvBN, GroupwiseLinear, PatchwiseConv2d
 from repmlp.nn.reparam import merge_fc3, pair
 
 __all__ = [
@@ -86,16 +86,14 @@ class ChannelGate(nn.Module):
         hidden = channels // reduction
         if hidden < 1:
             raise ValueError(f"gate reduction {reduction} leaves no hidden channels for {channels} channels")
-        self.fc1 = nn.Conv2d(channels, hidden, 1)
-        self.fc2 = nn.Conv2d(hidden, channels, 1)
+        # 1x1 convs (the checkpoints' layout) on a 1x1 map: as FC layers (PatchwiseConv2d) they skip the conv
+        # kernel's per-call set-up, which dominates at that size on CPU.
+        self.fc1 = PatchwiseConv2d(channels, hidden, 1)
+        self.fc2 = PatchwiseConv2d(hidden, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        # The 1x1 convs (the checkpoints' layout) act on a vector: as FC layers they skip the conv
-        # kernel's per-call set-up, which dominates at 1x1 spatial size on CPU.
-        v = x.mean((2, 3))
-        v = F.relu(F.linear(v, self.fc1.weight.flatten(1), self.fc1.bias))
-        v = F.linear(v, self.fc2.weight.flatten(1), self.fc2.bias)
-        return torch.sigmoid(v)[:, :, None, None]
+        v = x.mean((2, 3), keepdim=True)
+        return torch.sigmoid(self.fc2(F.relu(self.fc1(v))))
 
 
 class RepMLPNetBlock(nn.Module):

@@ -32,7 +32,7 @@ from repmlp.nn.dense import (
     from_group_columns_like,
     to_group_columns,
 )
-from repmlp.nn.layers import ConvBN, GroupwiseLinear
+from repmlp.nn.layers import ConvBN, GroupwiseLinear, modules_observed
 from repmlp.nn.ops import from_group_rows, is_channels_last, partition_for, to_group_rows, unpartition_like
 from repmlp.nn.reparam import absorb_bn_into_fc, format_size, merge_fc3, ntuple
 
@@ -170,7 +170,8 @@ class LocalPerceptron(FCBranches, nn.Module):
         super().__init__()
         self.kernel_sizes = tuple(tuple(k) for k in kernel_sizes)
         self.branches = nn.ModuleList(
-            ConvBN(in_channels, out_channels, k, groups=groups, dims=len(k)) for k in self.kernel_sizes
+            ConvBN(in_channels, out_channels, k, groups=groups, dims=len(k), layout_choice=True)
+            for k in self.kernel_sizes
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -181,14 +182,15 @@ class LocalPerceptron(FCBranches, nn.Module):
         # stored channels_last); a conv that oneDNN runs slowly in NCHW still computes in channels_last
         # inside (layers.conv_in_layout_of; benchmarks/bench_train.py, not measured on CUDA).
         # Both choices depend on the autograd mode, so they are made inside torch.fx leaves
-        # (_layout_for_branches, layers.conv_by_grad_mode): a traced graph makes them when it runs, as here.
-        # The FC form is eager-only (branches_fit_fc declines a traced input): a graph runs the convs.
+        # (_layout_for_branches, and layers.conv_by_grad_mode in each branch's LayoutConv2d): a traced graph
+        # makes them when it runs, as here. The FC form is eager and unwatched only (branches_fit_fc declines
+        # a traced input, and branches with hooks, which it would not call): otherwise the convs run.
         if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(x):
             return self._forward_as_fc(x)  # few channels a group on a CPU: one FC for all branches
         x = _layout_for_branches(x)
         out: Tensor | None = None  # a loop over the whole ModuleList: TorchScript slices none
         for branch in self.branches:
-            y = branch.forward_by_grad_mode(x)
+            y = branch(x)
             out = y if out is None else out + y
         assert out is not None  # at least one branch (checked in __init__)
         return out
@@ -469,25 +471,52 @@ class RepMLPBlock(_RepMLPBlockBase):
         elif self._dense_training and self.training and not torch.jit.is_scripting():
             out = self._forward_dense(x, n, hp, wp)
         else:
-            parts = partition_for(x, h, w, self.training)  # (N*Hp*Wp, C, h, w)
-            if self.global_perceptron is not None:
-                v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(n * hp * wp, self.in_channels, 1, 1)
-                parts = parts + v
-            b = parts.shape[0]
-            rows = parts.reshape(b, g, cg * h * w).transpose(0, 1)
-            fc = self.partition_perceptron(rows).transpose(0, 1).reshape(b, self.out_channels, h, w)
-            out = unpartition_like(x, fc + self.local_perceptron(parts), n, hp, wp, self.training)
+            out = self._forward_conv(x, n, hp, wp)
         if self.padding != (0, 0):
             out = out[:, :, : self.resolution[0], : self.resolution[1]]
         return out
 
-    @torch.jit.unused
-    def _forward_dense(self, x: Tensor, n: int, hp: int, wp: int) -> Tensor:
-        """The training-time block with FC3 and every Local Perceptron branch as dense batched matmuls
-        (:func:`repmlp.nn.dense.dense_partition_sum`); the same function as the conv form.
+    def _forward_conv(self, x: Tensor, n: int, hp: int, wp: int) -> Tensor:
+        """The training-time block as the paper draws it: FC3 on the partitions' per-group rows plus the Local
+        Perceptron's conv-BN branches on the partition map.
 
         Shapes: padded ``x`` ``(N, C, Hp*h, Wp*w)`` -> ``(N, O, Hp*h, Wp*w)``.
         """
+        h, w = self.partition
+        g = self.groups
+        cg = self.in_channels // g
+        local = self.local_perceptron
+        assert local is not None  # forward runs the inference path without a Local Perceptron
+        parts = partition_for(x, h, w, self.training)  # (N*Hp*Wp, C, h, w)
+        if self.global_perceptron is not None:
+            v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(n * hp * wp, self.in_channels, 1, 1)
+            parts = parts + v
+        b = parts.shape[0]
+        rows = parts.reshape(b, g, cg * h * w).transpose(0, 1)
+        fc = self.partition_perceptron(rows).transpose(0, 1).reshape(b, self.out_channels, h, w)
+        return unpartition_like(x, fc + local(parts), n, hp, wp, self.training)
+
+    def _observed(self) -> bool:
+        """Whether a hook watches a module the dense form reads but does not call (the Partition and Local
+        Perceptrons and everything in them: FC3, the convs, the BatchNorms), or every module's hooks are
+        set (:func:`repmlp.nn.layers.modules_observed`): then the conv form runs, which calls them all.
+        Called from :meth:`_forward_dense` (which TorchScript leaves out), not from ``forward``, so that
+        TorchScript never compiles it."""
+        watched: list[nn.Module] = [self.partition_perceptron]
+        if self.local_perceptron is not None:
+            watched.append(self.local_perceptron)
+        return modules_observed(watched)
+
+    @torch.jit.unused
+    def _forward_dense(self, x: Tensor, n: int, hp: int, wp: int) -> Tensor:
+        """The training-time block with FC3 and every Local Perceptron branch as dense batched matmuls
+        (:func:`repmlp.nn.dense.dense_partition_sum`); the same function as the conv form, which runs instead
+        while hooks watch the modules this form reads without calling them (:meth:`_observed`).
+
+        Shapes: padded ``x`` ``(N, C, Hp*h, Wp*w)`` -> ``(N, O, Hp*h, Wp*w)``.
+        """
+        if self._observed():
+            return self._forward_conv(x, n, hp, wp)
         h, w = self.partition
         columns = to_group_columns(x, h, w, self.groups)  # (g, C/g*h*w, N*Hp*Wp)
         if self.global_perceptron is not None:

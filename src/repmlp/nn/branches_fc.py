@@ -8,7 +8,9 @@ branches' dense FCs cost at most :data:`FC_MAC_RATIO` times the convs' multiply-
 are computed as one FC: the kernels are gathered into the dense matrices (a fixed index, so autograd
 scatters the FC's weight gradient back onto the kernels), one ``bmm`` gives every branch's output, and
 each branch's own BatchNorm normalises its slice. The same maths as the convs (zeros add nothing); the
-sums are ordered differently, so results agree to float rounding, not bit for bit.
+sums are ordered differently, so results agree to float rounding, not bit for bit. The convs' modules are
+never called, so where hooks watch a branch (``layers.modules_observed``: forward hooks, pruning's forward
+pre-hook) the convs run instead, and the hooks see every module the conv form calls.
 """
 
 import functools
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from repmlp.nn.layers import ConvBN
+from repmlp.nn.layers import ConvBN, modules_observed
 
 __all__ = ["FC_MAC_RATIO", "FCBranches", "branches_fit_fc", "branch_sum_as_fc", "dense_conv_index"]
 
@@ -65,8 +67,9 @@ def branches_fit_fc(x: Tensor, branches: Sequence[ConvBN]) -> bool:
 
     Yes for a recorded training step (autograd on, BatchNorms in training mode) on a CPU, on a plain
     contiguous 2-D map, with branches that are same-padded stride-1 convs without bias, each followed by
-    a BatchNorm, alike in channels and groups, with few channels a group (oneDNN's slow case), and dense
-    FCs costing at most :data:`FC_MAC_RATIO` times the convs' multiply-accumulates.
+    a BatchNorm, alike in channels and groups, with few channels a group (oneDNN's slow case), dense
+    FCs costing at most :data:`FC_MAC_RATIO` times the convs' multiply-accumulates, and no hook watching
+    the branches (:func:`~repmlp.nn.layers.modules_observed`).
     """
     if (
         isinstance(x, torch.fx.Proxy)
@@ -99,7 +102,9 @@ def branches_fit_fc(x: Tensor, branches: Sequence[ConvBN]) -> bool:
     h, w = x.shape[2:]
     fc_macs = len(convs) * h * w
     conv_macs = sum(c.kernel_size[0] * c.kernel_size[1] for c in convs)
-    return fc_macs <= FC_MAC_RATIO * conv_macs
+    # Hooks fire only in the modules a forward calls, and this form calls no conv: where one watches a branch
+    # (pruning's pre-hook, which recomputes the weight, too), the convs run.
+    return fc_macs <= FC_MAC_RATIO * conv_macs and not modules_observed(branches)
 
 
 def branch_sum_as_fc(x: Tensor, branches: Sequence[ConvBN]) -> Tensor:

@@ -17,6 +17,9 @@ Layout: the partitions are *columns*, ``(g, C/g*h*w, B)`` with ``B = N*Hp*Wp``, 
 batch) and a branch's ``BatchNorm2d(O)`` as ``(1, O, h*w, B)``, both views, with the modules' own
 parameters and running statistics. The sums are the conv form's; their order differs, so results agree
 to float rounding, not bit for bit.
+
+FC3 and the convs are read, not called: where a hook watches them (``RepMLPBlock._observed``), the block
+runs the conv form instead, so that every module it holds runs its own call.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Small re-parameterizable layers shared by the block and the models."""
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.nn.ops import FC3_ROW_CLASSES, fc3_form, groupwise_fc, is_channels_last
+from repmlp.nn.ops import FC3_ROW_CLASSES, fc3_form, groupwise_fc, is_channels_last, pointwise_conv_as_linear
 from repmlp.nn.reparam import fuse_bn, ntuple
 
 # A torch.fx leaf: a traced graph calls groupwise_fc as the module does, so it makes the same FC3 choice
@@ -17,15 +17,87 @@ torch.fx.wrap("groupwise_fc")
 __all__ = [
     "ConvBN",
     "GroupwiseLinear",
+    "LayoutConv1d",
+    "LayoutConv2d",
+    "LayoutConv3d",
     "MaxPool2x2",
+    "PatchwiseConv2d",
     "channels_last_weights_on_cpu",
     "cpu_channels_last",
+    "modules_observed",
     "prepare_fc3",
 ]
 
 
+class _LayoutConv:
+    """Mixin of :class:`LayoutConv1d` / ``2d`` / ``3d``: a conv whose ``forward`` makes the Local Perceptron's
+    CPU layout choice (:func:`conv_by_grad_mode`) inside the module's own call, so that forward hooks and
+    ``torch.nn.utils.prune`` (a forward pre-hook that recomputes ``weight``) see the conv run.
+
+    Not a torch.fx leaf (its class is not from ``torch.nn``): a traced graph records the
+    :func:`conv_by_grad_mode` leaf call itself, which makes the choice when the graph runs (as the graphs
+    traced before this class existed did), and :func:`repmlp.deploy.gpu.fuse_conv_epilogues` leaves it alone.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        # TorchScript compiles the plain conv (the leaf would be a Python call in a scripted model), as does a
+        # padding mode other than zeros, which _conv_forward pads and the leaf's F.conv would not.
+        if torch.jit.is_scripting() or self.padding_mode != "zeros":
+            return self._conv_forward(x, self.weight, self.bias)
+        return conv_by_grad_mode(
+            x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+
+class LayoutConv1d(_LayoutConv, nn.Conv1d):
+    """``nn.Conv1d`` computing :func:`conv_by_grad_mode` (for 1-D maps the plain conv's values); same
+    parameters and state-dict keys. Shapes: ``(N, C_in, L)`` -> ``(N, C_out, L')``."""
+
+
+class LayoutConv2d(_LayoutConv, nn.Conv2d):
+    """``nn.Conv2d`` computing :func:`conv_by_grad_mode`: with autograd on, on a plain CPU input, the output in
+    the input's layout (channels_last inside where oneDNN's NCHW kernel is slow); otherwise the plain conv.
+    Same parameters and state-dict keys. Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')``."""
+
+
+class LayoutConv3d(_LayoutConv, nn.Conv3d):
+    """``nn.Conv3d`` computing :func:`conv_by_grad_mode` (for 3-D maps the plain conv's values); same
+    parameters and state-dict keys. Shapes: ``(N, C_in, D, H, W)`` -> ``(N, C_out, D', H', W')``."""
+
+
+class PatchwiseConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose kernel tiles its input (kernel = stride, no padding, no dilation, one group),
+    computed as one matmul over each patch's pixels (:func:`~repmlp.nn.ops.pointwise_conv_as_linear` after
+    ``pixel_unshuffle``, which orders a patch's values as the kernel's entries): the paper's FC on each
+    pixel or ``k x k`` patch. oneDNN runs such a conv slowly on one input channel (its weight gradient
+    most), and on a ``1 x 1`` map a conv kernel's per-call set-up outweighs the product; the matmul is the
+    same sums. Same parameters and state-dict keys as the conv; use it where :meth:`tiles` holds.
+
+    Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H/k, W/k)``.
+    """
+
+    @staticmethod
+    def tiles(
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int],
+        padding: int | Sequence[int] | None,
+        dilation: int | Sequence[int],
+        groups: int,
+    ) -> bool:
+        """Whether a 2-D conv of these sizes tiles its input with square patches (``padding=None``: same
+        padding, which is none for a 1x1 kernel)."""
+        k, s, d = (ntuple(v, 2, "size") for v in (kernel_size, stride, dilation))
+        p = (0, 0) if padding is None and k == (1, 1) else None if padding is None else ntuple(padding, 2, "")
+        return k[0] == k[1] and k == s and p == (0, 0) and d == (1, 1) and groups == 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = self.kernel_size[0]
+        return pointwise_conv_as_linear(F.pixel_unshuffle(x, k) if k > 1 else x, self.weight, self.bias)
+
+
 # Conv and BatchNorm classes by spatial dimensionality (1-D sequences, 2-D images, 3-D volumes).
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_LAYOUT_CONV = {1: LayoutConv1d, 2: LayoutConv2d, 3: LayoutConv3d}
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 
@@ -35,6 +107,10 @@ class ConvBN(nn.Module):
     ``deploy=True`` builds the fused form (a single conv with bias) directly, so a converted state
     dict loads into it. Submodule names: ``conv`` and, before conversion, ``bn``. ``dims`` picks
     ``nn.Conv1d``/``2d``/``3d`` (and the matching BatchNorm); sizes are ints or ``dims``-tuples.
+    ``layout_choice=True`` builds a :class:`LayoutConv2d` (``1d``/``3d``) instead, whose forward makes the
+    CPU training step's layout choice (:func:`conv_by_grad_mode`): the Local Perceptron's convs on partition
+    maps. ``conv_class`` builds another conv class of the same constructor (:class:`PatchwiseConv2d`). Either
+    way the state-dict keys are ``conv.weight`` (``conv.bias``) and ``bn.*``.
 
     Shapes: ``(N, C_in, *spatial)`` -> ``(N, C_out, *spatial')`` as the conv; 2-D by default.
     """
@@ -51,6 +127,8 @@ class ConvBN(nn.Module):
         *,
         deploy: bool = False,
         dims: int = 2,
+        layout_choice: bool = False,
+        conv_class: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if dims not in _CONV:
@@ -59,9 +137,8 @@ class ConvBN(nn.Module):
         dilations = ntuple(dilation, dims, "dilation")
         if padding is None:
             padding = tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilations, strict=True))
-        self.conv = _CONV[dims](
-            in_channels, out_channels, kernel, stride, padding, dilations, groups, bias=deploy
-        )
+        conv = conv_class or (_LAYOUT_CONV[dims] if layout_choice else _CONV[dims])
+        self.conv = conv(in_channels, out_channels, kernel, stride, padding, dilations, groups, bias=deploy)
         self.bn: nn.modules.batchnorm._BatchNorm | None = None if deploy else _BN[dims](out_channels)
 
     @property
@@ -72,31 +149,10 @@ class ConvBN(nn.Module):
         x = self.conv(x)
         return x if self.bn is None else self.bn(x)
 
-    def forward_by_grad_mode(self, x: Tensor) -> Tensor:
-        """:meth:`forward_in_input_layout` with autograd on, :meth:`forward` without (:func:`conv_by_grad_mode`),
-        chosen when it runs: a torch.fx graph traced in either mode computes bitwise what the module computes in
-        the mode it runs in. TorchScript compiles :meth:`forward`. Shapes: as :meth:`forward`."""
-        c = self.conv
-        if torch.jit.is_scripting():  # the plain conv, as forward_in_input_layout compiles
-            x = c(x)
-        else:
-            x = conv_by_grad_mode(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
-        return x if self.bn is None else self.bn(x)
-
-    def forward_in_input_layout(self, x: Tensor) -> Tensor:
-        """:meth:`forward`, with the conv writing its output in ``x``'s memory format on a CPU (see
-        :func:`conv_in_layout_of`), so that the BatchNorm's input and gradient share a layout. Elsewhere the
-        same as :meth:`forward`."""
-        c = self.conv
-        if torch.jit.is_scripting():  # TorchScript compiles no branch below: the plain conv
-            x = c(x)
-        else:
-            x = conv_in_layout_of(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
-        return x if self.bn is None else self.bn(x)
-
     @torch.no_grad()
     def reparameterize(self) -> None:
-        """Fold ``bn`` into ``conv`` in place (the module must be in eval mode to be equivalent)."""
+        """Fold ``bn`` into ``conv`` in place (the module must be in eval mode to be equivalent); the fused
+        conv is of ``conv``'s own class, so a :class:`LayoutConv2d` keeps its layout choice."""
         if self.bn is None:
             return
         weight, bias = fuse_bn(self.conv.weight, self.bn, self.conv.bias)
@@ -187,6 +243,30 @@ class _Relayout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad.contiguous(memory_format=ctx.layout), None
+
+
+def modules_observed(modules: Iterable[nn.Module]) -> bool:
+    """Whether a hook watches any of ``modules`` or their submodules: forward hooks, forward pre-hooks
+    (``torch.nn.utils.prune`` registers one that recomputes ``weight``), backward hooks, or such hooks
+    registered for every module (``torch.nn.modules.module.register_module_forward_hook`` and the like).
+
+    The fused training forms (:mod:`repmlp.nn.branches_fc`, :mod:`repmlp.nn.dense`) read the weights of
+    modules they never call, so their hooks would not fire: they step aside when this is true. A plain
+    Python check of module state, which a tracer evaluates once, at trace time.
+    """
+    every = torch.nn.modules.module  # where the hooks registered for every module live
+    if (
+        every._global_forward_hooks
+        or every._global_forward_pre_hooks
+        or every._global_backward_hooks
+        or every._global_backward_pre_hooks
+    ):
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for module in modules
+        for m in module.modules()
+    )
 
 
 class GroupwiseLinear(nn.Module):
