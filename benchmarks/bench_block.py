@@ -23,9 +23,10 @@ import logging
 import torch
 from torch import nn
 
-from common import device_arg, hardware, set_tf32, table, time_interleaved
+from common import device_arg, hardware, set_tf32, table
 from paper_block import paper_block_from
 from repmlp import RepMLPBlock, RepMLPBlock1d, reparameterize_model
+from repmlp.bench.timing import time_interleaved
 
 log = logging.getLogger("bench_block")
 

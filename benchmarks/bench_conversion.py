@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from common import device_arg, hardware, set_tf32, table, time_interleaved
+from common import device_arg, hardware, set_tf32, table
 from repmlp import conv_to_fc, conv_to_fc_identity
+from repmlp.bench.timing import time_interleaved
 
 log = logging.getLogger("bench_conversion")
 METHODS = {"direct": conv_to_fc, "identity": conv_to_fc_identity}

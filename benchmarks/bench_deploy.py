@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 import torchvision
 
-from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.counts import count_macs
+from repmlp.bench.timing import time_interleaved
 from repmlp.deploy.precision import native_support, to_precision
 
 TREATMENTS = ("eager", "channels_last", "compiled", "bf16", "bf16_compiled", "int8")

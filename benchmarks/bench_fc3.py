@@ -2,10 +2,10 @@
 
 Every candidate maps the block's (padded) input ``(N, C, H, W)`` to ``(N, O, H, W)`` contiguous NCHW:
 split into partitions, groupwise FC ``(O*h*w, C*h*w/g)`` with bias, merge the partitions back. They are
-checked equal once, then timed interleaved (``common.time_interleaved``). Reported: milliseconds per
-call, GMAC/s of the FC's multiply-adds (``N*Hp*Wp * O*h*w * C*h*w/g``; the block-diagonal candidate
-does ``g`` times more work but is credited with the same useful MACs), and the speed-up over the
-paper's grouped 1x1 conv.
+checked equal once, then timed interleaved (``repmlp.bench.timing.time_interleaved``). Reported:
+milliseconds per call, GMAC/s of the FC's multiply-adds (``N*Hp*Wp * O*h*w * C*h*w/g``; the
+block-diagonal candidate does ``g`` times more work but is credited with the same useful MACs), and the
+speed-up over the paper's grouped 1x1 conv.
 
     python3 benchmarks/bench_fc3.py [--device cuda] [--quick]
 """
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import device_arg, hardware, set_tf32, table, time_interleaved
+from common import device_arg, hardware, set_tf32, table
+from repmlp.bench.timing import time_interleaved
 from repmlp.nn.ops import (
     from_group_rows,
     groupwise_fc,

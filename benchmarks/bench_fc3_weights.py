@@ -24,15 +24,15 @@ building on this machine. CPU only.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
+from common import device_arg, hardware, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
+from repmlp.bench.timing import time_interleaved, time_rounds
 from repmlp.nn.layers import GroupwiseLinear, prepare_fc3
 from repmlp.nn.ops import FC3_FORMS, fc3_backend, groupwise_fc, groupwise_fc_bmm
 
@@ -103,12 +103,7 @@ def forms(rows: Tensor, weight: Tensor, bias: Tensor | None) -> dict[str, Callab
 def read_rate() -> float:
     """Bytes a second this machine's threads read from memory: a sum over a 256 MB tensor, best of 5."""
     x = torch.ones(64 << 20)
-    x.sum()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
+    best = min(time_rounds({"sum": x.sum}, rounds=5, warmup=1)["sum"])
     return x.numel() * 4 / best
 
 

@@ -2,9 +2,10 @@
 
 Every configuration runs in its own worker process; all workers build (and compile) at once, since a
 compile is CPU work and the machine has many cores, then the parent times them in interleaved rounds, one
-worker at a time on the GPU (median of the rounds, CUDA events around ``k`` calls filling about
-``--round-s`` seconds). Results: a Markdown summary on stdout and in ``OUT/summary.md``, every number in
-``OUT/results.json``, torch.profiler kernel tables of the main configurations in ``OUT/profiles.txt``.
+worker at a time on the GPU (median of the rounds, each ``k`` calls filling about ``--round-s`` seconds
+between two device synchronisations: ``repmlp.bench.timing.time_calls``). Results: a Markdown summary on
+stdout and in ``OUT/summary.md``, every number in ``OUT/results.json``, torch.profiler kernel tables of the
+main configurations in ``OUT/profiles.txt``.
 
 Deployed (``--phase deploy``; eval, every conv-BN folded, batch 128, 224x224): torchvision's ResNet-50 (the
 reference: eager and ``torch.compile`` default mode, BN unfolded), repmlp's ResNet-50 (``repmlp_res50`` with
@@ -94,27 +95,6 @@ def _set_precision_flags(tf32: bool) -> None:
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
-
-
-def _timer(device):  # noqa: ANN001, ANN202
-    """``time(fn, k)``: seconds per call of ``k`` back-to-back calls (CUDA events; wall clock on a CPU)."""
-    import torch
-
-    def run(fn, k: int) -> float:  # noqa: ANN001
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(k):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / k
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        return (time.perf_counter() - t0) / k
-
-    return run
 
 
 def deploy_worker(spec: dict) -> dict:
@@ -270,7 +250,9 @@ def worker_main(spec: dict) -> None:
     print(json.dumps(ready), file=out, flush=True)
     if not ready["ready"]:
         return
-    timer, fns, reps = _timer(device), built["fns"], {}
+    from repmlp.bench.timing import time_calls
+
+    fns, reps = built["fns"], {}
     mode = torch.inference_mode() if spec["kind"] == "deploy" else torch.enable_grad()
     with mode:
         for line in sys.stdin:
@@ -281,9 +263,9 @@ def worker_main(spec: dict) -> None:
                     for name, fn in fns.items():
                         fn()  # the allocator's blocks again, after the other workers' turns
                         if name not in reps:
-                            once = timer(fn, 1)
+                            once = time_calls(fn, 1, device)
                             reps[name] = max(1, min(200, int(request["round_s"] / max(once, 1e-6))))
-                        reply[name] = timer(fn, reps[name])
+                        reply[name] = time_calls(fn, reps[name], device)
                 elif request["op"] == "profile":
                     reply = {
                         name: _profile(fn, device) for name, fn in fns.items() if name in request["names"]

@@ -1,5 +1,6 @@
 """Training a Local Perceptron branch (groupwise conv + BatchNorm on the partition map) on a CPU: plain NCHW
-vs what ``ConvBN.forward_in_input_layout`` runs (``repmlp.nn.layers.conv_in_layout_of``).
+vs what the Local Perceptron's ``ConvBN(..., layout_choice=True)`` runs with autograd on
+(``repmlp.nn.layers.LayoutConv2d``: ``conv_in_layout_of``).
 
 Forward and backward of one branch, ``(B, C, h, h)`` partition maps in NCHW with an NCHW gradient (as the
 training-time RepMLP block hands them), ``g = 2``, for channels per group 2 to 16 and kernels 1, 3 and 7.
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
+from common import device_arg, hardware, parse_cpu_only, table
+from repmlp.bench.timing import time_interleaved
 from repmlp.nn import layers
 from repmlp.nn.layers import ConvBN
 
@@ -32,7 +34,7 @@ def branch_step(layer: ConvBN, x: torch.Tensor, grad: torch.Tensor, channels_las
         if channels_last is not None:
             layers._slow_in_nchw = lambda weight, groups: channels_last
         try:
-            layer.forward_in_input_layout(x).backward(grad)
+            layer(x).backward(grad)
         finally:
             layers._slow_in_nchw = slow_in_nchw
 
@@ -49,7 +51,7 @@ def main() -> None:
         torch.manual_seed(0)
         c = 2 * cg
         b = 128 * 8 * 28 * 28 // (c * h * h)
-        layer = ConvBN(c, c, k, groups=2).train()
+        layer = ConvBN(c, c, k, groups=2, layout_choice=True).train()
         x = torch.randn(b, c, h, h)
         grad = torch.randn(b, c, h, h)
         t = time_interleaved(

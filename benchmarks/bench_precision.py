@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from common import device_arg, hardware, parse_cpu_only, table, time_interleaved
+from common import device_arg, hardware, parse_cpu_only, table
+from repmlp.bench.timing import time_interleaved
 from repmlp.data import DataConfig, build_data
 from repmlp.models.model_file import load_model
 
@@ -53,10 +54,10 @@ def main() -> None:
             subprocess.run(
                 [*cmd, "--output", str(path), "--precision", precision], check=True, stdout=subprocess.DEVNULL
             )
-        models = {p: load_model(f)[0] for p, f in files.items()}
+        models = {p: load_model(f) for p, f in files.items()}
         sizes = {p: f.stat().st_size for p, f in files.items()}
-    info = load_model(args.run / "model.safetensors")[1]
-    extra = info["extra"]
+    meta = load_model(args.run / "model.safetensors").metadata
+    extra = meta.extra
     data = build_data(
         DataConfig(dataset=extra["dataset"], data_dir=extra.get("data_dir"), need_train=False, workers=0)
     )
@@ -90,7 +91,7 @@ def main() -> None:
             ]
         )
     print(
-        f"**bench_precision: {info['model']} run {args.run} on {extra['dataset']} ({len(y)} validation images)**"
+        f"**bench_precision: {meta.name} run {args.run} on {extra['dataset']} ({len(y)} validation images)**"
     )
     print(hardware(torch.device("cpu")))
     print()

@@ -2,8 +2,8 @@
 
 For each runtime, precision and batch size, the deployed RepMLP-Res50-Light, RepMLP-Res50 and
 RepMLPNet-B224 and torchvision's ResNet-50 (BatchNorm fused by ``repmlp.reparameterize_model``) run
-interleaved, round after round, in one process (``common.time_interleaved``), and the table gives
-examples/s and each model's ratio to ResNet-50 in the same cell. The ONNX runtimes get the graph of
+interleaved, round after round, in one process (``repmlp.bench.timing.time_interleaved``), and the table
+gives examples/s and each model's ratio to ResNet-50 in the same cell. The ONNX runtimes get the graph of
 ``repmlp.deploy.runtimes.to_runtime`` (the ``repmlp export`` file, checked against PyTorch), int8 the QDQ graph
 of ``repmlp.deploy.precision.quantize_int8`` (calibrated on random inputs: enough for speed).
 
@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 import torchvision
 
-from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.counts import count_macs, count_params
+from repmlp.bench.timing import time_interleaved
 from repmlp.deploy.precision import quantize_int8
 from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
 

@@ -26,15 +26,16 @@ second, beside this machine's float32 matmul rate (a 2048x2048 matmul, the same 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
+from types import ModuleType
 
 BASELINE = "99b1fcb"  # main before the training-speed work (issue 19)
 REPO = Path(__file__).resolve().parents[1]
@@ -58,8 +59,18 @@ CASES = {
 }
 
 
+def load_timing() -> ModuleType:
+    """This checkout's ``repmlp/bench/timing.py`` as a module of its own: a worker runs a baseline commit's
+    ``repmlp``, which may have no timing module, and importing this checkout's package would replace it."""
+    spec = importlib.util.spec_from_file_location("bench_train_timing", REPO / "src/repmlp/bench/timing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bool) -> None:
     """Serve timing requests on stdin: ``N`` -> run N training steps, print their seconds."""
+    timing = load_timing()
     sys.path.insert(0, src)
     import numpy as np
     import torch
@@ -68,7 +79,11 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
     import repmlp
     from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
     from repmlp.tasks.classification import TrainConfig, make_optimizer
-    from repmlp.tasks.recipes import PRESETS
+
+    try:
+        from repmlp.tasks.recipes import PRESETS
+    except ImportError:  # a baseline from before the package's folders
+        from repmlp.recipes import PRESETS
 
     preset_name, batch, size, channels_last = CASES[case][:4]
     preset = PRESETS[preset_name]
@@ -112,10 +127,7 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
             print(json.dumps({"table": profile_table(step)}), flush=True)
             continue
         steps = int(line)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+        print(json.dumps({"seconds": steps * timing.time_calls(step, steps)}), flush=True)
 
 
 def profile_table(step, steps: int = 5, rows: int = 15) -> str:
@@ -164,13 +176,10 @@ class Worker:
 def matmul_gmacs() -> float:
     import torch
 
+    from repmlp.bench.timing import time_calls
+
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    for _ in range(3):
-        a @ b
-    t0, n = time.perf_counter(), 10
-    for _ in range(n):
-        a @ b
-    return n * 2048**3 / (time.perf_counter() - t0) / 1e9
+    return 2048**3 / time_calls(lambda: a @ b, 10, warmup=3) / 1e9
 
 
 def training_macs(model_name: str, size: int, model_args: dict) -> float:

@@ -1,7 +1,8 @@
-"""Timing and reporting helpers shared by the benchmark scripts (not part of the package).
+"""Options and reporting helpers shared by the benchmark scripts (not part of the package).
 
-Alternatives are always timed *interleaved*: every round runs each candidate once (after warm-up), and
-the reported time is the median over rounds. On a shared 2-core machine the load of other processes
+The scripts time through :mod:`repmlp.bench.timing`, alternatives always *interleaved*
+(:func:`repmlp.bench.timing.time_interleaved`): every round runs each candidate in turn (after warm-up),
+and the reported time is the median over rounds. On a shared 2-core machine the load of other processes
 drifts, and interleaving makes that drift hit every candidate alike, so the *ratios* stay meaningful
 even when absolute times wander.
 """
@@ -10,20 +11,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from repmlp.engine import cpu_name
-
-# Make `import repmlp` work from a plain checkout (e.g. on the GPU machine, where it is not installed).
+# Make `import repmlp` work from a plain checkout (e.g. on the GPU machine, where it is not installed):
+# before the first import of it, here and in the scripts, which import this module first.
 _SRC = Path(__file__).resolve().parents[1] / "src"
 if str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
+
+from repmlp.engine import cpu_name  # noqa: E402 - needs the path above
 
 
 def hardware(device: torch.device) -> str:
@@ -33,47 +32,6 @@ def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         text += f"; GPU: {torch.cuda.get_device_name(device)}"
     return text
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(
-    fns: dict[str, Callable[[], object]],
-    device: torch.device,
-    *,
-    rounds: int = 7,
-    min_round_s: float = 0.2,
-    warmup: int = 2,
-) -> dict[str, float]:
-    """Median seconds per call of each function, measured interleaved (see module docstring).
-
-    Each round calls a function ``k`` times back to back, with ``k`` chosen once from the warm-up so a
-    round lasts about ``min_round_s``; the per-call time of a round is its wall time divided by ``k``.
-    """
-    reps: dict[str, int] = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        once = max(time.perf_counter() - t0, 1e-6)
-        reps[name] = max(1, int(min_round_s / once))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            k = reps[name]
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            sync(device)
-            samples[name].append((time.perf_counter() - t0) / k)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def device_arg(description: str) -> argparse.ArgumentParser:

@@ -15,8 +15,9 @@ import torch
 import torchvision
 from torch import nn
 
-from common import cpu_name, device_arg, parse_cpu_only, table, time_interleaved
+from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
+from repmlp.bench.timing import time_interleaved
 
 STAGES = ("stem", "c2", "c3", "c4", "c5")
 

@@ -105,13 +105,13 @@ def fmnist_batch(run_dir: Path, n: int = 8) -> torch.Tensor:
 
 
 def test_convert_writes_a_checkpoint_that_a_deploy_model_loads(run_dir, deployed):
-    model, info = load_model(deployed, form="deploy")  # create_model(NAME, deploy=True) + strict load
-    assert info["model"] == NAME and info["model_kwargs"] == KWARGS
-    assert info["extra"]["dataset"] == "fashion-mnist"  # the run's metadata travels with it
+    model = load_model(deployed, form="deploy")  # create_model(NAME, deploy=True) + strict load
+    assert model.metadata.name == NAME and model.metadata.model_kwargs == KWARGS
+    assert model.metadata.extra["dataset"] == "fashion-mnist"  # the run's metadata travels with it
     blocks = [m for m in model.modules() if isinstance(m, repmlp.RepMLPBlock)]
     assert blocks and all(b.deploy and b.local_perceptron is None for b in blocks)
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    train, _ = load_model(run_dir / "model.safetensors", form="train")
+    train = load_model(run_dir / "model.safetensors", form="train")
     x = fmnist_batch(run_dir)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), train(x), rtol=1e-4, atol=1e-5)
@@ -153,7 +153,7 @@ def test_export_onnx_and_torchscript_match_pytorch(run_dir, tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "onnxruntime vs PyTorch max diff" in res.stdout
-    train, _ = load_model(run_dir / "model.safetensors")
+    train = load_model(run_dir / "model.safetensors")
     x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw
     with torch.inference_mode():
         ref = train(x)
@@ -265,7 +265,7 @@ def test_export_exported_program_pt2(run_dir, tmp_path):
     default = (run_dir / "model.safetensors").with_suffix(".pt2")
     assert "torch.export.load vs PyTorch max diff" in res.stdout and default.is_file()
     default.replace(out)
-    train, _ = load_model(run_dir / "model.safetensors")
+    train = load_model(run_dir / "model.safetensors")
     x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw
     program = torch.export.load(str(out))
     with torch.inference_mode():

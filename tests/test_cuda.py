@@ -194,8 +194,8 @@ def test_onnx_export_of_the_run_matches_onnxruntime(main_run):
 
     out, res, _ = main_run
     assert res.returncode == 0, res.stderr[-3000:]
-    deployed, info = load_model(out / "deploy.safetensors", device=DEVICE, form="deploy")
-    x = torch.randn(5, *info["extra"]["input_size"], generator=torch.Generator().manual_seed(2))
+    deployed = load_model(out / "deploy.safetensors", device=DEVICE, form="deploy")
+    x = torch.randn(5, *deployed.metadata.input_size, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode(), full_float32():
         ref = deployed(x.to(DEVICE)).float().cpu()
     session = ort.InferenceSession(str(out / "deploy.onnx"), providers=["CPUExecutionProvider"])

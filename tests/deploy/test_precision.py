@@ -18,7 +18,7 @@ import torch
 import repmlp
 from repmlp.bench.counts import profile_model
 from repmlp.deploy.precision import Int8OnnxModel, precision_of, to_precision
-from repmlp.models.file_format import read_metadata
+from repmlp.models.file_format import CheckpointError, read_metadata
 from repmlp.models.model_file import load_model, save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
@@ -78,8 +78,8 @@ def test_convert_eval_bench_in_precision(run_dir: Path, converted, precision: st
     assert res.returncode == 0, res.stderr
     assert f"{precision}: max abs logit change vs float32" in res.stdout
     assert read_metadata(out)["precision"] == precision
-    model, info = load_model(out)
-    assert info["precision"] == precision and precision_of(model) == precision
+    model = load_model(out)
+    assert model.metadata.precision == precision and precision_of(model) == precision
     if precision == "int8":
         assert isinstance(model, Int8OnnxModel)
     fp32 = run_dir / "model.safetensors"
@@ -115,10 +115,28 @@ def test_int8_exports_its_onnx_graph(converted, tmp_path: Path) -> None:
     onnx_path = tmp_path / "m.onnx"
     res = cli("export", "--checkpoint", src, "--output", onnx_path)
     assert res.returncode == 0, res.stderr
-    assert onnx_path.read_bytes() == load_model(src)[0].onnx.numpy().tobytes()
+    assert onnx_path.read_bytes() == load_model(src).onnx.numpy().tobytes()
     res = cli("export", "--checkpoint", src, "--format", "torchscript", "--output", tmp_path / "m.pt")
     assert res.returncode == 2 and "ONNX only" in user_error_line(res.stderr)
     assert not (tmp_path / "m.pt").exists()
+
+
+def test_int8_file_metadata_and_a_wrong_recorded_input_size(converted, tmp_path: Path) -> None:
+    """An int8 file's graph knows its class count (the file records none: the graph is asked), and a
+    recorded input size the graph does not take is one error line at loading, not a failure later."""
+    src, res = converted("int8")
+    assert res.returncode == 0, res.stderr
+    model = load_model(src)
+    meta = model.metadata
+    assert "num_classes" not in meta.model_kwargs
+    assert (meta.precision, meta.num_classes, meta.input_size) == ("int8", 10, (1, 28, 28))
+    bad = tmp_path / "bad.safetensors"
+    save_model(bad, model, name=NAME, model_kwargs=KWARGS, form="deploy", precision="int8",
+               extra={**meta.extra, "input_size": [1, 20, 20]})  # fmt: skip
+    with pytest.raises(CheckpointError, match="does not run on the input its file records"):
+        load_model(bad)
+    res = cli("eval", "--checkpoint", bad, "--workers", 0)
+    assert res.returncode == 2 and "does not run on the input its file records" in user_error_line(res.stderr)
 
 
 def test_int8_without_calibration_data_writes_nothing(run_dir: Path) -> None:

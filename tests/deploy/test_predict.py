@@ -318,6 +318,26 @@ def test_user_errors_are_one_line(files, tmp_path, capsys):
     assert status == 0 and "name" in out_text.splitlines()[1]
 
 
+@pytest.mark.parametrize(
+    ("task", "kind"), [("face", "a face embedding model"), ("seg", "a segmentation model")]
+)
+def test_prediction_refuses_a_face_or_segmentation_file_that_loads(files, tmp_path, capsys, task, kind):
+    """Loading is for every model file; prediction (the Python API and ``repmlp predict``) for classifiers."""
+    path = tmp_path / f"{task}.safetensors"
+    save_model(path, tiny_model(), name=NAME, model_kwargs=KWARGS, form="train", extra={"task": task})
+    model = repmlp.load_model(path)
+    assert model.metadata.extra["task"] == task
+    message = f"{path} holds {kind} ({NAME}), not an image classifier"
+    for source in (path, model):
+        with pytest.raises(repmlp.errors.UserError, match=re.escape(message)):
+            repmlp.Predictor(source)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("a\n")  # the wrong count: the model's kind is what the error names
+    image = sorted(files["images"].iterdir())[0]
+    status, _, err = run_cli(capsys, "predict", "--checkpoint", path, image, "--labels", labels)
+    assert status == 2 and message in user_error_line(err)
+
+
 def test_help_documents_the_exit_status(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["predict", "--help"])

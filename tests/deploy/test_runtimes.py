@@ -108,6 +108,41 @@ def test_int8_graph_runs_as_it_is(runtime):
     assert (got - fp32).abs().max() <= 0.1 * fp32.abs().max()
 
 
+def test_one_onnx_wrapper_for_runtimes_and_int8_models():
+    """``--runtime``'s wrapper and the int8 model are one class: both keep the graph in the ``onnx`` buffer
+    (the state dict round-trips the bytes), survive a copy (the engine is rebuilt), answer shape-only
+    passes, and rebuild their engine when ``load_state_dict`` brings another graph."""
+    import copy
+
+    from repmlp.deploy.precision import Int8OnnxModel, precision_of
+
+    model = deployed()
+    gen = torch.Generator().manual_seed(1)
+    int8 = repmlp.to_precision(model, "int8", [torch.randn(8, *SIZE, generator=gen)], input_size=SIZE)
+    fp32 = to_runtime(model, "onnxruntime", SIZE)
+    assert isinstance(int8, Int8OnnxModel) and isinstance(int8, RuntimeModel) and type(fp32) is RuntimeModel
+    assert (int8.runtime, int8.int8, precision_of(int8)) == ("onnxruntime", True, "int8")
+    assert (fp32.int8, precision_of(fp32)) == (False, "fp32")
+    x = torch.randn(4, *SIZE, generator=gen)
+    with torch.inference_mode():
+        ref_int8, ref_fp32 = int8(x), fp32(x)
+        for wrapper, ref in ((int8, ref_int8), (fp32, ref_fp32)):
+            state = wrapper.state_dict()
+            assert list(state) == ["onnx"] and state["onnx"].dtype == torch.uint8
+            rebuilt = RuntimeModel(state["onnx"], "onnxruntime", int8=wrapper.int8)
+            assert torch.equal(rebuilt(x), ref) and torch.equal(copy.deepcopy(wrapper)(x), ref)
+            assert wrapper(torch.empty(2, *SIZE, device="meta")).shape == (2, 10)
+        # Other bytes loaded: the engine built from the old ones is dropped, the new ones are what runs.
+        loaded = Int8OnnxModel(int8.onnx)
+        loaded.load_state_dict({"onnx": torch.zeros_like(int8.onnx)})  # no graph at all
+        with pytest.raises(Exception, match="(?i)protobuf|invalid|parse|load"):
+            loaded(x)
+        loaded.load_state_dict(int8.state_dict())
+        assert torch.equal(loaded(x), ref_int8)
+    with pytest.raises(ValueError, match="onnxruntime or openvino"):
+        RuntimeModel(fp32.onnx, "torch")
+
+
 def test_int8_fc3_runs_as_an_int8_matmul(tmp_path):
     """onnxruntime fuses every FC3 of the int8 graph (one per RepMLP block) into its int8 matmul kernel,
     with int8 weights: no float MatMul is left behind a weight dequantizer running on every call."""

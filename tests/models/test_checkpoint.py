@@ -38,8 +38,9 @@ def test_model_round_trip_both_forms(tmp_path):
         form="train",
         extra={"dataset": "x"},
     )
-    loaded, info = load_model(tmp_path / "m.safetensors")
-    assert info["form"] == "train" and info["model"] == "repmlp_fmnist" and info["extra"] == {"dataset": "x"}
+    loaded = load_model(tmp_path / "m.safetensors")
+    meta = loaded.metadata
+    assert meta.form == "train" and meta.name == "repmlp_fmnist" and meta.extra == {"dataset": "x"}
     x = torch.randn(3, 1, 28, 28)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
@@ -47,10 +48,45 @@ def test_model_round_trip_both_forms(tmp_path):
         save_model(
             tmp_path / "d.safetensors", deployed, name="repmlp_fmnist", model_kwargs=TINY, form="deploy"
         )
-        dep, info = load_model(tmp_path / "d.safetensors", form="deploy")
-        assert info["form"] == "deploy"
+        dep = load_model(tmp_path / "d.safetensors", form="deploy")
+        assert dep.metadata.form == "deploy"
         torch.testing.assert_close(dep(x), model(x), rtol=1e-4, atol=1e-5)
     assert read_metadata(tmp_path / "d.safetensors")["format"] == "repmlp"
+
+
+def test_a_loaded_model_carries_its_files_metadata(tmp_path):
+    """``load_model`` (also ``repmlp.load_model`` and ``repmlp.models.load_model``) returns the model with
+    ``metadata``: what the file records, completed from the model where the file says nothing."""
+    import repmlp.models
+
+    assert repmlp.load_model is load_model and repmlp.models.load_model is load_model
+    assert repmlp.ModelMetadata is repmlp.models.ModelMetadata
+    classes = [f"c{i}" for i in range(10)]
+    extra = {"dataset": "fashion-mnist", "classes": classes, "task": "cls"}
+    path = tmp_path / "m.safetensors"
+    save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train", extra=extra)
+    meta = load_model(path).metadata
+    assert isinstance(meta, repmlp.ModelMetadata)
+    assert (meta.name, meta.form, meta.precision, meta.path) == ("repmlp_fmnist", "train", "fp32", str(path))
+    assert (meta.num_classes, meta.input_size, meta.classes) == (10, (1, 28, 28), classes)
+    assert meta.model_kwargs == TINY and meta.extra == extra
+    assert meta.preprocessing == {
+        "dataset": "fashion-mnist",
+        "input_size": [1, 28, 28],
+        "eval_preprocessing": None,
+    }
+    assert meta.input_size_at(None) == (1, 28, 28) and meta.input_size_at(32) == (1, 32, 32)
+    # Nothing recorded: the class count and input size are the model's, the preprocessing its timm config's.
+    bare = {k: v for k, v in TINY.items() if k not in ("num_classes", "img_size")}
+    save_model(path, _tiny(deploy=True), name="repmlp_fmnist", model_kwargs=bare, form="deploy")
+    meta = load_model(path, form="deploy").metadata
+    assert (meta.form, meta.num_classes, meta.input_size, meta.classes, meta.extra) == (
+        "deploy", 10, (1, 28, 28), None, {}
+    )  # fmt: skip
+    assert set(meta.preprocessing["eval_preprocessing"]) >= {"mean", "std"}
+    # A face or segmentation model loads like any other (prediction, not loading, wants a classifier).
+    save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train", extra={"task": "face"})
+    assert load_model(path).metadata.extra == {"task": "face"}
 
 
 def test_wrong_form_and_other_model_are_clear_errors(tmp_path):

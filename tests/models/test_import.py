@@ -182,15 +182,15 @@ def test_cli_import_then_convert(tmp_path):
     assert "authors layout, train form" in res.stdout
     meta = read_metadata(tmp_path / "m.safetensors")
     assert meta["form"] == "train" and json.loads(meta["extra"])["eval_preprocessing"]["crop_pct"] == 0.875
-    loaded, _ = load_model(tmp_path / "m.safetensors")
+    loaded = load_model(tmp_path / "m.safetensors")
     with torch.no_grad():
         assert torch.equal(loaded(_x()), model(_x()))
     res = _cli("convert", "--checkpoint", "m.safetensors", "--output", "d.safetensors", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     res = _cli("viz", "--checkpoint", "m.safetensors", "--output", "fc3.png", cwd=tmp_path)
     assert res.returncode == 0 and (tmp_path / "fc3.png").stat().st_size > 0, res.stderr
-    deployed, info = load_model(tmp_path / "d.safetensors")
-    assert info["form"] == "deploy"
+    deployed = load_model(tmp_path / "d.safetensors")
+    assert deployed.metadata.form == "deploy"
     with torch.no_grad():
         assert _same(deployed(_x()), model(_x()), 1e-5)
 

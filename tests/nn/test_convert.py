@@ -308,7 +308,7 @@ def test_cpu_trunks_get_channels_last_weights_and_the_same_outputs(tmp_path):
     with torch.no_grad():
         assert torch.equal(deployed(x), nchw(x))
     save_model(tmp_path / "d.safetensors", nchw, name="repmlp_res50", model_kwargs=kw, form="deploy")
-    loaded, _ = load_model(tmp_path / "d.safetensors")
+    loaded = load_model(tmp_path / "d.safetensors")
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _conv_weights(loaded))
     convnet = reparameterize_model(create_model("wide_convnet_cifar").eval())  # NCHW activations
     assert _conv_weights(convnet) and all(w.is_contiguous() for w in _conv_weights(convnet))

@@ -251,7 +251,7 @@ def test_face_eval_converted_model_gives_same_metrics(face_data, trained_face, c
     # between the forms may move it past a near-tie, so compare the embeddings themselves, and allow
     # the accuracy one pair of a fold (4 pairs per fold here).
     assert abs(m["verification_accuracy"] - m["train_form"]["verification_accuracy"]) <= 0.25
-    trained = load_model(trained_face / "model.safetensors")[0].eval()
+    trained = load_model(trained_face / "model.safetensors").eval()
     deployed = reparameterize_model(trained)
     kw = dict(img_size=int(trained.img_size), batch_size=8, device=torch.device("cpu"))
     from repmlp.tasks.face import embed_images
@@ -385,13 +385,14 @@ def test_face_training_sizes_models_and_identities(face_data, tmp_path, capsys):
 
 
 def test_face_eval_names_diverged_weights(face_data, trained_face, tmp_path, capsys, monkeypatch):
-    model, info = load_model(trained_face / "model.safetensors")
+    model = load_model(trained_face / "model.safetensors")
+    meta = model.metadata
     sets = ["--probe", str(face_data / "probe"), "--gallery", str(face_data / "gallery"), "--device", "cpu",
             "--workers", "0"]  # fmt: skip
 
     def save_eval(name: str, *extra: str) -> int:
-        save_model(tmp_path / name, model, name=info["model"], model_kwargs=info["model_kwargs"], form="train",
-                   extra=info["extra"])  # fmt: skip
+        save_model(tmp_path / name, model, name=meta.name, model_kwargs=meta.model_kwargs, form="train",
+                   extra=meta.extra)  # fmt: skip
         return cli_main(["eval", "--task", "face", "--checkpoint", str(tmp_path / name), *sets, *extra])
 
     assert_diverged_weights_are_clear_errors(model, save_eval, lambda: _user_error(capsys))

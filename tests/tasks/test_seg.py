@@ -382,12 +382,13 @@ def test_seg_training_sizes_and_models(city, tmp_path, capsys):
 
 
 def test_seg_eval_names_diverged_weights(city, trained_seg, tmp_path, capsys):
-    model, info = load_model(trained_seg / "model.safetensors")
+    model = load_model(trained_seg / "model.safetensors")
+    meta = model.metadata
     common = ["--data-dir", str(city), "--val-limit", "1", "--device", "cpu", "--workers", "0"]
 
     def save_eval(name: str, *extra: str) -> int:
-        save_model(tmp_path / name, model, name=info["model"], model_kwargs=info["model_kwargs"], form="train",
-                   extra=info["extra"])  # fmt: skip
+        save_model(tmp_path / name, model, name=meta.name, model_kwargs=meta.model_kwargs, form="train",
+                   extra=meta.extra)  # fmt: skip
         return cli_main(["eval", "--task", "seg", "--checkpoint", str(tmp_path / name), *common, *extra])
 
     # NaN logits would argmax to class 0 and give a fake mIoU: overflowing outputs must be errors.

@@ -129,9 +129,10 @@ def check_run_folder(out: Path, *, onnx: bool, classes: list[str], n_val: int) -
     assert {p.name for p in out.iterdir()} == RUN_FILES | ({"deploy.onnx"} if onnx else set())
     for png in ("curves.png", "fc3.png"):
         assert (out / png).read_bytes().startswith(PNG)
-    _, info = load_model(out / "model.safetensors", form="train")
-    deployed, dinfo = load_model(out / "deploy.safetensors", form="deploy")  # deploy=True model, strict
-    assert info["extra"]["classes"] == classes and dinfo["model_kwargs"] == info["model_kwargs"]
+    meta = load_model(out / "model.safetensors", form="train").metadata
+    deployed = load_model(out / "deploy.safetensors", form="deploy")  # deploy=True model, strict
+    assert meta.extra["classes"] == classes and meta.classes == classes
+    assert deployed.metadata.model_kwargs == meta.model_kwargs and deployed.metadata.classes == classes
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in deployed.modules())
     state = load_state(out / "checkpoint.safetensors")
     assert (state["epoch"], state["batch"]) == (1, 0)  # the end of the only epoch
@@ -153,7 +154,7 @@ def test_fashion_mnist_idx_run(fmnist_run, data):
 
     check_run_folder(fmnist_run, onnx=True, classes=FMNIST_CLASSES, n_val=40)
     # The ONNX file computes what the deployed checkpoint computes.
-    deployed, _ = load_model(fmnist_run / "deploy.safetensors")
+    deployed = load_model(fmnist_run / "deploy.safetensors")
     x = torch.randn(3, 1, 28, 28)
     with torch.inference_mode():
         ref = deployed(x).numpy()
@@ -209,8 +210,8 @@ def test_cifar10_batches_run(data, tmp_path, capsys):
     assert "Recipe (preset `cifar`)" in (out / "report.md").read_text()
     assert "crop padding 4, flip True" in (out / "report.md").read_text()
     # The checkpoint records its data set and folder: eval needs neither --dataset nor --data-dir.
-    _, info = load_model(out / "deploy.safetensors")
-    assert info["extra"]["dataset"] == "cifar10" and info["extra"]["data_dir"] == str(data["cifar"].resolve())
+    extra = load_model(out / "deploy.safetensors").metadata.extra
+    assert extra["dataset"] == "cifar10" and extra["data_dir"] == str(data["cifar"].resolve())
     res = eval_json(capsys, "--checkpoint", out / "deploy.safetensors")
     assert res["dataset"] == "cifar10" and res["n"] == 8
 
@@ -226,8 +227,9 @@ def test_image_folder_run(data, tmp_path):
     check_run_folder(out, onnx=True, classes=["class0", "class1", "class2"], n_val=12)
     report = (out / "report.md").read_text()
     assert "Recipe (preset `imagenet`)" in report and "mixup 0.2" in report and "autoaugment True" in report
-    _, info = load_model(out / "model.safetensors")
-    assert info["model_kwargs"]["num_classes"] == 3 and info["model_kwargs"]["img_size"] == 32
+    meta = load_model(out / "model.safetensors").metadata
+    assert meta.model_kwargs["num_classes"] == 3 and meta.model_kwargs["img_size"] == 32
+    assert meta.num_classes == 3 and meta.input_size == (3, 32, 32)
 
 
 def test_cifar_batches_are_read_without_running_pickled_code(tmp_path, capsys):
@@ -418,7 +420,7 @@ def test_torchrun_two_processes_keep_replicas_identical(data, tmp_path):
     (line,) = [ln for ln in report.splitlines() if ln.startswith("- Replicas:")]
     assert line.startswith("- Replicas: 2 process(es)") and line.endswith("(identical)"), line
     hashes = [part.split("`")[1] for part in line.split("rank ")[1:]]
-    model, _ = load_model(out / "model.safetensors")
+    model = load_model(out / "model.safetensors")
     assert hashes == [state_hash(model)[:16]] * 2, line
     assert f"final weights identical on all 2 processes (sha256 {hashes[0]})" in res.stderr
     assert "2 processes (DDP)" in report

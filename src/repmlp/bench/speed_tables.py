@@ -22,7 +22,6 @@ import copy
 import importlib
 import logging
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
+from repmlp.bench.timing import time_rounds
+from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.errors import first_line
 
 __all__ = [
@@ -52,7 +53,7 @@ SPEED_TABLES = ("c4_rg", "stages", "comparisons", "light", "face", "seg")
 _BATCH = {"face": 512, "seg": 16}  # the paper's batch per table; 128 elsewhere
 _REFERENCE = {"c4_rg": "Original Res50", "stages": "Original Res50", "light": "Original", "face": "MobileFaceNet",
               "seg": "ResNet-50"}  # fmt: skip
-CHECK_RTOL = 1e-4  # max |converted - training-time| / max |training-time output|, full float32
+CHECK_RTOL = CONVERSION_RTOL  # max |converted - training-time| / max |training-time output|, full float32
 
 Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
 
@@ -141,27 +142,14 @@ def speed_reference(row: PaperRow) -> PaperRow:
 def time_path(fn: Callable[[Tensor], Tensor], x: Tensor, opts: SpeedOptions) -> float:
     """Seconds per batch of ``fn(x)``: the median over ``opts.rounds`` rounds of the mean pass time, each
     round repeating the pass for at least ``opts.round_seconds``, after ``opts.warmup`` untimed passes (one
-    round of one pass with ``opts.quick``). The device is synchronised after every pass, as in
-    :func:`repmlp.bench.throughput.time_forward`, so that a GPU's queued kernels are counted in full."""
-    from repmlp.bench.throughput import sync_device
-
+    round of one pass with ``opts.quick``), by :func:`repmlp.bench.timing.time_rounds`: the device is
+    synchronised around each round's passes, so that a GPU's queued kernels are counted in full."""
     warmup, rounds, seconds = (1, 1, 0.0) if opts.quick else (opts.warmup, opts.rounds, opts.round_seconds)
-    per_pass = []
     with torch.inference_mode():
-        for _ in range(warmup):
-            fn(x)
-        sync_device(x.device)
-        for _ in range(rounds):
-            n, start = 0, time.perf_counter()
-            while True:
-                fn(x)
-                n += 1
-                sync_device(x.device)
-                elapsed = time.perf_counter() - start
-                if elapsed >= seconds:
-                    break
-            per_pass.append(elapsed / n)
-    return statistics.median(per_pass)
+        per_pass = time_rounds(
+            {"path": lambda: fn(x)}, x.device, rounds=rounds, warmup=warmup, min_round_s=seconds
+        )
+    return statistics.median(per_pass["path"])
 
 
 def _randomize_batchnorm(model: nn.Module, seed: int = 0) -> None:
@@ -185,16 +173,6 @@ def _build(row: PaperRow) -> nn.Module:
     model = create_model(row.model, **row.kwargs)
     _randomize_batchnorm(model)
     return model.eval()
-
-
-def _check(model: nn.Module, deployed: nn.Module, x: Tensor) -> float:
-    """Max |deployed - training-time| relative to max |training-time output|, both in full float32."""
-    from repmlp.nn.numerics import full_float32
-
-    with torch.inference_mode(), full_float32():
-        ref, out = model(x), deployed(x)
-    ref, out = (t[0] if isinstance(t, (tuple, list)) else t for t in (ref, out))
-    return ((ref.double() - out.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
 
 
 def _time_precisions(deployed: nn.Module, x: Tensor, opts: SpeedOptions) -> dict[str, float]:
@@ -222,16 +200,17 @@ def _time_precisions(deployed: nn.Module, x: Tensor, opts: SpeedOptions) -> dict
 
 
 def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult:
-    """Convert, check and time ``row``'s training-time ``model`` (CPU, eval mode)."""
-    from repmlp.nn.convert import reparameterize_model
+    """Convert, check and time ``row``'s training-time ``model`` (CPU, eval mode): the check compares both
+    forms on the first two images of the timed batch ``(N, 3, S, S)``."""
+    from repmlp.deploy.conversion import convert_and_check
 
     batch, size = opts.batch(row), row.input_size
     result = SpeedResult(batch)
     model = model.to(opts.device)
-    deployed = reparameterize_model(model)
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)).to(opts.device)
-    result.check_rel_diff = _check(model, deployed, x[: min(batch, 2)])
-    result.speed = _time_precisions(deployed, x, opts)
+    check = convert_and_check(model, x[: min(batch, 2)])
+    result.check_rel_diff = check.diff.max_rel_diff
+    result.speed = _time_precisions(check.deployed, x, opts)
     return result
 
 

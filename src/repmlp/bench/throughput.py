@@ -9,26 +9,28 @@ multiply-accumulates of each form from :func:`repmlp.profile`.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import statistics
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from repmlp.bench.timing import time_rounds
 from repmlp.errors import UserError, first_line
-from repmlp.models.builder import build_model, check_forward, default_input_size, model_input_size
+from repmlp.models.builder import build_model, check_forward, default_input_size
+
+if TYPE_CHECKING:
+    from repmlp.models.model_file import ModelMetadata
 
 __all__ = [
     "BenchRow",
     "benchmark",
-    "time_forward",
-    "sync_device",
     "render_markdown",
     "models_to_bench",
     "in_precision",
@@ -54,35 +56,6 @@ class BenchRow:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA, MPS), so that a host timer counts it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":  # pragma: no cover - Apple only
-        torch.mps.synchronize()
-
-
-def time_forward(model: nn.Module, x: torch.Tensor, *, warmup: int, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` forward passes of ``model`` on ``x`` after ``warmup`` untimed ones.
-
-    Runs under ``torch.inference_mode`` and synchronises the device around each timed pass, so GPU
-    kernels are counted in full.
-    """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    times = []
-    with torch.inference_mode():
-        for _ in range(warmup):
-            model(x)
-        sync_device(x.device)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(x)
-            sync_device(x.device)
-            times.append(time.perf_counter() - start)
-    return times
 
 
 def benchmark(
@@ -148,7 +121,11 @@ def benchmark(
 
         prepared = [prepare_for_device(net, x, path) for net in nets]
         nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
-    times = _time_interleaved(nets, inputs, warmup, repeats)
+    # One pass of every form a round (repmlp.bench.timing.time_rounds): on a shared machine the load
+    # drifts, and interleaving makes the drift hit every form alike, so the ratios between them hold.
+    passes = {i: functools.partial(net, inp) for i, (net, inp) in enumerate(zip(nets, inputs, strict=True))}
+    with torch.inference_mode():
+        times = time_rounds(passes, device, rounds=repeats, warmup=warmup).values()
     rows: list[BenchRow] = []
     for (name, form, _, params, macs), t in zip(variants, times, strict=True):
         median = statistics.median(t)
@@ -180,25 +157,6 @@ def benchmark(
         if isinstance(net, nn.Module):
             net.to("cpu")
     return rows
-
-
-def _time_interleaved(
-    nets: Sequence, inputs: Sequence[torch.Tensor], warmup: int, repeats: int
-) -> list[list[float]]:
-    """Seconds of each pass of every ``nets[i](inputs[i])``, ``repeats`` of each after ``warmup`` untimed
-    ones, in interleaved rounds (every net once per round): on a shared machine the load drifts, and
-    interleaving makes the drift hit every form alike, so the ratios between them stay meaningful."""
-    times: list[list[float]] = [[] for _ in nets]
-    with torch.inference_mode():
-        for net, x in zip(nets, inputs, strict=True):
-            for _ in range(warmup):
-                net(x)
-        for x in inputs[:1]:
-            sync_device(x.device)
-        for _ in range(repeats):
-            for i, net in enumerate(nets):
-                times[i] += time_forward(net, inputs[i], warmup=0, repeats=1)
-    return times
 
 
 def _is_deployed(model: nn.Module) -> bool:
@@ -276,13 +234,14 @@ def models_to_bench(
     else:
         paths = list(dict.fromkeys(checkpoints or []))
         for path in paths:
-            model, info = load_model(path, device="cpu")
-            label = f"{info['model']} ({Path(path).name})" if len(paths) > 1 else info["model"]
+            model = load_model(path, device="cpu")
+            meta = model.metadata
+            label = f"{meta.name} ({Path(path).name})" if len(paths) > 1 else meta.name
             models[label] = model
-            sizes[label] = model_input_size(model, info, img_size)
-            forms[label] = info["form"]
-            if info.get("precision") == "int8":
-                model.profile_counts = _int8_counts(info, sizes[label])
+            sizes[label] = meta.input_size_at(img_size)
+            forms[label] = meta.form
+            if meta.precision == "int8":
+                model.profile_counts = _int8_counts(meta, sizes[label])
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
         raise UserError(
@@ -294,17 +253,17 @@ def models_to_bench(
     return models, input_size, forms
 
 
-def _int8_counts(info: dict[str, Any], input_size: tuple[int, ...]) -> tuple[int, int]:
-    """``(params, MACs)`` of an int8 file's model: its deployed float structure's, counted on the ``meta``
-    device (the ONNX graph has no PyTorch parameters; it holds the same weights, in int8)."""
+def _int8_counts(meta: ModelMetadata, input_size: tuple[int, ...]) -> tuple[int, int]:
+    """``(params, MACs)`` of an int8 file's model (its ``metadata``): its deployed float structure's, counted
+    on the ``meta`` device (the ONNX graph has no PyTorch parameters; it holds the same weights, in int8)."""
     from repmlp.bench.counts import profile_model
 
-    kwargs = dict(info.get("model_kwargs") or {})
+    kwargs = dict(meta.model_kwargs)
     kwargs.setdefault("in_chans", input_size[0])
     try:
-        return profile_model(info["model"], tuple(input_size[1:]), deploy=True, **kwargs)
+        return profile_model(meta.name, tuple(input_size[1:]), deploy=True, **kwargs)
     except (TypeError, ValueError, RuntimeError) as exc:
-        log.warning("%s: cannot count the int8 model's parameters (%s)", info["model"], exc)
+        log.warning("%s: cannot count the int8 model's parameters (%s)", meta.name, exc)
         return 0, 0
 
 

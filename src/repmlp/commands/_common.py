@@ -9,7 +9,6 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -231,17 +230,9 @@ def runtime_version(runtime: str) -> str:
         return runtime
 
 
-def load_checkpoint(path: str | Path, *, form: str | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """:func:`repmlp.models.model_file.load_model` on the CPU (its errors are already one-line UserErrors)."""
+def load_checkpoint(path: str | Path, *, form: str | None = None) -> nn.Module:
+    """:func:`repmlp.models.model_file.load_model` on the CPU: the model with its ``metadata`` (its errors
+    are already one-line UserErrors)."""
     from repmlp.models.model_file import load_model
 
     return load_model(path, device="cpu", form=form)
-
-
-def checkpoint_input_size(
-    model: nn.Module, info: dict[str, Any], img_size: int | None = None
-) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a checkpoint (:func:`repmlp.models.builder.model_input_size`)."""
-    from repmlp.models.builder import model_input_size
-
-    return model_input_size(model, info, img_size)

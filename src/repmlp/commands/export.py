@@ -11,7 +11,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import MAX_SIDE, checkpoint_input_size, int_at_least, load_checkpoint
+from repmlp.commands._common import MAX_SIDE, int_at_least, load_checkpoint
 from repmlp.errors import UserError
 from repmlp.models.builder import check_forward
 
@@ -92,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
                 "--format of that name)"
             )
         check_output_kind(path, f"{'an' if fmt == 'onnx' else 'a'} {fmt} file", (_KIND[fmt],))
-    model, info = load_checkpoint(args.checkpoint)
-    input_size = checkpoint_input_size(model, info, args.img_size)
-    if info.get("precision") == "int8":
+    model = load_checkpoint(args.checkpoint)
+    meta = model.metadata
+    input_size = meta.input_size_at(args.img_size)
+    if meta.precision == "int8":
         if "torchscript" in paths:
             raise UserError(
                 "an int8 checkpoint holds an onnxruntime graph: it exports to ONNX only (--format onnx)"
@@ -103,14 +104,14 @@ def run(args: argparse.Namespace) -> int:
             write_int8_onnx(model, paths["onnx"], input_size)
         except ExportError as exc:
             raise UserError(str(exc)) from None
-        print(f"wrote {paths['onnx']} ({info['model']}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
+        print(f"wrote {paths['onnx']} ({meta.name}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
         return 0
-    if info.get("precision", "fp32") != "fp32":
-        log.warning("%s holds %s weights: they are exported as float32", args.checkpoint, info["precision"])
-    if info["form"] == "train":
-        log.info("converting the training-time model of %s to its deployed form", info["model"])
+    if meta.precision != "fp32":
+        log.warning("%s holds %s weights: they are exported as float32", args.checkpoint, meta.precision)
+    if meta.form == "train":
+        log.info("converting the training-time model of %s to its deployed form", meta.name)
         model = reparameterize_model(model)
-    check_forward(model, input_size, info["model"])
+    check_forward(model, input_size, meta.name)
     size = "x".join(str(s) for s in input_size)
     for fmt, path in paths.items():
         try:
@@ -129,5 +130,5 @@ def run(args: argparse.Namespace) -> int:
                 how = f"TorchScript vs PyTorch max diff {diff:.2e} of the output scale"
         except ExportError as exc:
             raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
-        print(f"wrote {path} ({info['model']}, deployed, input Nx{size}; {how})")
+        print(f"wrote {path} ({meta.name}, deployed, input Nx{size}; {how})")
     return 0

@@ -59,17 +59,18 @@ def run(args: argparse.Namespace) -> int:
 
     output = args.output or args.checkpoint.with_name("fc3_weights.png")
     check_report_output(output, [args.checkpoint], kind="a PNG image")
-    model, info = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint)
+    meta = model.metadata
     blocks = find_repmlp_blocks(model)
     if args.list_blocks:
         for name, block in blocks:
             print(f"{name or '<root>'}\t{block.extra_repr()}")
         return 0
     if not blocks:
-        raise UserError(f"{info['model']} has no RepMLP block to visualise")
-    if info["form"] != "train":
+        raise UserError(f"{meta.name} has no RepMLP block to visualise")
+    if meta.form != "train":
         raise UserError(
-            f"{args.checkpoint} holds the deployed form of {info['model']}; the figure compares the "
+            f"{args.checkpoint} holds the deployed form of {meta.name}; the figure compares the "
             "training-time FC3 with the merged one, so pass the training-time checkpoint (model.safetensors)"
         )
     try:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     print(
-        f"wrote {output} ({info['model']} block {sample.block_name or '<root>'}: {describe(sample)}), "
+        f"wrote {output} ({meta.name} block {sample.block_name or '<root>'}: {describe(sample)}), "
         f"max ln(|W|/min|W|) {sample.train.max():.2f} training-time, {sample.merged.max():.2f} merged)"
     )
     return 0

@@ -2,9 +2,10 @@
 
 Every RepMLP block becomes FC1, FC2 and FC3 (Local Perceptron and BatchNorms merged in), every conv-BN
 pair one conv. The deployed file is written only after it has been loaded back into a freshly built
-``deploy=True`` model and that model's outputs matched the training-time model's on real inputs: a
-batch of the run's validation data when the file names its data set (or ``dataset`` is given),
-otherwise random inputs. A reduced precision (bf16, fp16, int8) is applied to the verified model.
+``deploy=True`` model and that model's outputs matched the training-time model's on real inputs
+(:func:`repmlp.deploy.conversion.convert_and_check`): a batch of the run's validation data when the file
+names its data set (or ``dataset`` is given), otherwise random inputs. A reduced precision (bf16, fp16,
+int8) is applied to the verified model.
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import copy
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from repmlp.errors import UserError, first_line
 from repmlp.nn.numerics import full_float32
+
+if TYPE_CHECKING:
+    from repmlp.models.model_file import ModelMetadata
 
 __all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
 
@@ -51,7 +56,7 @@ def default_output(checkpoint: Path) -> Path:
 
 
 def check_inputs(
-    info: dict[str, Any],
+    extra: Mapping[str, Any],
     input_size: tuple[int, int, int],
     n: int,
     *,
@@ -60,12 +65,12 @@ def check_inputs(
 ) -> tuple[Tensor, str]:
     """``(n, C, H, W)`` inputs for the equivalence check and a description of where they come from.
 
-    Real validation images when a data set is known (``dataset`` or the checkpoint's ``extra["dataset"]``)
-    and loadable at ``input_size``; else standard-normal noise (seeded). A data set the user named
-    explicitly that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back to
-    noise with a warning (the data may live on another machine).
+    Real validation images when a data set is known (``dataset`` or the checkpoint's ``extra["dataset"]``;
+    ``extra`` is the file's record, ``model.metadata.extra``) and loadable at ``input_size``; else
+    standard-normal noise (seeded). A data set the user named explicitly that cannot be loaded is a
+    :class:`UserError`; one only recorded in the file falls back to noise with a warning (the data may
+    live on another machine).
     """
-    extra = info.get("extra") or {}
     name = dataset or extra.get("dataset")
     folder = data_dir or extra.get("data_dir")
     if name:
@@ -98,32 +103,22 @@ def check_inputs(
     return torch.randn(n, *input_size, generator=gen), f"{n} random inputs (no data set known)"
 
 
-def _max_error(reference: nn.Module, candidate: nn.Module, x: Tensor) -> tuple[float, float]:
-    """Max abs difference of the two models' outputs on ``x``, and the max abs reference output; both
-    forms run in full float32 (no TF32, no autocast), whatever the caller's settings."""
-    with torch.inference_mode(), full_float32():
-        ref, out = reference(x), candidate(x)
-    if isinstance(ref, (tuple, list)):
-        ref, out = ref[0], out[0]
-    return (ref.double() - out.double()).abs().max().item(), ref.abs().max().item()
-
-
 def calibration_batches(
-    info: dict[str, Any],
+    extra: Mapping[str, Any],
     input_size: tuple[int, int, int],
     n: int,
     *,
     dataset: str | None = None,
     data_dir: str | None = None,
 ) -> list[Tensor]:
-    """The first ``n`` training images of the run's data set (or ``dataset``) in batches of <= 64.
+    """The first ``n`` training images of the run's data set (``dataset``, else the file's ``extra`` record's)
+    in batches ``(<= 64, C, H, W)``.
 
     No data set known, or one that cannot be loaded, is a :class:`UserError`: int8 ranges calibrated
     on noise would be wrong for real images.
     """
     from repmlp.data import DataConfig, build_data
 
-    extra = info.get("extra") or {}
     name = dataset or extra.get("dataset")
     if not name:
         raise UserError(
@@ -192,7 +187,8 @@ def convert_checkpoint(
     deployed model on :func:`check_inputs`; a difference above ``tolerance * max(1, max |output|)`` is a
     :class:`UserError` and nothing is written.
     """
-    from repmlp.models.builder import check_forward, model_input_size
+    from repmlp.deploy.conversion import DeployedFile, convert_and_check
+    from repmlp.models.builder import check_forward
     from repmlp.models.file_format import check_output_kind
     from repmlp.models.model_file import load_model
 
@@ -201,38 +197,39 @@ def convert_checkpoint(
         raise UserError(f"--output {output} would overwrite the checkpoint being converted")
     # Only an earlier deployed file may be replaced: not a training state, a training-time model, a report.
     check_output_kind(output, "a deployed model file", ("a deployed model file",))
-    model, info = load_model(checkpoint, device="cpu")
-    if info["form"] != "train":
-        raise UserError(f"{checkpoint} is already a deployed checkpoint of {info['model']}")
-    input_size = model_input_size(model, info, img_size)
-    check_forward(model, input_size, info["model"])  # a size the model does not take: one line
-    x, source = check_inputs(info, input_size, num_examples, dataset=dataset, data_dir=data_dir)
+    model = load_model(checkpoint, device="cpu")
+    meta = model.metadata
+    if meta.form != "train":
+        raise UserError(f"{checkpoint} is already a deployed checkpoint of {meta.name}")
+    input_size = meta.input_size_at(img_size)
+    check_forward(model, input_size, meta.name)  # a size the model does not take: one line
+    x, source = check_inputs(meta.extra, input_size, num_examples, dataset=dataset, data_dir=data_dir)
     calibration = None
     if precision == "int8":
-        calibration = calibration_batches(info, input_size, calibration_examples, dataset=dataset,
+        calibration = calibration_batches(meta.extra, input_size, calibration_examples, dataset=dataset,
                                           data_dir=data_dir)  # fmt: skip
-    extra = {**(info.get("extra") or {}), "converted_from": str(checkpoint)}
+    extra = {**meta.extra, "converted_from": str(checkpoint)}
     output.parent.mkdir(parents=True, exist_ok=True)
     # Stage in the output's folder; the real name appears only once the file has passed the check.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        reloaded = _write_deployed(tmp, model, info, extra)
-        err, largest = _max_error(model, reloaded, x)
+        check = convert_and_check(model, x, file=DeployedFile(tmp, meta.name, meta.model_kwargs, extra))
+        reloaded, err, largest = check.deployed, check.diff.max_abs_diff, check.diff.max_reference
         if not err <= tolerance * max(1.0, largest):
             raise UserError(
                 f"deployed model differs from the training-time model by {err:.3g} on {source} "
                 f"(allowed {tolerance * max(1.0, largest):.3g}); {output} not written"
             )
-        result = Converted(output, info["model"], precision, _params(model), _params(reloaded), err, largest,
+        result = Converted(output, meta.name, precision, _params(model), _params(reloaded), err, largest,
                            source)  # fmt: skip
         if precision != "fp32":
             reduced, result.precision_error, result.changed = _reduce_precision(reloaded, precision, x,
                                                                                 calibration)  # fmt: skip
             # An int8 graph has no registry config left to tell its input size: record it.
             extra.setdefault("input_size", list(input_size))
-            _save(tmp, reduced, info, extra, precision)
+            _save(tmp, reduced, meta, extra, precision)
             load_model(tmp, form="deploy")  # the file must load back
         os.replace(tmp, output)
     finally:
@@ -244,32 +241,8 @@ def _params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _save(path: Path, model: nn.Module, info: dict[str, Any], extra: dict[str, Any], precision: str) -> None:
+def _save(path: Path, model: nn.Module, meta: ModelMetadata, extra: dict[str, Any], precision: str) -> None:
     from repmlp.models.model_file import save_model
 
-    save_model(path, model, name=info["model"], model_kwargs=info["model_kwargs"], form="deploy", extra=extra,
+    save_model(path, model, name=meta.name, model_kwargs=meta.model_kwargs, form="deploy", extra=extra,
                precision=precision)  # fmt: skip
-
-
-def _write_deployed(path: Path, model: nn.Module, info: dict[str, Any], extra: dict[str, Any]) -> nn.Module:
-    """The deployed form written to ``path`` and loaded back into ``create_model(..., deploy=True)``.
-
-    Every BN is folded (smallest, fastest model) unless the registered ``deploy=True`` model keeps some
-    (e.g. timm models that know nothing of ``deploy=``): the file must load into that model.
-    """
-    from repmlp.models.file_format import CheckpointError
-    from repmlp.models.model_file import load_model
-    from repmlp.nn.convert import reparameterize_model
-
-    for fuse_bn in (True, False):
-        _save(path, reparameterize_model(model, fuse_bn=fuse_bn), info, extra, "fp32")
-        try:
-            return load_model(path, form="deploy")[0]
-        except CheckpointError as exc:
-            if not fuse_bn:
-                raise UserError(
-                    f"the deployed {info['model']} does not load into create_model({info['model']!r}, "
-                    f"deploy=True): {exc}"
-                ) from None
-            log.info("deploy=True %s keeps some BatchNorms; converting without folding them", info["model"])
-    raise AssertionError("unreachable")

@@ -9,7 +9,7 @@
   batched weight with one scale, so that runtimes run it with their int8 matmul kernel). The
   result is an :class:`Int8OnnxModel`, a module that runs the quantized graph with onnxruntime on
   the CPU and keeps the ONNX bytes in a ``uint8`` buffer, so it saves to and loads from safetensors
-  like any other model.
+  like any other model (the ONNX wrapper of ``--runtime``, :class:`repmlp.deploy.onnx_model.RuntimeModel`).
 
 Why onnxruntime and not torchao or PyTorch's PT2E quantizer: both produce graph modules whose
 quantized weights are tied to a traced program (torchao's tensor subclasses need pickling or its own
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from repmlp.deploy.onnx_model import RuntimeModel
 from repmlp.models.file_metadata import PRECISIONS
 from repmlp.models.model_file import register_precision_loader
 
@@ -60,56 +61,25 @@ def _float_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def precision_of(model: nn.Module) -> str:
-    """``"int8"`` for an :class:`Int8OnnxModel`, else the precision of the first parameter's dtype."""
-    if isinstance(model, Int8OnnxModel):
+    """``"int8"`` for an int8 ONNX graph (an :class:`Int8OnnxModel`, or one ``--runtime`` runs), else the
+    precision of the first parameter's dtype."""
+    if isinstance(model, RuntimeModel) and model.int8:
         return "int8"
     param = next(model.parameters(), None)
     dtype = torch.float32 if param is None else param.dtype
     return next((p for p, d in DTYPES.items() if d == dtype), str(dtype))
 
 
-class Int8OnnxModel(nn.Module):
+class Int8OnnxModel(RuntimeModel):
     """An int8 (QDQ) ONNX graph run by onnxruntime on the CPU; ``(N, C, H, W)`` -> ``(N, classes)``.
 
-    The ONNX bytes live in the ``onnx`` buffer (``uint8``), so ``state_dict`` round-trips it. Inputs
-    on any device are run on the CPU and the logits returned (float32) on the input's device.
+    :class:`repmlp.deploy.onnx_model.RuntimeModel` with onnxruntime, marked int8: the ONNX bytes live in the
+    ``onnx`` buffer (``uint8``), so ``state_dict`` round-trips them and a model file holds the graph.
+    Inputs on any device are run on the CPU and the logits returned (float32) on the input's device.
     """
 
     def __init__(self, onnx_bytes: bytes | Tensor, *, threads: int | None = None) -> None:
-        super().__init__()
-        data = (
-            onnx_bytes
-            if isinstance(onnx_bytes, Tensor)
-            else torch.frombuffer(bytearray(onnx_bytes), dtype=torch.uint8)
-        )
-        self.register_buffer("onnx", data.clone())
-        self.threads = threads
-        self._session = None
-        # Output shape without the batch (static in the graph), for shape-only (meta) passes.
-        self.out_shape = tuple(int(d) for d in self.session().get_outputs()[0].shape[1:])
-
-    def session(self):  # noqa: ANN201 - onnxruntime.InferenceSession
-        if self._session is None:
-            import onnxruntime as ort
-
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = self.threads or torch.get_num_threads()
-            raw = self.onnx.cpu().numpy().tobytes()
-            self._session = ort.InferenceSession(raw, opts, providers=["CPUExecutionProvider"])
-        return self._session
-
-    def __getstate__(self) -> dict:
-        # The onnxruntime session cannot be pickled (deepcopy); it is rebuilt from the bytes on use.
-        state = self.__dict__.copy()
-        state["_session"] = None
-        return state
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type == "meta":  # shape-only passes (repmlp.profile): no graph to run
-            return torch.empty(x.shape[0], *self.out_shape, device="meta")
-        sess = self.session()
-        out = sess.run(None, {sess.get_inputs()[0].name: x.detach().float().cpu().numpy()})[0]
-        return torch.from_numpy(np.asarray(out)).to(x.device)
+        super().__init__(onnx_bytes, "onnxruntime", threads=threads, int8=True)
 
 
 def quantize_int8(

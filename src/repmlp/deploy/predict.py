@@ -1,12 +1,14 @@
-"""Putting a model file to use: :func:`load_model` and :class:`Predictor` (what ``repmlp predict`` runs).
+"""Putting a model file to use: :class:`Predictor` (what ``repmlp predict`` runs).
 
 A model file (any this project writes or imports: training-time or deployed, float32, bf16, fp16 or
 int8) carries what a prediction needs besides its weights: the model's name and options, its class names
 (``extra["classes"]``) and its evaluation preprocessing (``extra["dataset"]``, ``input_size``,
-``eval_preprocessing``). :func:`load_model` returns the model with that as ``model.metadata``
-(:class:`ModelMetadata`); :class:`Predictor` turns image files, PIL images or a batch tensor into the
-top-k ``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval``
-applies (the same functions of :mod:`repmlp.data`).
+``eval_preprocessing``). :func:`repmlp.models.model_file.load_model` (``repmlp.load_model``) returns the
+model with that as ``model.metadata`` (:class:`~repmlp.models.model_file.ModelMetadata`);
+:class:`Predictor` turns image files, PIL images or a batch tensor into the top-k
+``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval`` applies (the
+same functions of :mod:`repmlp.data`). Prediction is for image classifiers: a face embedding or
+segmentation model's file loads, but :class:`Predictor` refuses it.
 
 Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together, see
 :mod:`repmlp.data.png`): where the model leaves CPU cores free, in ``DataLoader`` worker processes, one
@@ -20,7 +22,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,14 +32,12 @@ from torch import Tensor, nn
 
 from repmlp.data.folder import image_to_channels
 from repmlp.errors import UserError
-from repmlp.models.builder import model_input_size
+from repmlp.models.model_file import ModelMetadata, load_model, model_metadata
 
 __all__ = [
-    "ModelMetadata",
     "Prediction",
     "Predictor",
     "FileResult",
-    "load_model",
     "expand_inputs",
     "image_to_channels",
     "read_labels",
@@ -53,62 +53,12 @@ class Prediction(NamedTuple):
 
 
 @dataclass
-class ModelMetadata:
-    """What a model file says besides its weights.
-
-    ``preprocessing``: ``{"dataset", "input_size" [C, H, W], "eval_preprocessing"}`` (JSON), the inputs of
-    :func:`eval_image_transform`; ``classes``: the class names (``None`` when the file has none).
-    """
-
-    name: str
-    model_kwargs: dict[str, Any]
-    form: str
-    precision: str
-    num_classes: int
-    input_size: tuple[int, int, int]
-    classes: list[str] | None = None
-    preprocessing: dict[str, Any] = field(default_factory=dict)
-    path: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class FileResult:
     """One input file of :meth:`Predictor.predict_files`: its top-k, or why it was skipped."""
 
     path: str
     top_k: list[Prediction] | None = None
     error: str | None = None
-
-
-def _num_classes(model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]) -> int:
-    n = (info.get("model_kwargs") or {}).get("num_classes") or getattr(model, "num_classes", None)
-    if isinstance(n, int) and n > 0:
-        return n
-    with torch.inference_mode():  # e.g. a torchvision model: ask the model itself
-        return int(model(torch.zeros(1, *input_size, device=_device_of(model))).shape[-1])
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def _preprocessing(
-    model: nn.Module, info: dict[str, Any], input_size: tuple[int, int, int]
-) -> dict[str, Any]:
-    """The evaluation preprocessing of a file (see :class:`ModelMetadata`); without a recorded data set
-    or published preprocessing, the model's own timm config (mean/std/crop) at its input size."""
-    from repmlp.data import NATIVE_SIZE
-
-    extra = info.get("extra") or {}
-    dataset = extra.get("dataset")
-    pre = extra.get("eval_preprocessing")
-    if dataset not in NATIVE_SIZE and not pre:
-        cfg = getattr(model, "pretrained_cfg", None) or {}
-        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
-        pre = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in keys} or None
-    return {"dataset": dataset, "input_size": list(input_size), "eval_preprocessing": pre}
 
 
 def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tensor]:
@@ -129,44 +79,19 @@ def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tenso
     return folder_eval_transform(h, pre or None)
 
 
-def load_model(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> nn.Module:
-    """The model of a repmlp model file, in the file's form and precision, in eval mode, on ``device``.
-
-    ``model.metadata`` (:class:`ModelMetadata`) holds the model's name and options, its class names and
-    its preprocessing. A missing, truncated or foreign file raises :class:`repmlp.models.file_format.CheckpointError`
-    (a :class:`~repmlp.errors.UserError`) with a one-line message.
-    """
-    from repmlp.models.model_file import load_model as load
-
-    model, info = load(path, device=device)
-    _check_classifier(info, path)
-    model.metadata = _metadata(model, info)
-    return model
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
-def _check_classifier(info: dict[str, Any], path: str | os.PathLike) -> None:
-    task = (info.get("extra") or {}).get("task")
+def _check_classifier(metadata: ModelMetadata) -> None:
+    """:class:`UserError` for a face embedding or segmentation model: prediction gives an image's classes."""
+    task = metadata.extra.get("task")
     if task in ("face", "seg"):
         kind = "a face embedding model" if task == "face" else "a segmentation model"
-        raise UserError(f"{path} holds {kind} ({info['model']}), not an image classifier")
-
-
-def _metadata(model: nn.Module, info: dict[str, Any]) -> ModelMetadata:
-    extra = info.get("extra") or {}
-    size = model_input_size(model, info)
-    classes = extra.get("classes")
-    return ModelMetadata(
-        name=info["model"],
-        model_kwargs=dict(info.get("model_kwargs") or {}),
-        form=info["form"],
-        precision=info.get("precision", "fp32"),
-        num_classes=_num_classes(model, info, size),
-        input_size=size,
-        classes=[str(c) for c in classes] if isinstance(classes, list) and classes else None,
-        preprocessing=_preprocessing(model, info, size),
-        path=info.get("path"),
-        extra=extra,
-    )
+        raise UserError(
+            f"{metadata.path or metadata.name} holds {kind} ({metadata.name}), not an image classifier"
+        )
 
 
 # A labels file of more than this is not one (ImageNet's 1000 names take 30 kB).
@@ -364,14 +289,14 @@ def auto_workers(device: str | torch.device = "cpu") -> int:
 def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
     """A classifier with ``metadata`` run by ``runtime``: its deployed form, exported and checked, with the
     same ``metadata``. A training-time model is converted first (a copy), as a deployment would be."""
-    from repmlp.deploy.precision import Int8OnnxModel
+    from repmlp.deploy.onnx_model import RuntimeModel
     from repmlp.deploy.runtimes import to_runtime
     from repmlp.nn.convert import reparameterize_model
 
     if _device_of(model).type != "cpu":
         raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
     metadata = model.metadata
-    if not isinstance(model, Int8OnnxModel):
+    if not isinstance(model, RuntimeModel):  # an ONNX graph (int8) is deployed already
         model = reparameterize_model(model.eval())
     wrapped = to_runtime(model, runtime, metadata.input_size)
     wrapped.metadata = metadata
@@ -384,6 +309,7 @@ class Predictor:
     ``Predictor(path_or_model, *, device=None, top_k=5)``: a path is read with :func:`load_model`; a model
     (e.g. one :func:`load_model` returned) is used as it is, with its ``metadata`` when it has one (else
     its timm config for preprocessing, and class indices for labels). ``device=None``: the model's own.
+    A face embedding or segmentation model (its file's ``extra["task"]``) is a :class:`UserError`.
     ``labels`` replaces the class names. ``runtime``: ``"torch"``, or ``"onnxruntime"``/``"openvino"`` to
     run the deployed model's ONNX graph there (:func:`repmlp.deploy.runtimes.to_runtime`; CPU).
     """
@@ -400,8 +326,8 @@ class Predictor:
         if not isinstance(model, nn.Module):
             model = load_model(model, device=device or "cpu")
         elif getattr(model, "metadata", None) is None:
-            info = {"model": type(model).__name__, "form": "unknown", "model_kwargs": {}}
-            model.metadata = _metadata(model.eval(), info)
+            model.metadata = model_metadata(model.eval(), name=type(model).__name__, form="unknown")
+        _check_classifier(model.metadata)
         if runtime != "torch":
             model = in_runtime(model, runtime)
         if device is not None:
@@ -527,6 +453,7 @@ def predict_paths(
         raise UserError("no input images (" + "; ".join(f"{p}: {r}" for p, r in skipped[:3]) + ")"
                         if skipped else "no input images given")  # fmt: skip
     model = load_model(checkpoint, device=device)
+    _check_classifier(model.metadata)  # before the labels file: that a model has no classes comes first
     labels = read_labels(labels_file, model.metadata.num_classes) if labels_file else None
     predictor = Predictor(model, top_k=top_k, labels=labels, runtime=runtime)
     done: list[FileResult] = []

@@ -1,11 +1,11 @@
 """A deployed model run by ONNX Runtime or OpenVINO instead of PyTorch: ``--runtime`` of bench and predict.
 
 :func:`to_runtime` exports the model to ONNX (:func:`repmlp.deploy.export.export_onnx`, checked with
-onnxruntime) and wraps the graph in a :class:`RuntimeModel`, a module that feeds float32 ``(N, C, H, W)``
-batches to the runtime's CPU engine and returns its logits as a tensor, so the benchmark, the predictor
-and any user code call it like the PyTorch model. An int8 model (:class:`repmlp.deploy.precision.Int8OnnxModel`)
-already is an ONNX graph: its QDQ graph goes to the runtime as it is, and each runtime picks its own
-int8 kernels.
+onnxruntime) and wraps the graph in a :class:`~repmlp.deploy.onnx_model.RuntimeModel`, a module that feeds
+float32 ``(N, C, H, W)`` batches to the runtime's CPU engine and returns its logits as a tensor, so the
+benchmark, the predictor and any user code call it like the PyTorch model. An int8 model
+(:class:`repmlp.deploy.precision.Int8OnnxModel`, a ``RuntimeModel`` itself) already is an ONNX graph: its
+QDQ graph goes to the runtime as it is, and each runtime picks its own int8 kernels.
 
 * ``onnxruntime``: one ``InferenceSession`` with all graph optimizations, ``threads`` intra-op threads;
   the batch stays dynamic.
@@ -22,17 +22,17 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from repmlp.deploy.onnx_model import ONNX_RUNTIMES, RuntimeModel
 from repmlp.errors import UserError
 
 __all__ = ["RUNTIMES", "RuntimeModel", "missing_runtime", "to_runtime", "onnx_bytes_of"]
 
 log = logging.getLogger(__name__)
 
-RUNTIMES = ("torch", "onnxruntime", "openvino")
+RUNTIMES = ("torch", *ONNX_RUNTIMES)
 # runtime -> (the repmlp extra that installs it, the packages it needs: the exporter's and its own)
 _EXTRAS = {
     "onnxruntime": ("export", ("onnx", "onnxscript", "onnxruntime")),
@@ -53,84 +53,19 @@ def missing_runtime(runtime: str) -> str | None:
     return f"--runtime {runtime} needs {', '.join(missing)}: pip install 'repmlp[{extra}]'"
 
 
-class RuntimeModel(nn.Module):
-    """An ONNX graph run on the CPU by onnxruntime or OpenVINO: ``(N, C, H, W)`` float32 -> logits.
-
-    Inputs on any device run on the CPU; the output (float32) comes back on the input's device. Not
-    trainable and not savable as a checkpoint: save the PyTorch model, and build this from it.
-    """
-
-    def __init__(self, onnx: bytes, runtime: str, *, threads: int | None = None, int8: bool = False) -> None:
-        super().__init__()
-        if runtime not in _EXTRAS:
-            raise ValueError(f"RuntimeModel runs onnxruntime or openvino, not {runtime!r}")
-        self.runtime = runtime
-        self.threads = threads or torch.get_num_threads()
-        self.int8 = int8
-        self._onnx = onnx
-        self._engines: dict[tuple[int, ...], object] = {}  # input shape -> compiled model (OpenVINO)
-        self._session = self._ort_session() if runtime == "onnxruntime" else None
-        self._ov_model = self._read_openvino() if runtime == "openvino" else None
-
-    def extra_repr(self) -> str:
-        return f"runtime={self.runtime}, threads={self.threads}, int8={self.int8}"
-
-    def _ort_session(self):  # noqa: ANN202 - onnxruntime.InferenceSession
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        return ort.InferenceSession(self._onnx, opts, providers=["CPUExecutionProvider"])
-
-    def _read_openvino(self):  # noqa: ANN202 - openvino.Model
-        import openvino as ov
-
-        with tempfile.TemporaryDirectory(prefix="repmlp-ov-") as tmp:
-            path = Path(tmp) / "model.onnx"
-            path.write_bytes(self._onnx)
-            return ov.Core().read_model(str(path))
-
-    def _openvino_engine(self, shape: tuple[int, ...]):  # noqa: ANN202 - openvino.InferRequest
-        engine = self._engines.get(shape)
-        if engine is None:
-            import openvino as ov
-
-            model = self._ov_model.clone()
-            model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(shape))})
-            config = {"INFERENCE_NUM_THREADS": self.threads, "PERFORMANCE_HINT": "LATENCY"}
-            if not self.int8:
-                config["INFERENCE_PRECISION_HINT"] = "f32"
-            engine = ov.Core().compile_model(model, "CPU", config).create_infer_request()
-            self._engines[shape] = engine
-        return engine
-
-    def run(self, x: np.ndarray) -> np.ndarray:
-        """The graph's first output for a float32 batch ``x`` ``(N, C, H, W)``."""
-        if self._session is not None:
-            return self._session.run(None, {self._session.get_inputs()[0].name: x})[0]
-        engine = self._openvino_engine(tuple(x.shape))
-        engine.infer({0: x})
-        return engine.get_output_tensor(0).data.copy()
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch = np.ascontiguousarray(x.detach().float().cpu().numpy())
-        return torch.from_numpy(np.asarray(self.run(batch))).to(x.device)
-
-
 def onnx_bytes_of(model: nn.Module, input_size: Sequence[int]) -> tuple[bytes, bool]:
-    """``(ONNX graph, is int8)`` of a deployed ``model``: an int8 model's own graph, else a float32 export.
+    """``(ONNX graph, is int8)`` of a deployed ``model``: the graph of a :class:`RuntimeModel` (an int8
+    model's) as it is, else a float32 export.
 
     Raises:
         UserError: a bfloat16/float16 model (ONNX runtimes get the float32 model and choose precision
             themselves), or an export that fails its check.
     """
     from repmlp.deploy.export import ExportError, export_onnx
-    from repmlp.deploy.precision import Int8OnnxModel, precision_of
+    from repmlp.deploy.precision import precision_of
 
-    if isinstance(model, Int8OnnxModel):
-        return model.onnx.cpu().numpy().tobytes(), True
+    if isinstance(model, RuntimeModel):  # already a graph (an int8 model): as it is
+        return model.onnx.cpu().numpy().tobytes(), model.int8
     precision = precision_of(model)
     if precision != "fp32":
         raise UserError(f"a {precision} model runs in PyTorch only; export the fp32 or int8 model instead")

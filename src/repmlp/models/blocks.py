@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from repmlp.models.head import PooledClassifierMixin
 from repmlp.nn import checks, layers
 from repmlp.nn.block import RepMLPBlock
-from repmlp.nn.layers import ConvBN, PatchwiseConv2d
+from repmlp.nn.layers import ConvBN
 
 __all__ = [
     "ConvBNReLU",
@@ -49,31 +49,7 @@ class ConvBNReLU(ConvBN):
     Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')``.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | Sequence[int],
-        stride: int | Sequence[int] = 1,
-        padding: int | Sequence[int] | None = None,
-        dilation: int | Sequence[int] = 1,
-        groups: int = 1,
-        *,
-        deploy: bool = False,
-        dims: int = 2,
-    ) -> None:
-        # A stem on one input channel (Fashion-MNIST), an FC on each pixel or on each k x k patch: oneDNN runs
-        # this conv slowly (its weight gradient most), and its output would leave a channels_last model in
-        # NCHW; its conv is a PatchwiseConv2d, the same sums as one matmul.
-        patch = (
-            dims == 2
-            and in_channels == 1
-            and PatchwiseConv2d.tiles(kernel_size, stride, padding, dilation, groups)
-        )
-        super().__init__(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-            deploy=deploy, dims=dims, conv_class=PatchwiseConv2d if patch else None,
-        )  # fmt: skip
+    patches_as_matmul = True  # a one-channel patch stem as a matmul (PatchwiseConv2d)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv(x)  # written out, not super().forward: TorchScript compiles no super() calls

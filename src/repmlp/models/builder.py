@@ -1,8 +1,9 @@
 """Building a model by name for a run, and the input size a built model takes.
 
 :func:`build_model` is ``create_model`` sized for the data (what training, evaluation and benchmarks call);
-:func:`model_input_size` / :func:`default_input_size` read the ``(C, H, W)`` a model (or a model file's
-metadata) expects, and :func:`check_forward` turns a size the model rejects into one line for the user.
+:func:`model_input_size` / :func:`default_input_size` (from :mod:`repmlp.models.input_size`) read the
+``(C, H, W)`` a model (or a model file's metadata) expects, and :func:`check_forward` turns a size the
+model rejects into one line for the user.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from repmlp.errors import UserError, first_line
+from repmlp.models.input_size import default_input_size, model_input_size
 
 __all__ = ["build_model", "takes_img_size", "default_input_size", "model_input_size", "check_forward"]
 
@@ -87,44 +89,6 @@ def takes_img_size(name: str) -> bool:
             cfg = timm.models.get_pretrained_cfg(bare)
             return bool(cfg is not None and getattr(cfg, "fixed_input_size", False))
     return False
-
-
-def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)) -> tuple[int, ...]:
-    """``(C, H, W)`` the model expects: its timm ``pretrained_cfg`` input size, else ``fallback``.
-
-    repmlp's registry updates that config to the ``img_size``/``in_chans`` a model was built with.
-    """
-    for attr in ("pretrained_cfg", "default_cfg"):
-        cfg = getattr(model, attr, None)
-        if isinstance(cfg, Mapping) and cfg.get("input_size"):
-            return tuple(int(s) for s in cfg["input_size"])
-    return tuple(int(s) for s in fallback)
-
-
-def model_input_size(
-    model: nn.Module, info: dict[str, Any], img_size: int | None = None
-) -> tuple[int, int, int]:
-    """``(C, H, W)`` of the model in a file: ``img_size``, else what the file recorded, else defaults.
-
-    Looks at, in order: the file's ``extra["input_size"]``, ``model_kwargs`` (``in_chans``, ``img_size``),
-    the model's timm config, and finally ``(3, 224, 224)``.
-    """
-    extra = info.get("extra") or {}
-    kwargs = info.get("model_kwargs") or {}
-    recorded = extra.get("input_size")
-    if isinstance(recorded, Sequence) and len(recorded) == 3:
-        c, h, w = (int(s) for s in recorded)
-    else:
-        c, h, w = default_input_size(model)
-        c = int(kwargs.get("in_chans", c))
-        size = kwargs.get("img_size")
-        if isinstance(size, int):
-            h = w = size
-        elif isinstance(size, Sequence) and len(size) == 2:
-            h, w = (int(s) for s in size)
-    if img_size is not None:
-        h = w = img_size
-    return c, h, w
 
 
 def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:

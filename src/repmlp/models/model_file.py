@@ -4,7 +4,8 @@ Two kinds of files:
 
 - **model files** (:func:`save_model` / :func:`load_model`): a model's ``state_dict`` plus string metadata
   ``{"format": "repmlp", "model": name, "model_kwargs": JSON, "form": "train"|"deploy", ...}`` that is
-  enough to rebuild the model with :func:`repmlp.create_model` and load it strictly.
+  enough to rebuild the model with :func:`repmlp.create_model` and load it strictly. The loaded model
+  carries what the file says besides its weights as ``model.metadata`` (:class:`ModelMetadata`).
 - **state files** (:func:`save_state` / :func:`load_state`): any nested structure of dicts, lists, tuples,
   numbers, strings, tensors and numpy arrays (a training state: model, optimizer, scheduler, RNG states,
   data position). Tensors and arrays go into the safetensors body, the rest into a JSON tree kept in the
@@ -22,6 +23,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +40,7 @@ from repmlp.models.file_format import (
     read_tensors,
 )
 from repmlp.models.file_metadata import FORMS
+from repmlp.models.input_size import model_input_size
 from repmlp.nn.layers import channels_last_weights_on_cpu
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "atomic_write_text",
     "save_model",
     "load_model",
+    "ModelMetadata",
+    "model_metadata",
     "read_model_file",
     "register_precision_loader",
     "save_state",
@@ -137,26 +142,123 @@ def save_model(
 
 
 # ----------------------------------------------------------------------------------------- reading
+@dataclass
+class ModelMetadata:
+    """What a model file says besides its weights (``model.metadata`` of :func:`load_model`'s models).
+
+    ``input_size``: ``(C, H, W)`` the model takes; ``preprocessing``: ``{"dataset", "input_size" [C, H, W],
+    "eval_preprocessing"}`` (JSON), the inputs of :func:`repmlp.deploy.predict.eval_image_transform`;
+    ``classes``: the class names (``None`` when the file has none); ``extra``: the file's ``extra``
+    record as it is (the run's data set and folder, its task, ...).
+    """
+
+    name: str
+    model_kwargs: dict[str, Any]
+    form: str
+    precision: str
+    num_classes: int
+    input_size: tuple[int, int, int]
+    classes: list[str] | None = None
+    preprocessing: dict[str, Any] = field(default_factory=dict)
+    path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def input_size_at(self, img_size: int | None = None) -> tuple[int, int, int]:
+        """:attr:`input_size` ``(C, H, W)``, with ``H = W = img_size`` when given (an ``--img-size``)."""
+        c, h, w = self.input_size
+        return (c, h, w) if img_size is None else (c, img_size, img_size)
+
+
 def load_model(
     path: str | os.PathLike, *, device: str | torch.device = "cpu", form: Form | None = None
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model saved by :func:`save_model` and load its weights strictly.
+) -> nn.Module:
+    """Rebuild the model saved by :func:`save_model` (any form and precision) and load its weights strictly.
 
-    Returns ``(model, info)`` with ``info = {"model", "model_kwargs", "form", "extra", "path"}``; the model
-    is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv weights stored
-    channels_last: :func:`~repmlp.nn.layers.channels_last_weights_on_cpu`). ``form`` (if given) must match
-    the file's form. The metadata is checked field by field and the model it describes is built on the
-    ``meta`` device and compared with the file's tensors before the real one is built
-    (:mod:`repmlp.models.file_metadata`): a file from elsewhere cannot make this allocate more than it holds.
+    The model is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv
+    weights stored channels_last: :func:`~repmlp.nn.layers.channels_last_weights_on_cpu`), with
+    ``model.metadata`` (:class:`ModelMetadata`): its name and options, form, precision, input size, class
+    names and preprocessing. ``form`` (if given) must match the file's form. The metadata is checked field
+    by field and the model it describes is built on the ``meta`` device and compared with the file's
+    tensors before the real one is built (:mod:`repmlp.models.file_metadata`): a file from elsewhere cannot
+    make this allocate more than it holds. Every problem is a one-line :class:`CheckpointError`.
     """
     path = Path(path)
     tensors, fm = _checked_metadata(path, form)
     model = _build_for(fm, tensors)
     _load_strict(model, tensors, path, fm.model, fm.form)
     channels_last_weights_on_cpu(model.to(device).eval())
-    info = {"model": fm.model, "model_kwargs": fm.model_kwargs, "form": fm.form, "extra": fm.extra,
-            "path": str(path), "precision": fm.precision}  # fmt: skip
-    return model, info
+    try:
+        model.metadata = model_metadata(model, name=fm.model, form=fm.form, model_kwargs=fm.model_kwargs,
+                                        precision=fm.precision, extra=fm.extra, path=str(path))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - torch's or onnxruntime's errors of the class-count probe
+        # (model_metadata runs the model only then): a file whose model does not take the input size it
+        # records is a bad file like any other, said in one line.
+        if type(exc).__name__ == "OutOfMemoryError":
+            raise
+        raise CheckpointError(f"{path}: {fm.model} does not run on the input its file records "
+                              f"({first_line(exc)[:200]})") from None  # fmt: skip
+    return model
+
+
+def model_metadata(
+    model: nn.Module,
+    *,
+    name: str,
+    form: str,
+    model_kwargs: Mapping[str, Any] | None = None,
+    precision: str = "fp32",
+    extra: Mapping[str, Any] | None = None,
+    path: str | None = None,
+) -> ModelMetadata:
+    """The :class:`ModelMetadata` of ``model`` (eval mode) as a file records it: ``extra`` and
+    ``model_kwargs`` are the file's. A model with no recorded input size, class names or preprocessing
+    (e.g. one built in memory) gets its timm config's; the class count is the recorded ``num_classes``,
+    else the model's, else the width of its output on one zero image ``(1, C, H, W)``."""
+    extra = dict(extra or {})
+    kwargs = dict(model_kwargs or {})
+    size = model_input_size(model, extra, kwargs)
+    classes = extra.get("classes")
+    return ModelMetadata(
+        name=name,
+        model_kwargs=kwargs,
+        form=form,
+        precision=precision,
+        num_classes=_num_classes(model, kwargs, size),
+        input_size=size,
+        classes=[str(c) for c in classes] if isinstance(classes, list) and classes else None,
+        preprocessing=_preprocessing(model, extra, size),
+        path=path,
+        extra=extra,
+    )
+
+
+def _num_classes(model: nn.Module, kwargs: Mapping[str, Any], input_size: tuple[int, int, int]) -> int:
+    n = kwargs.get("num_classes") or getattr(model, "num_classes", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    from repmlp.nn.numerics import full_float32
+
+    # e.g. a torchvision model or an int8 graph: ask the model itself (in full float32, as every check runs)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    with torch.inference_mode(), full_float32():
+        return int(model(torch.zeros(1, *input_size, device=device)).shape[-1])
+
+
+def _preprocessing(
+    model: nn.Module, extra: Mapping[str, Any], input_size: tuple[int, int, int]
+) -> dict[str, Any]:
+    """The evaluation preprocessing of a file (see :class:`ModelMetadata`); without a recorded data set
+    or published preprocessing, the model's own timm config (mean/std/crop) at its input size."""
+    from repmlp.data import NATIVE_SIZE
+
+    dataset = extra.get("dataset")
+    pre = extra.get("eval_preprocessing")
+    if dataset not in NATIVE_SIZE and not pre:
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
+        pre = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in keys} or None
+    return {"dataset": dataset, "input_size": list(input_size), "eval_preprocessing": pre}
 
 
 def _checked_metadata(path: Path, form: Form | None) -> tuple[dict[str, Tensor], Any]:

@@ -18,7 +18,7 @@ the paper's parameter counts are of that model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -171,15 +171,11 @@ def pspnet_res50(
     the stage options of :func:`~repmlp.models.resnet.repmlp_res50_stages` (``widths``, ``mid_channels``,
     ``layers``, ``strides``, ``dilations``, ...).
     """
-    own, rest = _seg_kwargs(dict(kwargs))
-    model_options, stage_options = split_resnet_kwargs(rest)
-    strides = stage_options.pop("strides", (1, 2, 1, 1))
-    dilations = stage_options.pop("dilations", (1, 1, 2, 4))
-    specs = _dilated(repmlp_res50_stages(stages=(), **stage_options), strides, dilations)
-    backbone = ResNet(
-        specs, num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **model_options
-    )
-    return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
+
+    def stages(options: dict[str, Any]) -> Sequence[StageSpec]:
+        return repmlp_res50_stages(stages=(), **options)  # the ResNet-50: no RepMLP stage
+
+    return _pspnet(stages, (1, 1, 2, 4), num_classes, img_size, in_chans, deploy, kwargs)
 
 
 @register_model(timm=False, **_PSPNET_CFG)
@@ -197,12 +193,30 @@ def pspnet_repmlp_res50(
     FC1/FC2 of the Global Perceptrons are reduced 4x in c3 and 8x in c4 (``global_reduction``).
     Extra options as :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
     """
+
+    def stages(options: dict[str, Any]) -> Sequence[StageSpec]:
+        return repmlp_res50_stages(**{**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **options})
+
+    return _pspnet(stages, (1, 1, 1, 2), num_classes, img_size, in_chans, deploy, kwargs)
+
+
+def _pspnet(
+    stages: Callable[[dict[str, Any]], Sequence[StageSpec]],
+    dilations: tuple[int, ...],
+    num_classes: int,
+    img_size: int | Sequence[int],
+    in_chans: int,
+    deploy: bool,
+    kwargs: dict[str, Any],
+) -> PSPNet:
+    """A PSPNet on the ImageNet backbone ``stages(stage_options)`` made dense for segmentation: c3 strided
+    (the default ``strides``), c4/c5 at the given default ``dilations``; PSPNet's own options and the
+    ResNet's model options split off ``kwargs`` first."""
     own, rest = _seg_kwargs(dict(kwargs))
     model_options, stage_options = split_resnet_kwargs(rest)
     strides = stage_options.pop("strides", (1, 2, 1, 1))
-    dilations = stage_options.pop("dilations", (1, 1, 1, 2))
-    imagenet = {**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **stage_options}
-    specs = _dilated(repmlp_res50_stages(**imagenet), strides, dilations)
+    dilations = stage_options.pop("dilations", dilations)
+    specs = _dilated(stages(stage_options), strides, dilations)
     backbone = ResNet(
         specs, num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **model_options
     )

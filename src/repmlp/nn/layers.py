@@ -1,7 +1,7 @@
 """Small re-parameterizable layers shared by the block and the models."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +109,17 @@ class ConvBN(nn.Module):
     ``nn.Conv1d``/``2d``/``3d`` (and the matching BatchNorm); sizes are ints or ``dims``-tuples.
     ``layout_choice=True`` builds a :class:`LayoutConv2d` (``1d``/``3d``) instead, whose forward makes the
     CPU training step's layout choice (:func:`conv_by_grad_mode`): the Local Perceptron's convs on partition
-    maps. ``conv_class`` builds another conv class of the same constructor (:class:`PatchwiseConv2d`). Either
-    way the state-dict keys are ``conv.weight`` (``conv.bias``) and ``bn.*``.
+    maps. A subclass that sets :attr:`patches_as_matmul` computes a conv on one input channel that tiles its
+    input as a :class:`PatchwiseConv2d`. Either way the state-dict keys are ``conv.weight`` (``conv.bias``)
+    and ``bn.*``.
 
     Shapes: ``(N, C_in, *spatial)`` -> ``(N, C_out, *spatial')`` as the conv; 2-D by default.
     """
+
+    # A stem on one input channel (Fashion-MNIST) whose kernel tiles the input, an FC on each pixel or patch:
+    # oneDNN runs such a conv slowly (its weight gradient most), and its output would leave a channels_last
+    # model in NCHW. Subclasses (the models' ConvBNReLU) opt in to computing it as one matmul.
+    patches_as_matmul: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -128,7 +134,6 @@ class ConvBN(nn.Module):
         deploy: bool = False,
         dims: int = 2,
         layout_choice: bool = False,
-        conv_class: type[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if dims not in _CONV:
@@ -137,7 +142,11 @@ class ConvBN(nn.Module):
         dilations = ntuple(dilation, dims, "dilation")
         if padding is None:
             padding = tuple(d * (k - 1) // 2 for k, d in zip(kernel, dilations, strict=True))
-        conv = conv_class or (_LAYOUT_CONV[dims] if layout_choice else _CONV[dims])
+        conv = _LAYOUT_CONV[dims] if layout_choice else _CONV[dims]
+        if self.patches_as_matmul and dims == 2 and in_channels == 1:
+            conv = (
+                PatchwiseConv2d if PatchwiseConv2d.tiles(kernel, stride, padding, dilations, groups) else conv
+            )
         self.conv = conv(in_channels, out_channels, kernel, stride, padding, dilations, groups, bias=deploy)
         self.bn: nn.modules.batchnorm._BatchNorm | None = None if deploy else _BN[dims](out_channels)
 

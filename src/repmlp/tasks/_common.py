@@ -9,15 +9,19 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.engine import DistInfo
 from repmlp.errors import UserError
+
+if TYPE_CHECKING:
+    from repmlp.models.model_file import ModelMetadata
 
 log = logging.getLogger(__name__)
 
@@ -284,13 +288,10 @@ def evaluate_both_forms(
     return metrics
 
 
-# Converted outputs must match the training form's to float rounding: max |diff| / max |training-form output|.
-CONVERSION_RTOL = 1e-4
-
-
 @dataclass
 class ConversionCheck:
-    """How far the converted model's outputs are from the training form's on ``inputs`` random inputs."""
+    """How far the converted model's outputs are from the training form's on ``inputs`` random inputs
+    (:func:`repmlp.deploy.conversion.convert_and_check`)."""
 
     max_abs_diff: float
     max_rel_diff: float  # relative to the largest training-form output
@@ -310,25 +311,6 @@ class ConversionCheck:
         )
 
 
-def check_conversion(
-    trained: nn.Module, deployed: nn.Module, input_size: tuple[int, ...], n: int = 2
-) -> ConversionCheck:
-    """Run both forms (eval mode, same device) on ``n`` seeded random inputs ``(n, *input_size)`` in full
-    float32 and compare their (first) outputs: embeddings ``(n, D)`` or logits ``(n, K[, H, W])``."""
-    from repmlp.nn.numerics import full_float32
-
-    device = next(trained.parameters()).device
-    x = torch.randn(n, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.inference_mode(), full_float32():
-        ref, out = (_first_output(m(x)).double() for m in (trained, deployed))
-    diff = (ref - out).abs().max().item()
-    return ConversionCheck(diff, diff / max(ref.abs().max().item(), 1e-12), n)
-
-
-def _first_output(out: Any) -> Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def save_run(
     out: Path,
     trained: nn.Module,
@@ -338,24 +320,27 @@ def save_run(
     history: list,
     input_size: tuple[int, ...],
 ) -> ConversionCheck:
-    """Write a task run: ``model.safetensors`` (training form), ``deploy.safetensors`` (converted,
-    loads into ``create_model(name, deploy=True, **kwargs)``) and ``train_log.json``; returns the
-    conversion check (:func:`check_conversion` on inputs of ``input_size``, ``(C, H, W)``), logged too."""
+    """Write a task run: ``model.safetensors`` (training form), ``deploy.safetensors`` (converted, loaded
+    back into ``create_model(name, deploy=True, **kwargs)`` for the check) and ``train_log.json``; returns
+    the conversion check, logged too: both forms on two seeded random inputs ``(2, *input_size)``
+    (``input_size`` ``(C, H, W)``), compared on their (first) outputs, embeddings ``(2, D)`` or score maps
+    ``(2, K, H, W)``."""
+    from repmlp.deploy.conversion import DeployedFile, convert_and_check
     from repmlp.models.model_file import save_model
-    from repmlp.nn.convert import reparameterize_model
 
     trained = trained.float().eval()
     save_model(out / "model.safetensors", trained, name=name, model_kwargs=kwargs, form="train", extra=meta)
-    deployed = reparameterize_model(trained)
-    save_model(
-        out / "deploy.safetensors", deployed, name=name, model_kwargs=kwargs, form="deploy", extra=meta
+    device = next(trained.parameters()).device
+    x = torch.randn(2, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
+    conversion = convert_and_check(
+        trained, x, file=DeployedFile(out / "deploy.safetensors", name, kwargs, meta)
     )
     write_json(
         out / "train_log.json",
         {"task": meta.get("task"), "model": name, "model_kwargs": kwargs, "history": history},
     )
     log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
-    check = check_conversion(trained, deployed, input_size)
+    check = ConversionCheck(conversion.diff.max_abs_diff, conversion.diff.max_rel_diff, len(x))
     (log.info if check.equivalent else log.error)("%s", check.summary())
     return check
 
@@ -368,8 +353,9 @@ def write_json(path: Path, obj: Any) -> None:
 
 def load_for_eval(
     path: str, device: torch.device, task: str
-) -> tuple[nn.Module | None, nn.Module, dict[str, Any]]:
-    """Load a ``task`` checkpoint; returns ``(train_form_or_None, deployed, info)``.
+) -> tuple[nn.Module | None, nn.Module, ModelMetadata]:
+    """Load a ``task`` checkpoint; returns ``(train_form_or_None, deployed, metadata)`` (the file's
+    :class:`~repmlp.models.model_file.ModelMetadata`).
 
     A training-form checkpoint is converted here with ``reparameterize_model``; a deployed one is used
     as is (and the first element is ``None``). A checkpoint of another task (its ``extra["task"]``,
@@ -379,14 +365,14 @@ def load_for_eval(
     from repmlp.models.model_file import load_model
     from repmlp.nn.convert import reparameterize_model
 
-    model, info = load_model(path, device=device)
-    extra = info.get("extra") or {}
-    found = extra.get("task") or ("cls" if "dataset" in extra else None)
+    model = load_model(path, device=device)
+    meta = model.metadata
+    found = meta.extra.get("task") or ("cls" if "dataset" in meta.extra else None)
     kind = None
     if found is not None and found != task:
-        kind = f"{_FOUND.get(found, f'a {found!r} model')} ({info['model']})"
+        kind = f"{_FOUND.get(found, f'a {found!r} model')} ({meta.name})"
     elif not is_task_model(model, task):
-        kind = f"model {info['model']!r}"
+        kind = f"model {meta.name!r}"
     if kind is not None:
         raise UserError(
             f"{path} holds {kind}, not {TASK_MODELS[task]}: give a checkpoint written by "
@@ -399,9 +385,9 @@ def load_for_eval(
             "retrain it with a lower --lr"
         )
     model.eval()
-    if info["form"] == "deploy":
-        return None, model, info
-    return model, reparameterize_model(model), info
+    if meta.form == "deploy":
+        return None, model, meta
+    return model, reparameterize_model(model), meta
 
 
 ScalarFn = Callable[[nn.Module], dict[str, Any]]

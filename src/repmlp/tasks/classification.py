@@ -716,16 +716,18 @@ def evaluate(args: EvalConfig) -> int:
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     from repmlp.engine import resolve_device
-    from repmlp.models.builder import model_input_size
     from repmlp.models.model_file import load_model
 
     device = resolve_device(args.device)
-    model, info = load_model(args.checkpoint, device=device)
-    extra = info.get("extra") or {}
+    model = load_model(args.checkpoint, device=device)
+    meta = model.metadata
+    extra = meta.extra
     dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
     # The training run's data folder (recorded in the checkpoint) unless another is given.
     data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
-    kwargs = info["model_kwargs"]
+    kwargs = meta.model_kwargs
+    # The model's own input channels (a foreign model's checkpoint may not record in_chans).
+    in_chans = meta.input_size[0]
     # An imported model records its input size and the preprocessing its weights were evaluated with.
     recorded = extra.get("input_size")
     img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
@@ -741,7 +743,7 @@ def evaluate(args: EvalConfig) -> int:
             img_size=img_size,
             eval_preprocessing=_eval_preprocessing(extra.get("eval_preprocessing"), bool(args.img_size)),
             # An image folder's images are converted to the model's channels (a greyscale model's: L).
-            channels=model_input_size(model, info)[0] if model_input_size(model, info)[0] in (1, 3) else None,
+            channels=in_chans if in_chans in (1, 3) else None,
             workers=args.workers,
             need_train=False,
         ),
@@ -751,8 +753,6 @@ def evaluate(args: EvalConfig) -> int:
         raise CheckpointError(
             f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"
         )
-    # The model's own input channels (a foreign model's checkpoint may not record in_chans).
-    in_chans = model_input_size(model, info)[0]
     if in_chans != data.in_chans:
         raise CheckpointError(
             f"{args.checkpoint} takes {in_chans}-channel images but {dataset} has {data.in_chans}"
@@ -763,9 +763,9 @@ def evaluate(args: EvalConfig) -> int:
         )
     res = evaluate_model(model, data.val, device)
     res.update(
-        model=info["model"],
-        form=info["form"],
-        precision=info.get("precision", "fp32"),
+        model=meta.name,
+        form=meta.form,
+        precision=meta.precision,
         dataset=dataset,
         checkpoint=str(args.checkpoint),
     )
@@ -773,7 +773,7 @@ def evaluate(args: EvalConfig) -> int:
         print(json.dumps(res, sort_keys=True))
     else:
         print(
-            f"{info['model']} ({info['form']} form, {res['precision']}) on {dataset}, {res['n']} examples: "
+            f"{meta.name} ({meta.form} form, {res['precision']}) on {dataset}, {res['n']} examples: "
             f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}"
         )
     return 0

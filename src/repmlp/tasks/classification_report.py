@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
 from repmlp.errors import first_line
-from repmlp.models.model_file import atomic_write_bytes, atomic_write_text, load_model, save_model
-from repmlp.nn.numerics import full_float32, run_precision
+from repmlp.models.model_file import atomic_write_bytes, atomic_write_text, save_model
+from repmlp.nn.numerics import run_precision
 from repmlp.tasks.finetune import report_lines
-from repmlp.tasks.metrics import accuracy, compare_logits
+from repmlp.tasks.metrics import accuracy
 
 if TYPE_CHECKING:
     from repmlp.tasks.classification import TrainResult
@@ -41,7 +42,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Converted logits must match the training-time ones to float rounding: max |diff| relative to max |logit|.
-EQUIVALENCE_RTOL = 1e-4
+EQUIVALENCE_RTOL = CONVERSION_RTOL
 
 
 @torch.no_grad()
@@ -165,8 +166,10 @@ def _input_size(result: TrainResult) -> tuple[int, int, int]:
 
 
 def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outcome]:
-    """Save both forms, evaluate both on the whole validation set: ``(model, deployed, outcome)``."""
-    from repmlp.nn.convert import reparameterize_model
+    """Save both forms and evaluate both on the whole validation set: ``(model, deployed, outcome)``,
+    ``deployed`` as loaded back from ``deploy.safetensors``
+    (:func:`repmlp.deploy.conversion.convert_and_check`)."""
+    from repmlp.deploy.conversion import DeployedFile, convert_and_check
 
     cfg, data = result.config, result.data
     out, device = Path(cfg.output), result.dist_info.device
@@ -187,20 +190,21 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
     save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
                extra=extra)  # fmt: skip
-    log.info("evaluating the training-time model ...")
-    with full_float32():
-        ref_logits, labels = predict(model, val, device)
-    t = time.perf_counter()
-    deployed = reparameterize_model(model.eval())
-    convert_s = time.perf_counter() - t
-    save_model(out / "deploy.safetensors", deployed, name=cfg.model, model_kwargs=result.model_kwargs,
-               form="deploy", extra=extra)  # fmt: skip
-    # Check the file, not the in-memory object: a deploy=True model must load it strictly.
-    deployed, _ = load_model(out / "deploy.safetensors", device=device, form="deploy")
-    with full_float32():
-        dep_logits, _ = predict(deployed, val, device)
-    outcome = Outcome(accuracy(ref_logits, labels), accuracy(dep_logits, labels),
-                      compare_logits(ref_logits, dep_logits), convert_s)  # fmt: skip
+    labels: list[Tensor] = []
+
+    def logits(form: nn.Module) -> Tensor:
+        """``(N, K)`` logits of the whole validation set (its labels ``(N,)`` kept from the first run)."""
+        out_logits, y = predict(form, val, device)
+        if not labels:
+            labels.append(y)
+        return out_logits
+
+    log.info("evaluating the training-time and the converted model ...")
+    # The check covers the file, not the in-memory object: a deploy=True model must load it strictly.
+    deployed_file = DeployedFile(out / "deploy.safetensors", cfg.model, result.model_kwargs, extra)
+    check = convert_and_check(model, logits, file=deployed_file, device=device)
+    outcome = Outcome(accuracy(check.reference, labels[0]), accuracy(check.outputs, labels[0]),
+                      check.diff.as_dict(), check.seconds)  # fmt: skip
     log.info(
         "top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
         "%d predictions changed -> %s",
@@ -211,7 +215,7 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
         outcome.cmp["changed_predictions"],
         "equivalent" if outcome.equivalent else "NOT EQUIVALENT",
     )
-    return model, deployed, outcome
+    return model, check.deployed, outcome
 
 
 def _benchmark(result: TrainResult, model: nn.Module, batch_size: int) -> tuple[list[Any], str]:

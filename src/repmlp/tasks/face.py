@@ -314,11 +314,11 @@ def evaluate(args: FaceEvalConfig) -> int:
 
     sets = read_face_sets(args)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(args.device)
-    trained, deployed, info = load_for_eval(args.checkpoint, device, "face")
+    trained, deployed, meta = load_for_eval(args.checkpoint, device, "face")
     if args.check_conversion and trained is None:
         raise UserError("--check-conversion needs a training-form checkpoint (this one is already converted)")
-    img_size = int(info["model_kwargs"].get("img_size", 96))
-    metrics = {"checkpoint": str(args.checkpoint), "model": info["model"], "form_evaluated": "deploy"}
+    img_size = int(meta.model_kwargs.get("img_size", 96))
+    metrics = {"checkpoint": str(args.checkpoint), "model": meta.name, "form_evaluated": "deploy"}
     metrics.update(
         evaluate_both_forms(
             lambda model, what: face_metrics(model, sets, args, img_size, device, what),

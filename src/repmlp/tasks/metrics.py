@@ -49,14 +49,10 @@ def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
 
 def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
     """Max abs and relative difference of ``out`` from ``ref`` (both ``(N, K)``), and how many
-    predictions (argmax) differ."""
-    diff = (ref - out).abs().max().item()
-    scale = max(ref.abs().max().item(), 1e-12)
-    return {
-        "max_abs_diff": diff,
-        "max_rel_diff": diff / scale,
-        "changed_predictions": int((ref.argmax(1) != out.argmax(1)).sum()),
-    }
+    predictions (argmax) differ: :func:`repmlp.deploy.conversion.compare_outputs` as a dict."""
+    from repmlp.deploy.conversion import compare_outputs
+
+    return compare_outputs(ref, out).as_dict()
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:

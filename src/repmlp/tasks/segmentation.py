@@ -354,7 +354,7 @@ def evaluate(args: SegEvalConfig) -> int:
 
     procs = setup_distributed(args.device)
     try:
-        trained, deployed, info = load_for_eval(args.checkpoint, procs.device, "seg")
+        trained, deployed, meta = load_for_eval(args.checkpoint, procs.device, "seg")
         if args.check_conversion and trained is None:
             raise UserError(
                 "--check-conversion needs a training-form checkpoint (this one is already converted)"
@@ -362,9 +362,9 @@ def evaluate(args: SegEvalConfig) -> int:
         dataset = CityscapesSegmentation(args.data_dir, args.split)
         if args.val_limit:
             dataset = torch.utils.data.Subset(dataset, range(min(args.val_limit, len(dataset))))
-        crop = _crop_of(info["model_kwargs"], args.crop_size)
+        crop = _crop_of(meta.model_kwargs, args.crop_size)
         if args.mode == "whole" and _fixed_resolution(deployed):  # checked before any progress bar
-            h, w = _crop_of(info["model_kwargs"], None)
+            h, w = _crop_of(meta.model_kwargs, None)
             raise UserError(
                 f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
                 "use --mode slide"
@@ -372,7 +372,7 @@ def evaluate(args: SegEvalConfig) -> int:
         common = dict(mode=args.mode, crop=crop, device=procs.device, procs=procs, workers=args.workers)
         metrics: dict[str, Any] = {
             "checkpoint": str(args.checkpoint),
-            "model": info["model"],
+            "model": meta.name,
             "form_evaluated": "deploy",
             "mode": args.mode,
             "crop": list(crop),
