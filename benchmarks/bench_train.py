@@ -208,6 +208,11 @@ def main() -> None:
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--profile", action="store_true", help="also print the 'now' step's top operators")
+    parser.add_argument(
+        "--same-model",
+        action="store_true",
+        help="run the 'now' model, as 'repmlp train' runs it, in the baseline too (a refactor's before/after)",
+    )
     args = parser.parse_args()
     if args.profile:
         os.environ["BENCH_TRAIN_PROFILE"] = "1"  # inherited by the workers
@@ -221,10 +226,12 @@ def main() -> None:
             if case not in CASES:
                 parser.error(f"unknown case {case!r}: one of {', '.join(CASES)}")
             _, batch, size, _, default_steps, old, new = CASES[case][:7]
+            old = new if args.same_model else old
             steps = args.steps or default_steps
             named = "" if old == new else f": {old} -> {new}"
             workers = {
-                f"before ({args.baseline}){named}": Worker(before_src, case, old, False, False),
+                # --same-model: the baseline also keeps freed memory, as its own train_loop does.
+                f"before ({args.baseline}){named}": Worker(before_src, case, old, False, args.same_model),
                 "now": Worker(now_src, case, new, False, True),
                 "now, compiled": Worker(now_src, case, new, True, True),
             }

@@ -11,9 +11,10 @@ fp16/bf16 as the model and input cast to that dtype in channels_last, ``cudnn.be
 Ratios are to the row's reference (:func:`speed_reference`): ResNet-50 at the same input (the
 EfficientNets: ResNet-50 at 320, beside which the paper lists them), MobileFaceNet, PSPNet-ResNet-50.
 
-How a converted model is run is a *path* (:data:`PATHS`): ``eager`` calls the module; another path
-(a compiled or CUDA-graph form) is a function ``prepare(model, example) -> callable`` registered there,
-as ``"module:function"`` to import it only when chosen. Every timing goes through :func:`time_path`.
+How a converted model is run is a *path* (:data:`SPEED_PATHS`; the GPU inference paths it draws on are
+:data:`repmlp.deploy.gpu.PATHS`): ``eager`` calls the module; another path (a compiled or CUDA-graph
+form) is a function ``prepare(model, example) -> callable`` registered there, as ``"module:function"`` to
+import it only when chosen. Every timing goes through :func:`time_path`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from repmlp.errors import first_line
 
 __all__ = [
     "SPEED_TABLES",
-    "PATHS",
+    "SPEED_PATHS",
     "SpeedOptions",
     "SpeedResult",
     "speed_rows",
@@ -65,12 +66,12 @@ def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
 
 #: Inference paths by name: a function ``prepare(model, example) -> callable``, or ``"module:function"``.
 #: ``fast``: the path measured fastest for the device and precision (:func:`repmlp.deploy.gpu.fastest_path`).
-PATHS: dict[str, Prepare | str] = {"eager": _eager, "fast": "repmlp.deploy.gpu:prepare_fast"}
+SPEED_PATHS: dict[str, Prepare | str] = {"eager": _eager, "fast": "repmlp.deploy.gpu:prepare_fast"}
 
 
 def prepare_path(name: str) -> Prepare:
     """The ``prepare`` function of path ``name`` (imported now if it was registered as a string)."""
-    entry = PATHS[name]
+    entry = SPEED_PATHS[name]
     if isinstance(entry, str):
         module, _, attr = entry.partition(":")
         entry = getattr(importlib.import_module(module), attr)

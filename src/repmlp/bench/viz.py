@@ -20,12 +20,12 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from repmlp.engine.report import save_figure
 from repmlp.nn.block import RepMLPBlock, RepMLPBlock1d
 
 __all__ = ["FC3Sample", "find_repmlp_blocks", "sample_fc3", "fc3_log_weights", "plot_fc3"]
@@ -300,15 +300,5 @@ def plot_fc3(
     )
     heading = f"{sample.block_name or 'RepMLP block'}: {describe(sample)}{kernel})"
     fig.suptitle(title or heading, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fig.savefig(tmp, dpi=dpi, format="png")
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)
+    save_figure(fig, path, dpi=dpi)
     return sample

@@ -22,7 +22,7 @@ _SPEED_ONLY = ("device", "precision", "quick", "rows", "path", "tf32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.bench.speed_tables import PATHS
+    from repmlp.bench.speed_tables import SPEED_PATHS
     from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
@@ -60,9 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     speed.add_argument(
         "--path",
-        choices=sorted(PATHS),
+        choices=sorted(SPEED_PATHS),
         default=None,
-        help="how the converted models run (repmlp.bench.speed_tables.PATHS; default: eager)",
+        help="how the converted models run (repmlp.bench.speed_tables.SPEED_PATHS; default: eager)",
     )
     speed.add_argument(
         "--tf32",

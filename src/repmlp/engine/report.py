@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -50,15 +51,25 @@ def _plot_loss(history: list[dict[str, Any]], path: Path, title: str) -> bool:
     except ImportError:
         log.warning("matplotlib is not installed: curves.png skipped")
         return False
-    from repmlp.models.model_file import atomic_write_bytes
-
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["iteration"] for r in history], [r["loss"] for r in history], "o-")
     ax.set(xlabel="iteration", ylabel="training loss", title=title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=100)
     return True
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG, atomically (a crash leaves the old file or
+    the new one), and close it, also when writing fails."""
+    import matplotlib.pyplot as plt
+
+    from repmlp.models.model_file import atomic_write_bytes
+
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=dpi)
+        atomic_write_bytes(path, buf.getvalue())
+    finally:
+        plt.close(fig)

@@ -8,7 +8,6 @@ run folder ``model.safetensors`` (training-time form), ``deploy.safetensors`` (c
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import math
 import time
@@ -21,8 +20,9 @@ from torch import Tensor, nn
 
 from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
+from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
-from repmlp.models.model_file import atomic_write_bytes, atomic_write_text, save_model
+from repmlp.models.model_file import atomic_write_text, save_model
 from repmlp.nn.numerics import run_precision
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy
@@ -84,10 +84,7 @@ def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=120)
 
 
 def _missing_export_packages() -> list[str]:

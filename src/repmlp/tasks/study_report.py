@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import statistics
 import time
@@ -11,7 +10,8 @@ from typing import Any
 
 import torch
 
-from repmlp.models.model_file import atomic_write_bytes, atomic_write_text
+from repmlp.engine.report import save_figure
+from repmlp.models.model_file import atomic_write_text
 from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
 __all__ = [
@@ -151,10 +151,7 @@ def plot_study(
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=120)
 
 
 def describe_recipe(preset: str) -> str:
