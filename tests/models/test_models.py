@@ -14,30 +14,32 @@ import repmlp
 from repmlp import create_model, list_models, reparameterize_model
 from repmlp.models import RepMLPBottleneck, RepMLPLightBlock, ResNet
 from repmlp.models.blocks import RepMLPSpec, StageSpec, make_stage, parse_stages
-from zoo import shallow
+from zoo import SMALL_BUILDS, shallow
 
 # Models this helper owns, with kwargs that keep a float64 forward pass cheap while exercising the same
 # code paths: narrower, shallower ResNets (widths / 4, two blocks a stage: every block kind, see
 # tests/zoo.py) at a resolution where c3 and c4 still have several (padded) partitions, the CIFAR
 # family with narrower stages.
-_QUARTER = {"widths": (64, 128, 256, 512), "layers": (2, 2, 2, 2)}
 SMALL: dict[str, dict] = {
-    "repmlp_cifar": {"widths": (4, 8, 16)},
-    "repmlp_cifar_no_local": {"widths": (4, 8, 16)},
-    "repmlp_cifar_no_global": {"widths": (4, 8, 16)},
-    "repmlp_cifar_fc3_conv9": {"widths": (4, 8, 16)},
-    "repmlp_cifar_conv9": {"widths": (4, 8, 16)},
-    "wide_convnet_cifar": {"widths": (8, 16, 32)},
-    "repmlp_fmnist": {},
-    "repmlp1d_fmnist": {"widths": (8, 16, 32)},
-    "conv1d_fmnist": {"widths": (8, 16, 32)},
-    "repmlp_res50": {**_QUARTER, "img_size": 96},
-    "repmlp_res50_g8_16": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_g8_8": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_g4_8": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_light": {**_QUARTER, "img_size": 96},
-    "nl_res50": {**_QUARTER, "img_size": 64},
-    "gc_res50": {**_QUARTER, "img_size": 64},
+    name: SMALL_BUILDS[name]
+    for name in (
+        "repmlp_cifar",
+        "repmlp_cifar_no_local",
+        "repmlp_cifar_no_global",
+        "repmlp_cifar_fc3_conv9",
+        "repmlp_cifar_conv9",
+        "wide_convnet_cifar",
+        "repmlp_fmnist",
+        "repmlp1d_fmnist",
+        "conv1d_fmnist",
+        "repmlp_res50",
+        "repmlp_res50_g8_16",
+        "repmlp_res50_g8_8",
+        "repmlp_res50_g4_8",
+        "repmlp_res50_light",
+        "nl_res50",
+        "gc_res50",
+    )
 }
 OWN = tuple(SMALL)
 

@@ -21,7 +21,7 @@ from repmlp.nn import block as block_module
 from repmlp.nn import branches_fc
 from repmlp.nn.block import RepMLPBlock, set_train_form
 from repmlp.nn.layers import ConvBN, LayoutConv2d
-from zoo import shallow
+from zoo import SMALL_BUILDS, shallow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,39 +29,6 @@ CUDA = pytest.param(
     "cuda",
     marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
 )
-
-# Small builds of every registered model that keep each block kind (tests/models/test_models.py's SMALL,
-# tests/zoo.py's shallow depths, the face and segmentation tests' widths): the whole grid runs in seconds.
-_QUARTER = {"widths": (64, 128, 256, 512), "layers": (2, 2, 2, 2)}
-_REPMLPNET = {"channels": (16, 32, 64, 128), "depths": (1, 1, 1, 1), "sharesets": (1, 4, 16, 32)}
-_FACE = {"widths": (16, 32, 64, 128), "embedding_dim": 24, "stem_channels": 8}
-_SEG = {"head_channels": 16, "aux_channels": 16, "num_classes": 3}
-SMALL: dict[str, dict] = {
-    "repmlp_cifar": {"widths": (4, 8, 16)},
-    "repmlp_cifar_no_local": {"widths": (4, 8, 16)},
-    "repmlp_cifar_no_global": {"widths": (4, 8, 16)},
-    "repmlp_cifar_fc3_conv9": {"widths": (4, 8, 16)},
-    "repmlp_cifar_conv9": {"widths": (4, 8, 16)},
-    "wide_convnet_cifar": {"widths": (8, 16, 32)},
-    "repmlp_fmnist": {},
-    "repmlp_fmnist_patch2": {},
-    "repmlp1d_fmnist": {"widths": (8, 16, 32)},
-    "conv1d_fmnist": {"widths": (8, 16, 32)},
-    "repmlp_res50": {**_QUARTER, "img_size": 96},
-    "repmlp_res50_g8_16": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_g8_8": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_g4_8": {**_QUARTER, "img_size": 160},
-    "repmlp_res50_light": {**_QUARTER, "img_size": 96},
-    "nl_res50": {**_QUARTER, "img_size": 64},
-    "gc_res50": {**_QUARTER, "img_size": 64},
-    "pspnet_res50": {**_QUARTER, **_SEG, "img_size": 64},
-    "pspnet_repmlp_res50": {**_QUARTER, **_SEG, "img_size": 160},
-    "mobilefacenet": {"width": 16, "embedding_dim": 24, "img_size": 32},
-    "face_resnet": {**_FACE, "img_size": 32},
-    "repmlp_face_resnet": {**_FACE, "partition": 4, "kernel_sizes": (1, 3), "groups": 2, "img_size": 64},
-    **{f"repmlpnet_{arch}": _REPMLPNET for arch in ("t224", "t256", "b224", "b256", "d256", "l256")},
-}
-
 
 # Submodules that compute in training mode only: PSPNet's auxiliary head (its loss is a training term).
 _TRAINING_ONLY = ("aux_head.",)
@@ -78,8 +45,8 @@ def weighted_leaves(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def test_small_builds_cover_every_registered_model() -> None:
-    """A model registered later gets a small build here too (or falls back to tests/zoo.py's depths)."""
-    assert set(SMALL) == set(repmlp.list_models())
+    """A model registered later gets a small build in tests/zoo.py too (or falls back to tests/zoo.py's depths)."""
+    assert set(SMALL_BUILDS) == set(repmlp.list_models())
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -89,7 +56,7 @@ def test_every_weighted_leaf_runs_its_own_call(name: str, form: str, device: str
     """A forward hook on every weighted leaf fires, in eval and train, with and without autograd: the same
     modules run in every mode (the fused forms step aside for the hooks), but for training-only heads."""
     torch.manual_seed(0)
-    model = repmlp.create_model(name, **SMALL.get(name, shallow(name))).to(device)
+    model = repmlp.create_model(name, **SMALL_BUILDS.get(name, shallow(name))).to(device)
     set_train_form(model, form)
     x = torch.randn(2, *default_input_size(model), device=device)
     leaves = weighted_leaves(model)
