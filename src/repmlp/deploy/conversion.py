@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.errors import UserError
+from repmlp.models.model_file import device_of
 
 __all__ = [
     "CONVERSION_RTOL",
@@ -130,7 +131,7 @@ def convert_and_check(
     if file is None:
         deployed, seconds = _convert(model, {})
     else:
-        deployed, seconds = _write_and_reload(model, file, _device_of(model) if device is None else device)
+        deployed, seconds = _write_and_reload(model, file, device_of(model) if device is None else device)
     with torch.inference_mode(), full_float32():
         outputs = _first(run(deployed))
     return Conversion(deployed, reference, outputs, compare_outputs(reference, outputs), seconds)
@@ -138,11 +139,6 @@ def convert_and_check(
 
 def _first(out: Any) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def _convert(model: nn.Module, options: dict[str, Any]) -> tuple[nn.Module, float]:

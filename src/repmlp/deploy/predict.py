@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from repmlp.data.folder import image_to_channels
 from repmlp.errors import UserError
-from repmlp.models.model_file import ModelMetadata, load_model, model_metadata
+from repmlp.models.model_file import ModelMetadata, device_of, load_model, model_metadata
 
 __all__ = [
     "Prediction",
@@ -77,11 +77,6 @@ def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tenso
     if c == 1 and pre:  # a one-channel model: one mean/std value (ImageNet's three would broadcast)
         pre.update({k: list(pre[k])[:1] for k in ("mean", "std") if k in pre})
     return folder_eval_transform(h, pre or None)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def _check_classifier(metadata: ModelMetadata) -> None:
@@ -293,7 +288,7 @@ def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
     from repmlp.deploy.runtimes import to_runtime
     from repmlp.nn.convert import reparameterize_model
 
-    if _device_of(model).type != "cpu":
+    if device_of(model).type != "cpu":
         raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
     metadata = model.metadata
     if not isinstance(model, RuntimeModel):  # an ONNX graph (int8) is deployed already
@@ -334,7 +329,7 @@ class Predictor:
             model = model.to(device)
         self.model: nn.Module = model.eval()
         self.metadata: ModelMetadata = model.metadata
-        self.device = torch.device(device) if device is not None else _device_of(model)
+        self.device = torch.device(device) if device is not None else device_of(model)
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.top_k = min(top_k, self.metadata.num_classes)

@@ -48,6 +48,7 @@ __all__ = [
     "atomic_write_text",
     "save_model",
     "load_model",
+    "device_of",
     "ModelMetadata",
     "model_metadata",
     "read_model_file",
@@ -169,6 +170,13 @@ class ModelMetadata:
         return (c, h, w) if img_size is None else (c, img_size, img_size)
 
 
+def device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a model without parameters, e.g. an ONNX
+    graph's wrapper)."""
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def load_model(
     path: str | os.PathLike, *, device: str | torch.device = "cpu", form: Form | None = None
 ) -> nn.Module:
@@ -239,10 +247,8 @@ def _num_classes(model: nn.Module, kwargs: Mapping[str, Any], input_size: tuple[
     from repmlp.nn.numerics import full_float32
 
     # e.g. a torchvision model or an int8 graph: ask the model itself (in full float32, as every check runs)
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
     with torch.inference_mode(), full_float32():
-        return int(model(torch.zeros(1, *input_size, device=device)).shape[-1])
+        return int(model(torch.zeros(1, *input_size, device=device_of(model))).shape[-1])
 
 
 def _preprocessing(
