@@ -1,0 +1,98 @@
+"""Outputs and gradients of this checkout's models against a baseline commit's, bitwise.
+
+For a refactor that must change no number: each of a few small models is built with the same seed by the
+baseline's code and by this checkout's (each in a process of its own, with its own ``src/``), in NCHW and
+channels_last, and run in eval mode without autograd, in training mode with autograd (outputs and every
+parameter's gradient of a fixed loss) and converted; every tensor must be equal to the bit. FC3 runs one
+pinned form on both sides (``REPMLP_FC3=bmm``), since the form timed fastest may differ between processes.
+
+    python3 benchmarks/bitwise_vs_baseline.py --baseline d34241d
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+# (model, options, input shape): the main job's model, the pure MLP's stem, a small RepMLPNet.
+CASES = [
+    ("repmlp_fmnist_patch2", dict(num_classes=10, in_chans=1), (4, 1, 28, 28)),
+    ("repmlp_fmnist", dict(num_classes=10, in_chans=1, widths=[8, 16]), (4, 1, 28, 28)),
+    (
+        "repmlpnet_t224",
+        dict(
+            num_classes=10,
+            img_size=128,
+            channels=(8, 16, 32, 64),
+            depths=(1, 1, 1, 1),
+            sharesets=(1, 2, 4, 8),
+        ),
+        (2, 3, 128, 128),
+    ),
+]
+
+
+def worker(out: str) -> None:
+    """Every tensor of every case, by name, saved to ``out`` (runs with the ``src/`` on sys.path)."""
+    import torch
+
+    import repmlp
+
+    tensors = {}
+    for name, options, shape in CASES:
+        for channels_last in (False, True):
+            key = f"{name}{'/channels_last' if channels_last else ''}"
+            torch.manual_seed(0)
+            model = repmlp.create_model(name, **options)
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                tensors[f"{key}/eval"] = model.eval()(x)
+            y = model.train()(x)
+            y.square().sum().backward()
+            tensors[f"{key}/train"] = y.detach()
+            tensors.update({f"{key}/grad/{k}": p.grad for k, p in model.named_parameters()})
+            with torch.no_grad():
+                tensors[f"{key}/deploy"] = repmlp.reparameterize_model(model.eval())(x)
+    torch.save(tensors, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="git ref of the 'before' code")
+    args = parser.parse_args()
+    import torch
+
+    from bench_train import baseline_source
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"before": baseline_source(args.baseline, Path(tmp)), "now": str(REPO / "src")}
+        results = {}
+        for side, src in sides.items():
+            out = str(Path(tmp) / f"{side}.pt")
+            # FC3's deployed form is the one timed fastest in each process (repmlp.nn.ops.fc3_form), which
+            # may differ between two processes in the last bits: both sides run the batched matmul.
+            env = {**os.environ, "PYTHONPATH": src, "REPMLP_FC3": "bmm"}
+            subprocess.run([sys.executable, __file__, "--worker", out], env=env, check=True, cwd=tmp)
+            results[side] = torch.load(out)
+    before, now = results["before"], results["now"]
+    if before.keys() != now.keys():
+        sys.exit(f"different tensors: {sorted(set(before) ^ set(now))[:5]}")
+    differ = [k for k in before if not torch.equal(before[k], now[k])]
+    print(f"{len(before)} tensors compared with {args.baseline}: {len(differ)} differ {differ[:5]}")
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2])
+    else:
+        main()
