@@ -18,29 +18,33 @@ from typing import Any
 __all__ = ["Recipe", "PRESETS", "DEFAULT_PRESET"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """The training options a preset sets (each overridable on the command line); the classification
-    run's :class:`~repmlp.tasks.classification.TrainConfig` takes its defaults from ``PRESETS["fmnist"]``."""
+    run's :class:`~repmlp.tasks.classification.TrainConfig` takes its defaults from ``PRESETS["fmnist"]``.
+
+    The defaults are what the paper's two recipes share (SGD with momentum 0.9 and weight decay 1e-4, a
+    cosine schedule to zero, flips, no warm-up, label smoothing, mixup or padding); a preset states the rest.
+    """
 
     model: str
     epochs: int
     batch_size: int
-    optimizer: str
+    optimizer: str = "sgd"
     lr: float
-    min_lr: float
-    momentum: float
-    nesterov: bool
-    weight_decay: float
-    schedule: str
-    warmup_epochs: float
-    label_smoothing: float
-    mixup: float
-    pad: int
-    flip: bool
-    autoaugment: bool
-    img_size: int | None
-    channels_last: bool | None  # None: on for CUDA
+    min_lr: float = 0.0
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 1e-4
+    schedule: str = "cosine"
+    warmup_epochs: float = 0.0
+    label_smoothing: float = 0.0
+    mixup: float = 0.0
+    pad: int = 0
+    flip: bool = True
+    autoaugment: bool = False
+    img_size: int | None = None
+    channels_last: bool | None = None  # None: on for CUDA
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,63 +57,18 @@ PRESETS: dict[str, Recipe] = {
         model="repmlp_fmnist_patch2",
         epochs=5,
         batch_size=256,
-        optimizer="sgd",
         lr=0.2,
-        min_lr=0.0,
-        momentum=0.9,
         nesterov=True,
         weight_decay=5e-5,
-        schedule="cosine",
         warmup_epochs=0.5,
         label_smoothing=0.1,
-        mixup=0.0,
-        pad=0,
-        flip=True,
-        autoaugment=False,
-        img_size=None,
         # The stem's matmul and the 1x1 FCs run channels_last; the Local Perceptron's convs pick their own
-        # layout (layers.conv_in_layout_of).
+        # layout (layers.LayoutConv2d).
         channels_last=True,
     ),
-    "cifar": Recipe(
-        model="repmlp_cifar",
-        epochs=100,
-        batch_size=128,
-        optimizer="sgd",
-        lr=0.2,
-        min_lr=0.0,
-        momentum=0.9,
-        nesterov=False,
-        weight_decay=1e-4,
-        schedule="cosine",
-        warmup_epochs=0.0,
-        label_smoothing=0.0,
-        mixup=0.0,
-        pad=4,
-        flip=True,
-        autoaugment=False,
-        img_size=None,
-        channels_last=None,  # on CUDA
-    ),
+    "cifar": Recipe(model="repmlp_cifar", epochs=100, batch_size=128, lr=0.2, pad=4),
     "imagenet": Recipe(
-        model="repmlp_res50",
-        epochs=100,
-        batch_size=256,
-        optimizer="sgd",
-        lr=0.1,
-        min_lr=0.0,
-        momentum=0.9,
-        nesterov=False,
-        weight_decay=1e-4,
-        schedule="cosine",
-        warmup_epochs=0.0,
-        label_smoothing=0.0,
-        mixup=0.2,
-        pad=0,
-        flip=True,
-        autoaugment=True,
-        img_size=224,
-        channels_last=None,
+        model="repmlp_res50", epochs=100, batch_size=256, lr=0.1, mixup=0.2, autoaugment=True, img_size=224
     ),
 }
 
