@@ -20,26 +20,11 @@ from zoo import SMALL_BUILDS, shallow
 # code paths: narrower, shallower ResNets (widths / 4, two blocks a stage: every block kind, see
 # tests/zoo.py) at a resolution where c3 and c4 still have several (padded) partitions, the CIFAR
 # family with narrower stages.
+# Every small build but the face, segmentation and RepMLPNet families (they have test files of their own)
+# and the patch-stem variant of repmlp_fmnist.
+_ELSEWHERE = ("pspnet_", "mobilefacenet", "face_resnet", "repmlp_face_resnet", "repmlpnet_")
 SMALL: dict[str, dict] = {
-    name: SMALL_BUILDS[name]
-    for name in (
-        "repmlp_cifar",
-        "repmlp_cifar_no_local",
-        "repmlp_cifar_no_global",
-        "repmlp_cifar_fc3_conv9",
-        "repmlp_cifar_conv9",
-        "wide_convnet_cifar",
-        "repmlp_fmnist",
-        "repmlp1d_fmnist",
-        "conv1d_fmnist",
-        "repmlp_res50",
-        "repmlp_res50_g8_16",
-        "repmlp_res50_g8_8",
-        "repmlp_res50_g4_8",
-        "repmlp_res50_light",
-        "nl_res50",
-        "gc_res50",
-    )
+    n: kw for n, kw in SMALL_BUILDS.items() if not n.startswith(_ELSEWHERE) and n != "repmlp_fmnist_patch2"
 }
 OWN = tuple(SMALL)
 
