@@ -392,3 +392,17 @@ def test_export_checks_report_the_difference_relative_to_the_output_scale():
     assert _check_close("ONNX", ref[1:] + 1e-5, ref[1:], 1e-4) == pytest.approx(1e-5, rel=0.01)  # scale >= 1
     with pytest.raises(ExportError, match="of the output scale"):
         _check_close("ONNX", ref + 1e3, ref, 1e-4)
+
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+@pytest.mark.parametrize("task", ["face", "seg"])
+def test_task_help_description_is_a_whole_sentence(task, phase, capsys):
+    """`repmlp train/eval --task T -h` shows the task module's first docstring line, a whole sentence."""
+    import importlib
+
+    from repmlp.tasks import TASK_MODULES
+
+    first = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[task]}").__doc__.splitlines()[0]
+    assert first.endswith(".")
+    assert cli.main([phase, "--task", task, "--help"]) == 0
+    assert first in " ".join(capsys.readouterr().out.split())

@@ -408,16 +408,6 @@ def test_face_eval_names_diverged_weights(face_data, trained_face, tmp_path, cap
     assert rc == 2 and "training form's are finite: the conversion failed" in _user_error(capsys)
 
 
-@pytest.mark.parametrize("phase", ["train", "eval"])
-def test_face_help_description_is_a_whole_sentence(phase, capsys):
-    import repmlp.tasks.face
-
-    first = repmlp.tasks.face.__doc__.splitlines()[0]  # what `repmlp train/eval --task face -h` shows
-    assert first.endswith(".")
-    assert cli_main([phase, "--task", "face", "--help"]) == 0
-    assert first in " ".join(capsys.readouterr().out.split())
-
-
 def test_face_eval_set_errors_come_before_progress_bars(face_data, trained_face, capsys):
     rc = cli_main(["eval", "--task", "face", "--checkpoint", str(trained_face / "model.safetensors"),
                    "--pairs", str(face_data / "pairs.txt"), "--device", "cpu", "--workers", "0"])  # fmt: skip

@@ -395,16 +395,6 @@ def test_seg_eval_names_diverged_weights(city, trained_seg, tmp_path, capsys):
     assert_diverged_weights_are_clear_errors(model, save_eval, lambda: _user_error(capsys))
 
 
-@pytest.mark.parametrize("phase", ["train", "eval"])
-def test_seg_help_description_is_a_whole_sentence(phase, capsys):
-    import repmlp.tasks.segmentation
-
-    first = repmlp.tasks.segmentation.__doc__.splitlines()[0]  # what `repmlp train/eval --task seg -h` shows
-    assert first.endswith(".")
-    assert cli_main([phase, "--task", "seg", "--help"]) == 0
-    assert first in " ".join(capsys.readouterr().out.split())
-
-
 def test_seg_eval_whole_mode_error_comes_before_progress_bars(city, trained_seg, capsys):
     rc = cli_main(["eval", "--task", "seg", "--checkpoint", str(trained_seg / "deploy.safetensors"),
                    "--data-dir", str(city), "--mode", "whole", "--device", "cpu", "--workers", "0"])  # fmt: skip
