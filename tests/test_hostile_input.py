@@ -14,6 +14,7 @@ endless read of ``/dev/zero``, fails instead of exhausting a shared machine).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -702,3 +703,327 @@ def test_special_files_are_named_never_read(world, tmp_path):
     for name in ("symlink loop glob", "symlink loop folder"):  # the loop's one image, once
         rows = results[name].stdout.strip().splitlines()
         assert len(rows) == 2 and "x.png" in rows[1], (name, rows)
+
+
+# ------------------------------------------------ small but hostile model files and graphs (issue 46)
+def _int8_file(path: Path, nodes: list, inits: list, inputs: list | None = None) -> Path:
+    """An int8 model file of repmlp_fmnist whose ONNX graph is ``nodes`` (input ``input``, output ``logits``)."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+    from safetensors.torch import save_file
+
+    inputs = inputs or [oh.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 28, 28])]
+    graph = oh.make_graph(nodes, "g", inputs, [oh.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                          initializer=inits)  # fmt: skip
+    raw = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=8).SerializeToString()
+    meta = {"format": "repmlp", "model": NAME, "model_kwargs": json.dumps(KWARGS), "form": "deploy",
+            "precision": "int8", "extra": json.dumps({"input_size": [1, 28, 28]})}  # fmt: skip
+    save_file({"onnx": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}, str(path), metadata=meta)
+    return path
+
+
+def test_hostile_int8_graphs_are_refused_at_load(world, tmp_path):
+    """An int8 file's graph holds only what the int8 export writes: a Loop of 10**15 iterations, a
+    ConstantOfShape or Range of 10**12 elements, another input: refused before onnxruntime runs them."""
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    def const(name: str, value: object, dtype: type = np.int64):  # noqa: ANN202
+        return numpy_helper.from_array(np.array(value, dtype), name)
+
+    body = oh.make_graph(
+        [oh.make_node("Identity", ["c"], ["c_out"]), oh.make_node("Identity", ["x"], ["x_out"])], "body",
+        [oh.make_tensor_value_info(n, t, None) for n, t in (("i", TensorProto.INT64), ("c", TensorProto.BOOL),
+                                                            ("x", TensorProto.FLOAT))],
+        [oh.make_tensor_value_info(n, t, None) for n, t in (("c_out", TensorProto.BOOL), ("x_out", TensorProto.FLOAT))],
+    )  # fmt: skip
+    mean = oh.make_node("ReduceMean", ["input"], ["r"], axes=[2, 3], keepdims=0)
+    cases = {
+        "loop": ([oh.make_node("Loop", ["n", "go", "input"], ["logits"], body=body)],
+                 [const("n", 10**15), const("go", True, bool)], None, "Loop"),
+        "bomb": ([oh.make_node("ConstantOfShape", ["s"], ["big"]), mean, oh.make_node("Add", ["r", "big"], ["logits"])],
+                 [const("s", [1, 10**6, 10**6])], None, "ConstantOfShape"),
+        "range": ([oh.make_node("Range", ["a", "b", "d"], ["big"]), oh.make_node("Cast", ["big"], ["logits"], to=1)],
+                  [const("a", 0), const("b", 10**12), const("d", 1)], None, "Range"),
+        "size": ([mean], [], [oh.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 500, 500])],
+                 "3x500x500"),
+    }  # fmt: skip
+    bench = ["--batch-size", "1", "--warmup", "0", "--repeats", "1"]
+    for name, (nodes, inits, inputs, fragment) in cases.items():
+        if name == "size":  # its ReduceMean writes logits
+            nodes = [oh.make_node("ReduceMean", ["input"], ["logits"], axes=[2, 3], keepdims=0)]
+        path = _int8_file(tmp_path / f"{name}.safetensors", nodes, inits, inputs)
+        command = (
+            ["bench", "--checkpoint", path, *bench] if name != "loop" else ["eval", "--checkpoint", path]
+        )
+        line = assert_one_line(cli(*command, seconds=20), fragment, f"{name}.safetensors")
+        assert "not a usable ONNX graph" in line, line
+
+
+def test_hostile_model_files_and_checkpoints_are_one_line(world, tmp_path, monkeypatch):
+    """Header offsets of Infinity, an input size of 8192 pixels, NaN weights, JSON nested 100,000 deep, and
+    .pth files with an expanded (zero-stride) head, 5,000-digit keys, NaN weights or model args that are
+    unknown, reserved or describe 10**8 blocks: each one line, in seconds, before anything large is made."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "models"))
+    from test_import import ARCH, ours, to_authors  # authors-layout checkpoints
+
+    def infinite(head: dict) -> None:
+        head[next(k for k in head if k != "__metadata__")]["data_offsets"] = [0, float("inf")]
+
+    model = world["model"]
+    nan_model = tmp_path / "nan.safetensors"
+    weights = load_state(world["run"] / "checkpoint.safetensors")["model"]
+    weights = {k: v.clone() for k, v in weights.items()}
+    key = next(k for k, v in weights.items() if v.is_floating_point())
+    weights[key].view(-1)[0] = float("nan")
+    save_model(nan_model, _Weights(weights), name=NAME, model_kwargs=KWARGS, form="train",
+               extra={"input_size": [1, 28, 28]})  # fmt: skip
+    deep = tmp_path / "deep.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({}, str(deep), metadata={"format": "repmlp-state", "state": "[" * 100_000 + "]" * 100_000})
+    bench = ["--batch-size", "1", "--warmup", "0", "--repeats", "1"]
+    files = [
+        (rewrite(model, tmp_path / "inf.safetensors", header=infinite), "Infinity is not a JSON value"),
+        (rewrite(model, tmp_path / "big.safetensors", {"extra": json.dumps({"input_size": [1, 8192, 8192]})}),
+         "extra.input_size[1]"),
+        (nan_model, f"tensor {key!r} holds 1 NaN"),
+    ]  # fmt: skip
+    for path, fragment in files:
+        assert_one_line(cli("bench", "--checkpoint", path, *bench, seconds=20), fragment, path.name)
+    assert_one_line(
+        cli("train", "--output", _resumable(tmp_path, deep), "--resume", seconds=20), "nested too deep"
+    )
+
+    sd = to_authors(ours().state_dict())
+    pths = {
+        "expanded": {**sd, "head.weight": torch.zeros(1, 1).expand(30_000, 40_000)},
+        "digits": {**sd, "embeds." + "9" * 5000 + ".conv.weight": sd["embeds.0.conv.weight"]},
+        "nan": {**sd, "head.weight": torch.full_like(sd["head.weight"], float("nan"))},
+    }
+    arch = [a for k, v in ARCH.items() if k != "depths" for a in ("--model-arg", f"{k}={json.dumps(v)}")]
+    good = tmp_path / "good.pth"
+    torch.save(sd, good)
+    cases = [(p, ["--model-arg", "depths=[1,1,2,1]"], frag) for p, frag in (
+        ("expanded", "zero or overlapping strides"), ("digits", "indices at most 6 digits"), ("nan", "NaN"))] + [
+        ("good", ["--model-arg", "depths=[1,1,2,1]", "--model-arg", "evil=1"], "has no option 'evil' (its options: "),
+        ("good", ["--model-arg", "depths=[1,1,2,1]", "--model-arg", 'device="meta"'], "device"),
+        ("good", ["--model-arg", "depths=[100000000,1,2,1]"], "far larger than the file's"),
+    ]  # fmt: skip
+    for name, args, fragment in cases:
+        path = good if name == "good" else tmp_path / f"{name}.pth"
+        if name != "good":
+            torch.save(pths[name], path)
+        out = tmp_path / "x.safetensors"
+        res = cli("import", path, *arch, *args, "--model", "repmlpnet_b224", "--output", out, seconds=30)
+        assert_one_line(res, fragment)
+        assert not out.exists()
+
+
+class _Weights(torch.nn.Module):
+    """A module whose state dict is ``weights`` (to write a model file of given tensors)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._w = weights
+
+    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return dict(self._w)
+
+
+def _resumable(tmp: Path, state: Path) -> Path:
+    out = tmp / "deep-run"
+    out.mkdir()
+    shutil.copy(state, out / "checkpoint.safetensors")
+    return out
+
+
+def test_create_model_refuses_non_positive_counts():
+    for kwargs in ({"in_chans": 0}, {"num_classes": -1}, {"in_chans": True}):
+        with pytest.raises(ValueError, match="in_chans|num_classes"):
+            repmlp.create_model(NAME, **KWARGS, **kwargs)
+    assert repmlp.create_model(NAME, **KWARGS, num_classes=0).num_classes == 0  # timm's "no head"
+
+
+# ------------------------------- H6 (issue 46): resumed states and environment values get the command line's checks
+@functools.cache
+def _train_actions() -> dict[str, object]:
+    """``repmlp train``'s argparse actions by destination (the real parser of the CLI)."""
+    import argparse
+
+    from repmlp.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices["train"]._actions}
+
+
+def _state_refuses(name: str, value: object) -> bool:
+    """Whether a training state whose config holds ``value`` for ``name`` is refused (one CheckpointError
+    naming the field), the rest of the config being a valid run's."""
+    from repmlp.models.file_format import CheckpointError
+    from repmlp.tasks.classification import TrainConfig
+
+    try:
+        TrainConfig.from_state({**TrainConfig().to_dict(), name: value}, "ckpt.safetensors")
+    except CheckpointError as exc:
+        assert str(exc).startswith("ckpt.safetensors: config field") and repr(name) in str(exc), str(exc)
+        return True
+    return False
+
+
+def _argv_refuses(action, value: object) -> bool:  # noqa: ANN001 - an argparse action
+    import argparse
+
+    try:
+        action.type(repr(value) if isinstance(value, float) else str(value))
+    except (argparse.ArgumentTypeError, ValueError, TypeError):
+        return True
+    return False
+
+
+# The options the run narrows after parsing: fractions (the parsers take any number >= 0), --min-lr <= --lr.
+_NARROWED = {"momentum", "label_smoothing", "min_lr"}
+
+
+def _same_verdicts(actions: dict, ranges: dict, values: list[object]) -> None:
+    for name in ranges:
+        for value in values:
+            argv, state = _argv_refuses(actions[name], value), _state_refuses(name, value)
+            if name in _NARROWED:
+                assert state or not argv, (name, value, "the command line refuses it, a state does not")
+            else:
+                assert argv == state, (name, value, f"command line refuses: {argv}, state refuses: {state}")
+
+
+@SETTINGS
+@given(value=st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True)))
+def test_resumed_config_values_get_the_command_lines_checks(value):
+    """Every range-checked option of ``repmlp train`` refuses the same values on the command line and from
+    a resumed state's config (TrainConfig.validate's table): at and around every bound, and drawn values;
+    a choice option takes the same choices; no typed option escapes the table."""
+    from repmlp.tasks.classification import _CHOICES, OPTION_RANGES, TrainConfig
+
+    actions = _train_actions()
+    fields = {f for f in TrainConfig().to_dict() if f in actions}
+    typed = {f for f in fields if actions[f].type is not None and f != "model_args"}
+    assert typed == set(OPTION_RANGES), typed ^ set(OPTION_RANGES)
+    for name, (flag, choices) in _CHOICES.items():
+        if name in actions:
+            assert flag in actions[name].option_strings and set(actions[name].choices) == set(choices), name
+    if value == 0 and not isinstance(value, float):  # once: the bounds themselves
+        probes: list[object] = [0.5, 0.999, 1.5, 1e-300, 1e300, 2**64, float("nan"), float("inf"), -0.0]
+        for _, rng in OPTION_RANGES.values():
+            for bound in (rng.lo, rng.hi):
+                probes += [bound - 1, bound, bound + 1, float(bound), bound * (1 + 1e-9) + 1e-12]
+        _same_verdicts(actions, OPTION_RANGES, probes)
+    _same_verdicts(actions, OPTION_RANGES, [value])
+
+
+def _h6_edit(path: str, value: object) -> Callable[[dict], None]:
+    """An edit of the state at the dotted ``path`` (config.x, config.eval_preprocessing.y, optimizer...)."""
+
+    def edit(state: dict) -> None:
+        *parents, last = path.split(".")
+        node = state
+        for key in parents:  # list indices and optimizer state ids are integers
+            node = node[int(key)] if isinstance(node, list) or key.isdigit() else node[key]
+        if isinstance(node, list):
+            node[int(last)] = value
+        elif value is _DROP:
+            node.pop(last)
+        else:
+            node[last] = value
+
+    return edit
+
+
+_DROP = object()
+_H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
+    # a fork storm, a benchmark batch of 4M images, a resize to 10,000x the crop, inputs / 1e-300
+    "workers 1000000": (_h6_edit("config.workers", 1_000_000), "--workers must be in 0..256"),
+    "bench_batch_size 2**22": (_h6_edit("config.bench_batch_size", 2**22), "--bench-batch-size must be in"),
+    "crop_pct 1e-4": (
+        _h6_edit("config.eval_preprocessing", {"crop_pct": 1e-4, "mean": [0.5], "std": [0.5]}),
+        "crop_pct",
+    ),
+    "std 1e-300": (_h6_edit("config.eval_preprocessing", {"mean": [0.5], "std": [1e-300]}), "std must be"),
+    "no mean/std": (_h6_edit("config.eval_preprocessing", {"crop_pct": 0.9}), "mean and std"),
+    "config std alone": (_h6_edit("config.std", [0.5]), "both mean and std"),
+    # the optimizer state, checked against this run's optimizer before it is loaded
+    "momentum text": (_h6_edit("optimizer.param_groups.0.momentum", "x"), "momentum is 'x'"),
+    "weight_decay 1e300": (_h6_edit("optimizer.param_groups.0.weight_decay", 1e300), "weight_decay"),
+    "maximize": (_h6_edit("optimizer.param_groups.0.maximize", True), "maximize is True"),
+    "nesterov off": (_h6_edit("optimizer.param_groups.0.nesterov", False), "nesterov is False"),
+    "lr nan": (_h6_edit("optimizer.param_groups.1.lr", float("nan")), "lr is nan"),
+    "unknown setting": (_h6_edit("optimizer.param_groups.0.bogus", 1), "unknown setting"),
+    "duplicated id": (_h6_edit("optimizer.param_groups.0.params.1", 0), "parameter id 0 twice"),
+    "buffer shape": (_h6_edit("optimizer.state.0.momentum_buffer", torch.zeros(3)), "of shape (3,)"),
+    "buffer dtype": (
+        _h6_edit("optimizer.state.0.momentum_buffer", torch.zeros(4, 1, 1, 1, dtype=torch.int64)),
+        "torch.int64",
+    ),
+    "buffer text": (_h6_edit("optimizer.state.0.momentum_buffer", "x"), "not a tensor"),
+    "buffer nan": (
+        _h6_edit("optimizer.state.0.momentum_buffer", torch.full((4, 1, 1, 1), float("nan"))),
+        "NaN/inf",
+    ),
+    "history without epoch_s": (_h6_edit("history.0.epoch_s", _DROP), "no number for epoch_s"),
+}
+
+
+def test_h6_edited_states_are_one_line_and_change_nothing(interrupted):
+    """Each edited field of a resumed state (its config, its optimizer, its history) is refused with one
+    line naming the file and what does not fit, before anything is loaded into the run or written; then
+    the untouched state still resumes past all of these checks."""
+    path = interrupted / "checkpoint.safetensors"
+    original = path.read_bytes()
+    for case, (change, fragment) in _H6_EDITS.items():
+        state = load_state(path)
+        change(state)
+        save_state(path, state)
+        before = hashes(interrupted)
+        line = assert_one_line(cli("train", "--output", interrupted, "--resume", "--workers", "0"), fragment)
+        assert str(path) in line, (case, line)
+        assert hashes(interrupted) == before, case
+        path.write_bytes(original)
+
+
+def test_h6_environment_batches_and_task_models_are_one_line(world, tmp_path, monkeypatch):
+    """Bad torchrun variables and REPMLP_FC3 are one line naming the variable (REPMLP_FC3 read where FC3
+    runs: --version works with any value); a BatchNorm batch of one example and another task's model are
+    refused before training, nothing written."""
+    from repmlp.nn import ops
+
+    out = tmp_path / "run"
+    train = ["train", "--data-dir", world["fm"], "--model", NAME, "--model-arg", "widths=[4,8]", "--model-arg",
+             "kernel_sizes=[3]", "--epochs", 1, "--val-limit", 8, "--workers", 0, "--output", out]  # fmt: skip
+    monkeypatch.setattr(ops, "_backend", None)  # as in a new process: not read yet
+    monkeypatch.setenv("REPMLP_FC3", "bogus")
+    assert cli("--version").returncode == 0
+    assert_one_line(cli(*train), "REPMLP_FC3='bogus'", "auto, bmm, onednn, transposed")
+    monkeypatch.delenv("REPMLP_FC3")
+    cases = [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc': expected an integer in 1.."),
+        ({"WORLD_SIZE": "2"}, "RANK is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x': expected an integer in 0..1"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK='2': expected an integer in 0..1"),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "localhost"}, "MASTER_PORT is not set"),
+    ]
+    for env, fragment in cases:
+        with monkeypatch.context() as m:
+            for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                m.delenv(key, raising=False)
+            for key, value in env.items():
+                m.setenv(key, value)
+            assert_one_line(cli(*train), fragment)
+    for extra, fragment in [
+        (["--batch-size", 1, "--train-limit", 8], "--batch-size 1 leaves 1"),
+        (["--batch-size", 8, "--train-limit", 1], "1 training example"),
+    ]:
+        assert_one_line(cli(*train, *extra), "BatchNorm needs at least 2 examples per batch", fragment)
+    seg = ["train", "--data-dir", world["fm"], "--model", "pspnet_res50", "--model-arg", "widths=[64,128,256,512]",
+           "--model-arg", "layers=[1,1,1,1]", "--model-arg", "head_channels=16", "--model-arg", "aux_channels=16",
+           "--train-limit", 8, "--val-limit", 8, "--workers", 0, "--output", out]  # fmt: skip
+    assert_one_line(cli(*seg), "is not an image classifier", "--task seg")
+    assert not out.exists()

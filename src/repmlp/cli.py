@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 
 from repmlp.commands._parser import ArgumentParser
@@ -119,7 +120,8 @@ def out_of_memory_message(exc: BaseException, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; returns the process exit status (0 success, 2 user error)."""
+    """Run one command; returns the process exit status (0 success, 2 user error, 128 + N stopped by
+    signal N: 130 Ctrl-C, 143 SIGTERM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -137,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("user error", exc_info=True)
         print(f"repmlp: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("repmlp: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        # A training run stopped by SIGINT/SIGTERM (repmlp.engine.loop.RunInterrupted) says which signal and
+        # where its checkpoint is. Exit 128 + the signal's number, the shell's convention: 130 for Ctrl-C,
+        # 143 for SIGTERM.
+        message = str(exc).strip()
+        print(f"repmlp: {message}" if message else "repmlp: interrupted", file=sys.stderr)
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except (MemoryError, RuntimeError) as exc:
         # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError, possibly wrapped by torch.compile; any
         # other RuntimeError is a bug and keeps its traceback.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -174,7 +175,8 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
         raise OSError("disk on fire")
 
     monkeypatch.setattr(os, "fsync", boom)
-    with pytest.raises(OSError, match="disk on fire"):
+    # A user's error (a full disk, a folder in the way): one line naming the user's path, not the temp file.
+    with pytest.raises(UserError, match=f"cannot write {re.escape(str(path))}: disk on fire"):
         atomic_write_bytes(path, b"new" * 1000)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]  # no temp file left behind

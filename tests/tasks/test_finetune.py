@@ -41,7 +41,8 @@ def pretrained(tmp_path_factory, one_thread) -> dict[str, Path]:
     src = make_image_folder(root / "three", classes=3, per_class=8, size=32)
     dst = make_image_folder(root / "two", classes=2, per_class=8, size=32, seed=1)
     status = cli.main(["-q", "train", "--dataset", "imagefolder", "--data-dir", str(src), "--model",
-                       "repmlp_fmnist", *TINY, *RUN, "--epochs", "1", "--output", str(root / "a")])  # fmt: skip
+                       "repmlp_fmnist", *TINY, "--model-arg", "in_chans=3", *RUN, "--epochs", "1", "--output",
+                       str(root / "a")])  # fmt: skip
     assert status == 0
     return {
         "root": root,

@@ -34,6 +34,7 @@ __all__ = [
     "render_markdown",
     "models_to_bench",
     "in_precision",
+    "timing_caveat",
 ]
 
 log = logging.getLogger(__name__)
@@ -147,16 +148,40 @@ def benchmark(
         log.info(
             "%s (%s): %.1f examples/s (spread %.0f%%)", name, form, rows[-1].throughput, 100 * rows[-1].spread
         )
-    worst = max((r.spread for r in rows), default=0.0)
-    if worst > 0.25:
-        log.warning(
-            "timings vary by up to %.0f%% between passes: the machine is busy; compare ratios, or rerun",
-            100 * worst,
-        )
+    caveat = timing_caveat(rows)
+    if caveat:
+        log.warning("%s", caveat)
     for net in nets:
         if isinstance(net, nn.Module):
             net.to("cpu")
     return rows
+
+
+# Spread (interquartile range / median of a form's pass times) above which the figures carry a caveat.
+BUSY_SPREAD = 0.25
+
+
+def timing_caveat(rows: Sequence[BenchRow]) -> str | None:
+    """The caveat that must travel with ``rows``' figures (printed and in any report), or ``None``.
+
+    Two signs that the timings measured the machine's load more than the models: pass times spread by
+    more than :data:`BUSY_SPREAD`, or a deployed form slower than its training-time form, which runs
+    the same layers and more (BatchNorm, the conv branches).
+    """
+    worst = max((r.spread for r in rows), default=0.0)
+    train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
+    slower = [r.model for r in rows if r.form == "deploy" and r.throughput < train_speed.get(r.model, 0.0)]
+    signs = []
+    if worst > BUSY_SPREAD:
+        signs.append(f"timings vary by up to {100 * worst:.0f}% between passes")
+    if slower:
+        signs.append(f"the deployed form measured slower than the training-time form ({', '.join(slower)})")
+    if not signs:
+        return None
+    return (
+        f"{'; '.join(signs)}: the machine is busy or the batches too short to time; the speeds and their "
+        "ratio are not reliable here: rerun `repmlp bench` on an idle machine"
+    )
 
 
 def _is_deployed(model: nn.Module) -> bool:

@@ -20,10 +20,14 @@ from repmlp.commands._common import (
     add_runtime_argument,
     check_report_output,
     check_runtime,
+    first_line_starts,
     int_at_least,
     runtime_version,
 )
 from repmlp.engine import hardware_summary, resolve_device
+
+# The first line of the table `repmlp bench` writes (repmlp.bench.throughput.render_markdown).
+TABLE_HEADER = "| Model | Form | Input |"
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from repmlp.deploy.precision import precision_of
     from repmlp.models.model_file import atomic_write_text
 
-    check_report_output(args.output, args.checkpoint or [])
+    # Only an earlier table of `repmlp bench` (its header line) is replaced.
+    check_report_output(args.output, args.checkpoint or [], own=first_line_starts(TABLE_HEADER))
     device = resolve_device(args.device)
     check_runtime(args.runtime, device)
     models, input_size, forms = models_to_bench(

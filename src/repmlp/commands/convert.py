@@ -4,7 +4,8 @@ Every RepMLP block becomes FC1, FC2 and FC3 (Local Perceptron and BatchNorms mer
 pair one conv. The deployed file is written only after it has been loaded back into a freshly built
 ``deploy=True`` model and that model's outputs matched the training-time model's on real inputs: a
 batch of the run's validation data when the checkpoint names its data set (or ``--dataset`` is given),
-otherwise random inputs.
+read for the model as ``repmlp eval`` reads it (its channels, input size and normalisation), otherwise
+random inputs. ``--precision int8`` calibrates on the run's training images, read the same way.
 """
 
 from __future__ import annotations

@@ -11,7 +11,14 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import MAX_SIDE, int_at_least, load_checkpoint
+from repmlp.commands._common import (
+    MAX_SIDE,
+    archive_is_ours,
+    check_output_file,
+    int_at_least,
+    load_checkpoint,
+    onnx_is_ours,
+)
 from repmlp.errors import UserError
 from repmlp.models.builder import check_forward
 
@@ -79,19 +86,25 @@ def run(args: argparse.Namespace) -> int:
         export_torchscript,
         write_int8_onnx,
     )
-    from repmlp.models.file_format import check_output_kind
     from repmlp.nn.convert import reparameterize_model
 
     paths = output_paths(args.checkpoint, args.output, args.format)
     for fmt, path in paths.items():
-        if path.resolve() == args.checkpoint.resolve():
-            raise UserError(f"--output {path} would overwrite the checkpoint")
         if path.suffix.lower() != _SUFFIX[fmt]:
             raise UserError(
                 f"--output {path}: --format {fmt} writes a {_SUFFIX[fmt]} file (name it so, or pick the "
                 "--format of that name)"
             )
-        check_output_kind(path, f"{'an' if fmt == 'onnx' else 'a'} {fmt} file", (_KIND[fmt],))
+        # Only an earlier export of repmlp's is replaced (never a torch.save checkpoint, another tool's ONNX);
+        # the default output lies beside the checkpoint, in its run's folder, where it is a new file.
+        check_output_file(
+            path,
+            [args.checkpoint],
+            writes=f"{'an' if fmt == 'onnx' else 'a'} {fmt} file",
+            same=(_KIND[fmt],),
+            own=onnx_is_ours if fmt == "onnx" else archive_is_ours,
+            new_in_run=True,
+        )
     model = load_checkpoint(args.checkpoint)
     meta = model.metadata
     input_size = meta.input_size_at(args.img_size)

@@ -49,16 +49,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.models.file_format import check_output_kind
+    from repmlp.commands._common import check_output_file
     from repmlp.models.importer import import_to_file
 
     out: Path = args.output
     if out.suffix != ".safetensors":
         raise UserError(f"--output {out}: repmlp model files end in .safetensors")
-    if out.exists() and args.checkpoint.exists() and out.resolve() == args.checkpoint.resolve():
-        raise UserError(f"--output {out} would overwrite the checkpoint being read")
-    # An earlier model file may be replaced; a training state, a report or any other file may not.
-    check_output_kind(out, "a model file", ("a training-time model file", "a deployed model file"))
+    # An earlier model file (repmlp's metadata in it) may be replaced; a training state, a report, any other
+    # file, the input itself and anything in a finished run's folder may not.
+    check_output_file(
+        out,
+        [args.checkpoint],
+        writes="a model file",
+        same=("a training-time model file", "a deployed model file"),
+    )
     result = import_to_file(args.checkpoint, args.model, dict(args.model_arg), out)
     params = sum(p.numel() for p in result["model"].parameters())
     print(

@@ -25,6 +25,7 @@ from repmlp.commands._common import (
     add_runtime_argument,
     check_report_output,
     check_runtime,
+    first_line_starts,
     int_at_least,
 )
 
@@ -80,19 +81,29 @@ def _workers(text: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from repmlp.deploy.predict import output_format, predict_paths, render_table, result_record, write_results
+    from repmlp.deploy.predict import (
+        CSV_HEADER,
+        output_format,
+        predict_paths,
+        printable,
+        render_table,
+        result_record,
+        write_results,
+    )
     from repmlp.engine import resolve_device
 
     if args.output:
         output_format(args.output)  # a bad name is an error before any work
-        check_report_output(Path(args.output), [Path(args.checkpoint)])  # no other kind of file replaced
+        # Only an earlier output of predict's is replaced; never an input (the labels file, an image).
+        inputs = [args.checkpoint, *([args.labels] if args.labels else []), *args.inputs]
+        check_report_output(Path(args.output), inputs, own=first_line_starts(CSV_HEADER, '{"path": '))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     check_runtime(args.runtime, device)
 
-    def skip(path: str, reason: str) -> None:
-        print(f"repmlp: skipped {path}: {reason}", file=sys.stderr, flush=True)
+    def skip(path: str, reason: str) -> None:  # a name cannot forge a line or move the cursor
+        print(f"repmlp: skipped {printable(path)}: {printable(reason)}", file=sys.stderr, flush=True)
 
     done, skipped = predict_paths(
         args.checkpoint,

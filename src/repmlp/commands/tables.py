@@ -74,10 +74,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.commands._common import check_report_output
+    from repmlp.commands._common import check_report_output, first_line_starts
     from repmlp.models.model_file import atomic_write_text
 
-    check_report_output(args.output)
+    # Only an earlier output of `repmlp tables` is replaced: its counts' note, or a speed table's title.
+    check_report_output(args.output, own=first_line_starts("Params: converted model", "### "))
     if not args.speed:
         given = [f"--{name}" for name in _SPEED_ONLY if getattr(args, name) not in (None, False)]
         if given:

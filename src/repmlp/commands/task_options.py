@@ -94,8 +94,13 @@ def add_common_train_arguments(
     )
     parser.add_argument("--seed", type=seed_int, default=0, help="random seed, 0 .. 2**32-1 (default: 0)")
     add_limit_argument(parser, "--train-limit", "training images")
+    from repmlp.data.loader import default_workers
+
     parser.add_argument(
-        "--workers", type=int_at_least(0, MAX_WORKERS), default=2, help="data loading processes (default: 2)"
+        "--workers",
+        type=int_at_least(0, MAX_WORKERS),
+        default=min(default_workers(), MAX_WORKERS),
+        help="data loading processes (default: one per CPU core this process may use)",
     )
     parser.add_argument(
         "--log-interval",

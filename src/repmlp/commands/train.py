@@ -160,8 +160,13 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--download", action="store_true", help="fetch Fashion-MNIST with torchvision if missing")
     add_limit_argument(g, "--train-limit", "training examples")
     add_limit_argument(g, "--val-limit", "validation examples")
+    from repmlp.data.loader import default_workers
+
     g.add_argument(
-        "--workers", type=_workers, default=2, help="image decoding processes (imagefolder; default: 2)"
+        "--workers",
+        type=_workers,
+        default=min(default_workers(), MAX_WORKERS),
+        help="image decoding processes (imagefolder; default: one per CPU core this process may use)",
     )
 
 
@@ -175,7 +180,8 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         default=None,
         help="fmnist (default for fashion-mnist), cifar (the paper's CIFAR-10 recipe, default for "
-        "cifar10), imagenet (the paper's ImageNet recipe, default for imagefolder)",
+        "cifar10), imagenet (the paper's ImageNet recipe); an image folder's default is the model's own "
+        "(the --init file's) recipe, its batch fitted to the folder's size",
     )
     g.add_argument(
         "--model", default=None, help="registered repmlp model, or a timm / torchvision model name"
@@ -222,8 +228,8 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
         "--img-size",
         type=int_at_least(8, MAX_SIDE),
         default=None,
-        help="crop size (imagefolder; with --init: the init file's input size); zero-pad to it "
-        "(fashion-mnist, cifar10)",
+        help="crop size (imagefolder; default: the model's own input size, with --init the init file's); "
+        "zero-pad to it (fashion-mnist, cifar10)",
     )
     g.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**32-1 (default: 0)")
     add_init_argument(
@@ -256,31 +262,35 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace):
-    """Preset values for every option not given on the command line -> :class:`TrainConfig`."""
+    """Preset values for every option not given on the command line -> :class:`TrainConfig`.
+
+    An image folder's run (not resumed) takes its recipe, input and batch from :func:`_folder_recipe`."""
     from repmlp.tasks.classification import TrainConfig
     from repmlp.tasks.recipes import DEFAULT_PRESET, PRESETS
 
-    preset = args.preset or DEFAULT_PRESET[args.dataset]
-    values = PRESETS[preset].to_dict()
-    for k in list(values):
-        given = getattr(args, k, None)
-        if given is not None:
-            values[k] = given
     output = args.output or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     if args.resume and not args.output:
         raise UserError("--resume needs --output DIR (the run folder to continue)")
     model_args = dict(args.model_arg)
     init = os.path.abspath(os.path.expanduser(args.init)) if args.init else None
-    folder: dict[str, object] = {}
-    if init and not args.resume:
+    model = args.model
+    if init and not args.resume and model is None:
         from repmlp.tasks.finetune import init_model_options
 
-        if args.model is None:
-            # Fine-tuning without --model: the file's model with its options (the new data set the classes).
-            values["model"], file_args = init_model_options(init)
-            model_args = {**file_args, **model_args}
-        if args.dataset == "imagefolder":
-            folder = _init_folder_defaults(init, args, values)
+        # Fine-tuning without --model: the file's model with its options (the new data set the classes).
+        model, file_args = init_model_options(init)
+        model_args = {**file_args, **model_args}
+    folder: dict[str, object] = {}
+    derived: dict[str, object] = {}
+    if args.dataset == "imagefolder" and not args.resume:
+        preset, folder, derived = _folder_recipe(args, init, model, model_args)
+    else:
+        preset = args.preset or DEFAULT_PRESET[args.dataset]
+    values = {**PRESETS[preset].to_dict(), **derived, **({"model": model} if model else {})}
+    for k in list(values):
+        given = getattr(args, k, None)
+        if given is not None:
+            values[k] = given
     argv = sys.argv[1:] if args.argv is None else args.argv
     return TrainConfig(
         init=init,
@@ -310,13 +320,103 @@ def resolve_config(args: argparse.Namespace):
     )
 
 
+def _folder_recipe(
+    args: argparse.Namespace, init: str | None, model: str | None, model_args: dict[str, object]
+) -> tuple[str, dict[str, object], dict[str, object]]:
+    """An image folder's new run: ``(preset, TrainConfig fields, recipe values)``, said in one log line.
+
+    The input (channels and size) is the ``--init`` file's (:func:`_init_folder_defaults`), else the
+    model's own (:func:`repmlp.models.model_data.default_input`: ``repmlp_fmnist`` takes 1x28x28, not the
+    ``imagenet`` preset's 224x224 RGB). Without ``--preset`` the recipe is that model's (the init file's:
+    :func:`repmlp.tasks.recipes.preset_for_model`), and without ``--batch-size`` its batch is fitted to the
+    folder's size (:func:`repmlp.tasks.recipes.folder_batch_size`). Options given on the command line win.
+    """
+    from repmlp.models.model_data import default_input
+    from repmlp.tasks.recipes import PRESETS, folder_batch_size, folder_lr, preset_for_model
+
+    name = model or PRESETS[args.preset or "imagenet"].model
+    derived: dict[str, object] = {}
+    if init:
+        fields, pre = _init_folder_defaults(init, args, derived)
+        size, whose = pre["input_size"], "the --init file's"
+        basis = (pre["model"], size, pre["dataset"])
+    else:
+        size, whose = default_input(name, model_args), f"{name}'s"
+        fields, basis = _own_input(name, size, args, derived), (name, size, None)
+    preset, why = (args.preset, "--preset") if args.preset else preset_for_model(*basis)
+    recipe = PRESETS[preset]
+    img = args.img_size or derived.get("img_size") or recipe.img_size
+    said = [f"recipe {preset} ({why})"]
+    if size:
+        c = fields.get("channels", 3)
+        said.append(f"input {c}x{img}x{img}" + ("" if args.img_size else f" ({whose})"))
+    if args.batch_size is None:
+        n = _count_images(args.data_dir, args.train_limit, recipe.batch_size * FOLDER_COUNT_STEPS)
+        if n is not None:
+            derived["batch_size"] = batch = folder_batch_size(recipe.batch_size, n)
+            said.append(f"batch {batch} ({max(1, n // batch)} steps an epoch on {n} training images)")
+            if batch < recipe.batch_size and args.lr is None:
+                derived["lr"] = lr = folder_lr(recipe.lr, recipe.batch_size, batch)
+                said.append(f"lr {lr:.3g} (the recipe's {recipe.lr:g} x sqrt({batch}/{recipe.batch_size}))")
+    log.info("image folder: %s; options given on the command line win", ", ".join(said))
+    return preset, fields, derived
+
+
+# How far _count_images counts: a folder of at least this many batches is large enough for any preset.
+FOLDER_COUNT_STEPS = 16
+
+
+def _own_input(
+    name: str, size: tuple[int, int, int] | None, args: argparse.Namespace, derived: dict[str, object]
+) -> dict[str, object]:
+    """The channels (a TrainConfig field) and, unless ``--img-size`` is given, the size
+    (``derived["img_size"]``) of an image folder for model ``name`` whose own input is ``size``."""
+    if size is None:  # a model without a known input (torchvision's): RGB at the preset's size
+        return {}
+    c, h, w = size
+    if c not in (1, 3):
+        raise UserError(
+            f"{name} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): pass "
+            "--model-arg in_chans=1 or in_chans=3"
+        )
+    if args.img_size is None and h == w:
+        derived["img_size"] = h
+    return {"channels": c}
+
+
+def _count_images(data_dir: str | None, limit: int | None, at_most: int) -> int | None:
+    """The training images of image folder ``data_dir`` (at most ``limit``), counted up to ``at_most``
+    (enough to know the recipe's batch fits); ``None`` when the folder cannot be read (building the data
+    then says what is wrong)."""
+    from pathlib import Path
+
+    from repmlp.data.folder import IMG_EXTENSIONS
+    from repmlp.data.inputs import not_regular, walk_files
+
+    if not data_dir:
+        return None
+    root = Path(os.path.expanduser(data_dir)) / "train"
+    at_most = min(at_most, limit) if limit else at_most
+    n = 0
+    try:
+        for folder in sorted(root.iterdir()):
+            if not folder.name.startswith(".") and not_regular(folder) == "a folder":
+                n += len(walk_files(folder, IMG_EXTENSIONS)[0])
+                if n >= at_most:
+                    break
+    except OSError:
+        return None
+    return min(n, at_most) if n else None
+
+
 def _init_folder_defaults(
     init: str, args: argparse.Namespace, values: dict[str, object]
-) -> dict[str, object]:
+) -> tuple[dict[str, object], dict[str, object]]:
     """An image folder fine-tuned from ``--init FILE``: the file's recorded preprocessing as the defaults
     (its channels, its input size unless ``--img-size`` is given, its normalisation and evaluation resize),
     so that the main job's one-channel 28x28 model fine-tunes on one's own images of any mode and size.
-    Returns the :class:`~repmlp.tasks.classification.TrainConfig` fields; sets ``values["img_size"]``."""
+    Returns the :class:`~repmlp.tasks.classification.TrainConfig` fields and the file's
+    :func:`~repmlp.tasks.finetune.init_preprocessing`; sets ``values["img_size"]``."""
     from repmlp.tasks.finetune import folder_preprocessing, init_preprocessing
 
     pre = init_preprocessing(init)
@@ -340,7 +440,7 @@ def _init_folder_defaults(
     if evaluation:
         out["eval_preprocessing"] = evaluation
         out["mean"], out["std"] = evaluation["mean"], evaluation["std"]
-    return out
+    return out, pre
 
 
 def given_options(args: argparse.Namespace) -> set[str]:

@@ -12,7 +12,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import check_report_output, int_at_least, load_checkpoint
+from repmlp.commands._common import check_report_output, int_at_least, load_checkpoint, png_is_ours
 from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--output",
         type=Path,
         default=None,
-        help="PNG to write (default: fc3_weights.png next to the checkpoint)",
+        help="PNG to write (default: fc3_weights.png in the current folder; an existing PNG is replaced only "
+        "if repmlp drew it)",
     )
     p.set_defaults(func=run)
     return p
@@ -57,8 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from repmlp.bench.viz import describe, find_repmlp_blocks, plot_fc3
 
-    output = args.output or args.checkpoint.with_name("fc3_weights.png")
-    check_report_output(output, [args.checkpoint], kind="a PNG image")
+    # In the current folder by default: the checkpoint's folder is mostly a finished run's, left as it is.
+    output = args.output or Path("fc3_weights.png")
+    check_report_output(output, [args.checkpoint], kind="a PNG image", own=png_is_ours)
     model = load_checkpoint(args.checkpoint)
     meta = model.metadata
     blocks = find_repmlp_blocks(model)

@@ -20,7 +20,7 @@ import torch
 from repmlp.data.cifar import load_cifar10
 from repmlp.data.fashion_mnist import CLASSES as FMNIST_CLASSES
 from repmlp.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist
-from repmlp.data.folder import ImageFolderData, scan_image_folder, stratified_subset
+from repmlp.data.folder import EvalPixels, ImageFolderData, TrainCrop, scan_image_folder, stratified_subset
 from repmlp.data.loader import FolderLoader, InMemoryLoader
 from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
@@ -33,6 +33,8 @@ __all__ = [
     "NORMALIZATION",
     "NATIVE_SIZE",
     "folder_eval_transform",
+    "folder_eval_pixels",
+    "GpuTrainBatch",
     "PixelEvalTransform",
 ]
 
@@ -74,9 +76,13 @@ class DataConfig:
     channels: int | None = None
     mean: Sequence[float] | None = None
     std: Sequence[float] | None = None
-    workers: int = 2
+    # image folders: decoding processes (None: one per CPU core this process may use)
+    workers: int | None = None
     channels_last: bool = False
     need_train: bool = True
+    # image folders on CUDA: decode the training JPEGs in batches on the GPU (nvJPEG) and crop, flip and
+    # normalise there (None: no, until measured faster on a GPU; see docs/benchmarks.md).
+    gpu_decode: bool | None = None
 
 
 @dataclass
@@ -118,7 +124,9 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
         classes = FMNIST_CLASSES
     else:
         if cfg.data_dir is None:
-            raise UserError("--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)")
+            raise UserError("--dataset cifar10 needs --data-dir DIR, the folder holding cifar-10-batches-py "
+                            "(--download fetches Fashion-MNIST only; torchvision.datasets.CIFAR10(DIR, "
+                            "download=True) creates that folder)")  # fmt: skip
         splits = {
             s: load_cifar10(cfg.data_dir, train=s) for s in ((True, False) if cfg.need_train else (False,))
         }
@@ -206,6 +214,26 @@ def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None
     )
 
 
+_TO_TENSOR = ("ToTensor", "MaybeToTensor")  # torchvision's and timm's
+
+
+def folder_eval_pixels(size: int, preprocessing: dict[str, Any] | None = None) -> tuple[Callable, list, list]:
+    """:func:`folder_eval_transform` in two: ``(PIL image -> PIL image, mean, std)``, the resizing and
+    cropping, and the normalisation that the loader applies on the device after ``/ 255`` (as ``ToTensor``
+    and ``Normalize`` would, so the values are the same)."""
+    from torchvision import transforms as T
+
+    full = folder_eval_transform(size, preprocessing)
+    steps = list(full.transforms)
+    to_tensor, normalize = steps[-2:]
+    if not isinstance(normalize, T.Normalize) or type(to_tensor).__name__ not in _TO_TENSOR:
+        raise TypeError(f"unexpected evaluation transform (not ... ToTensor, Normalize): {full}")
+    mean, std = (
+        torch.as_tensor(v, dtype=torch.float32).flatten().tolist() for v in (normalize.mean, normalize.std)
+    )
+    return T.Compose(steps[:-2]), mean, std
+
+
 class PixelEvalTransform:
     """The evaluation transform of an in-memory data set (Fashion-MNIST, CIFAR-10) for PIL images.
 
@@ -276,8 +304,9 @@ def _folder_limit(samples: list[tuple[str, int]], limit: int | None, flag: str, 
 
 
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
-    from torchvision import transforms as T
-
+    """The loaders of an image folder: uint8 pixels decoded in ``cfg.workers`` processes, normalised on
+    ``device`` (:class:`~.loader.FolderLoader`); training through :class:`~.folder.TrainCrop`, or on CUDA
+    with ``cfg.gpu_decode`` through the GPU pipeline (:func:`gpu_train_batch`)."""
     if cfg.data_dir is None:
         raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
     size = cfg.img_size or 224
@@ -291,11 +320,7 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
-    aug = [T.RandomResizedCrop(size), *([T.RandomHorizontalFlip()] if cfg.flip else [])]
-    if cfg.autoaugment:
-        aug.append(T.AutoAugment(T.AutoAugmentPolicy.IMAGENET))
-    to_tensor = [T.ToTensor(), T.Normalize(mean, std)]
-    eval_tf = folder_eval_transform(size, pre or None)
+    eval_pil, eval_mean, eval_std = folder_eval_pixels(size, pre or None)
     common = dict(
         seed=cfg.seed,
         rank=rank,
@@ -310,19 +335,73 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
         train_samples = _folder_limit(
             train_samples, cfg.train_limit, "--train-limit", cfg.seed, notes, "training"
         )
+        dataset = ImageFolderData(
+            train_samples, TrainCrop(size, cfg.flip, cfg.autoaugment), cfg.seed, True, channels
+        )
+        on_gpu = bool(cfg.gpu_decode) and torch.device(device).type == "cuda" and not cfg.autoaugment
+        dataset.raw_jpeg = on_gpu
         train = FolderLoader(
-            ImageFolderData(train_samples, T.Compose([*aug, *to_tensor]), cfg.seed, True, channels),
+            dataset,
             batch_size=cfg.batch_size,
             train=True,
+            mean=mean,
+            std=std,
+            on_device=GpuTrainBatch(dataset) if on_gpu else None,
             **common,
         )
     val_samples = _folder_limit(val_samples, cfg.val_limit, "--val-limit", cfg.seed, notes, "validation")
     val = FolderLoader(
-        ImageFolderData(val_samples, eval_tf, cfg.seed, False, channels),
+        ImageFolderData(val_samples, EvalPixels(eval_pil), cfg.seed, False, channels),
         batch_size=cfg.eval_batch_size,
         train=False,
+        mean=eval_mean,
+        std=eval_std,
         **common,
     )
     for note in notes:
         log.info("%s", note)
     return Data(train, val, len(classes), channels, size, classes, notes, pre or None)
+
+
+class GpuTrainBatch:
+    """The device side of the GPU training pipeline (``FolderLoader``'s ``on_device``): the batch's raw
+    JPEGs decoded together by ``torchvision.io.decode_jpeg`` on the device (nvJPEG on CUDA), cropped,
+    resized and flipped there with the boxes their workers drew (:func:`~.folder.device_crop_batch`); items
+    the workers decoded (other formats) are moved as they are. A batch the device decoder refuses is
+    decoded file by file, and a file it refuses goes through the CPU path, which names a bad file.
+    Returns float ``(B, C, size, size)`` in 0..255 (the loader normalises)."""
+
+    def __init__(self, dataset: ImageFolderData) -> None:
+        self.dataset, self.size = dataset, dataset.transform.size
+
+    def _decode(self, raws: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        mode = ImageReadMode.GRAY if self.dataset.channels == 1 else ImageReadMode.RGB
+        try:
+            return list(decode_jpeg(raws, mode=mode, device=device))
+        except RuntimeError:
+            out: list[torch.Tensor | None] = []
+            for raw in raws:
+                try:
+                    out.append(decode_jpeg(raw, mode=mode, device=device))
+                except RuntimeError:
+                    out.append(None)
+            return out
+
+    def __call__(self, payloads: list, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        from repmlp.data.folder import device_crop_batch
+
+        jpeg = [i for i, p in enumerate(payloads) if isinstance(p, tuple)]
+        decoded = self._decode([payloads[i][0] for i in jpeg], device) if jpeg else []
+        good = [(i, img) for i, img in zip(jpeg, decoded, strict=True) if img is not None]
+        out: list[torch.Tensor | None] = [None] * len(payloads)
+        if good:
+            crops = device_crop_batch([img for _, img in good], [payloads[i][1] for i, _ in good], self.size)
+            for (i, _), crop in zip(good, crops, strict=True):
+                out[i] = crop
+        for i, p in enumerate(payloads):
+            if out[i] is None:  # decoded by a worker, or refused by the device decoder: the CPU path
+                pixels = self.dataset.cpu_item(p[2], p[3]) if isinstance(p, tuple) else p
+                out[i] = pixels.to(device, non_blocking=True).float()
+        return torch.stack(out)  # type: ignore[arg-type]

@@ -2,9 +2,19 @@
 
 The batches are Python pickles of ``{"data": uint8 array (N, 3072), "labels": [int], ...}``: the one
 pickled format this project reads, an exception to "never unpickle" made because it is the data set's own
-distribution format. A restricted unpickler allows only the builtin containers, the numpy array
-reconstruction functions and a latin-1-only stand-in for ``_codecs.encode`` (how protocol-2 pickles written
-by Python 3 spell ``bytes``), so a file that tries to call anything else fails to load instead of executing it.
+distribution format. A small file must not make the reader run for minutes or allocate gigabytes, so the
+batch is read by a restricted unpickler that accepts only the structure torchvision's batches have:
+
+- Only the opcodes such a batch uses (protocols 0-5, no sets, no object building other than numpy's array
+  reconstruction), at most :data:`_MAX_OPS` of them: time and the objects made are bounded by that count.
+- Only the numpy array reconstruction functions and a latin-1-only stand-in for ``_codecs.encode`` (how
+  protocol-2 pickles written by Python 3 spell ``bytes``) may be called, with checked arguments: a file
+  that tries to call anything else fails to load instead of executing it.
+- Dict keys are the batch's own names (a str or bytes): a 64-level tuple of shared tuples as a key, whose
+  hash takes 2**64 steps, is refused before it is hashed.
+- No nesting beyond the batch's own (lists of scalars as dict values, tuples of scalars in tuples) and no
+  memo reference to a container: shared structure (a label list of lists of the same list, 8 GB to turn
+  into an array) is refused as it is read.
 """
 
 from __future__ import annotations
@@ -12,30 +22,36 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from repmlp.data.inputs import not_regular, read_bytes
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 
 __all__ = ["load_cifar10", "find_cifar10"]
 
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILES = ["test_batch"]
 FOLDER = "cifar-10-batches-py"
-# A CIFAR-10 batch is 30 MB; anything far larger is not one.
-_MAX_BATCH_BYTES = 1 << 30
+NUM_CLASSES = 10
+# A CIFAR-10 batch is 30 MB (10000 examples); one of all 50000 training images would be 150 MB.
+_MAX_BATCH_BYTES = 256 << 20
+# A batch of 10000 examples takes about 70000 opcodes (a few per file name, one per label); every opcode
+# makes at most one object, so this bounds both the time and the memory a batch's structure may take.
+_MAX_OPS = 2_000_000
+# The keys of a batch (torchvision's files; "coarse_labels"/"fine_labels" are CIFAR-100's, not read).
+_KEYS = frozenset({"batch_label", "labels", "data", "filenames"})
+# numpy type strings a batch's arrays may have ('u1' pixels, integer labels; floats to name them as such).
+_DTYPES = frozenset(f"{k}{n}" for k in "iu" for n in (1, 2, 4, 8)) | {"f4", "f8", "b1"}
 
-# The only globals a CIFAR batch (pickled by Python 2 numpy or by a modern numpy) refers to.
-_ALLOWED = {
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy._core.numeric", "_frombuffer"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-}
+try:  # numpy >= 2 (numpy.core is a deprecated alias there)
+    from numpy._core.multiarray import _reconstruct
+    from numpy._core.numeric import _frombuffer
+except ImportError:  # numpy 1.x
+    from numpy.core.multiarray import _reconstruct
+    from numpy.core.numeric import _frombuffer
 
 
 def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
@@ -45,13 +61,191 @@ def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle API
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if (module, name) == ("_codecs", "encode"):
-            return _latin1_bytes
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+# The only globals a CIFAR batch (pickled by Python 2 numpy or by a modern numpy) refers to, as the
+# objects they name (nothing is imported by a name the file gives).
+_GLOBALS: dict[tuple[str, str], object] = {
+    **{(f"{core}.multiarray", "_reconstruct"): _reconstruct for core in ("numpy.core", "numpy._core")},
+    **{(f"{core}.numeric", "_frombuffer"): _frombuffer for core in ("numpy.core", "numpy._core")},
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): _latin1_bytes,
+}
+
+
+def _scalar(x: object) -> bool:
+    return not isinstance(x, (list, tuple, dict, set, frozenset))
+
+
+def _check_items(items: list | tuple, inside: str) -> None:
+    """Items placed in a list (``inside="list"``) or a tuple: scalars, or in a tuple a tuple of scalars."""
+    for x in items:
+        if not _scalar(x) and not (inside == "tuple" and isinstance(x, tuple) and all(map(_scalar, x))):
+            raise pickle.UnpicklingError(f"a {type(x).__name__} nested in a {inside}")
+
+
+def _check_pairs(items: list) -> None:
+    """Key/value pairs of a dict: a batch's own key names; values scalars, lists or flat tuples."""
+    for key, value in zip(items[::2], items[1::2], strict=True):
+        if type(key) not in (str, bytes):  # checked before the key is hashed
+            raise pickle.UnpicklingError(f"a dict key of type {type(key).__name__}")
+        if (key.decode("latin1") if type(key) is bytes else key) not in _KEYS:
+            raise pickle.UnpicklingError(f"unexpected key {key[:40]!r}")
+        if isinstance(value, (dict, set, frozenset)):
+            raise pickle.UnpicklingError(f"a {type(value).__name__} nested in a dict")
+        if isinstance(value, tuple):
+            _check_items(value, "tuple")
+
+
+def _check_call(func: Callable, args: object) -> None:
+    """REDUCE: only the allowed functions, with the arguments numpy and pickle give them."""
+    if type(args) is not tuple:
+        raise pickle.UnpicklingError("call arguments that are not a tuple")
+    if func is np.dtype:
+        spec = args[0] if args else None
+        text = spec.decode("latin1") if type(spec) is bytes else spec
+        if type(text) is not str or text.lstrip("<>|=") not in _DTYPES:
+            raise pickle.UnpicklingError(f"refusing numpy dtype {str(spec)[:20]!r}")
+    elif func is _latin1_bytes or func is _frombuffer:
+        pass  # bounded by the data they are given (the pickle's own bytes)
+    elif func is _reconstruct:
+        # numpy pickles an array as _reconstruct(ndarray, (0,), b"b") then sets its state: a larger shape
+        # here would allocate an array of that shape before any data was read.
+        if len(args) != 3 or args[0] is not np.ndarray or type(args[1]) is not tuple or args[1] != (0,):
+            raise pickle.UnpicklingError("numpy _reconstruct with unexpected arguments")
+    else:
+        raise pickle.UnpicklingError(f"refusing to call {getattr(func, '__name__', type(func).__name__)}")
+
+
+_Ops = pickle._Unpickler  # the pure-Python unpickler: its opcode table can be restricted and checked
+
+
+def _target(obj: object, kind: type) -> None:
+    """The object an opcode adds items to must be a ``kind`` (a ``list``'s append, a ``dict``'s setitem):
+    the pure-Python unpickler would call any object's ``append`` or ``__setitem__``."""
+    if type(obj) is not kind:
+        raise pickle.UnpicklingError(f"adding items to a {type(obj).__name__}")
+
+
+def _setitem(self: _Ops) -> None:
+    _target(self.stack[-3], dict)
+    _check_pairs(self.stack[-2:])
+    _Ops.dispatch[pickle.SETITEM[0]](self)
+
+
+def _setitems(self: _Ops) -> None:
+    _target(self.metastack[-1][-1], dict)
+    _check_pairs(self.stack)  # the items since the mark
+    _Ops.dispatch[pickle.SETITEMS[0]](self)
+
+
+def _dict(self: _Ops) -> None:
+    _check_pairs(self.stack)
+    _Ops.dispatch[pickle.DICT[0]](self)
+
+
+def _into(code: bytes, inside: str, count: int | None) -> Callable[[_Ops], None]:
+    """The opcode ``code``, which puts the top ``count`` items (``None``: those since the mark) in a list or
+    tuple, after checking them."""
+    load = _Ops.dispatch[code[0]]
+
+    def checked(self: _Ops) -> None:
+        if code == pickle.APPEND:
+            _target(self.stack[-2], list)
+        elif code == pickle.APPENDS:
+            _target(self.metastack[-1][-1], list)
+        _check_items(self.stack if count is None else self.stack[-count:], inside)
+        load(self)
+
+    return checked
+
+
+def _get(code: bytes) -> Callable[[_Ops], None]:
+    load = _Ops.dispatch[code[0]]
+
+    def checked(self: _Ops) -> None:
+        load(self)
+        if not _scalar(self.stack[-1]):
+            raise pickle.UnpicklingError(f"a shared {type(self.stack[-1]).__name__} (memo reference)")
+
+    return checked
+
+
+def _reduce(self: _Ops) -> None:
+    _check_call(self.stack[-2], self.stack[-1])
+    _Ops.dispatch[pickle.REDUCE[0]](self)
+
+
+def _build(self: _Ops) -> None:
+    if not isinstance(self.stack[-2], (np.ndarray, np.dtype)):
+        raise pickle.UnpicklingError(f"refusing to set the state of a {type(self.stack[-2]).__name__}")
+    _Ops.dispatch[pickle.BUILD[0]](self)
+
+
+# Opcodes a batch uses that need no check (their data is read from the file; no call, no hashing).
+_PLAIN = """PROTO FRAME STOP MARK NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT
+BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8 BINBYTES
+SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_LIST EMPTY_TUPLE EMPTY_DICT GLOBAL STACK_GLOBAL PUT BINPUT
+LONG_BINPUT MEMOIZE"""
+_CHECKED: dict[str, Callable[[_Ops], None]] = {
+    "SETITEM": _setitem, "SETITEMS": _setitems, "DICT": _dict, "REDUCE": _reduce, "BUILD": _build,
+    "APPEND": _into(pickle.APPEND, "list", 1), "APPENDS": _into(pickle.APPENDS, "list", None),
+    "LIST": _into(pickle.LIST, "list", None), "TUPLE": _into(pickle.TUPLE, "tuple", None),
+    "TUPLE1": _into(pickle.TUPLE1, "tuple", 1), "TUPLE2": _into(pickle.TUPLE2, "tuple", 2),
+    "TUPLE3": _into(pickle.TUPLE3, "tuple", 3),
+    **{name: _get(getattr(pickle, name)) for name in ("GET", "BINGET", "LONG_BINGET")},
+}  # fmt: skip
+
+
+def _counted(load: Callable[[_Ops], None]) -> Callable[[_Ops], None]:
+    def op(self: _Ops) -> None:
+        self.ops += 1
+        if self.ops > _MAX_OPS:
+            raise pickle.UnpicklingError(f"more than {_MAX_OPS} pickle opcodes")
+        load(self)
+
+    return op
+
+
+class _RestrictedUnpickler(_Ops):
+    """The pure-Python unpickler with only the opcodes in ``_PLAIN`` and ``_CHECKED`` (any other one is a
+    ``KeyError`` naming its byte), each counted, and only the globals in ``_GLOBALS``."""
+
+    dispatch = {
+        getattr(pickle, name)[0]: _counted(_CHECKED.get(name) or _Ops.dispatch[getattr(pickle, name)[0]])
+        for name in [*_PLAIN.split(), *_CHECKED]
+    }
+    ops = 0
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in _GLOBALS:
+            raise pickle.UnpicklingError(f"refusing to load {module[:60]}.{name[:60]}")
+        return _GLOBALS[module, name]
+
+
+def _labels(path: Path, labels: object, n: int) -> np.ndarray:
+    """A batch's ``labels`` -> ``(n,)`` int64: a flat list of ``n`` ints (or a 1-D integer array) in
+    0..9; anything else (floats, nested lists, bools) is a :class:`UserError` naming the file."""
+    if isinstance(labels, np.ndarray):
+        if labels.dtype.kind not in "iu" or labels.ndim != 1:
+            raise UserError(
+                f"{path}: 'labels' is a {labels.dtype} array of shape {labels.shape}, not class numbers"
+            )
+    elif isinstance(labels, list):
+        # Python ints only (not floats, which numpy would truncate, nor bools), checked one by one: also
+        # before a huge int reaches numpy.
+        bad = next((i for i, v in enumerate(labels) if type(v) is not int or not 0 <= v < NUM_CLASSES), None)
+        if bad is not None:
+            value = labels[bad]
+            kind = "outside 0..9" if type(value) is int else f"a {type(value).__name__}, not a class number"
+            raise UserError(f"{path}: label {bad} is {str(value)[:20]}, {kind}")
+    else:
+        raise UserError(f"{path} is not a CIFAR-10 batch ('labels' is a {type(labels).__name__}, not a list)")
+    if len(labels) != n:
+        raise UserError(f"{path} is not a CIFAR-10 batch ({len(labels)} labels for {n} images)")
+    values = np.asarray(labels, dtype=np.int64)
+    if values.min() < 0 or values.max() >= NUM_CLASSES:
+        raise UserError(f"{path} has labels outside 0..{NUM_CLASSES - 1}")
+    return values
 
 
 def _load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -61,34 +255,32 @@ def _load_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     raw = read_bytes(path, _MAX_BATCH_BYTES, "CIFAR-10 batch")  # regular files only, bounded
     try:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="latin1").load()
+    except KeyError as exc:  # an opcode outside the table
+        code = exc.args[0] if exc.args and isinstance(exc.args[0], int) else None
+        what = f"pickle opcode {bytes([code])!r}" if code is not None else f"key {first_line(exc)[:60]}"
+        raise UserError(f"{path} is not a CIFAR-10 batch (it uses {what}, which a batch does not)") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise UserError(f"{path} is not a CIFAR-10 batch ({type(exc).__name__}: {exc})") from None
+        reason = first_line(exc)[:200]
+        raise UserError(f"{path} is not a CIFAR-10 batch ({type(exc).__name__}: {reason})") from None
     if not isinstance(obj, dict):
         raise UserError(f"{path} is not a CIFAR-10 batch (not a dict)")
     obj = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
-    data, labels = obj.get("data"), obj.get("labels")
+    data = obj.get("data")
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         raise UserError(f"{path} is not a CIFAR-10 batch ('data' is not a uint8 (N, 3072) array)")
-    if not isinstance(labels, (list, np.ndarray)) or len(labels) != len(data):
-        raise UserError(f"{path} is not a CIFAR-10 batch ('labels' missing or of the wrong length)")
     if len(data) == 0:
         raise UserError(f"{path} holds no examples")
-    try:
-        labels = np.asarray(labels, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise UserError(f"{path} is not a CIFAR-10 batch ('labels' are not integers)") from None
-    if labels.ndim != 1 or labels.min() < 0 or labels.max() > 9:
-        raise UserError(f"{path} has labels outside 0..9")
-    return data.reshape(-1, 3, 32, 32), labels
+    return data.reshape(-1, 3, 32, 32), _labels(path, obj.get("labels"), len(data))
 
 
 def find_cifar10(data_dir: str | os.PathLike) -> Path:
     """The ``cifar-10-batches-py`` folder in or at ``data_dir``."""
     root = Path(data_dir)
     for cand in (root / FOLDER, root):
-        if (cand / "test_batch").is_file() or (cand / "data_batch_1").is_file():
+        # not_regular, not is_file: it never raises (is_file does for a name too long)
+        if not_regular(cand / "test_batch") is None or not_regular(cand / "data_batch_1") is None:
             return cand
-    if not root.exists():
+    if not_regular(root) == "missing":
         raise UserError(f"data folder not found: {root}")
     raise UserError(
         f"no CIFAR-10 in {root}: expected torchvision's layout {root / FOLDER}/data_batch_1..5 and test_batch "

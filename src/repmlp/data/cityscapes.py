@@ -120,14 +120,25 @@ def random_scale_crop_flip(
     return image.contiguous(), label.contiguous()
 
 
-def _read(path: Path, mode: str) -> np.ndarray:
-    """One image or label map in ``mode``: a regular file of bounded size and pixel count
-    (:func:`repmlp.data.inputs.open_image`)."""
+# Image modes whose pixel values are label numbers as stored (8-bit grey, palette indices, 16/32-bit grey).
+_LABEL_MODES = ("L", "P", "I;16", "I")
+
+
+def _read(path: Path, mode: str | None) -> np.ndarray:
+    """One image in ``mode``, or (``None``) a label map's stored values: a regular file of bounded size and
+    pixel count (:func:`repmlp.data.inputs.open_image`).
+
+    A label map is not converted: converting a 16-bit map to 8 bits would clip 300 to 255 (the ignore
+    label) and an RGB one would become luminance, both silently; those modes are refused."""
     from repmlp.data.inputs import InputError, open_image
 
     try:
         with open_image(path) as img:
-            return np.array(img.convert(mode))
+            if mode is not None:
+                return np.array(img.convert(mode))
+            if img.mode not in _LABEL_MODES:
+                raise UserError(f"{path} is a {img.mode} image, not a label map (8-bit grey train ids)")
+            return np.array(img)
     except InputError as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
 
@@ -159,10 +170,10 @@ class CityscapesSegmentation(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         image_path, label_path = self.pairs[index]
         image = torch.from_numpy(_read(image_path, "RGB")).permute(2, 0, 1)
-        label = torch.from_numpy(_read(label_path, "L").astype(np.int64))
+        label = torch.from_numpy(_read(label_path, None).astype(np.int64))
         if image.shape[1:] != label.shape:
             raise UserError(f"{image_path} and {label_path} differ in size")
-        bad = (label >= NUM_CLASSES) & (label != IGNORE_INDEX)
+        bad = ((label >= NUM_CLASSES) & (label != IGNORE_INDEX)) | (label < 0)
         if bool(bad.any()):
             raise UserError(
                 f"{label_path} holds label {int(label[bad][0])}, not a train id (0-18) or 255: is it a "

@@ -42,6 +42,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".
 FACE_SIZE = 96
 # LFW's pairs.txt is 100 kB; a pairs file of more than this is not one.
 _MAX_PAIRS_BYTES = 64 << 20
+# The largest number a pairs file may hold: an image number (LFW's go to 530) or a count in its header.
+_MAX_NUMBER = 10**6
 
 
 def _is_image(path: Path) -> bool:
@@ -165,12 +167,23 @@ class VerificationPairs:
     folds: int | None  # as declared by an LFW header, else None
 
 
-def _lfw_image(root: Path, name: str, number: str) -> Path:
-    stem = root / name / f"{name}_{int(number):04d}"
+def _number(token: str, where: str, what: str) -> int:
+    """A count or image number of a pairs file: ASCII digits, at most :data:`_MAX_NUMBER`, else a
+    :class:`UserError` at ``where`` (``file:line``); ``int`` alone would take Unicode digits and raise a
+    ``ValueError`` for a 5000-digit number."""
+    if not (token.isascii() and token.isdigit()) or len(token) > 7 or int(token) > _MAX_NUMBER:
+        raise UserError(f"{where}: {what} {token[:20]!r} is not a number from 0 to {_MAX_NUMBER}")
+    return int(token)
+
+
+def _lfw_image(root: Path, name: str, number: str, where: str) -> Path:
+    stem = root / name / f"{name}_{_number(number, where, 'image number'):04d}"
     for ext in IMAGE_EXTENSIONS:
-        if stem.with_suffix(ext).is_file():
+        if not_regular(stem.with_suffix(ext)) is None:  # never raises (is_file does for a name too long)
             return stem.with_suffix(ext)
-    raise UserError(f"pairs file names {name} {number}, but no image {stem}.<jpg|png|...> exists")
+    raise UserError(
+        f"{where}: names {name[:80]} {number}, but no image {str(stem)[:200]}.<jpg|png|...> exists"
+    )
 
 
 def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
@@ -183,33 +196,34 @@ def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
     if not lines:
         raise UserError(f"pairs file {pairs_file} is empty")
     folds = None
-    if len(lines[0]) == 2 and all(t.isdigit() for t in lines[0]):
-        folds = int(lines[0][0])
+    lfw = len(lines[0]) == 2 and all(t.isdigit() for t in lines[0])  # LFW's header: "<folds> <n>"
+    if lfw:
+        folds = _number(lines[0][0], f"{pairs_file}:1", "the number of folds")
+        _number(lines[0][1], f"{pairs_file}:1", "the number of pairs per fold")
         lines = lines[1:]
-        lfw = True
-    else:
-        lfw = False
     first, second, same = [], [], []
     for number, tokens in enumerate(lines, start=2 if lfw else 1):
+        where = f"{pairs_file}:{number}"
         if lfw and len(tokens) == 3:
-            first.append(_lfw_image(root, tokens[0], tokens[1]))
-            second.append(_lfw_image(root, tokens[0], tokens[2]))
+            first.append(_lfw_image(root, tokens[0], tokens[1], where))
+            second.append(_lfw_image(root, tokens[0], tokens[2], where))
             same.append(True)
         elif lfw and len(tokens) == 4:
-            first.append(_lfw_image(root, tokens[0], tokens[1]))
-            second.append(_lfw_image(root, tokens[2], tokens[3]))
+            first.append(_lfw_image(root, tokens[0], tokens[1], where))
+            second.append(_lfw_image(root, tokens[2], tokens[3], where))
             same.append(False)
         elif not lfw and len(tokens) == 3 and tokens[2] in ("0", "1"):
             a, b = root / tokens[0], root / tokens[1]
             for p in (a, b):
-                if not p.is_file():
-                    raise UserError(f"{pairs_file}:{number}: image {p} does not exist")
+                if not_regular(p) is not None:
+                    raise UserError(f"{where}: image {str(p)[:200]} does not exist")
             first.append(a)
             second.append(b)
             same.append(tokens[2] == "1")
         else:
+            text = " ".join(tokens)  # quoted in part: a line may be megabytes long
             raise UserError(
-                f"{pairs_file}:{number}: cannot parse {' '.join(tokens)!r} (expected LFW pairs.txt lines or "
-                "'<path1> <path2> <0|1>')"
+                f"{where}: cannot parse {text[:80] + ('...' if len(text) > 80 else '')!r} (expected LFW "
+                "pairs.txt lines or '<path1> <path2> <0|1>')"
             )
     return VerificationPairs(first, second, same, folds)

@@ -32,10 +32,12 @@ _FILES = {
     True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-HOW_TO_GET = (
-    "install Debian's package (sudo apt-get install dataset-fashion-mnist, or bash scripts/setup.sh), "
-    "pass --data-dir DIR with the four IDX files, or add --download to fetch them with torchvision"
+# After a failed download, "add --download" would send the user round in a circle: the other two ways.
+HOW_TO_GET_OFFLINE = (
+    "install Debian's package (sudo apt-get install dataset-fashion-mnist, or bash scripts/setup.sh) "
+    "or pass --data-dir DIR with the four IDX files"
 )
+HOW_TO_GET = f"{HOW_TO_GET_OFFLINE}, or add --download to fetch them with torchvision"
 
 
 def default_cache_dir() -> Path:
@@ -96,21 +98,29 @@ def _download(root: Path) -> Path:
     except Exception as exc:  # noqa: BLE001 - network, disk: all end the same way for the user
         msg = first_line(exc)
         raise UserError(
-            f"Fashion-MNIST is not installed and the download into {root} failed ({msg}); {HOW_TO_GET}"
+            f"Fashion-MNIST is not installed and the download into {root} failed ({msg}); {HOW_TO_GET_OFFLINE}"
         ) from None
     folder = root / "FashionMNIST" / "raw"
     if not _complete(folder):
-        raise UserError(f"torchvision's download left no IDX files in {folder}; {HOW_TO_GET}")
+        raise UserError(f"torchvision's download left no IDX files in {folder}; {HOW_TO_GET_OFFLINE}")
     return folder
 
 
 def load_fashion_mnist(folder: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split."""
+    """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split.
+
+    Labels are checked as read (an IDX file may hold int8, int32 or float data, where -1, NaN or 2.5 can
+    be written): integers in ``0..9``, else a :class:`UserError` naming the file.
+    """
     img_stem, lbl_stem = _FILES[train]
     image_file, label_file = _find_file(folder, img_stem), _find_file(folder, lbl_stem)
     images = read_idx(image_file)
+    if images.dtype != np.uint8:
+        raise UserError(f"{image_file} holds {images.dtype} values, not Fashion-MNIST's uint8 pixels")
     labels = read_idx(label_file)
-    if images.ndim != 3 or images.dtype != np.uint8 or labels.ndim != 1 or len(images) != len(labels):
+    if labels.dtype.kind not in "iu":
+        raise UserError(f"{label_file} holds {labels.dtype} labels, not Fashion-MNIST's integer classes 0..9")
+    if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
         raise UserError(
             f"Fashion-MNIST files in {folder} do not match (images {images.shape}, labels {labels.shape})"
         )
@@ -120,6 +130,10 @@ def load_fashion_mnist(folder: Path, train: bool) -> tuple[np.ndarray, np.ndarra
         raise UserError(
             f"{image_file} holds {images.shape[1]}x{images.shape[2]} images, not Fashion-MNIST's 28x28"
         )
-    if labels.size and labels.max() >= len(CLASSES):
-        raise UserError(f"Fashion-MNIST labels in {folder} are outside 0..9")
+    outside = (labels < 0) | (labels >= len(CLASSES))
+    if outside.any():
+        index = int(np.argmax(outside))
+        raise UserError(
+            f"{label_file}: label {index} is {labels[index]}, outside Fashion-MNIST's classes 0..9"
+        )
     return images[:, None], labels.astype(np.int64)

@@ -2,8 +2,11 @@
 
 A damaged file is one line naming it: a gzip stream that is corrupt or cut short, a header whose
 dimensions the data does not hold (or that claims more than :data:`MAX_BYTES`), data left over after
-them. Compressed files are inflated no further than the header allows, so a small file that inflates to
-gigabytes (a decompression bomb) is refused after reading what the header promised.
+them. What a small file may make the reader allocate is bounded before anything is allocated: a plain
+file's size must be exactly what its header implies (checked with ``fstat`` before reading); a gzip file
+may not claim more than :data:`MAX_RATIO` times its own size (image data compresses 2-5x; a 3.8 MB file
+of zeros claiming 5,000,000 images is a decompression bomb), and is inflated in chunks, no further than
+the header allows, so a header that promises more than the stream holds costs only what the stream holds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ __all__ = ["read_idx", "MAX_BYTES"]
 _DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 # The largest data an IDX file may hold (Fashion-MNIST's training images: 47 MB).
 MAX_BYTES = 4 << 30
+# A gzip file may inflate to at most this many times its size, or to _SMALL bytes (a few blank images
+# compress far better than real ones: a small file is allowed any ratio).
+MAX_RATIO = 64
+_SMALL = 64 << 20
+_CHUNK = 16 << 20
 
 
 def _open(path: Path):  # noqa: ANN202 - a binary file object
@@ -35,11 +43,35 @@ def _open(path: Path):  # noqa: ANN202 - a binary file object
     return gzip.GzipFile(fileobj=raw, mode="rb") if path.suffix == ".gz" else raw
 
 
-def _read_exactly(f, n: int, path: Path, what: str) -> bytes:  # noqa: ANN001 - a binary file object
-    data = f.read(n)
-    if len(data) != n:
-        raise UserError(f"{path} is truncated or malformed ({len(data)} {what} bytes, the header says {n})")
+def _read_exactly(f, n: int, path: Path, what: str) -> bytearray:  # noqa: ANN001 - a binary file object
+    """``n`` bytes of ``f``, read in chunks: memory grows with the data that is there, never to a size
+    the header only claims (``f.read(n)`` would allocate ``n`` bytes first)."""
+    data = bytearray()
+    while len(data) < n:
+        chunk = f.read(min(_CHUNK, n - len(data)))
+        if not chunk:
+            raise UserError(
+                f"{path} is truncated or malformed ({len(data)} {what} bytes, the header says {n})"
+            )
+        data += chunk
     return data
+
+
+def _check_size(path: Path, f, header: int, need: int, shape: str) -> None:  # noqa: ANN001 - file object
+    """Refuse, before reading the data, a header whose ``need`` data bytes the file cannot hold: a plain
+    file of another size, or a gzip file that would have to inflate more than :data:`MAX_RATIO` times."""
+    size = os.fstat((f.fileobj if isinstance(f, gzip.GzipFile) else f).fileno()).st_size
+    if not isinstance(f, gzip.GzipFile):
+        if size != header + need:
+            raise UserError(
+                f"{path} is truncated or malformed: its header claims a {shape} array ({need} bytes), "
+                f"the file holds {size - header} bytes of data"
+            )
+    elif need > max(_SMALL, MAX_RATIO * size):
+        raise UserError(
+            f"{path}: its header claims a {shape} array ({need} bytes), more than {MAX_RATIO} times the "
+            f"{size}-byte compressed file (a decompression bomb?)"
+        )
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
@@ -59,11 +91,12 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
             dims = tuple(int(d) for d in np.frombuffer(_read_exactly(f, 4 * ndim, path, "header"), ">u4"))
             dtype = np.dtype(_DTYPES[magic[2]])
             need = math.prod(dims) * dtype.itemsize
+            shape = "x".join(map(str, dims))
             if need > MAX_BYTES:
-                shape = "x".join(map(str, dims))
                 raise UserError(
                     f"{path}: its header claims a {shape} array ({need} bytes), more than the limit"
                 )
+            _check_size(path, f, 4 + 4 * ndim, need, shape)
             data = _read_exactly(f, need, path, "data")
             if f.read(1):
                 raise UserError(f"{path} is malformed (data beyond the {need} bytes its header gives)")
@@ -71,4 +104,5 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         # gzip.BadGzipFile is an OSError; a corrupt deflate stream is a zlib.error; a cut one EOFError.
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
         raise UserError(f"cannot read {path}: {reason} (corrupt or truncated?)") from None
-    return np.frombuffer(data, dtype).reshape(dims).astype(dtype.newbyteorder("="))
+    # uint8 data is used as read (no copy); wider types become native byte order.
+    return np.frombuffer(data, dtype).reshape(dims).astype(dtype.newbyteorder("="), copy=False)

@@ -249,6 +249,8 @@ def open_image(
     from PIL import Image
 
     data = _read(path, max_bytes)
+    if not data:  # Pillow would say "cannot identify image file": the reason is simpler
+        raise InputError("the file is empty")
     try:
         with warnings.catch_warnings():
             # Pillow warns (and at twice its limit raises) for large images; the bound here is checked first.
@@ -266,7 +268,8 @@ def open_image(
         raise
     except Exception as exc:  # noqa: BLE001 - every decoder error means the same thing: not a usable image
         text = str(exc).strip().splitlines()
-        # Pillow names the in-memory buffer it read ("<_io.BytesIO object at 0x...>"): say "the file".
-        message = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "the file", text[0]) if text else ""
+        # Pillow names the in-memory buffer it read ("<_io.BytesIO object at 0x...>"): name the file instead.
+        name = os.fspath(path)
+        message = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", lambda _: name, text[0]) if text else ""
         raise InputError(f"{type(exc).__name__}: {message}" if message else type(exc).__name__) from None
     return img

@@ -6,18 +6,49 @@ and ``y`` int64 labels ``(B,)``. The order is a pure function of ``(seed, epoch)
 as ``DistributedSampler``: shuffle, pad to a multiple of the world size, take every ``world``-th index),
 and augmentation is seeded per batch or per sample, so skipping ``start`` batches after a resume
 reproduces the uninterrupted run exactly.
+
+:class:`FolderLoader` keeps one ``DataLoader`` and its worker processes for all epochs (the sampler is
+told each epoch's indices before iteration starts), takes uint8 batches from its dataset, pins and moves
+them and converts and normalises them on the device (its ``mean``/``std``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["rank_indices", "InMemoryLoader", "FolderLoader", "batch_generator", "pad_crop_flip"]
+__all__ = [
+    "rank_indices",
+    "InMemoryLoader",
+    "FolderLoader",
+    "batch_generator",
+    "pad_crop_flip",
+    "default_workers",
+    "normalize_on_device",
+]
+
+
+def default_workers() -> int:
+    """The decoding processes of an image folder when ``--workers`` is not given: one per CPU core this
+    process may use (its affinity mask, which a container or ``taskset`` narrows; ``os.cpu_count()``
+    elsewhere). The main process mostly waits on the device or on the workers."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def normalize_on_device(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32: the operations
+    of ``ToTensor`` and ``Normalize``, in their order, so the values are the same bits as theirs.
+    ``mean``/``std``: ``(1, C, 1, 1)`` on ``x``'s device."""
+    return x.float().div_(255.0).sub_(mean).div_(std)
 
 
 def batch_generator(*key: int) -> torch.Generator:
@@ -137,20 +168,57 @@ class InMemoryLoader(_ShardedBatches):
 
 
 class _EpochSampler(torch.utils.data.Sampler):
-    """Yields ``(index, epoch)`` pairs from a precomputed index list (so items know their epoch)."""
+    """Yields ``(index, epoch)`` pairs of the epoch set last (:meth:`set`), so items know their epoch.
 
-    def __init__(self, indices: list[int], epoch: int) -> None:
+    A ``DataLoader`` calls ``iter()`` on its sampler at the start of every iteration, also with persistent
+    workers, so one sampler serves every epoch."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self.epoch = 0
+
+    def set(self, indices: list[int], epoch: int) -> None:
         self.indices, self.epoch = indices, epoch
 
     def __iter__(self):
-        return iter((i, self.epoch) for i in self.indices)
+        return iter([(i, self.epoch) for i in self.indices])
 
     def __len__(self) -> int:
         return len(self.indices)
 
 
+def _die_with_parent(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the worker is killed when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``). Persistent workers otherwise outlive a killed trainer for up to the DataLoader's
+    5-second watchdog, holding what they inherited (the run folder's lock: a ``--resume`` right after the
+    kill would be refused as "another process is writing")."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the watchdog alone
+        pass
+
+
+def _collate_list(items: list[tuple[Any, int]]) -> tuple[list[Any], Tensor]:
+    """A batch as ``([item payloads], labels (B,))``: the payloads of the device pipeline differ in size."""
+    return [x for x, _ in items], torch.tensor([y for _, y in items], dtype=torch.int64)
+
+
 class FolderLoader(_ShardedBatches):
-    """Batches decoded from image files by a ``DataLoader`` (ImageFolder); same contract as above."""
+    """Batches decoded from files by a ``DataLoader`` (ImageFolder, face, segmentation); same contract.
+
+    One ``DataLoader`` is built on first use and kept: with ``workers > 0`` its worker processes persist
+    across epochs (``persistent_workers``), since starting them costs seconds an epoch. Items are seeded
+    per example (``(index, epoch)``), so which worker loads one does not matter.
+
+    ``mean``/``std`` given: the dataset's items are uint8 ``(C, H, W)``; a batch travels as uint8 (pinned
+    on CUDA) and is converted and normalised on the device (:func:`normalize_on_device`). Without them the
+    items are the model's float input already. ``on_device(payloads, labels, device)``, given, replaces
+    the default collation: the dataset's items are collated to lists and it makes the float batch on the
+    device (the GPU decoding pipeline of :mod:`repmlp.data`); its result is normalised as above.
+    """
 
     def __init__(
         self,
@@ -161,35 +229,63 @@ class FolderLoader(_ShardedBatches):
         seed: int = 0,
         rank: int = 0,
         world: int = 1,
-        workers: int = 2,
+        workers: int | None = None,
         device: torch.device | str = "cpu",
         channels_last: bool = False,
         collate: Callable | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        on_device: Callable[[list[Any], Tensor, torch.device], Tensor] | None = None,
     ) -> None:
         self.dataset, self.batch_size, self.train = dataset, batch_size, train
-        self.seed, self.rank, self.world, self.workers = seed, rank, world, workers
+        self.seed, self.rank, self.world = seed, rank, world
+        self.workers = default_workers() if workers is None else workers
         self.device, self.channels_last = torch.device(device), channels_last
+        self.collate, self.on_device = collate, on_device
+        self.mean = self.std = None
+        if mean is not None and std is not None:
+            self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1).to(self.device)
+            self.std = torch.tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1).to(self.device)
+        self._sampler = _EpochSampler()
+        self._loader: torch.utils.data.DataLoader | None = None
 
     @property
     def num_samples(self) -> int:
         return len(self.dataset)
 
+    def _data_loader(self) -> torch.utils.data.DataLoader:
+        if self._loader is None:
+            collate = _collate_list if self.on_device is not None else self.collate
+            self._loader = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_size=self.batch_size,
+                sampler=self._sampler,
+                num_workers=self.workers,
+                collate_fn=collate,
+                pin_memory=self.device.type == "cuda" and self.on_device is None,
+                drop_last=False,
+                persistent_workers=self.workers > 0,
+                worker_init_fn=_die_with_parent,
+                prefetch_factor=4 if self.workers > 0 else None,
+                # Its own generator: a DataLoader iterator otherwise draws its base seed from the global
+                # torch RNG, so starting mid-epoch (--resume) would shift dropout's random numbers.
+                generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank),
+            )
+        return self._loader
+
     def batches(self, epoch: int, start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
         idx = self._indices(epoch)[start * self.batch_size : len(self) * self.batch_size].tolist()
         if not idx:
             return
-        loader = torch.utils.data.DataLoader(
-            self.dataset,
-            batch_size=self.batch_size,
-            sampler=_EpochSampler(idx, epoch),
-            num_workers=self.workers,
-            pin_memory=self.device.type == "cuda",
-            drop_last=False,
-            # Its own generator: a DataLoader iterator otherwise draws its base seed from the global torch
-            # RNG, so starting mid-epoch (--resume) would shift dropout's random numbers.
-            generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch),
-        )
+        loader = self._data_loader()
+        self._sampler.set(idx, epoch)  # read by iter(loader) below, before any worker asks for an index
         for x, y in loader:
+            if self.on_device is not None:
+                x = self.on_device(x, y, self.device)
+            else:
+                x = x.to(self.device, non_blocking=True)
+            if self.mean is not None:
+                x = normalize_on_device(x, self.mean, self.std)
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            yield x, y.to(self.device, non_blocking=True)

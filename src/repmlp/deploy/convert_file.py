@@ -4,8 +4,9 @@ Every RepMLP block becomes FC1, FC2 and FC3 (Local Perceptron and BatchNorms mer
 pair one conv. The deployed file is written only after it has been loaded back into a freshly built
 ``deploy=True`` model and that model's outputs matched the training-time model's on real inputs
 (:func:`repmlp.deploy.conversion.convert_and_check`): a batch of the run's validation data when the file
-names its data set (or ``dataset`` is given), otherwise random inputs. A reduced precision (bf16, fp16,
-int8) is applied to the verified model.
+names its data set (or ``dataset`` is given), otherwise random inputs. Data are read for the file's model
+as ``repmlp eval`` reads them (:func:`repmlp.models.model_data.model_data_config`). A reduced precision
+(bf16, fp16, int8) is applied to the verified model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import copy
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +26,7 @@ from repmlp.errors import UserError, first_line
 from repmlp.nn.numerics import full_float32
 
 if TYPE_CHECKING:
+    from repmlp.data import Data
     from repmlp.models.model_file import ModelMetadata
 
 __all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
@@ -55,39 +56,41 @@ def default_output(checkpoint: Path) -> Path:
     return checkpoint.with_name(f"{checkpoint.stem}-deploy.safetensors")
 
 
+def _data_for(
+    meta: ModelMetadata, name: str, data_dir: str | None, img_size: int | None, **options: Any
+) -> Data:
+    """``name`` read for the file's model as ``repmlp eval`` reads it (:func:`repmlp.models.model_data.
+    model_data_config`: its channels, input size and normalisation)."""
+    from repmlp.data import build_data
+    from repmlp.models.model_data import model_data_config
+
+    # At the size the check runs at: the model's own unless --img-size (a model that takes any size and
+    # records none: its default, not the data set's).
+    size = img_size or meta.input_size[1]
+    return build_data(model_data_config(meta, name, data_dir=data_dir, img_size=size, workers=0, **options))
+
+
 def check_inputs(
-    extra: Mapping[str, Any],
-    input_size: tuple[int, int, int],
+    meta: ModelMetadata,
     n: int,
     *,
+    img_size: int | None = None,
     dataset: str | None = None,
     data_dir: str | None = None,
 ) -> tuple[Tensor, str]:
-    """``(n, C, H, W)`` inputs for the equivalence check and a description of where they come from.
+    """``(n, C, H, W)`` inputs for the equivalence check of the file's model (``meta``, at ``img_size``,
+    default its own) and a description of where they come from.
 
-    Real validation images when a data set is known (``dataset`` or the checkpoint's ``extra["dataset"]``;
-    ``extra`` is the file's record, ``model.metadata.extra``) and loadable at ``input_size``; else
-    standard-normal noise (seeded). A data set the user named explicitly that cannot be loaded is a
-    :class:`UserError`; one only recorded in the file falls back to noise with a warning (the data may
-    live on another machine).
+    Real validation images when a data set is known (``dataset`` or the one the file records) and loadable
+    for the model (:func:`_data_for`); else standard-normal noise (seeded). A data set the user named
+    explicitly that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back to
+    noise with a warning (the data may live on another machine).
     """
-    name = dataset or extra.get("dataset")
-    folder = data_dir or extra.get("data_dir")
+    input_size = meta.input_size_at(img_size)
+    name = dataset or meta.extra.get("dataset")
     if name:
-        from repmlp.data import DataConfig, build_data
-
         try:
-            data = build_data(
-                DataConfig(
-                    dataset=name,
-                    data_dir=folder,
-                    need_train=False,
-                    val_limit=n,
-                    eval_batch_size=n,
-                    img_size=input_size[1],
-                    workers=0,
-                )
-            )
+            data = _data_for(meta, name, data_dir, img_size, need_train=False, val_limit=n, eval_batch_size=n)
             x, _ = next(iter(data.val.batches(0)))
             if tuple(x.shape[1:]) != tuple(input_size):
                 raise UserError(f"its images are {tuple(x.shape[1:])}, the model takes {tuple(input_size)}")
@@ -100,45 +103,42 @@ def check_inputs(
                 ) from None
             log.warning("cannot load the run's data set %s (%s); checking on random inputs", name, exc)
     gen = torch.Generator().manual_seed(0)
-    return torch.randn(n, *input_size, generator=gen), f"{n} random inputs (no data set known)"
+    why = "the run's data set could not be loaded" if name else "no data set known"
+    return torch.randn(n, *input_size, generator=gen), f"{n} random inputs ({why})"
 
 
 def calibration_batches(
-    extra: Mapping[str, Any],
-    input_size: tuple[int, int, int],
+    meta: ModelMetadata,
     n: int,
     *,
+    img_size: int | None = None,
     dataset: str | None = None,
     data_dir: str | None = None,
 ) -> list[Tensor]:
-    """The first ``n`` training images of the run's data set (``dataset``, else the file's ``extra`` record's)
-    in batches ``(<= 64, C, H, W)``.
+    """The first ``n`` training images of the run's data set (``dataset``, else the one the file records)
+    read for the file's model (``meta``) as ``repmlp eval`` reads it, in batches ``(<= 64, C, H, W)``.
 
     No data set known, or one that cannot be loaded, is a :class:`UserError`: int8 ranges calibrated
     on noise would be wrong for real images.
     """
-    from repmlp.data import DataConfig, build_data
-
-    name = dataset or extra.get("dataset")
+    name = dataset or meta.extra.get("dataset")
     if not name:
         raise UserError(
             "--precision int8 needs calibration data: the checkpoint names no data set; pass --dataset "
             "(and --data-dir) of the training data"
         )
     try:
-        data = build_data(
-            DataConfig(
-                dataset=name,
-                data_dir=data_dir or extra.get("data_dir"),
-                train_limit=n,
-                batch_size=min(n, 64),
-                img_size=input_size[1],
-                workers=0,
-            )
-        )
+        data = _data_for(meta, name, data_dir, img_size, train_limit=n, batch_size=min(n, 64))
+        batches = [x.float() for x, _ in data.train.batches(0)]
     except UserError as exc:
         raise UserError(f"--precision int8: cannot load calibration data ({exc})") from None
-    return [x.float() for x, _ in data.train.batches(0)]
+    input_size = meta.input_size_at(img_size)
+    if tuple(batches[0].shape[1:]) != tuple(input_size):
+        raise UserError(
+            f"--precision int8: the calibration images of {name} are {tuple(batches[0].shape[1:])}, the "
+            f"model takes {tuple(input_size)}; pass --dataset and --data-dir of its training data"
+        )
+    return batches
 
 
 def _reduce_precision(
@@ -200,13 +200,20 @@ def convert_checkpoint(
     model = load_model(checkpoint, device="cpu")
     meta = model.metadata
     if meta.form != "train":
-        raise UserError(f"{checkpoint} is already a deployed checkpoint of {meta.name}")
+        # What to convert instead: the training-time file of its run beside it, else the one it records.
+        source = checkpoint.with_name("model.safetensors")
+        if not source.is_file() and meta.extra.get("converted_from"):
+            source = Path(meta.extra["converted_from"])
+        raise UserError(
+            f"{checkpoint} is already a deployed checkpoint of {meta.name}: convert the training-time model "
+            f"file it came from instead (--checkpoint {source})"
+        )
     input_size = meta.input_size_at(img_size)
     check_forward(model, input_size, meta.name)  # a size the model does not take: one line
-    x, source = check_inputs(meta.extra, input_size, num_examples, dataset=dataset, data_dir=data_dir)
+    x, source = check_inputs(meta, num_examples, img_size=img_size, dataset=dataset, data_dir=data_dir)
     calibration = None
     if precision == "int8":
-        calibration = calibration_batches(meta.extra, input_size, calibration_examples, dataset=dataset,
+        calibration = calibration_batches(meta, calibration_examples, img_size=img_size, dataset=dataset,
                                           data_dir=data_dir)  # fmt: skip
     extra = {**meta.extra, "converted_from": str(checkpoint)}
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from repmlp.errors import first_line
+from repmlp.errors import UserError, first_line
 from repmlp.nn.numerics import full_float32
 from repmlp.nn.ops import fc3_backend
 
@@ -102,20 +103,41 @@ def _check_close(name: str, got: Tensor, ref: Tensor, rtol: float) -> float:
     return diff / scale
 
 
+#: What marks a file as written by repmlp's exporters (an ONNX ``metadata_props`` key; the name of an
+#: extra file in a TorchScript or ``.pt2`` archive): ``repmlp export`` replaces such a file only.
+MARK = "repmlp"
+MARK_FILE = "repmlp.json"
+
+
+def _mark() -> str:
+    from repmlp._version import __version__
+
+    return json.dumps({"written_by": f"repmlp {__version__}"})
+
+
 @contextlib.contextmanager
 def _staging(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on normal exit move it (and sidecar files) into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-") as tmp:
+    """Yield a temporary path next to ``path``; on normal exit move it (and sidecar files) into place.
+    A failed write (read-only folder, disk full, a folder in the way) is a :class:`UserError` naming
+    ``path``, not the temporary one."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.tmp-")
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with staging as tmp:
         staged = Path(tmp) / path.name
         yield staged
-        # Sidecar files (ONNX external data, named after the file) first, the main file last.
-        for extra in sorted(Path(tmp).iterdir()):
-            if extra != staged:
-                os.replace(extra, path.parent / extra.name)
-        with open(staged, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(staged, path)
+        try:
+            # Sidecar files (ONNX external data, named after the file) first, the main file last.
+            for extra in sorted(Path(tmp).iterdir()):
+                if extra != staged:
+                    os.replace(extra, path.parent / extra.name)
+            with open(staged, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(staged, path)
+        except OSError as exc:
+            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 @full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
@@ -169,6 +191,7 @@ def export_onnx(
                     opset_version=opset_version,
                     verbose=False,
                 )
+            program.model.metadata_props[MARK] = _mark()  # what lets a later export replace this file
             program.save(str(staged))
         except ExportError:
             raise
@@ -228,7 +251,7 @@ def export_torchscript(
         warnings.simplefilter("ignore")
         try:
             traced = torch.jit.trace(net, (example,), check_trace=False)
-            traced.save(str(staged))
+            traced.save(str(staged), _extra_files={MARK_FILE: _mark()})
             loaded = torch.jit.load(str(staged), map_location="cpu")
             got = _first_tensor(loaded(x))
         except Exception as exc:  # noqa: BLE001 - tracing errors are many types
@@ -274,7 +297,7 @@ def export_program(
         warnings.simplefilter("ignore")
         try:
             program = torch.export.export(net, (example,), dynamic_shapes=({0: batch},))
-            torch.export.save(program, str(staged))
+            torch.export.save(program, str(staged), extra_files={MARK_FILE: _mark()})
             got = _first_tensor(torch.export.load(str(staged)).module()(x))
         except Exception as exc:  # noqa: BLE001 - export errors are many types
             raise ExportError(f"torch.export of {type(model).__name__} failed: {_quoted(exc)}") from exc
@@ -298,4 +321,17 @@ def write_int8_onnx(model: nn.Module, path: str | os.PathLike, input_size: Seque
         size = "x".join(map(str, input_size))
         raise ExportError(f"the int8 graph does not run on {size} inputs: {_quoted(exc)}") from exc
     with _staging(Path(path)) as staged:
-        staged.write_bytes(model.onnx.numpy().tobytes())
+        # The mark appended as one more metadata_props entry (ModelProto field 14): protobuf merges it.
+        key, value = MARK.encode(), _mark().encode()
+        entry = bytes([0x0A, len(key)]) + key + bytes([0x12]) + _varint(len(value)) + value
+        staged.write_bytes(model.onnx.numpy().tobytes() + bytes([0x72]) + _varint(len(entry)) + entry)
+
+
+def _varint(n: int) -> bytes:
+    """``n`` as a protobuf varint."""
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)

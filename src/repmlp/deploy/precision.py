@@ -194,8 +194,164 @@ def native_support(precision: str) -> str | None:
     return f"this CPU lacks {' and '.join(need)}: {precision} runs emulated, likely slower than fp32"
 
 
+# ------------------------------------------------------------------------ an int8 file's graph, checked
+# The operators repmlp's int8 export writes (torch.onnx + onnxruntime's QDQ quantization of every registered
+# model, classification, face and segmentation). A model file's graph is run as it is, so it may hold only
+# these: no Loop/If/Scan (a loop of 10**15 iterations hangs), no ConstantOfShape/Expand/Tile (gigabytes from
+# a few bytes), no custom domain.
+INT8_OPS = frozenset(
+    """
+    Add AveragePool BatchNormalization Cast Concat Conv DequantizeLinear Div Erf Flatten Gather GatherND Gelu
+    Gemm GlobalAveragePool Identity LayerNormalization MatMul Max MaxPool Mul PRelu Pad QuantizeLinear Range
+    ReduceMean Relu Reshape Resize ScatterND Shape Sigmoid Slice Softmax Sqrt Squeeze Sub Transpose Unsqueeze
+    Where
+""".split()
+)
+# Ops whose output size depends on the values of their inputs (pads, sizes, a range's limit) or on attributes:
+# their outputs must have a size that shape inference tells. Any other op's output is at most the product
+# of its inputs' sizes.
+_SIZED_BY_VALUES = frozenset({"Range", "Pad", "Resize", "Conv", "AveragePool", "MaxPool"})
+# Ops whose output has at most the elements of their first input.
+_NOT_GROWING = frozenset(
+    """
+    BatchNormalization Cast DequantizeLinear Erf Flatten Gelu GlobalAveragePool Identity LayerNormalization
+    QuantizeLinear ReduceMean Relu Reshape ScatterND Sigmoid Slice Softmax Sqrt Squeeze Transpose Unsqueeze
+""".split()
+)
+MAX_GRAPH_ELEMENTS = 1 << 28  # elements of one tensor of the graph for one example (1 GiB of float32)
+_ATTRIBUTE_TYPES = {1, 2, 3, 6, 7, 8}  # FLOAT, INT, STRING, FLOATS, INTS, STRINGS: no graph, no tensor
+
+
+def check_int8_graph(raw: bytes, input_size: Sequence[int] | None = None) -> None:
+    """Refuse an ONNX graph that is not one repmlp's int8 export writes, before onnxruntime sees it.
+
+    The graph holds only :data:`INT8_OPS` of the default domain, no sub-graphs or tensor attributes, no
+    external or sparse data, one input ``(N, C, H, W)`` (``input_size`` ``(C, H, W)``, the file's, when
+    given) and one output; with the batch set to 1, shape inference bounds every tensor it computes to
+    :data:`MAX_GRAPH_ELEMENTS` elements. Raises ``ValueError`` saying what is wrong.
+    """
+    import onnx
+
+    try:
+        model = onnx.load_from_string(raw)
+    except Exception as exc:  # noqa: BLE001 - protobuf's errors: the bytes are no ONNX model
+        raise ValueError(f"not an ONNX model ({type(exc).__name__})") from None
+    graph = model.graph
+    if len(model.functions) or len(graph.sparse_initializer):
+        raise ValueError("it holds functions or sparse data, which repmlp's int8 export never writes")
+    for i, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in INT8_OPS:
+            raise ValueError(f"node {i} is a {node.domain + '.' if node.domain else ''}{node.op_type[:40]}, "
+                             "not an operator repmlp's int8 export writes")  # fmt: skip
+        if any(a.type not in _ATTRIBUTE_TYPES for a in node.attribute):
+            raise ValueError(f"node {i} ({node.op_type}) has a graph or tensor attribute")
+    if any(t.data_location == onnx.TensorProto.EXTERNAL or t.external_data for t in graph.initializer):
+        raise ValueError("it refers to external data files")
+    _check_graph_input(graph, input_size)
+    _check_graph_sizes(model)
+
+
+def _check_graph_input(graph, input_size: Sequence[int] | None) -> None:  # noqa: ANN001 - onnx.GraphProto
+    """One input ``(N, C, H, W)`` with a static ``(C, H, W)`` (the file's ``input_size`` when given), one output."""
+    inits = {t.name for t in graph.initializer}
+    inputs = [v for v in graph.input if v.name not in inits]
+    if len(inputs) != 1 or len(graph.output) != 1:
+        raise ValueError(f"it has {len(inputs)} inputs and {len(graph.output)} outputs, not one image batch "
+                         "and one result")  # fmt: skip
+    dims = inputs[0].type.tensor_type.shape.dim
+    sizes = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    if len(sizes) != 4 or None in sizes[1:] or (input_size is not None and sizes[1:] != list(input_size)):
+        shown = "x".join("?" if s is None else str(s) for s in sizes)
+        want = "x".join(str(s) for s in input_size) if input_size is not None else "C x H x W"
+        raise ValueError(f"its input is {shown}, not a batch of {want} images (the file's input size)")
+
+
+def _check_graph_sizes(model) -> None:  # noqa: ANN001 - onnx.ModelProto
+    """Every tensor the graph computes for one example is at most :data:`MAX_GRAPH_ELEMENTS` elements: known
+    from shape inference, else bounded by the product of its inputs' sizes (an op whose size follows values,
+    :data:`_SIZED_BY_VALUES`, must be inferred; a ``Range`` up to a dimension of a tensor is bounded by it)."""
+    import numpy as np
+    import onnx
+    from onnx import shape_inference
+
+    producer = {out: node for node in model.graph.node for out in node.output}
+    for i, node in enumerate(model.graph.node):
+        # A Range counts up to a dimension of a tensor, never to a constant (10**11 of them, computed
+        # element by element by shape inference's data propagation below)
+        if node.op_type == "Range" and not _dimension(node, producer):
+            raise ValueError(f"node {i} (Range) counts to a constant, not to a dimension of a tensor")
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    del model.graph.value_info[:]
+    first = model.graph.input[0].type.tensor_type.shape.dim[0]
+    first.Clear()
+    first.dim_value = 1
+    try:
+        # Data propagation computes small values (shapes, a Range up to a dimension: checked first).
+        inferred = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - onnx's inference errors: shapes that do not fit together
+        raise ValueError(f"its shapes do not fit together ({str(exc).splitlines()[0][:120]})") from None
+    shapes: dict[str, list[int]] = {t.name: list(t.dims) for t in model.graph.initializer}
+    for v in [*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input]:
+        dims = v.type.tensor_type.shape.dim if v.type.tensor_type.HasField("shape") else None
+        if dims is not None and all(d.HasField("dim_value") for d in dims):
+            shapes[v.name] = [d.dim_value for d in dims]
+    known = {name: int(np.prod(dims, dtype=object)) for name, dims in shapes.items()}
+    for i, node in enumerate(model.graph.node):
+        for out in node.output:
+            size = known.get(out)
+            if size is None:
+                size = _bound(node, known, producer, shapes)
+                known[out] = size
+            if size > MAX_GRAPH_ELEMENTS:
+                raise ValueError(f"node {i} ({node.op_type}) makes a tensor of up to {size} elements per "
+                                 f"example (at most {MAX_GRAPH_ELEMENTS})")  # fmt: skip
+
+
+def _dimension(node, producer: dict):  # noqa: ANN001, ANN202 - onnx.NodeProto
+    """The ``Shape`` node a ``Range``'s limit is a dimension of (maybe squeezed or gathered), else ``None``."""
+    source = producer.get(node.input[1]) if len(node.input) == 3 else None
+    while source is not None and source.op_type in ("Squeeze", "Gather", "Unsqueeze", "Cast"):
+        source = producer.get(source.input[0])
+    return source if source is not None and source.op_type == "Shape" else None
+
+
+def _bound(node, known: dict[str, int], producer: dict, shapes: dict) -> int:  # noqa: ANN001 - onnx.NodeProto
+    """An upper bound of the elements of an output shape inference did not size (see :func:`_check_graph_sizes`)."""
+    import numpy as np
+
+    sizes = [known.get(name, MAX_GRAPH_ELEMENTS + 1) for name in node.input if name]
+    if node.op_type == "Range":
+        source = _dimension(node, producer)
+        return known.get(source.input[0], MAX_GRAPH_ELEMENTS + 1) if source else MAX_GRAPH_ELEMENTS + 1
+    if node.op_type in _SIZED_BY_VALUES:
+        return MAX_GRAPH_ELEMENTS + 1
+    if node.op_type in _NOT_GROWING and sizes:
+        return sizes[0]
+    data = shapes.get(node.input[0]) if node.input else None
+    weight = shapes.get(node.input[1]) if len(node.input) > 1 else None
+    if node.op_type in ("Gemm", "MatMul") and weight and len(weight) >= 2 and min(weight) > 0:
+        # (..., M, K) @ (..., K, N): M * N (times the weight's batch) <= (elements of A / K) * N
+        flip = any(a.name == "transB" and a.i for a in node.attribute)
+        k, n = (weight[-1], weight[-2]) if flip else (weight[-2], weight[-1])
+        return sizes[0] // k * n * int(np.prod(weight[:-2], dtype=object))
+    if node.op_type == "Gather" and data and len(sizes) == 2:  # indices' shape + data's without the axis
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if -len(data) <= axis < len(data) and data[axis] > 0:
+            return sizes[1] * (sizes[0] // data[axis])
+    bound = 1
+    for size in sizes:
+        bound *= max(1, size)
+    return bound + sum(sizes)
+
+
+def _load_int8(onnx: Tensor, input_size: Sequence[int] | None = None) -> Int8OnnxModel:
+    """An int8 model file's graph (the ``onnx`` tensor), checked (:func:`check_int8_graph`), as a module."""
+    check_int8_graph(onnx.cpu().numpy().tobytes(), input_size)
+    return Int8OnnxModel(onnx)
+
+
 # Model files in a reduced precision are rebuilt by these (repmlp.models.model_file reads the files).
-register_precision_loader("int8", lambda onnx: Int8OnnxModel(onnx))
+register_precision_loader("int8", _load_int8)
 for _precision, _dtype in DTYPES.items():
     if _precision != "fp32":
         register_precision_loader(_precision, lambda model, dtype=_dtype: _float_model(model, dtype))

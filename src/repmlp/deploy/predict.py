@@ -35,6 +35,8 @@ from repmlp.errors import UserError
 from repmlp.models.model_file import ModelMetadata, device_of, load_model, model_metadata
 
 __all__ = [
+    "CSV_HEADER",
+    "printable",
     "Prediction",
     "Predictor",
     "FileResult",
@@ -403,8 +405,18 @@ class Predictor:
         """Top-k of each file of ``paths``, in order; an undecodable file comes back with ``error`` set.
 
         ``workers`` processes decode batches ahead while the model runs (0: this process decodes each batch
-        before the model runs on it; ``None``: :func:`auto_workers`).
+        before the model runs on it; ``None``: :func:`auto_workers`). A ``batch_size`` below 1 or negative
+        ``workers`` is a ``ValueError`` at the call, before anything is read.
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+            raise ValueError(f"workers must be an int >= 0 (or None: auto), got {workers!r}")
+        return self._predict_files(paths, batch_size, workers)
+
+    def _predict_files(
+        self, paths: Sequence[str], batch_size: int, workers: int | None
+    ) -> Iterator[FileResult]:
         if not paths:
             return
         workers = auto_workers(self.device) if workers is None else workers
@@ -445,7 +457,7 @@ def predict_paths(
     for path, reason in skipped:
         report(path, reason)
     if not files:
-        raise UserError("no input images (" + "; ".join(f"{p}: {r}" for p, r in skipped[:3]) + ")"
+        raise UserError("no input images (" + "; ".join(f"{printable(p)}: {r}" for p, r in skipped[:3]) + ")"
                         if skipped else "no input images given")  # fmt: skip
     model = load_model(checkpoint, device=device)
     _check_classifier(model.metadata)  # before the labels file: that a model has no classes comes first
@@ -471,8 +483,41 @@ def result_record(res: FileResult) -> dict[str, Any]:
     return {"path": res.path, "top_k": top}
 
 
+# The start of the CSV that predict writes (whatever --top-k): how a later run knows the file is its own.
+CSV_HEADER = "path,label_1,prob_1,index_1"
+
+
+def _utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode escaped: a byte of a file name that is not UTF-8 (``os.fsdecode``
+    keeps it as a lone surrogate ``U+DC80..U+DCFF``) as ``\\xNN``, any other lone surrogate as ``\\uNNNN``."""
+    return "".join(
+        f"\\x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF
+        else ch.encode("unicode_escape").decode("ascii") if 0xD800 <= ord(ch) <= 0xDFFF
+        else ch
+        for ch in text
+    )  # fmt: skip
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (an escape sequence, a newline that would
+    forge another line) and other unprintable ones as Python escapes (``\\x1b``, ``\\n``, ``\\u2028``), the
+    bytes of a file name that is not UTF-8 as ``\\xNN``."""
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in _utf8_safe(text)
+    )
+
+
+def csv_cell(text: str) -> str:
+    """A text cell of predict's CSV: UTF-8 safe (:func:`_utf8_safe`), and a cell that a spreadsheet would take
+    for a formula (starting with ``= + - @``, a tab or a carriage return) prefixed with ``'`` (OWASP's
+    defence against CSV injection: ``=HYPERLINK(...)`` in a class or file name stays text)."""
+    text = _utf8_safe(text)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
 def render_csv(results: Sequence[FileResult], k: int) -> str:
-    """CSV with columns ``path,label_1,prob_1,index_1,...,label_K,prob_K,index_K``."""
+    """CSV with columns ``path,label_1,prob_1,index_1,...,label_K,prob_K,index_K`` (text cells through
+    :func:`csv_cell`)."""
     import csv
     import io
 
@@ -480,24 +525,26 @@ def render_csv(results: Sequence[FileResult], k: int) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["path"] + [f"{c}_{i}" for i in range(1, k + 1) for c in ("label", "prob", "index")])
     for res in results:
-        row: list[Any] = [res.path]
+        row: list[Any] = [csv_cell(res.path)]
         for p in res.top_k or []:
-            row += [p.label, f"{p.probability:.6g}", p.index]
+            row += [csv_cell(p.label), f"{p.probability:.6g}", p.index]
         writer.writerow(row)
     return buf.getvalue()
 
 
 def render_table(results: Sequence[FileResult]) -> str:
-    """A readable table: the file, then each of its top-k labels with its probability."""
+    """A readable table: the file, then each of its top-k labels with its probability (names through
+    :func:`printable`: a class or file name cannot move the cursor, colour the terminal or forge a line)."""
     if not results:
         return ""
-    width = min(60, max(len("file"), *(len(r.path) for r in results)))
+    paths = [printable(r.path) for r in results]
+    width = min(60, max(len("file"), *(len(p) for p in paths)))
     k = max(len(r.top_k or []) for r in results)
     head = f"{'file':<{width}}  " + "  ".join(f"{'top-' + str(i + 1):<24}" for i in range(k))
     lines = [head.rstrip()]
-    for res in results:
-        path = res.path if len(res.path) <= width else "..." + res.path[-(width - 3) :]
-        cells = [f"{p.label[:16]} {100 * p.probability:5.1f}%" for p in res.top_k or []]
+    for res, path in zip(results, paths, strict=True):
+        path = path if len(path) <= width else "..." + path[-(width - 3) :]
+        cells = [f"{printable(p.label)[:16]} {100 * p.probability:5.1f}%" for p in res.top_k or []]
         lines.append((f"{path:<{width}}  " + "  ".join(f"{c:<24}" for c in cells)).rstrip())
     return "\n".join(lines) + "\n"
 

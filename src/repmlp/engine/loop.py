@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +26,7 @@ from repmlp.engine.state import (
     STATE_FILE,
     check_resumable,
     gather_object,
+    lock_output,
     replica_hashes,
     rng_state,
     set_rng_state,
@@ -73,7 +77,9 @@ class LoopHooks:
       under autocast; ``stats`` are sums over the batch (``n``: how many things were summed) that the
       engine adds up per epoch and per log interval and shows in the progress bar as means.
     - ``end_epoch(pos) -> row or None``: called when an epoch's batches are used up, before the position
-      moves on (``pos.epoch_acc`` holds the epoch's sums); a returned row is appended to the history.
+      moves on (``pos.epoch_acc`` holds the epoch's sums); a returned row is appended to the history. A
+      row holding a NaN/inf number (a validation loss) means the model diverged: :class:`Diverged`, and
+      no checkpoint of it (weights can be finite and still overflow in evaluation: huge BatchNorm stats).
     """
 
     step: Callable[[nn.Module, Tensor, Tensor, Position], tuple[Tensor, dict[str, float]]] = loss_step
@@ -240,10 +246,62 @@ def _position(state: dict[str, Any], steps_per_epoch: int, total: int) -> Positi
     return Position(step, epoch, batch, list(history), dict(acc), dict(window))
 
 
+class Diverged(UserError):
+    """A run whose loss or weights became NaN/inf: a user's recipe (learning rate) that does not fit."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM (``kill``, a batch system's time limit): its message
+    says at which step and where the checkpoint is; ``signum`` is the signal. The CLI prints the message
+    and exits with ``128 + signum``, the shell's convention (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM handlers for the duration of a run (only where the run is in the main thread,
+    the only one Python delivers signals to); the previous handlers come back on exit.
+
+    The first signal is recorded (``received``): the loop stops at the next step boundary with a
+    checkpoint. Another one before that stops at once, by raising ``again(signum)`` (a step or an
+    evaluation that hangs); while the loop writes its interrupt checkpoint (``saving``) it is only recorded,
+    so that the file is written whole (the writes are atomic anyway: an interrupted one leaves the previous
+    file)."""
+
+    HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, again: Callable[[int], BaseException]) -> None:
+        self.again = again
+        self.received: int | None = None
+        self.saving = False
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.HANDLED:
+                self.previous[signum] = signal.signal(signum, self.handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            # None: a handler not installed from Python; the default is the closest to it.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self.previous.clear()
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.received is None or self.saving:
+            self.received = self.received or signum
+            return
+        raise self.again(signum)
+
+
 def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
-    """Backward and one (gradient-scaled) optimizer step; a non-finite loss is a :class:`UserError`."""
+    """Backward and one (gradient-scaled) optimizer step at the 0-based ``step``; a non-finite loss is
+    :class:`Diverged` (a :class:`UserError`)."""
     if not torch.isfinite(loss):
-        raise UserError(f"the loss became {loss.item()} at step {step} (try a smaller --lr)")
+        raise Diverged(f"the loss became {loss.item()} at step {step + 1} (try a smaller --lr)")
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -266,6 +324,10 @@ def train_loop(
     Every step: learning rates from ``opts.lr_at``, the task's step under autocast, :func:`optimizer_step`.
     Checkpoints every ``ckpt_every`` steps, after every epoch of an epoch-counted run and at the end (every
     process's RNG states included); ``metrics.csv`` holds the history.
+
+    SIGINT (Ctrl-C) or SIGTERM stops the run at the next step boundary with a checkpoint of that step, from
+    which ``resume`` continues bitwise: :class:`RunInterrupted` (a ``KeyboardInterrupt``) says where. A
+    run whose loss or weights become NaN/inf raises :class:`Diverged` and writes no checkpoint of them.
     """
     return _Loop(net, optimizer, loader, opts, procs, hooks or LoopHooks()).run(state)
 
@@ -285,6 +347,8 @@ class _Loop:
         self.path = opts.output / STATE_FILE
         self.pos = Position()
         self.saved_at = -1  # the step of the last checkpoint
+        self.signals = _Signals(self.interrupted_again)
+        self.stopping = False  # a signal came (on any process): stop at the next step boundary
         self.bar: Any = None
         self.start = self.mark = 0.0  # the run's start; the start of this epoch's unrecorded time
         # The module the steps call: compiled lazily, on the first step (see first_compiled_step), or
@@ -297,34 +361,44 @@ class _Loop:
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
-        if self.procs.is_main:
-            self.opts.output.mkdir(parents=True, exist_ok=True)
-        self.start = time.perf_counter()
-        with progress(None, self.total, "train", self.procs.is_main, initial=self.pos.step) as self.bar:
+        # The signal handlers first: once the run folder exists, a signal keeps the run.
+        with self.signals:
+            lock_output(self.opts.output, self.procs)  # made and locked by rank 0: one writer per run
+            self.start = time.perf_counter()
             while self.pos.step < self.total and self.epoch():
                 pass
-        seconds = time.perf_counter() - self.start
-        if self.saved_at != self.pos.step:
-            self.save()
-        self.write_metrics()  # again: a run killed between its last checkpoint and this file resumes here
+            seconds = time.perf_counter() - self.start
+            if self.saved_at != self.pos.step:
+                self.save()
+            self.write_metrics()  # again: a run killed between its last checkpoint and this file resumes here
+            if self.stop_requested():  # during the last step or its checkpoint: the run's end is left to do
+                self.stop()
         hashes = replica_hashes(unwrap(self.net), self.procs)
         return LoopResult(self.pos.history, seconds, hashes, self.mode)
 
     def epoch(self) -> bool:
         """Train the rest of the current epoch; returns ``False`` if the run ended inside it."""
-        pos, epochs = self.pos, self.opts.epochs
-        self.bar.set_description(f"epoch {pos.epoch + 1}" + (f"/{epochs}" if epochs else ""), refresh=False)
+        pos = self.pos
         self.net.train()
         self.mark = time.perf_counter()
-        for images, labels in self.loader.batches(pos.epoch, pos.batch):
-            lr = self.step(images, labels)
-            self.after_step(lr)
-            if pos.step >= self.total and pos.batch < self.steps_per_epoch:
-                self.add_seconds()
-                return False
+        with self.epoch_bar() as self.bar:  # closed (its line cleared) before the epoch's end logs its line
+            for images, labels in self.loader.batches(pos.epoch, pos.batch):
+                lr = self.step(images, labels)
+                self.after_step(lr)
+                if pos.step >= self.total and pos.batch < self.steps_per_epoch:
+                    self.add_seconds()
+                    return False
         self.add_seconds()
         self.end_epoch()
         return True
+
+    def epoch_bar(self) -> Any:
+        """This epoch's progress bar: an epoch-counted run counts the epoch's batches (``epoch 2/3``, as
+        Lightning does); an iteration-counted one the run's iterations (``train (epoch 2)``)."""
+        pos, epochs, main = self.pos, self.opts.epochs, self.procs.is_main
+        if epochs is not None:
+            return progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
+        return progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
 
     def step(self, images: Tensor, labels: Tensor) -> float:
         """One optimizer step at ``pos.step``'s learning rates; adds up the task's statistics."""
@@ -349,7 +423,12 @@ class _Loop:
         device = images.device
         with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
             loss, stats = self.hooks.step(net, images, labels, self.pos)
-        optimizer_step(loss.float(), self.optimizer, self.scaler, self.pos.step)
+        try:
+            optimizer_step(loss.float(), self.optimizer, self.scaler, self.pos.step)
+        except Diverged:
+            pos = self.pos
+            where = f"step {pos.step + 1} (epoch {pos.epoch + 1}, batch {pos.batch + 1})"
+            raise self.diverged(f"the loss became {loss.item()} at {where}") from None
         return stats
 
     def first_compiled_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
@@ -396,12 +475,13 @@ class _Loop:
         return self.forward_backward(self.step_net, images, labels)
 
     def after_step(self, lr: float) -> None:
-        """Progress bar, loss log, checkpoint, simulated crash."""
+        """Progress bar, loss log, checkpoint, stop on a signal, simulated crash."""
         pos, opts = self.pos, self.opts
         self.bar.update(1)
         if self.procs.is_main:
             n = max(1.0, pos.epoch_acc.get("n", 1.0))
-            means = {k: f"{v / n:.4g}" for k, v in pos.epoch_acc.items() if k != "n"}
+            # The task's statistics; not the engine's own sums (the count, the epoch's seconds so far).
+            means = {k: f"{v / n:.4g}" for k, v in pos.epoch_acc.items() if k not in ("n", "seconds")}
             self.bar.set_postfix(**means, lr=f"{lr:.3g}", refresh=False)
         if opts.log_interval and (pos.step % opts.log_interval == 0 or pos.step == self.total):
             self.log_window()
@@ -409,11 +489,82 @@ class _Loop:
         if opts.ckpt_every and pos.step % opts.ckpt_every == 0 and pos.step < self.total and not epoch_end:
             self.add_seconds()
             self.save()
+        # At an epoch's end the run stops after the epoch's evaluation and checkpoint (end_epoch); at the
+        # last step after the final checkpoint (run): a checkpoint before those would skip them on resuming.
+        if not epoch_end and pos.step < self.total and self.stop_requested():
+            self.add_seconds()  # the epoch's time so far: the resumed run's history has the whole epoch's
+            self.stop()
         if opts.stop_after_steps and pos.step >= opts.stop_after_steps:
             self.bar.close()
             log.warning("--stop-after-steps %d reached: exiting without cleanup", opts.stop_after_steps)
             logging.shutdown()
             os._exit(3)  # a simulated crash (tests of --resume): no cleanup, no final checkpoint
+
+    def stop_requested(self) -> bool:
+        """Whether a signal came, to this process or (torchrun) any other: every process then stops at
+        the same step, as saving needs all of them (one small all-reduce a step; none for one process)."""
+        if not self.stopping:
+            flag = self.signals.received is not None
+            if self.procs.enabled:
+                sums = all_reduce_sum(torch.tensor([float(flag)], device=self.procs.device), self.procs)
+                flag = bool(sums.item() > 0)
+            self.stopping = flag
+        return self.stopping
+
+    def stop(self) -> NoReturn:
+        """The checkpoint of this step (unless written already), then :class:`RunInterrupted`."""
+        self.signals.saving = True  # another Ctrl-C now waits for the file
+        if self.saved_at != self.pos.step:
+            self.save()
+        pos, signum = self.pos, self.signals.received or signal.SIGINT
+        where = "" if self.procs.is_main else " by process 0"
+        raise RunInterrupted(
+            f"interrupted by {signal.Signals(signum).name} at epoch {pos.epoch + 1}, batch {pos.batch} "
+            f"(step {pos.step}): checkpoint saved{where} to {self.path}; continue with --resume",
+            signum,
+        )
+
+    def interrupted_again(self, signum: int) -> RunInterrupted:
+        """The stop of a second signal before the step boundary: no checkpoint of this step."""
+        return RunInterrupted(
+            f"interrupted again by {signal.Signals(signum).name} before step {self.pos.step + 1} ended: "
+            f"stopped without a checkpoint of it; {self.kept()}",
+            signum,
+        )
+
+    def kept(self) -> str:
+        """What a run that stops without a checkpoint of its step leaves to resume from."""
+        if self.saved_at < 0:
+            return f"no checkpoint was written to {self.opts.output}"
+        return f"the checkpoint of step {self.saved_at} is kept in {self.path}"
+
+    def diverged(self, what: str) -> Diverged:
+        """The error of a diverged run: ``what`` went NaN/inf, what is kept of the run, what to try."""
+        elsewhere = " into another --output" if self.saved_at >= 0 else ""
+        return Diverged(f"training diverged: {what}; {self.kept()} (try a smaller --lr{elsewhere})")
+
+    def check_finite(self) -> None:
+        """:class:`Diverged` if the module's parameters or buffers hold NaN/inf, on every process alike.
+
+        Checked before every checkpoint and at each epoch's end, not each step (the loss is; this costs a
+        kernel a tensor): the weights can diverge while the loss stays finite (BatchNorm running
+        statistics, an update that overflows). No checkpoint or model file then holds them."""
+        module = unwrap(self.net)
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        named = [(k, t) for k, t in tensors if t.is_floating_point()]
+        if not named:
+            return
+        finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named])
+        bad = all_reduce_sum((~finite).sum().reshape(1), self.procs)  # every process raises, or none
+        if bad.item() == 0:
+            return
+        names = [k for (k, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+        shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on another process"
+        pos = self.pos
+        raise self.diverged(
+            f"the weights hold NaN/inf after step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch}: "
+            f"{shown}) although the loss was finite"
+        )
 
     def add_seconds(self) -> None:
         now = time.perf_counter()
@@ -423,13 +574,22 @@ class _Loop:
     def end_epoch(self) -> None:
         """The task's end-of-epoch hook, then the next epoch; checkpoint after each epoch if counting them."""
         pos = self.pos
+        self.check_finite()  # before the task evaluates diverged weights
         row = self.hooks.end_epoch(pos) if self.hooks.end_epoch is not None else None
         if row is not None:
+            overflowed = [f"{k} {v}" for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+            if overflowed:
+                raise self.diverged(
+                    f"the evaluation after step {pos.step} (epoch {pos.epoch + 1}) gave "
+                    f"{', '.join(overflowed)} (finite weights whose outputs overflow)"
+                )
             pos.history.append(row)
         pos.epoch, pos.batch, pos.epoch_acc = pos.epoch + 1, 0, {}
         if self.opts.epochs is not None:
             self.save()
             self.write_metrics()
+            if pos.step < self.total and self.stop_requested():
+                self.stop()
 
     def log_window(self) -> None:
         """Append the mean statistics since the last log line, over all processes, to the history."""
@@ -450,9 +610,10 @@ class _Loop:
         """``checkpoint.safetensors``: everything a resume needs (rank 0 writes; every process's RNG)."""
         from repmlp.models.model_file import save_state
 
+        self.check_finite()  # a diverged run keeps its last finite checkpoint
         rngs = gather_object(rng_state(self.procs.device), self.procs)
-        self.saved_at = self.pos.step
         if not self.procs.is_main:
+            self.saved_at = self.pos.step
             return
         state = {
             **self.opts.extra_state,
@@ -463,15 +624,18 @@ class _Loop:
             **vars(self.pos),
             "rng": {str(r): s for r, s in enumerate(rngs)},
         }
-        save_state(self.path, state)
+        save_state(self.path, state)  # atomic: an interrupted write leaves the previous checkpoint
+        self.saved_at = self.pos.step
 
     def restore(self, state: dict[str, Any]) -> None:
+        from repmlp.engine.optim_state import check_resumed_state
         from repmlp.models.file_format import CheckpointError
 
         opts, procs = self.opts, self.procs
         check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)
         try:
             unwrap(self.net).load_state_dict(state["model"], strict=True)
+            check_resumed_state(self.optimizer, state, opts.metric_fields)
             self.optimizer.load_state_dict(state["optimizer"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repmlp.engine.devices import resolve_device
+from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,58 @@ class DistInfo:
         return self.world > 1
 
 
+_MAX_WORLD = 1 << 16  # processes of one run: far beyond any cluster a run here would use
+_HINT = "start the processes with torchrun, or unset WORLD_SIZE for one process"
+
+
+def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
+    """The environment variable ``name`` as an integer in ``lo..hi``; a :class:`UserError` naming it and
+    the allowed values when it is missing (and has no ``default``), not an integer or out of range."""
+    text = os.environ.get(name, default)
+    if text is None:
+        raise UserError(f"{name} is not set: a run of several processes needs it ({lo}..{hi}); {_HINT}")
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise UserError(f"{name}={text!r}: expected an integer in {lo}..{hi}; {_HINT}")
+    return value
+
+
+def process_environment() -> tuple[int, int, int]:
+    """``(rank, world, local_rank)`` from torchrun's environment, each value checked where it enters:
+    ``WORLD_SIZE`` (unset: one process); with several, ``RANK`` (below ``WORLD_SIZE``), ``LOCAL_RANK``
+    (default 0), ``MASTER_ADDR`` and ``MASTER_PORT`` (the rendezvous). A bad value is one
+    :class:`UserError` naming the variable and what it may be. Also reads ``REPMLP_FC3``
+    (:func:`repmlp.nn.ops.get_fc3_backend`), so that a bad value stops a run before it starts."""
+    from repmlp.nn.ops import get_fc3_backend
+
+    get_fc3_backend()
+    world = _env_int("WORLD_SIZE", 1, _MAX_WORLD, default="1")
+    if world == 1:
+        return 0, 1, 0
+    rank = _env_int("RANK", 0, world - 1)
+    local_rank = _env_int("LOCAL_RANK", 0, world - 1, default="0")
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise UserError(f"MASTER_ADDR is not set: WORLD_SIZE={world} needs the rendezvous host; {_HINT}")
+    _env_int("MASTER_PORT", 1, 65535)
+    return rank, world, local_rank
+
+
 def setup_distributed(device_name: str) -> DistInfo:
-    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU.
+    The environment is checked first (:func:`process_environment`)."""
+    rank, world, local_rank = process_environment()
     device = resolve_device(device_name)
     if world <= 1:
         return DistInfo(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(
+                f"LOCAL_RANK={local_rank}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                "start at most that many processes per machine (torchrun --nproc_per_node)"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():

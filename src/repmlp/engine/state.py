@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from collections.abc import Collection
 from pathlib import Path
@@ -24,25 +25,46 @@ STATE_FILE = "checkpoint.safetensors"
 METRICS_FILE = "metrics.csv"
 # The last file a run writes (every task's report): a folder holding it is a finished run.
 REPORT_FILE = "report.md"
+# The trained model a run writes at its end.
+MODEL_FILE = "model.safetensors"
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run of repmlp's: its training state or its model file (a user's folder
+    that merely holds a ``report.md`` is not one)."""
+    return (folder / STATE_FILE).is_file() or (folder / MODEL_FILE).is_file()
+
+
+def is_finished_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished run (:func:`holds_run`, its ``report.md`` written): the run's
+    record, whose files no command replaces and next to which predict, bench, viz, import and tables write
+    nothing."""
+    return (folder / REPORT_FILE).is_file() and holds_run(folder)
 
 
 def check_output(
     out: Path, resume: bool, procs: DistInfo, *, finished_ok: bool = False
 ) -> dict[str, Any] | None:
-    """The saved state to resume from (``None`` for a new run); refuses to overwrite a run in ``out``.
+    """The saved state to resume from (``None`` for a new run); refuses anything but a new run's folder.
 
-    ``resume`` of a finished run (its ``report.md`` written) is refused too, before anything is read or
-    written: a finished ``--output`` is never overwritten (``finished_ok``: the caller redoes the end of a
-    finished run on purpose, as ``repmlp study`` does for a run whose results it did not record)."""
+    ``out`` must be missing or an empty folder (a new run), or hold a run: without ``resume`` a run is never
+    overwritten, and a folder holding other files is not a run's (its files stay the user's). ``resume`` of
+    a finished run (its ``report.md`` written) is refused too, before anything is read or written
+    (``finished_ok``: the caller redoes the end of a finished run on purpose, as ``repmlp study`` does for a
+    run whose results it did not record). An existing ``out`` is locked first (:func:`lock_output`): a
+    second process writing the same run is refused."""
     from repmlp.data.inputs import not_regular
     from repmlp.models.model_file import load_state
 
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
+    if kind == "a folder":
+        lock_output(out, procs, create=False)
     state_path = out / STATE_FILE
+    finished = (out / REPORT_FILE).exists()
     if resume:
-        if not finished_ok and (out / REPORT_FILE).exists():
+        if not finished_ok and finished:
             raise UserError(
                 f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are left "
                 "as they are (train into another --output to run it again)"
@@ -50,8 +72,99 @@ def check_output(
         if not_regular(state_path) is not None:
             raise UserError(f"nothing to resume: {state_path} does not exist or is not a regular file")
         return load_state(state_path)
-    if procs.is_main and (state_path.exists() or (out / "model.safetensors").exists()):
-        raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
+    if procs.is_main and kind == "a folder":
+        if finished and holds_run(out):
+            raise UserError(
+                f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are left as they "
+                "are; train into another --output"
+            )
+        if holds_run(out):
+            raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
+        others = _entries(out)
+        if others:
+            raise UserError(
+                f"--output {out} is a folder holding other files ({others}), not a run: train into a new or "
+                "empty folder"
+            )
+    return None
+
+
+def _entries(folder: Path, shown: int = 3) -> str:
+    """The first ``shown`` names in ``folder`` (sorted) and how many more: ``""`` for an empty folder."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError as exc:
+        raise UserError(f"cannot list --output {folder}: {exc.strerror or exc}") from None
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+# This process's locks on run folders: (st_dev, st_ino) -> the open folder whose flock is held. They are
+# kept until the process exits (the kernel drops a flock with its process, also on a crash or a kill), so
+# a run's folder stays locked while anything of the run may still be written.
+_LOCKS: dict[tuple[int, int], int] = {}
+
+
+def lock_output(out: Path, procs: DistInfo, *, create: bool = True) -> None:
+    """Hold an exclusive ``flock`` on the run folder ``out`` for the rest of this process (rank 0 only):
+    a second ``repmlp train`` writing the same folder is refused with one line naming the holder's pid.
+
+    ``create``: make the folder first (the engine, when the run writes its first file). A folder this
+    process creates must still be empty once locked: else another process filled it in the meantime."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX (Windows): runs are not locked
+        fcntl = None
+    if not procs.is_main:
+        return
+    existed = out.is_dir()
+    if create:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --output {out}: {exc.strerror or exc}") from None
+    info = os.stat(out)
+    key = (info.st_dev, info.st_ino)
+    held = _LOCKS.pop(key, None)
+    if held is not None:
+        if os.fstat(held).st_nlink > 0:  # this process holds it already (a run resumed in the same process)
+            _LOCKS[key] = held
+            return
+        os.close(held)  # a deleted folder's lock, whose inode number the new folder reuses
+    if fcntl is None:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = _lock_holder(info)
+        raise UserError(
+            f"another repmlp process is writing {out}{f' (pid {pid})' if pid else ''}: wait for it to end, or "
+            "train into another --output"
+        ) from None
+    except OSError as exc:  # a file system without flock (some network mounts): run unlocked
+        os.close(fd)
+        log.debug("cannot lock %s (%s): the run goes on without a lock", out, exc)
+        return
+    _LOCKS[key] = fd
+    if create and not existed and _entries(out):
+        raise UserError(
+            f"another process wrote into {out} while this run started: train into another --output"
+        )
+
+
+def _lock_holder(info: os.stat_result) -> int | None:
+    """The pid holding a ``flock`` on the file of ``info``, from ``/proc/locks`` (Linux), else ``None``."""
+    ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == ident:
+                    return int(parts[4])
+    except (OSError, ValueError):
+        pass
     return None
 
 

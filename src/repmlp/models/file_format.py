@@ -62,7 +62,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
             raise CheckpointError(f"{path} is not a safetensors file or is truncated (bad header length)")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        # JSON's NaN/Infinity are no safetensors header values (an offset of Infinity would fail int()).
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -77,14 +78,33 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        try:
-            end = max(end, int(entry["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise CheckpointError(f"{path} has a malformed safetensors header (tensor {key!r})") from None
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not _offsets_ok(offsets):
+            raise CheckpointError(
+                f"{path} has a malformed safetensors header (tensor {key!r}: data_offsets must be two "
+                f"integers 0 <= begin <= end, got {str(offsets)[:60]})"
+            )
+        end = max(end, offsets[1])
     expected = 8 + n + end
     if size < expected:
         raise CheckpointError(f"{path} is truncated ({size} bytes, header needs {expected})")
     return header, expected
+
+
+def _no_constant(name: str) -> None:
+    """``json.loads``' ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity`` are refused."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _offsets_ok(offsets: object) -> bool:
+    """Whether a header entry's ``data_offsets`` are ``[begin, end]``, integers with ``0 <= begin <= end``
+    (floats, booleans and texts are not: the body's size is computed from them before anything is read)."""
+    return (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(v) is int for v in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    )
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

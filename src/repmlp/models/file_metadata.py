@@ -61,8 +61,11 @@ MAX_FLOAT = 1e12
 MAX_TEXT = 4096
 MAX_ITEMS = 100_000
 MAX_DEPTH = 8
-MAX_SIDE = 8192  # pixels per side of a model's input
-MAX_CHANNELS = 4096
+# A model file's recorded input size: at most what --img-size takes (4096 pixels per side) and 64 channels
+# (no model of the zoo takes more than 3). A model that takes any size runs on the size its file records, so
+# a few edited bytes must not ask every command for an 8192x8192 input of thousands of channels (gigabytes).
+MAX_SIDE = 4096
+MAX_CHANNELS = 64
 # Options ``create_model`` sets itself, or that would load or place something: never from a file.
 RESERVED_OPTIONS = (
     "deploy",

@@ -108,12 +108,59 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             raise WeightsImportError(f"{path}: tensor {key} is {t.dtype}, not a real-valued weight")
         if t.numel() == 0:
             raise WeightsImportError(f"{path}: tensor {key} is empty (shape {tuple(t.shape)})")
+    _check_keys(path, tensors)
+    _check_storage(path, tensors)
+    for key, t in tensors.items():  # a NaN weight makes every output NaN: no released weight holds one
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WeightsImportError(
+                f"{path}: tensor {key} holds NaN or infinite values: not a usable weight"
+            )
     if all(k.startswith("module.") for k in tensors):
         tensors = {k[len("module.") :]: v for k, v in tensors.items()}
     return tensors
 
 
 _INT_DTYPES = (torch.int64, torch.int32)  # BatchNorm's num_batches_tracked
+# A released checkpoint's keys are module paths (``stages.2.1.repmlp_block.fc3.weight``): short, with
+# indices of a few digits. Longer keys or numbers are no weights of any model (and int() of a 5,000-digit
+# index fails), refused as the file is read.
+_MAX_KEY = 300
+_MAX_INDEX_DIGITS = 6
+
+
+def _check_keys(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """Every key is at most :data:`_MAX_KEY` characters, its numbers at most :data:`_MAX_INDEX_DIGITS` digits."""
+    for key in tensors:
+        if len(key) > _MAX_KEY or re.search(rf"\d{{{_MAX_INDEX_DIGITS + 1}}}", key):
+            raise WeightsImportError(
+                f"{path}: key {key[:60]!r}{'...' if len(key) > 60 else ''} is no module path of a model "
+                f"(keys are at most {_MAX_KEY} characters, indices at most {_MAX_INDEX_DIGITS} digits)"
+            )
+
+
+def _check_storage(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """The tensors' elements must be stored in the file: a tensor with zero or overlapping strides (an
+    ``expand``ed one, say) holds more elements than the bytes under it, and copying it out (``.contiguous()``,
+    saving) would allocate what a small file asks for, not what it holds. Each tensor's elements must fit its
+    storage, and all of them together the file's distinct storages (views of one storage, as released
+    checkpoints hold them, are fine)."""
+    stored: dict[int, int] = {}
+    logical = 0
+    for key, t in tensors.items():
+        storage = t.untyped_storage()
+        size = t.numel() * t.element_size()
+        if size > storage.nbytes():
+            raise WeightsImportError(
+                f"{path}: tensor {key} of shape {tuple(t.shape)} repeats {storage.nbytes()} stored bytes as "
+                f"{size} (zero or overlapping strides): not a released weight"
+            )
+        stored[storage.data_ptr()] = max(stored.get(storage.data_ptr(), 0), storage.nbytes())
+        logical += size
+    if logical > sum(stored.values()):
+        raise WeightsImportError(
+            f"{path}: its tensors hold {logical} bytes but the file stores {sum(stored.values())} "
+            "(views that overlap): not a released checkpoint"
+        )
 
 
 # ----------------------------------------------------------------------------------- key mapping
@@ -290,12 +337,11 @@ class ImportResult(dict):
 _STRUCTURE = ("channels", "depths", "sharesets", "img_size", "patch_size", "gate_reduction")
 
 
-def _check_structure(name: str, inferred: dict[str, Any], model_args: dict[str, Any]) -> None:
-    """The inferred structure must be the named model's (with ``--model-arg`` overrides)."""
-    from repmlp.models import create_model
-
-    with torch.device("meta"):
-        ref = create_model(name, **model_args)
+def _check_structure(name: str, inferred: dict[str, Any], model_args: dict[str, Any],
+                     sd: Mapping[str, Tensor]) -> None:  # fmt: skip
+    """The inferred structure must be the named model's (with ``--model-arg`` overrides). The model is
+    built on the ``meta`` device within the budget of the file's weights ``sd`` (:func:`_meta_build`)."""
+    ref = _meta_build(name, model_args, sd, at_least=(1 << 28, 20_000))
     expected = {
         "channels": tuple(s.blocks[0].norm1.num_features for s in ref.stages),
         "depths": tuple(len(s.blocks) for s in ref.stages),
@@ -346,6 +392,56 @@ _FAMILIES = {
 }
 
 
+# Bounds of a --model-arg value: far beyond any option of the registered models (a few numbers, lists of
+# four stages), far below what could make building or checking the model costly.
+_MAX_ARG_INT = 2**31 - 1
+_MAX_ARG_ITEMS = 64
+_MAX_ARG_DEPTH = 3
+
+
+def _check_arg_value(key: str, value: Any, depth: int = 0) -> None:
+    """A ``--model-arg`` value: ``None``, a bool, an int in +-2**31, a finite float, a short text, or a list of
+    at most 64 such (nested at most 3 deep)."""
+    import math
+
+    bad = None
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        bad = None if abs(value) <= _MAX_ARG_INT else f"is out of range (at most {_MAX_ARG_INT} in size)"
+    elif isinstance(value, float):
+        bad = None if math.isfinite(value) else "is not a finite number"
+    elif isinstance(value, str):
+        bad = None if len(value) <= 200 else "is a text of more than 200 characters"
+    elif isinstance(value, list):
+        if len(value) > _MAX_ARG_ITEMS or depth >= _MAX_ARG_DEPTH:
+            bad = f"is a list of more than {_MAX_ARG_ITEMS} items or nested more than {_MAX_ARG_DEPTH} deep"
+        else:
+            for item in value:
+                _check_arg_value(key, item, depth + 1)
+    else:
+        bad = f"is a {type(value).__name__}; a model option is a number, a text or a list"
+    if bad:
+        raise WeightsImportError(f"--model-arg {key}={_short(value, 60)}: the value {bad}")
+
+
+def _check_model_args(name: str, args: Mapping[str, Any]) -> None:
+    """``--model-arg`` options of registered model ``name``: each one its builder takes (its signature:
+    :func:`repmlp.models.registry.model_options`), none that places or loads the model (``device``,
+    ``pretrained``, ...), each value plain and bounded (:func:`_check_arg_value`)."""
+    from repmlp.models.registry import model_options
+
+    options = model_options(name)
+    for key, value in args.items():
+        if key in RESERVED_OPTIONS:
+            raise WeightsImportError(f"--model-arg {key}: not a model option an imported file may set")
+        if options is not None and key not in options:
+            raise WeightsImportError(
+                f"--model-arg {key}: {name} has no option {key!r} (its options: {', '.join(sorted(options))})"
+            )
+        _check_arg_value(key, value)
+
+
 def import_checkpoint(
     path: str | os.PathLike, name: str, model_args: dict[str, Any] | None = None
 ) -> ImportResult:
@@ -360,9 +456,7 @@ def import_checkpoint(
     if not is_model(name):
         raise WeightsImportError(f"--model {name!r} is not a registered repmlp model")
     args = dict(model_args or {})
-    reserved = [k for k in args if k in RESERVED_OPTIONS]
-    if reserved:
-        raise WeightsImportError(f"--model-arg {reserved[0]}: not a model option an imported file may set")
+    _check_model_args(name, args)
     raw = read_state_dict(path)
     layout = detect_layout(raw)
     family = _FAMILIES[layout]
@@ -387,7 +481,7 @@ def import_checkpoint(
             default_k = [1, 3, 5]
         else:
             inferred = infer_repmlpnet(mapped)
-            _check_structure(name, inferred, args)
+            _check_structure(name, inferred, args, mapped)
             default_k = [1, 3]
     except WeightsImportError:
         raise
@@ -406,20 +500,72 @@ def import_checkpoint(
     if form == "deploy":
         mapped = _fuse_conv_bn_pairs(mapped)
     # The model the shapes and --model-arg describe, sized on the meta device against the file first.
-    held = sum(t.numel() for t in mapped.values())
-    try:
-        ghost = meta_model(lambda: create_model(name, deploy=form == "deploy", **kwargs), 4 * held + (1 << 20),
-                           4 * len(mapped) + 10_000)  # fmt: skip
-    except ModelTooLarge:
-        raise WeightsImportError(
-            f"{path}: {name} with {kwargs} (its shapes and --model-arg) is far larger than the file's {held} weights"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
-        raise WeightsImportError(f"cannot build {name} with {kwargs}: {first_line(exc)[:200]}") from None
+    ghost = _meta_build(name, kwargs, mapped, deploy=form == "deploy")
     _check_fit(ghost.state_dict(), mapped, path, name)
     model = create_model(name, deploy=form == "deploy", **kwargs)
     _load_exact(model, mapped, path)
     return ImportResult(model=model.eval(), name=name, model_kwargs=kwargs, form=form, layout=layout)
+
+
+def _meta_build(
+    name: str,
+    kwargs: dict[str, Any],
+    sd: Mapping[str, Tensor],
+    *,
+    deploy: bool = False,
+    at_least: tuple[int, int] = (0, 0),
+) -> nn.Module:
+    """``create_model(name, **kwargs)`` on the ``meta`` device, stopped once it holds more than four times the
+    weights of the file's ``sd`` (plus a million elements) or four times its tensors (plus 1,000): the
+    model the file's shapes and ``--model-arg`` describe must fit the file, so that ``depths=[10**8, ...]``
+    is refused in milliseconds instead of building for minutes (:func:`repmlp.models.file_metadata.meta_model`).
+    ``at_least``: (elements, tensors) the budget never goes below (the structure check builds the named
+    model before the file's fit is known: any zoo model fits 2**28 elements and 20,000 tensors).
+    """
+    from repmlp.models import create_model
+
+    held = sum(t.numel() for t in sd.values())
+    try:
+        return meta_model(lambda: create_model(name, deploy=deploy, **kwargs),
+                          max(4 * held + (1 << 20), at_least[0]), max(4 * len(sd) + 1_000, at_least[1]))  # fmt: skip
+    except ModelTooLarge:
+        raise WeightsImportError(
+            f"{name} with {_short(kwargs)} (the file's shapes and --model-arg) is far larger than the file's "
+            f"{held} weights: check --model-arg"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", first_line(exc))
+        if isinstance(exc, TypeError) and unknown:  # a builder that hands **kwargs on to its model's class
+            raise WeightsImportError(
+                f"--model-arg {unknown.group(1)}: {name} has no option {unknown.group(1)!r}"
+                f"{_class_options(name)}"
+            ) from None
+        raise WeightsImportError(
+            f"cannot build {name} with {_short(kwargs)}: {first_line(exc)[:200]}"
+        ) from None
+
+
+def _class_options(name: str) -> str:
+    """`` (its options: ...)``: the keyword parameters of the class of registered model ``name`` (its
+    default build, on the ``meta`` device), for a message; ``""`` when they cannot be told."""
+    import inspect
+
+    from repmlp.models import create_model
+
+    try:
+        with torch.device("meta"):
+            cls = type(create_model(name))
+        params = inspect.signature(cls.__init__).parameters.values()
+    except Exception:  # noqa: BLE001 - a hint only; the error is raised anyway
+        return ""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = sorted(p.name for p in params if p.kind in kinds and p.name not in ("self", *RESERVED_OPTIONS))
+    return f" (its options: {', '.join(names)})" if names else ""
+
+
+def _short(value: object, n: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _check_fit(

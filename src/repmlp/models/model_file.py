@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from repmlp.errors import first_line
+from repmlp.errors import UserError, first_line
 from repmlp.models.file_format import (
     FORMAT,
     STATE_FORMAT,
@@ -48,6 +48,7 @@ __all__ = [
     "atomic_write_text",
     "save_model",
     "load_model",
+    "check_finite",
     "device_of",
     "ModelMetadata",
     "model_metadata",
@@ -64,8 +65,11 @@ Form = Literal["train", "deploy"]
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, ``os.replace``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a read-only folder, a file in the way: the user's path, not the temp file's
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         # mkstemp creates the file 0600; give it the permissions a plain open() would (0666 & ~umask).
         umask = os.umask(0)
@@ -76,11 +80,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):  # disk full, a folder in the way: one line naming the user's path
+            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
         raise
     # Make the rename itself durable (POSIX); harmless where directories cannot be opened.
     try:
@@ -193,6 +199,7 @@ def load_model(
     path = Path(path)
     tensors, fm = _checked_metadata(path, form)
     model = _build_for(fm, tensors)
+    check_finite(path, tensors)
     _load_strict(model, tensors, path, fm.model, fm.form)
     channels_last_weights_on_cpu(model.to(device).eval())
     try:
@@ -295,7 +302,21 @@ def read_model_file(path: str | os.PathLike, *, form: Form | None = None) -> tup
     if fm.precision == "int8":
         raise CheckpointError(f"{path} is an int8 (ONNX) file: it holds a graph, not weights to train")
     check_fit(fm, tensors, create_model)
+    check_finite(path, tensors)
     return tensors, fm
+
+
+def check_finite(path: object, tensors: Mapping[str, Tensor]) -> None:
+    """Every floating-point tensor of a model file holds finite numbers only: a NaN or infinite weight
+    makes every output NaN (a prediction of ``nan%``, an accuracy of chance), so a file holding one is of
+    no use to any command. Raises :class:`CheckpointError` naming the first such tensor."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(
+                f"{path}: tensor {key!r} holds {bad} NaN or infinite value(s) of {t.numel()}: the weights are "
+                "broken (a run that diverged?); use an earlier or another model file"
+            )
 
 
 def _not_a_model_file(path: Path, meta: dict[str, str]) -> str:
@@ -311,17 +332,18 @@ def _not_a_model_file(path: Path, meta: dict[str, str]) -> str:
 # How a model file's reduced precision is rebuilt: ``precision -> loader``. The loaders belong to
 # :mod:`repmlp.deploy.precision`, which fills this table when it is imported (``import repmlp`` does): this
 # room reads the files, the deployment room knows how a bf16 model casts its input or an int8 graph runs.
-# A bf16/fp16 loader takes the float model built from the file; the int8 loader the file's ONNX bytes.
-PRECISION_LOADERS: dict[str, Callable[[Any], nn.Module]] = {}
+# A bf16/fp16 loader takes the float model built from the file; the int8 loader the file's ONNX bytes and
+# the input size the file records (``extra.input_size``, or ``None``), which the graph must take.
+PRECISION_LOADERS: dict[str, Callable[..., nn.Module]] = {}
 
 
-def register_precision_loader(precision: str, loader: Callable[[Any], nn.Module]) -> None:
+def register_precision_loader(precision: str, loader: Callable[..., nn.Module]) -> None:
     """Let model files in ``precision`` (one of :data:`~repmlp.models.file_metadata.PRECISIONS` but fp32)
     be loaded by ``loader``."""
     PRECISION_LOADERS[precision] = loader
 
 
-def _precision_loader(fm: Any) -> Callable[[Any], nn.Module]:
+def _precision_loader(fm: Any) -> Callable[..., nn.Module]:
     loader = PRECISION_LOADERS.get(fm.precision)
     if loader is None:  # only when repmlp.deploy.precision was never imported
         raise CheckpointError(f"{fm.path}: no loader for {fm.precision} files (import repmlp first)")
@@ -341,7 +363,8 @@ def _build_for(fm: Any, tensors: dict[str, Tensor]) -> nn.Module:
                 f"{fm.path} is marked int8 but holds no ONNX graph (one uint8 tensor 'onnx')"
             )
         try:
-            return _precision_loader(fm)(onnx)
+            # The graph is checked against the input size the file records (repmlp.deploy.precision).
+            return _precision_loader(fm)(onnx, fm.extra.get("input_size"))
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - onnxruntime's parse errors: the bytes are not a graph
@@ -437,6 +460,8 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
     try:
         tree = json.loads(meta["state"])
         state = _decode(tree, tensors)
+    except RecursionError:  # JSON nested deeper than Python recurses: no state repmlp writes
+        raise CheckpointError(f"{path} has a malformed training state (nested too deep)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path} has a malformed training state ({exc})") from None
     if not isinstance(state, dict):

@@ -11,6 +11,7 @@ import copy
 import difflib
 import fnmatch
 import functools
+import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -330,6 +331,19 @@ def _unknown(name: str) -> ValueError:
     )
 
 
+def _check_counts(opts: dict[str, Any]) -> None:
+    """``in_chans`` must be a positive integer and ``num_classes`` a non-negative one (0 is timm's "no
+    classifier": the model returns its pooled features). Every builder would otherwise make something of a
+    zero or negative count: an empty first conv, a head of -1 outputs that fails at its first forward."""
+    for key, lowest in (("in_chans", 1), ("num_classes", 0)):
+        value = opts.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lowest
+        ):
+            floor = "a positive integer" if lowest else "an integer >= 0 (0: no classifier)"
+            raise ValueError(f"{key} must be {floor}, got {value!r}")
+
+
 def _maybe_deploy(model: nn.Module, deploy: bool) -> nn.Module:
     if not deploy:
         return model
@@ -366,6 +380,7 @@ def create_model(
                 f"unknown model source {source!r} in {source}:{name} (repmlp, timm, torchvision)"
             )
     opts = {k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None}
+    _check_counts(opts)
 
     if source in (None, "repmlp") and name in _MODELS:
         return _build(name, pretrained=pretrained, deploy=deploy, **opts, **kwargs)

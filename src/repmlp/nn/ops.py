@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from repmlp.errors import UserError
+
 __all__ = [
     "partition",
     "unpartition",
@@ -62,14 +64,23 @@ _TIMING_ROWS = FC3_ROW_CLASSES[-1]
 _COLD_BYTES = 64 << 20
 
 
+class FC3SettingError(UserError, ValueError):
+    """A ``REPMLP_FC3`` value that names no backend (one line from the CLI; a ``ValueError`` to callers)."""
+
+
 def _backend_from_env() -> str:
+    """``REPMLP_FC3`` (default ``auto``), case and spaces aside; :class:`FC3SettingError` for another value."""
     name = os.environ.get("REPMLP_FC3", "auto").strip().lower() or "auto"
     if name not in FC3_BACKENDS:
-        raise ValueError(f"REPMLP_FC3={name!r}: expected one of {', '.join(FC3_BACKENDS)}")
+        raise FC3SettingError(
+            f"REPMLP_FC3={name!r}: expected one of {', '.join(FC3_BACKENDS)} (or unset it: auto)"
+        )
     return name
 
 
-_backend = _backend_from_env()
+# None until first needed: the environment is read where FC3 runs (get_fc3_backend), not when repmlp is
+# imported, so that a bad value cannot stop commands that run no model (--version, --help).
+_backend: str | None = None
 
 
 def partition(x: Tensor, h: int, w: int) -> Tensor:
@@ -275,12 +286,15 @@ def set_fc3_backend(name: str) -> str:
     global _backend
     if name not in FC3_BACKENDS:
         raise ValueError(f"FC3 backend {name!r}: expected one of {', '.join(FC3_BACKENDS)}")
-    previous, _backend = _backend, name
+    previous, _backend = get_fc3_backend(), name
     return previous
 
 
 def get_fc3_backend() -> str:
-    """The current :func:`set_fc3_backend` setting."""
+    """The current :func:`set_fc3_backend` setting (at first, ``REPMLP_FC3``'s: read on the first call)."""
+    global _backend
+    if _backend is None:
+        _backend = _backend_from_env()
     return _backend
 
 
@@ -399,7 +413,7 @@ def _fc3_mode(rows: Tensor, weight: Tensor, training: bool | None) -> str:
     if training and recording and _trains_without_copy(rows, weight):
         return "train"
     if training or not (
-        _backend != "bmm"
+        (_backend or get_fc3_backend()) != "bmm"
         and rows.device.type == "cpu"
         and rows.dtype == torch.float32
         and weight.dtype == torch.float32
@@ -437,8 +451,9 @@ def fc3_form(groups: int, weight_shape: Sequence[int], bias: bool, rows: int | t
     flip between processes. The row class matters: with a few rows FC3 reads its kernel for little
     work, and the form that streams the kernel best wins (``benchmarks/bench_fc3_weights.py``).
     """
-    if _backend != "auto":
-        return _backend if _HAS_ONEDNN or _backend != "onednn" else "bmm"
+    backend = _backend or get_fc3_backend()
+    if backend != "auto":
+        return backend if _HAS_ONEDNN or backend != "onednn" else "bmm"
     # int(): under torch.jit.trace sizes are tensors, which would not hash as equal keys.
     groups, q, k = int(groups), int(weight_shape[0]), int(weight_shape[1])
     rows_class = _rows_class(rows)

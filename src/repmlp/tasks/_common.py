@@ -121,6 +121,7 @@ def resolve_img_size(kwargs: dict[str, Any], flag: str, value: int | None, defau
 
 # What each task's pipeline needs of a model, as told to a user who gave another kind.
 TASK_MODELS = {
+    "cls": "an image classifier (class scores per image: repmlp_fmnist_patch2, repmlp_res50, resnet50, ...)",
     "face": "a face embedding model (one with embedding_dim: repmlp_face_resnet, face_resnet, mobilefacenet)",
     "seg": "a PSPNet segmentation model (pspnet_repmlp_res50, pspnet_res50)",
 }
@@ -136,13 +137,44 @@ def is_task_model(model: nn.Module, task: str) -> bool:
         from repmlp.models.pspnet import PSPNet
 
         return isinstance(model, PSPNet)
+    if task == "cls":  # the others' models return embeddings or score maps (with auxiliary outputs)
+        return not (is_task_model(model, "face") or is_task_model(model, "seg"))
     raise ValueError(f"unknown task {task!r}")
 
 
 def require_task_model(model: nn.Module, task: str, name: str) -> None:
-    """:class:`UserError` unless model ``name`` is of ``task``'s kind."""
+    """:class:`UserError` unless model ``name`` is of ``task``'s kind; it names the task the model is for."""
     if not is_task_model(model, task):
-        raise UserError(f"model {name!r} is not {TASK_MODELS[task]}")
+        other = next((t for t in ("face", "seg") if t != task and is_task_model(model, t)), None)
+        hint = f" ({name} is {_FOUND[other]}: train it with --task {other})" if other else ""
+        raise UserError(f"model {name!r} is not {TASK_MODELS[task]}{hint}")
+
+
+def check_batchnorm_batch(model: nn.Module, batch_size: int, examples: int, procs: DistInfo) -> None:
+    """Refuse to train a model with BatchNorm on batches of one example, before the first step.
+
+    BatchNorm in training mode normalises each channel over the batch: one example on a 1x1 feature map
+    makes torch raise mid-step, and elsewhere gives statistics of a single image. A step's batch is
+    ``batch_size`` split over the processes, or all of ``examples`` (the training examples) when there
+    are fewer (the loaders pad each process's share to the same length); with SyncBatchNorm (several
+    GPUs, :func:`repmlp.engine.prepare_module`) the statistics are over every process's share."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    per_process = min(batch_size // procs.world, -(-examples // procs.world))
+    synced = procs.enabled and procs.device.type == "cuda"
+    if (per_process * procs.world if synced else per_process) >= 2:
+        return
+    if examples < 2:
+        cause = f"{examples} training example (--train-limit, or the images of the folder)"
+    elif batch_size // procs.world < 2:
+        cause = f"--batch-size {batch_size}" + (f" over {procs.world} processes" if procs.world > 1 else "")
+    else:
+        cause = f"{examples} training examples over {procs.world} processes"
+    raise UserError(
+        f"BatchNorm needs at least 2 examples per batch, but {cause} leaves 1"
+        f"{' per process' if procs.world > 1 and not synced else ''}: give a --batch-size of 2 or more"
+        f"{' per process' if procs.world > 1 and not synced else ''} and at least as many training examples"
+    )
 
 
 class NonFiniteOutput(UserError):
@@ -378,13 +410,7 @@ def load_for_eval(
             f"{path} holds {kind}, not {TASK_MODELS[task]}: give a checkpoint written by "
             f"`repmlp train --task {task}`"
         )
-    bad = [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    if bad:
-        raise UserError(
-            f"{path}: {len(bad)} weight tensors hold NaN/inf (e.g. {bad[0]}): the run diverged; "
-            "retrain it with a lower --lr"
-        )
-    model.eval()
+    model.eval()  # load_model refused NaN/inf weights already
     if meta.form == "deploy":
         return None, model, meta
     return model, reparameterize_model(model), meta

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import math
 import random
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.data import Data, DataConfig, build_data
+from repmlp.data import DATASETS, Data, DataConfig, build_data
 from repmlp.data.loader import batch_generator
 from repmlp.engine import (
     STATE_FILE,
@@ -53,9 +54,23 @@ from repmlp.engine import (
     train_loop,
 )
 from repmlp.engine import write_metrics_csv as _write_csv
+from repmlp.engine.devices import COMPILE_CHOICES
 from repmlp.errors import UserError
 from repmlp.models.builder import build_model
 from repmlp.models.file_format import CheckpointError
+from repmlp.tasks._common import check_batchnorm_batch, require_task_model
+from repmlp.tasks.limits import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_EPOCHS,
+    MAX_LIMIT,
+    MAX_PAD,
+    MAX_REAL,
+    MAX_SEED,
+    MAX_SIDE,
+    MAX_WORKERS,
+    Range,
+)
 from repmlp.tasks.metrics import topk_correct
 from repmlp.tasks.recipes import PRESETS
 
@@ -91,6 +106,45 @@ METRIC_FIELDS = [
 
 
 _DEFAULT = PRESETS["fmnist"]  # the main job's recipe: TrainConfig's defaults
+
+# TrainConfig field -> (the option, its range): the bounds of ``repmlp train``'s parsers, which take them from
+# repmlp.tasks.limits too; TrainConfig.validate applies them to a run from the command line and to the values
+# a resumed run reads back from its state (tests/test_hostile_input.py checks that it refuses whatever the
+# parsers refuse). momentum and label smoothing are fractions (the parsers take any number >= 0).
+OPTION_RANGES: dict[str, tuple[str, Range]] = {
+    "epochs": ("--epochs", Range(1, MAX_EPOCHS, integer=True)),
+    "batch_size": ("--batch-size", Range(1, MAX_BATCH, integer=True)),
+    "eval_batch_size": ("--eval-batch-size", Range(1, MAX_BATCH, integer=True)),
+    "bench_batch_size": ("--bench-batch-size", Range(1, MAX_BATCH, integer=True)),
+    "lr": ("--lr", Range(0, MAX_REAL, lo_open=True)),
+    "min_lr": ("--min-lr", Range(0, MAX_REAL)),
+    "momentum": ("--momentum", Range(0, 1, hi_open=True)),
+    "weight_decay": ("--weight-decay", Range(0, MAX_REAL)),
+    "warmup_epochs": ("--warmup-epochs", Range(0, MAX_REAL)),
+    "label_smoothing": ("--label-smoothing", Range(0, 1, hi_open=True)),
+    "mixup": ("--mixup", Range(0, MAX_REAL)),
+    "pad": ("--pad", Range(0, MAX_PAD, integer=True)),
+    "img_size": ("--img-size", Range(8, MAX_SIDE, integer=True)),
+    "train_limit": ("--train-limit", Range(1, MAX_LIMIT, integer=True)),
+    "val_limit": ("--val-limit", Range(1, MAX_LIMIT, integer=True)),
+    "seed": ("--seed", Range(0, MAX_SEED, integer=True)),
+    "workers": ("--workers", Range(0, MAX_WORKERS, integer=True)),
+    "ckpt_every": ("--ckpt-every", Range(0, MAX_COUNT, integer=True)),
+}
+_OPTIONAL = {"img_size", "train_limit", "val_limit"}  # None: not given
+# TrainConfig field -> (the option, its choices); None where a field may be unset.
+_CHOICES: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "dataset": ("--dataset", DATASETS),
+    "preset": ("--preset", tuple(sorted(PRESETS))),
+    "optimizer": ("--optimizer", ("sgd", "adamw")),
+    "schedule": ("--schedule", ("cosine", "constant")),
+    "compile": ("--compile", COMPILE_CHOICES),
+    "cuda_graphs": ("--cuda-graphs", COMPILE_CHOICES),
+    "channels": ("channels (of an --init file's images)", (None, 1, 3)),
+}
+# The images' normalisation: a std far from 0 (x / std stays finite), means of pixels in [0, 1].
+_NORMALISATION = {"mean": Range(-1e4, 1e4), "std": Range(1e-4, 1e4)}
+_FROM_INIT = {"channels", "mean", "std", "eval_preprocessing"}  # the fields an --init file's metadata sets
 
 
 @dataclass
@@ -179,82 +233,88 @@ class TrainConfig:
 
     @classmethod
     def from_state(cls, d: Any, where: object) -> TrainConfig:
-        """The configuration a training state records, every field checked for its type and range (an
-        edited or foreign state is a one-line :class:`CheckpointError` naming the field)."""
+        """The configuration a training state records, every field checked for its type and for the
+        command line's range (:meth:`validate`): an edited or foreign state is a one-line
+        :class:`CheckpointError` naming the file and the field."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{where} has no usable config (not a mapping)")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in d and not _is_instance(d[f.name], hints[f.name]):
                 raise CheckpointError(
                     f"{where}: config field {f.name!r} is {d[f.name]!r}, not of type {f.type}"
                 )
         cfg = cls.from_dict(d)
-        try:
-            cfg.validate()
-        except UserError as exc:
-            raise CheckpointError(f"{where}: config field {exc}") from None
+        cfg.validate(where)
         return cfg
 
-    def validate(self) -> None:
-        """Raise :class:`UserError` for options out of range."""
-        checks = [
-            (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}"),
-            (self.eval_batch_size >= 1, f"--eval-batch-size must be at least 1, got {self.eval_batch_size}"),
-            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be positive, got {self.lr}"),
-            (0 <= self.min_lr <= self.lr, f"--min-lr must be in [0, lr], got {self.min_lr}"),
-            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
-            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
-            (self.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {self.warmup_epochs}"),
-            (
-                0 <= self.label_smoothing < 1,
-                f"--label-smoothing must be in [0, 1), got {self.label_smoothing}",
-            ),
-            (self.mixup >= 0, f"--mixup must be >= 0, got {self.mixup}"),
-            (self.pad >= 0, f"--pad must be >= 0, got {self.pad}"),
-            (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
-            (self.ckpt_every >= 0, f"--ckpt-every must be >= 0, got {self.ckpt_every}"),
-            (
-                self.img_size is None or self.img_size >= 8,
-                f"--img-size must be at least 8, got {self.img_size}",
-            ),
-            (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer}"),
-            (
-                self.schedule in ("cosine", "constant"),
-                f"--schedule must be cosine or constant, got {self.schedule}",
-            ),
-            (
-                self.train_limit is None or self.train_limit >= 1,
-                f"--train-limit must be >= 1, got {self.train_limit}",
-            ),
-            (
-                self.val_limit is None or self.val_limit >= 1,
-                f"--val-limit must be >= 1, got {self.val_limit}",
-            ),
-            (0 <= self.seed < 2**32, f"--seed must be in 0 .. 2**32-1, got {self.seed}"),
-            (
-                all(
-                    math.isfinite(v) and abs(v) <= 1e6
-                    for v in (self.lr, self.min_lr, self.weight_decay, self.warmup_epochs, self.mixup)
-                ),
-                "--lr, --min-lr, --weight-decay, --warmup-epochs and --mixup must be finite, at most 1e6",
-            ),  # fmt: skip
-            (self.epochs <= 100_000, f"--epochs must be at most 100000, got {self.epochs}"),
-            (self.pad <= 1024, f"--pad must be at most 1024, got {self.pad}"),
-            (
-                self.img_size is None or self.img_size <= 4096,
-                f"--img-size must be at most 4096, got {self.img_size}",
-            ),
-            (self.channels in (None, 1, 3), f"channels must be 1 or 3, got {self.channels}"),
-            (
-                self.bench_batch_size >= 1,
-                f"--bench-batch-size must be at least 1, got {self.bench_batch_size}",
-            ),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise UserError(msg)
+    def validate(self, where: object = None) -> None:
+        """Refuse values out of the command line's ranges (:data:`OPTION_RANGES`, the bounds of ``repmlp
+        train``'s parsers) and choices: a :class:`UserError` naming the option; for values read back from
+        the training state ``where``, a :class:`CheckpointError` naming the file and the field (the command
+        line never lets such a value into a state). A run from the command line is validated here too."""
+        for name, why in self._problems():
+            if where is None:
+                origin = f" (from --init {self.init})" if name in _FROM_INIT and self.init else ""
+                raise UserError(why + origin)
+            raise CheckpointError(
+                f"{where}: config field {name!r}: {why} (an edited or foreign state: resume a run's own "
+                "checkpoint, or train into another --output)"
+            )
+
+    def _problems(self) -> Iterator[tuple[str, str]]:
+        """``(field, why)`` of each value out of range: ranges and choices first, so that the later checks
+        see values of the right kind (:meth:`validate` stops at the first)."""
+        for name, (flag, rng) in OPTION_RANGES.items():
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL) and not rng.contains(value):
+                yield name, f"{flag} must be in {rng.describe()}, got {value}"
+        for name, (flag, choices) in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                names = ", ".join(str(c) for c in choices if c is not None)
+                yield name, f"{flag} must be one of {names}, got {getattr(self, name)!r}"
+        if self.min_lr > self.lr:
+            yield "min_lr", f"--min-lr must be at most --lr ({self.lr:g}), got {self.min_lr:g}"
+        yield from self._normalisation_problems()
+
+    def _normalisation_problems(self) -> Iterator[tuple[str, str]]:
+        """The images' normalisation and evaluation preprocessing (an ``--init`` file's, kept by the run):
+        a model file's checks, mean and std together, a std far enough from 0 to divide by (a std of 1e-300
+        would make every input inf), at most one value per channel."""
+        from repmlp.models.file_metadata import EXTRA_FIELDS
+
+        if (self.mean is None) != (self.std is None):
+            missing = "mean" if self.mean is None else "std"
+            yield missing, "the images' normalisation needs both mean and std"
+        pre = self.eval_preprocessing
+        if pre is not None:
+            try:
+                EXTRA_FIELDS["eval_preprocessing"]("the recorded preprocessing", "eval_preprocessing", pre)
+            except CheckpointError as exc:
+                yield "eval_preprocessing", str(exc)
+            if "mean" not in pre or "std" not in pre:
+                yield "eval_preprocessing", "the evaluation preprocessing must hold the images' mean and std"
+        pre = pre or {}
+        for name, kind, values in (
+            ("mean", "mean", self.mean), ("std", "std", self.std),
+            ("eval_preprocessing", "mean", pre.get("mean")), ("eval_preprocessing", "std", pre.get("std")),
+        ):  # fmt: skip
+            rng = _NORMALISATION[kind]
+            if values is not None and not (
+                isinstance(values, list) and 1 <= len(values) <= 3 and all(rng.contains(v) for v in values)
+            ):
+                yield (
+                    name,
+                    (
+                        f"the images' normalisation {kind} must be 1 to 3 numbers in {rng.describe()}, got {values}"
+                    ),
+                )
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field annotations, evaluated once (they are strings under ``from __future__``)."""
+    return typing.get_type_hints(cls)
 
 
 def _is_instance(value: Any, hint: Any) -> bool:
@@ -621,6 +681,8 @@ def run_training(
         cfg.amp if cfg.amp is not None else di.device.type == "cuda"
     )  # saved resolved: a resume keeps it
     data, model, model_kwargs = _build_data_and_model(cfg, di, state)
+    require_task_model(model, "cls", cfg.model)
+    check_batchnorm_batch(model, cfg.batch_size, data.train.num_samples, di)
     init = _initialise(cfg, model, state, di)
     optimizer = make_optimizer(model, cfg)
     steps_per_epoch = len(data.train)
@@ -701,21 +763,13 @@ class EvalConfig:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def _eval_preprocessing(recorded: dict[str, Any] | None, other_size: bool) -> dict[str, Any] | None:
-    """A file's recorded evaluation preprocessing; at another ``--img-size`` only its normalisation (the
-    resize and crop it records were for its own size)."""
-    if not recorded or not other_size:
-        return recorded
-    kept = {k: recorded[k] for k in ("mean", "std") if k in recorded}
-    return kept or None
-
-
 def evaluate(args: EvalConfig) -> int:
     """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``). A file whose
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     from repmlp.engine import resolve_device
+    from repmlp.models.model_data import model_data_config
     from repmlp.models.model_file import load_model
 
     device = resolve_device(args.device)
@@ -723,32 +777,15 @@ def evaluate(args: EvalConfig) -> int:
     meta = model.metadata
     extra = meta.extra
     dataset = args.dataset or extra.get("dataset") or "fashion-mnist"
-    # The training run's data folder (recorded in the checkpoint) unless another is given.
-    data_dir = args.data_dir or (extra.get("data_dir") if dataset == extra.get("dataset") else None)
     kwargs = meta.model_kwargs
     # The model's own input channels (a foreign model's checkpoint may not record in_chans).
     in_chans = meta.input_size[0]
-    # An imported model records its input size and the preprocessing its weights were evaluated with.
-    recorded = extra.get("input_size")
-    img_size = args.img_size or kwargs.get("img_size") or (recorded[1] if recorded else None)
-    if isinstance(img_size, (list, tuple)):  # a (H, W) pair in a model's options: square images here
-        img_size = img_size[0]
-    data = build_data(
-        DataConfig(
-            dataset=dataset,
-            data_dir=data_dir,
-            download=args.download,
-            eval_batch_size=args.batch_size,
-            val_limit=args.val_limit,
-            img_size=img_size,
-            eval_preprocessing=_eval_preprocessing(extra.get("eval_preprocessing"), bool(args.img_size)),
-            # An image folder's images are converted to the model's channels (a greyscale model's: L).
-            channels=in_chans if in_chans in (1, 3) else None,
-            workers=args.workers,
-            need_train=False,
-        ),
-        device=device,
-    )
+    # The file's channels, input size and normalisation, as convert reads the data for it too (the
+    # training run's data folder, recorded in the file, unless another is given).
+    config = model_data_config(meta, dataset, data_dir=args.data_dir, img_size=args.img_size,
+                               download=args.download, eval_batch_size=args.batch_size,
+                               val_limit=args.val_limit, workers=args.workers, need_train=False)  # fmt: skip
+    data = build_data(config, device=device)
     if kwargs.get("num_classes") not in (None, data.num_classes):
         raise CheckpointError(
             f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has {data.num_classes}"

@@ -27,6 +27,7 @@ from repmlp.models.builder import build_model
 from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,
+    check_batchnorm_batch,
     check_finite,
     check_train_options,
     evaluate_both_forms,
@@ -156,8 +157,8 @@ def _train(args: FaceTrainConfig, procs) -> int:
     init = _init_trunk(model, args.init, procs)
     loss = AMSoftmax(model.embedding_dim, len(dataset.classes), scale=args.am_scale, margin=args.am_margin)
     per_process = per_process_batch(args.batch_size, procs)
-    if per_process < 2:
-        raise UserError(f"--batch-size {args.batch_size} leaves BatchNorm one sample per process; use more")
+    examples = min(len(dataset), args.train_limit or len(dataset))
+    check_batchnorm_batch(model, args.batch_size, examples, procs)
     opts, state = start_run(args, procs, args.iterations, lambda step: face_lr(args, step), kwargs)
     net = prepare_module(FaceTrainModule(model, loss), procs)
     optimizer = torch.optim.SGD(

@@ -119,26 +119,11 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
 
 def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
     """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
-    folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: the file's own
-    (an imported or fine-tuned model's); for a model of an in-memory data set (Fashion-MNIST, CIFAR-10),
-    the image resized to the input size and that data set's normalisation; ``None`` (ImageNet's) else."""
-    from repmlp.data import NATIVE_SIZE, NORMALIZATION
+    folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: what ``repmlp eval``
+    reads a folder with for that file (:func:`repmlp.models.model_data.folder_preprocessing`)."""
+    from repmlp.models.model_data import folder_preprocessing as for_file
 
-    recorded = pre.get("eval_preprocessing")
-    if recorded:
-        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
-        out = {k: recorded[k] for k in keys if k in recorded}
-    elif pre.get("dataset") in NATIVE_SIZE:
-        mean, std = NORMALIZATION[pre["dataset"]]
-        out = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
-    else:
-        return None
-    mean, std = NORMALIZATION["imagefolder"]
-    out["mean"] = [float(v) for v in (out.get("mean") or mean)][:channels]
-    out["std"] = [float(v) for v in (out.get("std") or std)][:channels]
-    if len(out["mean"]) != channels or len(out["std"]) != channels:  # one value for three channels
-        out["mean"], out["std"] = out["mean"][:1] * channels, out["std"][:1] * channels
-    return out
+    return for_file(pre.get("eval_preprocessing"), pre.get("dataset"), channels)
 
 
 def init_from_file(
