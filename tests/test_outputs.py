@@ -198,3 +198,34 @@ def test_a_failed_write_names_the_users_path(tmp_path):
     with pytest.raises(UserError, match=r"cannot write .*dir\.csv: ") as info:
         atomic_write_text(tmp_path / "dir.csv", "a")
     assert ".tmp" not in str(info.value) and sorted(p.name for p in tmp_path.iterdir()) == ["dir.csv", "file"]
+
+
+def test_a_forked_child_does_not_keep_the_run_lock(tmp_path):
+    """A DataLoader worker (a fork) that outlives its trainer for a moment must not hold the run's lock: a
+    ``--resume`` right after a kill would be refused. The child closes its copy; the parent's lock holds."""
+    from repmlp.engine import DistInfo, state
+
+    run = tmp_path / "run"
+    state.lock_output(run, DistInfo())
+    key = (os.stat(run).st_dev, os.stat(run).st_ino)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (its at-fork hooks have run): says so, then stays alive while the parent checks
+        import time
+
+        os.write(ready_w, b"1")
+        time.sleep(5)
+        os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        probe = os.open(run, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # the parent's lock still holds while the child lives
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(state._LOCKS.pop(key))  # the trainer is gone: only the child could hold the lock now
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once
+        os.close(probe)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(ready_w)

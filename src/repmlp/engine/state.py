@@ -105,6 +105,23 @@ def _entries(folder: Path, shown: int = 3) -> str:
 _LOCKS: dict[tuple[int, int], int] = {}
 
 
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker): close the copies of the run locks' descriptors. A flock
+    belongs to the open file, which a fork shares: a worker outliving its killed trainer by a few
+    milliseconds would otherwise still hold the run's lock, and a ``--resume`` right after the kill would be
+    refused. Closing the child's copy leaves the parent's lock as it is."""
+    for fd in _LOCKS.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 def lock_output(out: Path, procs: DistInfo, *, create: bool = True) -> None:
     """Hold an exclusive ``flock`` on the run folder ``out`` for the rest of this process (rank 0 only):
     a second ``repmlp train`` writing the same folder is refused with one line naming the holder's pid.
