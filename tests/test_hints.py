@@ -107,3 +107,15 @@ def test_the_report_carries_the_speed_caveat_the_log_gives(
     assert sign in caveat and "rerun `repmlp bench`" in caveat
     assert f"**Caveat:** {caveat}." in section  # in report.md ...
     assert [r.getMessage() for r in caplog.records] == [caveat]  # ... in the same words as on the terminal
+
+
+def test_out_of_memory_hints_name_only_options_the_command_has():
+    """``convert`` has no --batch-size: its out-of-memory line suggests a smaller --img-size instead."""
+    import argparse
+
+    from repmlp.cli import out_of_memory_message
+
+    line = out_of_memory_message(MemoryError(), argparse.Namespace(command="convert", img_size=4096))
+    assert "--batch-size" not in line and "a smaller --img-size than 4096" in line
+    line = out_of_memory_message(MemoryError(), argparse.Namespace(command="train", batch_size=64))
+    assert "at --batch-size 64; try --batch-size 32" in line

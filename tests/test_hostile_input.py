@@ -946,7 +946,10 @@ _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
         _h6_edit("config.eval_preprocessing", {"crop_pct": 1e-4, "mean": [0.5], "std": [0.5]}),
         "crop_pct",
     ),
-    "std 1e-300": (_h6_edit("config.eval_preprocessing", {"mean": [0.5], "std": [1e-300]}), "std must be"),
+    "std 1e-300": (
+        _h6_edit("config.eval_preprocessing", {"mean": [0.5], "std": [1e-300]}),
+        "std' must be 1 to 4 numbers in [0.0001, 10000]",
+    ),
     "no mean/std": (_h6_edit("config.eval_preprocessing", {"crop_pct": 0.9}), "mean and std"),
     "config std alone": (_h6_edit("config.std", [0.5]), "both mean and std"),
     # the optimizer state, checked against this run's optimizer before it is loaded

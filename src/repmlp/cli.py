@@ -104,6 +104,10 @@ def out_of_memory_message(exc: BaseException, args: argparse.Namespace) -> str:
     """One line for an out-of-memory error of ``args.command``: the batch size it ran and what to try."""
     text = str(exc)
     where = "CUDA" if "CUDA" in text else "MPS" if "MPS" in text else "the device" if text else "the process"
+    if not hasattr(args, "batch_size"):  # convert, export, viz: no batch to make smaller
+        size = getattr(args, "img_size", None)
+        hint = f"a smaller --img-size than {size}" if size else "another --device"
+        return f"{where} out of memory in `repmlp {args.command}`; try {hint}"
     batch = getattr(args, "batch_size", None)
     at = f"--batch-size {batch}" if batch else "the default --batch-size"
     smaller = f"--batch-size {max(1, batch // 2)}" if batch and batch > 1 else "a smaller --batch-size"

@@ -189,3 +189,14 @@ def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o644
+
+
+def test_recorded_normalisation_is_bounded_where_the_file_is_read():
+    """A std of 1e-300 would turn every pixel into inf (every image "skipped"): the file is blamed."""
+    from repmlp.models.file_metadata import EXTRA_FIELDS
+
+    check = EXTRA_FIELDS["eval_preprocessing"]
+    check("f", "eval_preprocessing", {"mean": [0.5], "std": [0.25]})  # a real one passes
+    for key, value in (("std", [1e-300]), ("std", [0.0]), ("std", [1e300]), ("mean", [-1e300])):
+        with pytest.raises(CheckpointError, match=f"eval_preprocessing.{key}' must be 1 to 4 numbers in"):
+            check("f", "eval_preprocessing", {key: value})

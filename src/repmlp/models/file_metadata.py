@@ -200,14 +200,15 @@ def _classes(path: object, name: str, value: Any) -> None:
 
 
 def _numbers(path: object, name: str, value: Any, positive: bool) -> None:
+    """1 to 4 numbers: a std (``positive``) in [1e-4, 1e4], far enough from 0 to divide by (a std of 1e-300
+    would turn every pixel into inf); a mean in [-1e4, 1e4] (pixels are in [0, 1])."""
     items = value if isinstance(value, list) else [value]
+    lo, hi = (1e-4, 1e4) if positive else (-1e4, 1e4)
     ok = 1 <= len(items) <= 4 and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else True)
-        for v in items
+        isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi for v in items
     )
     if not ok:
-        what = "positive numbers" if positive else "numbers"
-        raise _bad(path, name, f"must be 1 to 4 {what}, got {_short(value)}")
+        raise _bad(path, name, f"must be 1 to 4 numbers in [{lo:g}, {hi:g}], got {_short(value)}")
 
 
 _INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos")
