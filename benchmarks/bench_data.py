@@ -91,7 +91,11 @@ def train_step_rate(model_name: str, batch: int, size: int, device: torch.device
     """Examples/s of the model's training step (forward, cross-entropy, backward, SGD) on random batches."""
     from repmlp.models import create_model
 
-    model = create_model(model_name, img_size=size).to(device).train()
+    try:
+        model = create_model(model_name, img_size=size)
+    except TypeError:  # models without an input size of their own (torchvision's and timm's ResNets)
+        model = create_model(model_name)
+    model = model.to(device).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)

@@ -9,7 +9,8 @@
 #   --out DIR    output folder (default: $OUT if set, else ./gpu-check-out)
 #   --device D   cuda (default) or cpu: with --quick, a CPU run of the same steps, to try the script
 #   --quick      small settings (main job on 256 images, speed tables --quick on the face rows)
-#   --only S     run only these steps: main, bench, tier, tables (comma-separated)
+#   --only S     run only these steps: main, data, torchrun, bench, tier, tables (comma-separated;
+#                default: main,bench,tier,tables)
 #   --dry-run    print the steps, their commands and time limits, run nothing
 #
 # Environment: REPMLP_FMNIST_DIR, the folder of the four Fashion-MNIST IDX files (default: Debian's
@@ -60,7 +61,7 @@ MAIN_CMD=($PY -m repmlp train --device "$DEVICE" --data-dir "$DATA" --output "$O
     ${MAIN_EXTRA[@]+"${MAIN_EXTRA[@]}"})
 # The tier as TIER_SHARDS pytest processes side by side (benchmarks/pytest_shards.sh): its tests are mostly
 # Python, subprocesses and compiles, which one process ran one after another (docs/gpu.md, run 2).
-TIER_SHARDS=${GPU_CHECK_TIER_SHARDS:-4}
+TIER_SHARDS=${GPU_CHECK_TIER_SHARDS:-8}
 TIER_CMD=(bash benchmarks/pytest_shards.sh "$TIER_SHARDS" "$OUT_DIR/tier" -m cuda tests -p no:cacheprovider -v
     -rfE --durations=10)
 TABLES_CMD=($PY -m repmlp tables --speed --device "$DEVICE" --precision fp32 fp16 --output "$OUT_DIR/speed-tables.md"
@@ -72,7 +73,26 @@ BENCH_CMD=($PY benchmarks/bench_gpu.py --device "$DEVICE" --phase train --graphs
     --budget-s 110 --build-s 60 --rounds 4 --round-s 0.15)
 [ "$QUICK" = 1 ] && BENCH_CMD=($PY benchmarks/bench_gpu.py --device "$DEVICE" --phase train --quick
     --out "$OUT_DIR/bench" --rounds 2 --round-s 0.05)
-declare -A CAP=([main]=90 [tier]=180 [tables]=240 [bench]=120)
+# The image-folder pipeline (issue 43): an ImageNet-like JPEG folder written on every core, then the
+# training and evaluation loaders on the device, decoded on the CPU (repmlp_res50's step beside it) and with
+# nvJPEG (--gpu-decode, ResNet-50's step beside it); the steps as CUDA graphs come from `bench`.
+FOLDER="${GPU_CHECK_FOLDER:-/tmp/gpu-check-imagenet-like}"
+NPROC=$(getconf _NPROCESSORS_ONLN)
+DATA_CMD=(bash -c "set -e; [ -d '$FOLDER/train' ] || $PY scripts/make_image_folder.py '$FOLDER' --train 2560 \
+    --val 640 --jobs $NPROC; for v in cpu:repmlp_res50 gpu:resnet50; do extra=; [ \${v%%:*} = gpu ] && \
+    extra=--gpu-decode; echo \"== decode on \${v%%:*}, \${v#*:}'s step\"; $PY benchmarks/bench_data.py '$FOLDER' \
+    --device $DEVICE --model \${v#*:} --batch-size 128 --epochs 2 --steps 3 --limit 100 --quick \$extra; done")
+[ "$QUICK" = 1 ] && DATA_CMD=(bash -c "set -e; $PY scripts/make_image_folder.py '$FOLDER' --train 64 --val 16 \
+    --jobs 2; $PY benchmarks/bench_data.py '$FOLDER' --device $DEVICE --model resnet18 --img-size 32 \
+    --batch-size 16 --epochs 1 --steps 1 --limit 8 --quick")
+# torchrun with one process (NCCL on CUDA): a run stopped after 7 steps (checkpoints every 5) and resumed.
+TR=($PY -m torch.distributed.run --standalone --nproc_per_node 1 -m repmlp train --device "$DEVICE"
+    --data-dir "$DATA" --train-limit 2048 --val-limit 512 --epochs 2 --ckpt-every 5 --no-bench --no-export
+    --output "$OUT_DIR/torchrun-run")
+# torchrun reports the worker's exit status 3 (stopped as asked) in its failure summary and exits 1.
+TORCHRUN_CMD=(bash -c 'set -x; "$@" --stop-after-steps 7 2>&1 | tee /dev/stderr | grep -q "exitcode *: 3" || exit 1
+    "$@" --resume' _ "${TR[@]}")
+declare -A CAP=([main]=90 [data]=150 [torchrun]=90 [tier]=180 [tables]=240 [bench]=120)
 
 declare -a NAMES STATUS TOOK
 START=$(date +%s)
@@ -128,6 +148,11 @@ if wanted main; then
     if [ -z "$DATA" ]; then skip_step main "no Fashion-MNIST: set REPMLP_FMNIST_DIR to the folder of its four IDX files"
     else run_step main "${MAIN_CMD[@]}"; fi
 fi
+if wanted data; then run_step data "${DATA_CMD[@]}"; fi
+if wanted torchrun; then
+    if [ -z "$DATA" ]; then skip_step torchrun "no Fashion-MNIST: set REPMLP_FMNIST_DIR"
+    else run_step torchrun "${TORCHRUN_CMD[@]}"; fi
+fi
 if wanted bench; then run_step bench "${BENCH_CMD[@]}"; fi
 if wanted tier; then
     if [ "$DEVICE" = cpu ]; then
@@ -171,6 +196,14 @@ if wanted tables; then run_step tables "${TABLES_CMD[@]}"; fi
     elif [ -f "$OUT_DIR/tables.log" ]; then
         echo; echo "## speed tables: rows measured before the step ended (tables.log)"; echo
         grep -E "^\[[0-9]+/[0-9]+\]|error" "$OUT_DIR/tables.log" | sed 's/^/    /'
+    fi
+    if [ -f "$OUT_DIR/data.log" ]; then
+        echo; echo "## image-folder pipeline"; echo
+        grep -E "^==|loader|step|bound|cores usable" "$OUT_DIR/data.log" | sed 's/^/    /'
+    fi
+    if [ -f "$OUT_DIR/torchrun.log" ]; then
+        echo; echo "## torchrun, one process"; echo
+        grep -E "^\+|epoch [0-9]+/|resum|stopp|error|Error" "$OUT_DIR/torchrun.log" | tail -n 12 | sed 's/^/    /'
     fi
     if [ -f "$OUT_DIR/bench.log" ]; then
         echo; echo "## training-step benchmark"; echo

@@ -12,6 +12,7 @@ random: this folder measures loaders, not models.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -44,21 +45,31 @@ def image_pixels(rng: np.random.Generator, width: int, height: int) -> np.ndarra
     return np.clip(out + 128, 0, 255).astype(np.uint8)
 
 
-def write_folder(root: Path, train: int, val: int, classes: int, seed: int = 0, quality: int = 90) -> int:
-    """Write ``train`` and ``val`` images spread over ``classes`` class folders; returns the bytes written."""
+def _write_one(job: tuple[Path, str, int, int, int, int]) -> int:
+    """Write image ``i`` of ``split``; its pixels depend on ``(seed, split, i)`` alone. Returns its bytes."""
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    total = 0
-    for split, n in (("train", train), ("val", val)):
-        for i in range(n):
-            folder = root / split / f"n{i % classes:08d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"{split}_{i:08d}.JPEG"
-            w, h = image_size(rng)
-            Image.fromarray(image_pixels(rng, w, h)).save(path, quality=quality)
-            total += path.stat().st_size
-    return total
+    root, split, i, classes, seed, quality = job
+    rng = np.random.default_rng([seed, ("train", "val").index(split), i])
+    folder = root / split / f"n{i % classes:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{split}_{i:08d}.JPEG"
+    w, h = image_size(rng)
+    Image.fromarray(image_pixels(rng, w, h)).save(path, quality=quality)
+    return path.stat().st_size
+
+
+def write_folder(
+    root: Path, train: int, val: int, classes: int, seed: int = 0, quality: int = 90, jobs: int = 1
+) -> int:
+    """Write ``train`` and ``val`` images spread over ``classes`` class folders in ``jobs`` processes;
+    returns the bytes written. The folder is the same whatever ``jobs`` is."""
+    work = [(root, split, i, classes, seed, quality) for split, n in (("train", train), ("val", val))
+            for i in range(n)]  # fmt: skip
+    if jobs <= 1:
+        return sum(map(_write_one, work))
+    with multiprocessing.Pool(jobs) as pool:
+        return sum(pool.imap_unordered(_write_one, work, chunksize=16))
 
 
 def main() -> None:
@@ -69,10 +80,11 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=10, help="class folders (default: 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quality", type=int, default=90, help="JPEG quality (default: 90)")
+    p.add_argument("--jobs", type=int, default=1, help="processes writing images (default: 1)")
     args = p.parse_args()
     if min(args.train, args.val) < 0 or args.classes < 1:
         p.error("--train and --val must be >= 0 and --classes >= 1")
-    total = write_folder(args.out, args.train, args.val, args.classes, args.seed, args.quality)
+    total = write_folder(args.out, args.train, args.val, args.classes, args.seed, args.quality, args.jobs)
     n = args.train + args.val
     print(f"wrote {n} JPEGs to {args.out}: {total / max(n, 1) / 1e3:.0f} KB each on average")
 
