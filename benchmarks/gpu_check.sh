@@ -90,8 +90,8 @@ TR=($PY -m torch.distributed.run --standalone --nproc_per_node 1 -m repmlp train
     --data-dir "$DATA" --train-limit 2048 --val-limit 512 --epochs 2 --ckpt-every 5 --no-bench --no-export
     --output "$OUT_DIR/torchrun-run")
 # torchrun reports the worker's exit status 3 (stopped as asked) in its failure summary and exits 1.
-TORCHRUN_CMD=(bash -c 'set -x; "$@" --stop-after-steps 7 2>&1 | tee /dev/stderr | grep -q "exitcode *: 3" || exit 1
-    "$@" --resume' _ "${TR[@]}")
+TORCHRUN_CMD=(bash -c 'set -x; "$@" --stop-after-steps 7 2>&1 | tee /dev/stderr | grep -q "exitcode *: 3" || exit 1; "$@" --resume' \
+    _ "${TR[@]}")
 declare -A CAP=([main]=90 [data]=150 [torchrun]=90 [tier]=180 [tables]=240 [bench]=120)
 
 declare -a NAMES STATUS TOOK

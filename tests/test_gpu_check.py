@@ -34,7 +34,7 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
         f"-m repmlp train --device cuda --data-dir {data} --output {tmp_path}/out/main-job"
     )
     assert steps["tier"][1].startswith(
-        f"bash benchmarks/pytest_shards.sh 4 {tmp_path}/out/tier -m cuda tests "
+        f"bash benchmarks/pytest_shards.sh 8 {tmp_path}/out/tier -m cuda tests "
     )
     assert "-m repmlp tables --speed --device cuda --precision fp32 fp16 --output" in steps["tables"][1]
     assert "benchmarks/bench_gpu.py --device cuda --phase train --graphs-only" in steps["bench"][1]
@@ -44,6 +44,13 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
     budget = int(re.search(r"^BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
     assert budget <= 8 * 60
     assert not (tmp_path / "out").exists()
+    # The image-folder pipeline and torchrun's stop-and-resume run when named.
+    res = gpu_check("--dry-run", "--only", "data,torchrun", "--out", tmp_path / "out", REPMLP_FMNIST_DIR=str(data))
+    steps = {m[0]: m[2] for m in re.findall(r"^(\w+) +timeout +(\d+)s: (.*)$", res.stdout, re.M)}
+    assert list(steps) == ["data", "torchrun"]
+    assert "scripts/make_image_folder.py" in steps["data"] and "--gpu-decode" in steps["data"]
+    assert "torch.distributed.run --standalone --nproc_per_node 1 -m repmlp train" in steps["torchrun"]
+    assert "--stop-after-steps 7" in steps["torchrun"] and "--resume" in steps["torchrun"]
 
 
 def test_bad_arguments_are_refused():
