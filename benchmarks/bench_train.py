@@ -109,6 +109,12 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # name each generated kernel in the profile
+    try:  # the training speed pass, as repmlp train applies it (a baseline from before it has none)
+        from repmlp.speed import fast_training
+
+        fast_training(model)
+    except ImportError:
+        pass
     net = torch.compile(model) if compiled else model
     position = 0
 

@@ -91,70 +91,72 @@ def test_a_cycle_is_found_when_there_is_one():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-# The rooms of the package, lowest first: a module imports only from its own room and the rooms below it.
-# ``engine`` and ``deploy`` share a rank and never import each other (training knows no deployment, and a
-# deployed model needs no training loop); ``bench`` sits above both, since it measures what they produce.
+# The folders of the package, lowest first: a module imports only from its own folder and the folders below it.
+# ``speed`` (the speed passes) sits above the models it speeds up; ``engine`` and ``deploy`` share a rank and
+# never import each other (training knows no deployment, and a deployed model needs no training loop);
+# ``bench`` sits above both, since it measures what they produce.
 RANKS = {
     "repmlp.errors": 0,
     "repmlp._version": 0,
     "repmlp.nn": 1,
     "repmlp.data": 2,
     "repmlp.models": 3,
-    "repmlp.engine": 4,
-    "repmlp.deploy": 4,
-    "repmlp.bench": 5,
-    "repmlp.tasks": 6,
-    "repmlp.commands": 7,
-    "repmlp.cli": 8,
-    "repmlp.__main__": 9,
-    "repmlp": 10,  # the package's __init__: the public names, from every room
+    "repmlp.speed": 4,
+    "repmlp.engine": 5,
+    "repmlp.deploy": 5,
+    "repmlp.bench": 6,
+    "repmlp.tasks": 7,
+    "repmlp.commands": 8,
+    "repmlp.cli": 9,
+    "repmlp.__main__": 10,
+    "repmlp": 11,  # the package's __init__: the public names, from every folder
 }
 
 
-def room(mod: str) -> str:
-    """The room of module ``mod``: its folder (``repmlp.nn.block`` -> ``repmlp.nn``), or the module itself at
+def folder(mod: str) -> str:
+    """The folder of module ``mod``: its folder (``repmlp.nn.block`` -> ``repmlp.nn``), or the module itself at
     the top."""
     parts = mod.split(".")
     return ".".join(parts[:2])
 
 
 def climbs(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of ``graph`` that goes to a higher room, or sideways to another room of the same rank."""
+    """Every import of ``graph`` that goes to a higher folder, or sideways to another folder of the same rank."""
     wrong = []
     for mod, deps in graph.items():
         for dep in deps:
-            a, b = room(mod), room(dep)
+            a, b = folder(mod), folder(dep)
             if a != b and RANKS[b] >= RANKS[a]:
                 wrong.append(f"{mod} imports {dep}")
     return sorted(wrong)
 
 
-def room_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """A cycle between rooms (not only between modules): the graph of rooms, each import an edge."""
-    rooms: dict[str, set[str]] = {}
+def folder_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle between folders (not only between modules): the graph of folders, each import an edge."""
+    folders: dict[str, set[str]] = {}
     for mod, deps in graph.items():
-        rooms.setdefault(room(mod), set()).update(room(d) for d in deps if room(d) != room(mod))
-    for r in list(rooms.values()):
+        folders.setdefault(folder(mod), set()).update(folder(d) for d in deps if folder(d) != folder(mod))
+    for r in list(folders.values()):
         for d in r:
-            rooms.setdefault(d, set())
-    return _cycle(rooms)
+            folders.setdefault(d, set())
+    return _cycle(folders)
 
 
-def test_every_module_is_in_a_ranked_room():
+def test_every_module_is_in_a_ranked_folder():
     graph = import_graph()
-    assert {room(m) for m in graph} == set(RANKS), {room(m) for m in graph} ^ set(RANKS)
+    assert {folder(m) for m in graph} == set(RANKS), {folder(m) for m in graph} ^ set(RANKS)
     top = sorted(m for m in graph if m.count(".") == 1 and not (ROOT / m.split(".")[1]).is_dir())
     assert top == ["repmlp.__main__", "repmlp._version", "repmlp.cli", "repmlp.errors"], top
 
 
-def test_imports_go_one_way_between_rooms():
+def test_imports_go_one_way_between_folders():
     """commands -> tasks -> bench -> {deploy, engine} -> models -> data -> nn -> errors: nothing climbs."""
     graph = import_graph()
     assert climbs(graph) == []
-    assert room_cycle(graph) is None, " -> ".join(room_cycle(graph) or [])
+    assert folder_cycle(graph) is None, " -> ".join(folder_cycle(graph) or [])
 
 
-def test_a_climb_and_a_cycle_between_rooms_are_found():
+def test_a_climb_and_a_cycle_between_folders_are_found():
     graph = {
         "repmlp.nn.block": {"repmlp.models.registry"},  # climbs
         "repmlp.models.registry": {"repmlp.nn.ops"},
@@ -166,9 +168,9 @@ def test_a_climb_and_a_cycle_between_rooms_are_found():
         "repmlp.engine.loop imports repmlp.deploy.export",
         "repmlp.nn.block imports repmlp.models.registry",
     ]
-    # no module cycle, but the rooms nn and models import each other
+    # no module cycle, but the folders nn and models import each other
     assert _cycle(graph) is None
-    assert room_cycle(graph) in (
+    assert folder_cycle(graph) in (
         ["repmlp.models", "repmlp.nn", "repmlp.models"],
         ["repmlp.nn", "repmlp.models", "repmlp.nn"],
     )

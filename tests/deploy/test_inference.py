@@ -191,9 +191,8 @@ def test_paths_on_cuda_equal_eager(path):
 @pytest.mark.cuda
 @CUDA
 def test_graphed_training_steps_equal_eager_on_cuda():
-    """Three SGD steps with the module as CUDA graphs against eager: the same losses and weights. In full
-    float32: with cuDNN's default TF32 the two would differ by TF32's rounding (the eager step's RepMLP
-    blocks run the dense form, the graphed ones the conv form), not by the graphs."""
+    """Three SGD steps with the module as CUDA graphs against eager: the same losses and weights, in full
+    float32 (TF32 would round the two alike only by chance)."""
     from repmlp.engine import graph_module
     from repmlp.nn.numerics import full_float32
 

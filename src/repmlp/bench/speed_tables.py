@@ -33,6 +33,7 @@ from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
 from repmlp.bench.timing import time_rounds
 from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.errors import first_line
+from repmlp.speed import fast_inference
 
 __all__ = [
     "SPEED_TABLES",
@@ -60,8 +61,8 @@ Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
 
 
 def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
-    """The module itself, called as it is."""
-    return model
+    """The module called as it is, after the inference speed pass (:func:`repmlp.speed.fast_inference`)."""
+    return fast_inference(model, batch_sizes=(example.shape[0],))
 
 
 #: Inference paths by name: a function ``prepare(model, example) -> callable``, or ``"module:function"``.

@@ -27,7 +27,6 @@ from torch import Tensor, nn
 
 from repmlp.errors import UserError, first_line
 from repmlp.nn.numerics import full_float32
-from repmlp.nn.ops import fc3_backend
 
 __all__ = [
     "ExportError",
@@ -178,8 +177,7 @@ def export_onnx(
     batch = torch.export.Dim("batch", min=1)
     with _staging(path) as staged:
         try:
-            # FC3 as MatMul: the PyTorch-side oneDNN choice means nothing to ONNX Runtime's kernels.
-            with torch.no_grad(), warnings.catch_warnings(), fc3_backend("bmm"):
+            with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 program = torch.onnx.export(
                     net,

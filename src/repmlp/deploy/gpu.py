@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repmlp.errors import first_line
+from repmlp.speed import fast_inference
 
 __all__ = [
     "PATHS",
@@ -155,14 +156,15 @@ def prepare_inference(
 ) -> Callable[[Tensor], Tensor]:
     """``model`` (deployed, in eval mode, on ``example``'s device and dtype) ready to run by ``path``.
 
-    Builds what the path needs now (the fx rewrite, the compile, the graph capture: a first call with
-    ``example``), so that calls afterwards are timed or served at full speed. ``graph`` paths need a CUDA
-    device. Returns a callable ``(N, C, H, W) -> output``; with a graph, inputs of ``example``'s shape and
-    dtype replay it (see :class:`GraphReplay`).
+    Applies the inference speed pass to ``model`` in place (:func:`repmlp.speed.fast_inference`, for
+    ``example``'s batch), then builds what the path needs now (the fx rewrite, the compile, the graph
+    capture: a first call with ``example``), so that calls afterwards are timed or served at full speed.
+    ``graph`` paths need a CUDA device. Returns a callable ``(N, C, H, W) -> output``; with a graph, inputs
+    of ``example``'s shape and dtype replay it (see :class:`GraphReplay`).
     """
     if path not in PATHS:
         raise ValueError(f"unknown inference path {path!r}: one of {', '.join(PATHS)}")
-    fn: Callable[[Tensor], Tensor] = model
+    fn: Callable[[Tensor], Tensor] = fast_inference(model, batch_sizes=(example.shape[0],))
     if path.startswith("fused"):
         fn = fuse_conv_epilogues(model)[0]
     elif path.startswith("compile"):
@@ -178,7 +180,7 @@ def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
     """The path measured fastest for deployed models on ``device`` in ``dtype`` (docs/gpu.md, run 1: ResNet-50,
     RepMLP-Res50 and the Light model at batch 128): ``compile+graph`` in fp16/bf16, ``fused+graph`` in fp32
     (TF32 off: inductor's code was slower than cuDNN's fused kernels there);
-    ``eager`` on a CPU (the CPU's own fast forms are chosen inside the model: repmlp.nn.ops)."""
+    ``eager`` on a CPU (with the inference speed pass, :func:`repmlp.speed.fast_inference`)."""
     if device.type != "cuda":
         return "eager"
     return "fused+graph" if dtype == torch.float32 else "compile+graph"
@@ -186,8 +188,8 @@ def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
 
 def serving_format(device: torch.device, dtype: torch.dtype) -> torch.memory_format:
     """The activations' layout for a deployed model: channels_last for half precision on CUDA (tensor-core
-    convolutions), NCHW for fp32 on CUDA (faster there: docs/gpu.md) and on a CPU (the models put
-    their CPU activations channels_last themselves)."""
+    convolutions), NCHW for fp32 on CUDA (faster there: docs/gpu.md) and on a CPU (where the inference
+    speed pass puts the trunks that run faster so channels_last)."""
     cuda_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     return torch.channels_last if cuda_half else torch.contiguous_format
 
@@ -214,7 +216,7 @@ def prepare_for_device(model: nn.Module, example: Tensor, path: str = "auto") ->
     if path == "auto":
         path = fastest_path(device, dtype)
     example = example.to(dtype)
-    if device.type == "cuda":  # on a CPU the models keep the layouts they chose (repmlp.nn.layers)
+    if device.type == "cuda":  # on a CPU the speed pass chooses the layouts
         fmt = serving_format(device, dtype)
         model = model.to(memory_format=fmt)
         example = example.contiguous(memory_format=fmt)

@@ -19,6 +19,7 @@ others: :meth:`Predictor.predict_files` yields it with the reason.
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 from repmlp.data.folder import image_to_channels
 from repmlp.errors import UserError
 from repmlp.models.model_file import ModelMetadata, device_of, load_model, model_metadata
+from repmlp.speed import fast_inference
 
 __all__ = [
     "CSV_HEADER",
@@ -304,7 +306,8 @@ class Predictor:
     """Top-k classes of images under a model file or a model.
 
     ``Predictor(path_or_model, *, device=None, top_k=5)``: a path is read with :func:`load_model`; a model
-    (e.g. one :func:`load_model` returned) is used as it is, with its ``metadata`` when it has one (else
+    (e.g. one :func:`load_model` returned) runs with the inference speed pass
+    (:func:`repmlp.speed.fast_inference`, on a copy), with its ``metadata`` when it has one (else
     its timm config for preprocessing, and class indices for labels). ``device=None``: the model's own.
     A face embedding or segmentation model (its file's ``extra["task"]``) is a :class:`UserError`.
     ``labels`` replaces the class names. ``runtime``: ``"torch"``, or ``"onnxruntime"``/``"openvino"`` to
@@ -320,7 +323,8 @@ class Predictor:
         labels: Sequence[str] | None = None,
         runtime: str = "torch",
     ) -> None:
-        if not isinstance(model, nn.Module):
+        given_module = isinstance(model, nn.Module)
+        if not given_module:
             model = load_model(model, device=device or "cpu")
         elif getattr(model, "metadata", None) is None:
             model.metadata = model_metadata(model.eval(), name=type(model).__name__, form="unknown")
@@ -347,11 +351,13 @@ class Predictor:
         self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
         self._format = torch.contiguous_format
         self._run: Any = self.model
+        if runtime == "torch":  # the inference speed pass, on a copy: the caller's model stays as it is
+            self._run = fast_inference(copy.deepcopy(self.model) if given_module else self.model)
         if self.device.type == "cuda" and runtime == "torch":
             from repmlp.deploy.gpu import fused_or_plain, serving_format
 
             self._format = serving_format(self.device, self._dtype)
-            self._run = fused_or_plain(self.model.to(memory_format=self._format))
+            self._run = fused_or_plain(self._run.to(memory_format=self._format))
 
     @property
     def input_size(self) -> tuple[int, int, int]:

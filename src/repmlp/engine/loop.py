@@ -32,6 +32,7 @@ from repmlp.engine.state import (
     set_rng_state,
 )
 from repmlp.errors import UserError, first_line
+from repmlp.speed import fast_training, plain
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class LoopOptions:
     metric_fields: Sequence[str] = LOSS_FIELDS  # the columns of metrics.csv
     compile: bool = False  # torch.compile the task's step on the module (see resolve_compile)
     cuda_graphs: bool = False  # the module's forward and backward as CUDA graphs (see resolve_cuda_graphs)
+    fast: bool = True  # the training speed pass (repmlp.speed.fast_training) while the loop runs
 
     def __post_init__(self) -> None:
         if (self.iterations is None) == (self.epochs is None):
@@ -165,20 +167,12 @@ def graph_module(
 
     The capture runs ``net`` a few times (warm-up, then the capture itself) without touching gradients; the
     module's buffers (BatchNorm statistics) and the RNG states are put back afterwards, so the training run
-    is the one it would have been. RepMLP blocks whose ``train_form`` is ``"auto"`` are set to ``"conv"``,
-    the form measured faster as graphs (the same function). ``autocast_dtype``: the AMP dtype the steps run
+    is the one it would have been. ``autocast_dtype``: the AMP dtype the steps run
     under (``None``: none); the graphs keep it. Raises ``RuntimeError`` if an operation cannot be captured.
     """
     device = example[0].device
     if device.type != "cuda":
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
-    # Replayed as graphs, the paper's conv form of the RepMLP blocks measured faster than the dense form
-    # that "auto" picks on CUDA for eager steps (docs/gpu.md, run 2): blocks left on "auto" take it.
-    # Every module with a ``train_form`` setting (the RepMLP blocks; 1-D ones compute no dense form) is set
-    # by that duck-typed attribute: the loop knows no model class.
-    for m in net.modules():
-        if getattr(m, "train_form", None) == "auto":
-            m.train_form = "conv"
     rngs = rng_state(device)
     buffers = {k: b.clone() for k, b in net.named_buffers()}
     wrapper = _Captured(net).train()
@@ -361,6 +355,14 @@ class _Loop:
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
+        if self.opts.fast:  # replayed as CUDA graphs, the convs measured faster than the dense form
+            fast_training(unwrap(self.net), dense=False if self.opts.cuda_graphs else None)
+        try:
+            return self._run()
+        finally:
+            plain(unwrap(self.net))
+
+    def _run(self) -> LoopResult:
         # The signal handlers first: once the run folder exists, a signal keeps the run.
         with self.signals:
             lock_output(self.opts.output, self.procs)  # made and locked by rank 0: one writer per run

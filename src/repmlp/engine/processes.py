@@ -59,11 +59,7 @@ def process_environment() -> tuple[int, int, int]:
     """``(rank, world, local_rank)`` from torchrun's environment, each value checked where it enters:
     ``WORLD_SIZE`` (unset: one process); with several, ``RANK`` (below ``WORLD_SIZE``), ``LOCAL_RANK``
     (default 0), ``MASTER_ADDR`` and ``MASTER_PORT`` (the rendezvous). A bad value is one
-    :class:`UserError` naming the variable and what it may be. Also reads ``REPMLP_FC3``
-    (:func:`repmlp.nn.ops.get_fc3_backend`), so that a bad value stops a run before it starts."""
-    from repmlp.nn.ops import get_fc3_backend
-
-    get_fc3_backend()
+    :class:`UserError` naming the variable and what it may be."""
     world = _env_int("WORLD_SIZE", 1, _MAX_WORLD, default="1")
     if world == 1:
         return 0, 1, 0

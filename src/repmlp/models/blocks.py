@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repmlp.models.head import PooledClassifierMixin
-from repmlp.nn import checks, layers
+from repmlp.nn import checks
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.layers import ConvBN
 
@@ -48,8 +48,6 @@ class ConvBNReLU(ConvBN):
 
     Shapes: ``(N, C_in, H, W)`` -> ``(N, C_out, H', W')``.
     """
-
-    patches_as_matmul = True  # a one-channel patch stem as a matmul (PatchwiseConv2d)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv(x)  # written out, not super().forward: TorchScript compiles no super() calls
@@ -451,9 +449,6 @@ class ResNet(PooledClassifierMixin, nn.Module):
     classifier_attr = "fc"
     __jit_unused_properties__ = ["stages"]  # a Python list of modules: TorchScript compiles the rest
 
-    # Its forward puts CPU activations channels_last (layers.channels_last_weights_on_cpu reads this).
-    runs_channels_last_on_cpu = True
-
     def __init__(
         self,
         specs: Sequence[StageSpec],
@@ -516,10 +511,8 @@ class ResNet(PooledClassifierMixin, nn.Module):
         return [c2, c3, c4, self.layer4(c4)]
 
     def forward_features(self, x: Tensor) -> Tensor:
-        """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)`` (channels_last
-        memory on CPU: the trunk runs in oneDNN's native layout, see :func:`repmlp.nn.layers.cpu_channels_last`).
-        """
-        return self.forward_stages(layers.cpu_channels_last(x))[-1]
+        """``(N, in_chans, H, W)`` -> c5 feature map ``(N, num_features, H/32, W/32)``."""
+        return self.forward_stages(x)[-1]
 
     def forward_intermediates(
         self,
@@ -543,7 +536,7 @@ class ResNet(PooledClassifierMixin, nn.Module):
         # Only the RepMLPs fix the input size: a plain ResNet pools whatever its stages see.
         fixed = len(self.repmlp_stages) > 0
         check_input_size(x, "this model's RepMLP layers are", self.in_chans, self.img_size, fixed)
-        x = self.stem(layers.cpu_channels_last(x))  # as forward_features: the same kernels, the same bits
+        x = self.stem(x)
         outs = [x] if 0 in take else []
         for i, stage in enumerate(self.stages[: last if stop_early or intermediates_only else 4], 1):
             x = stage(x)

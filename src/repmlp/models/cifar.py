@@ -24,10 +24,8 @@ from repmlp.models.blocks import ConvBNReLU
 from repmlp.models.head import PooledClassifierMixin
 from repmlp.models.registry import register_model
 from repmlp.nn import checks
-from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
-from repmlp.nn.branches_fc import FCBranches
-from repmlp.nn.layers import ConvBN, MaxPool2x2
-from repmlp.nn.ops import partition_for, unpartition_like
+from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d, partition, unpartition
+from repmlp.nn.layers import ConvBN
 
 __all__ = [
     "PureMLP",
@@ -53,11 +51,6 @@ _FMNIST_MEAN = (0.2860,)
 _FMNIST_STD = (0.3530,)
 
 
-# Leaves of traced graphs: they branch on the layout and the mode.
-torch.fx.wrap("partition_for")
-torch.fx.wrap("unpartition_like")
-
-
 def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
     """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message
     (see :mod:`repmlp.nn.checks`)."""
@@ -68,7 +61,7 @@ def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
     )
 
 
-class PartitionConvBlock(FCBranches, nn.Module):
+class PartitionConvBlock(nn.Module):
     """Row D of the paper's ablation: a RepMLP whose FC3 is replaced by a groupwise ``K x K`` conv + BN.
 
     Global Perceptron as in RepMLP, then the partition map goes through the big conv (zero-padded per
@@ -104,14 +97,9 @@ class PartitionConvBlock(FCBranches, nn.Module):
             if global_perceptron and self.parts > 1
             else None
         )
-        # Convs on the partition map, with the Local Perceptron's CPU layout choice (layers.LayoutConv2d).
-        self.conv = ConvBN(
-            in_channels, out_channels, kernel_size, groups=groups, deploy=deploy, layout_choice=True
-        )
+        self.conv = ConvBN(in_channels, out_channels, kernel_size, groups=groups, deploy=deploy)
         self.local = (
-            nn.ModuleList(
-                ConvBN(in_channels, out_channels, k, groups=groups, layout_choice=True) for k in kernel_sizes
-            )
+            nn.ModuleList(ConvBN(in_channels, out_channels, k, groups=groups) for k in kernel_sizes)
             if kernel_sizes and not deploy
             else None
         )
@@ -120,22 +108,15 @@ class PartitionConvBlock(FCBranches, nn.Module):
         _check_fixed_input(x, self.in_channels, self.resolution, "block built for input")
         n, c = x.shape[0], self.in_channels
         h = self.partition
-        parts = partition_for(x, h, h, self.training)
+        parts = partition(x, h, h)
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
-        # On a CPU with autograd the convs write the partition map's layout, or run as one FC (unless hooks
-        # watch them), as in LocalPerceptron.forward; the layout is chosen when the conv runs (a torch.fx leaf).
-        if torch.is_grad_enabled() and not torch.jit.is_scripting() and self._fits_fc(parts):
-            return unpartition_like(x, self._forward_as_fc(parts), n, self.parts, self.parts, self.training)
         out = self.conv(parts)
         if self.local is not None:
             for branch in self.local:
                 out = out + branch(parts)
-        return unpartition_like(x, out, n, self.parts, self.parts, self.training)
-
-    def _conv_branches(self) -> list[ConvBN]:
-        return [self.conv, *(self.local or ())]
+        return unpartition(out, n, self.parts, self.parts)
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -304,7 +285,7 @@ class PureMLP(PooledClassifierMixin, nn.Module):
             img_size // patch_size,
             mixer=lambda c, res: mixer_layer(spec, c, res),
             fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy),
-            pool=MaxPool2x2,
+            pool=lambda: nn.MaxPool2d(2),
         )
         for info in self.feature_info:
             info["reduction"] *= patch_size

@@ -41,7 +41,6 @@ from repmlp.models.file_format import (
 )
 from repmlp.models.file_metadata import FORMS
 from repmlp.models.input_size import model_input_size
-from repmlp.nn.layers import channels_last_weights_on_cpu
 
 __all__ = [
     "atomic_write_bytes",
@@ -188,8 +187,7 @@ def load_model(
 ) -> nn.Module:
     """Rebuild the model saved by :func:`save_model` (any form and precision) and load its weights strictly.
 
-    The model is on ``device`` in eval mode (on a CPU, a trunk that runs channels_last gets its conv
-    weights stored channels_last: :func:`~repmlp.nn.layers.channels_last_weights_on_cpu`), with
+    The model is on ``device`` in eval mode, with
     ``model.metadata`` (:class:`ModelMetadata`): its name and options, form, precision, input size, class
     names and preprocessing. ``form`` (if given) must match the file's form. The metadata is checked field
     by field and the model it describes is built on the ``meta`` device and compared with the file's
@@ -201,7 +199,7 @@ def load_model(
     model = _build_for(fm, tensors)
     check_finite(path, tensors)
     _load_strict(model, tensors, path, fm.model, fm.form)
-    channels_last_weights_on_cpu(model.to(device).eval())
+    model.to(device).eval()
     try:
         model.metadata = model_metadata(model, name=fm.model, form=fm.form, model_kwargs=fm.model_kwargs,
                                         precision=fm.precision, extra=fm.extra, path=str(path))  # fmt: skip

@@ -34,9 +34,9 @@ from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.models.blocks import ConvBNReLU
 from repmlp.models.head import PooledClassifierMixin
 from repmlp.models.registry import register_model
-from repmlp.nn import checks, layers
+from repmlp.nn import checks
 from repmlp.nn.block import LocalPerceptron
-from repmlp.nn.layers import ConvBN, GroupwiseLinear, PatchwiseConv2d
+from repmlp.nn.layers import ConvBN, GroupwiseLinear
 from repmlp.nn.reparam import merge_fc3, pair
 
 __all__ = [
@@ -86,10 +86,8 @@ class ChannelGate(nn.Module):
         hidden = channels // reduction
         if hidden < 1:
             raise ValueError(f"gate reduction {reduction} leaves no hidden channels for {channels} channels")
-        # 1x1 convs (the checkpoints' layout) on a 1x1 map: as FC layers (PatchwiseConv2d) they skip the conv
-        # kernel's per-call set-up, which dominates at that size on CPU.
-        self.fc1 = PatchwiseConv2d(channels, hidden, 1)
-        self.fc2 = PatchwiseConv2d(hidden, channels, 1)
+        self.fc1 = nn.Conv2d(channels, hidden, 1)  # 1x1 convs on a 1x1 map: the checkpoints' layout
+        self.fc2 = nn.Conv2d(hidden, channels, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         v = x.mean((2, 3), keepdim=True)
@@ -195,7 +193,7 @@ class RepMLPNetBlock(nn.Module):
         weight, bias = self.merged_fc3()
         n = self.fc3.in_features
         fc3 = GroupwiseLinear(n, n, self.sharesets, bias=True).to(device=weight.device, dtype=weight.dtype)
-        fc3.train(self.training)  # its mode picks the FC3 form (repmlp.nn.ops.groupwise_fc)
+        fc3.train(self.training)
         fc3.weight.copy_(weight)
         fc3.bias.copy_(bias)
         self.fc3, self.fc3_bn, self.local = fc3, None, None
@@ -279,9 +277,6 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
     Shapes: ``(N, in_chans, H, W)`` -> ``(N, num_classes)``.
     """
 
-    # Its forward puts CPU activations channels_last (layers.channels_last_weights_on_cpu reads this).
-    runs_channels_last_on_cpu = True
-
     def __init__(
         self,
         img_size: int | Sequence[int] = 224,
@@ -347,7 +342,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> normalised last-stage map ``(N, num_features, H/32, W/32)``."""
         _check_input(x, self.in_chans, self.img_size)
-        x = self.stem(layers.cpu_channels_last(x))
+        x = self.stem(x)
         return self.norm(self.stages(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:

@@ -8,7 +8,6 @@ import logging
 import torch.fx as fx
 from torch import nn
 
-from repmlp.nn.layers import channels_last_weights_on_cpu
 from repmlp.nn.numerics import full_float32
 from repmlp.nn.reparam import _BN, fuse_bn
 
@@ -198,8 +197,7 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
     did not build. The model must be in eval mode (BatchNorm running statistics are merged).
     BatchNorms that could not be folded are logged and listed in ``model.unfused_batchnorms``. With
     ``inplace=True`` the model is converted in place, but use the returned module: a root with
-    ``fuse()``, or BN folding by ``torch.fx``, can return a different one. A CPU model whose trunk runs
-    channels_last gets its 4-D weights stored channels_last (:func:`~repmlp.nn.layers.channels_last_weights_on_cpu`).
+    ``fuse()``, or BN folding by ``torch.fx``, can return a different one.
     """
     if model.training:
         raise RuntimeError(
@@ -223,4 +221,4 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         model.unfused_batchnorms = left
     except Exception:  # noqa: BLE001 - e.g. a scripted module
         pass
-    return channels_last_weights_on_cpu(model)
+    return model

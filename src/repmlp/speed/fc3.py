@@ -1,0 +1,130 @@
+"""FC3 for float32 CPU inference in the form measured fastest for its kernel and row count.
+
+The plain :class:`~repmlp.nn.layers.GroupwiseLinear` is one batched matmul. On a CPU two other forms of the
+same sums can be faster: one oneDNN 1x1 conv per group over a zero-copy channels_last view of the rows
+(oneDNN's GEMM outruns PyTorch's BLAS on some CPUs, with many rows), and the transposed product, kernel
+times rows (with a few rows FC3 is bound by reading its kernel, which BLAS streams fastest as the left
+operand). Which wins depends on the CPU, the threads, the kernel's shape and the rows, so the inference
+pass times the forms once per kernel shape and row class (the rows a group, rounded up to a power of two,
+at most 512) and :class:`TunedGroupwiseLinear` looks the choice up: no timing inside a forward, but two
+machines may round FC3 differently in the last bits. Timings are kept for the process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from repmlp.nn.layers import GroupwiseLinear
+
+__all__ = ["FORMS", "ROW_CLASSES", "TunedGroupwiseLinear", "rows_class", "fastest_form", "fc3_bmm"]
+
+ROW_CLASSES = tuple(1 << i for i in range(10))
+# Bytes of kernel copies a timing cycles through: more than a last-level cache holds, as in a model, where
+# the other layers' weights evict FC3's kernel between calls.
+_COLD_BYTES = 64 << 20
+_CHOICES: dict[tuple[int, ...], str] = {}
+
+
+def fc3_bmm(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The plain layer's batched matmul. Shapes: ``(g, B, P/g)``, ``(Q, P/g)``, ``(Q,)`` -> ``(g, B, Q/g)``."""
+    g = rows.shape[0]
+    kernels = weight.reshape(g, weight.shape[0] // g, -1).transpose(1, 2)
+    return torch.bmm(rows, kernels) if bias is None else torch.baddbmm(bias.reshape(g, 1, -1), rows, kernels)
+
+
+def fc3_onednn(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One oneDNN 1x1 conv per group: group ``j``'s rows ``(B, P/g)`` are, without a copy, a channels_last
+    image of ``P/g`` channels and ``B x 1`` pixels."""
+    g, b, k = rows.shape
+    n = weight.shape[0] // g
+    kernels = weight.reshape(g, n, k, 1, 1)
+    biases = [None] * g if bias is None else bias.reshape(g, n)
+    outs = [
+        F.conv2d(rows[j].reshape(1, b, 1, k).permute(0, 3, 1, 2), kernels[j], biases[j]) for j in range(g)
+    ]
+    return torch.stack([o.permute(0, 2, 3, 1).reshape(b, n) for o in outs])
+
+
+def fc3_transposed(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The transposed product per group, ``(W_j @ rows_j^T)^T``, made contiguous."""
+    g, _, k = rows.shape
+    kernels = weight.reshape(g, weight.shape[0] // g, k)
+    if bias is None:
+        out = torch.bmm(kernels, rows.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.reshape(g, -1, 1), kernels, rows.transpose(1, 2))
+    return out.transpose(1, 2).contiguous()
+
+
+FORMS: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
+    "bmm": fc3_bmm, "onednn": fc3_onednn, "transposed": fc3_transposed,
+}  # fmt: skip
+
+
+def rows_class(rows: int) -> int:
+    """``rows`` rounded up to a power of two, at most 512."""
+    return min(1 << (max(int(rows), 1) - 1).bit_length(), ROW_CLASSES[-1])
+
+
+def fastest_form(groups: int, weight_shape: tuple[int, int], bias: bool, rows: int) -> str:
+    """The fastest form for this kernel shape and row class at this thread count (timed once a process): a
+    form other than the batched matmul must be 10% faster, so that a close call does not flip."""
+    q, k = weight_shape
+    key = (groups, k, q // groups, int(bias), torch.get_num_threads(), rows_class(rows))
+    if key not in _CHOICES:
+        _CHOICES[key] = _time_forms(groups, k, q, bias, rows_class(rows))
+    return _CHOICES[key]
+
+
+def _time_forms(groups: int, k: int, q: int, bias: bool, rows: int) -> str:
+    forms = FORMS if torch.backends.mkldnn.is_available() else {n: FORMS[n] for n in ("bmm", "transposed")}
+    copies = min(max(_COLD_BYTES // (4 * q * k), 1), 64)
+    best = {}
+    with torch.no_grad():
+        x = torch.full((groups, rows, k), 0.5)
+        weights = [torch.full((q, k), 0.01) for _ in range(copies)]
+        b = torch.full((q,), 0.1) if bias else None
+        for name, fn in forms.items():
+            fn(x, weights[0], b)  # warm-up: oneDNN builds its kernel on the first call
+            times: list[float] = []
+            while len(times) < 4 or (sum(times) < 5e-3 and len(times) < 100):  # calls of microseconds too
+                w = weights[(len(times) + 1) % copies]
+                start = time.perf_counter()
+                fn(x, w, b)
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+    fastest = min(best, key=best.__getitem__)
+    return fastest if best[fastest] < 0.9 * best["bmm"] else "bmm"
+
+
+@torch.library.custom_op("repmlp::fc3_in_form", mutates_args=(), device_types="cpu")
+def _fc3_in_form(rows: Tensor, weight: Tensor, bias: Tensor | None, form: str) -> Tensor:
+    """FC3 in ``form`` as one op opaque to ``torch.compile`` (which would lower every form to its own bmm)."""
+    return FORMS[form](rows, weight, bias)
+
+
+@_fc3_in_form.register_fake
+def _(rows: Tensor, weight: Tensor, bias: Tensor | None, form: str) -> Tensor:
+    g, b, _ = rows.shape
+    return rows.new_empty(g, b, weight.shape[0] // g)
+
+
+class TunedGroupwiseLinear(GroupwiseLinear):
+    """:class:`~repmlp.nn.layers.GroupwiseLinear` in the form its ``forms`` attribute names for the row
+    class of each call (``{rows class: form}``, filled by the inference pass; a class not timed runs the
+    batched matmul). Evaluation mode only: training runs the batched matmul."""
+
+    forms: dict[int, str]
+
+    def forward(self, rows: Tensor) -> Tensor:
+        form = self.forms.get(rows_class(rows.shape[1]), "bmm")
+        if form == "bmm" or self.training:
+            return super().forward(rows)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the op has no backward
+            return torch.ops.repmlp.fc3_in_form(rows, self.weight, self.bias, form)
+        return FORMS[form](rows, self.weight, self.bias)
