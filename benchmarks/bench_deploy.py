@@ -35,6 +35,7 @@ from repmlp import create_model, reparameterize_model
 from repmlp.bench.counts import count_macs
 from repmlp.bench.timing import time_interleaved
 from repmlp.deploy.precision import native_support, to_precision
+from repmlp.speed import fast_inference
 
 TREATMENTS = ("eager", "channels_last", "compiled", "bf16", "bf16_compiled", "int8")
 MODELS = {"repmlp_res50": 224, "repmlp_res50_light": 224, "repmlp_cifar": 32}
@@ -77,6 +78,7 @@ def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) 
     model = model.to(dtype)
     if treatment != "eager":
         model = model.to(memory_format=torch.channels_last)
+    model = fast_inference(model)  # what repmlp predict and repmlp bench run
     if treatment.endswith("compiled"):
         # Every repmlp ResNet shares ResNet.forward's code: dynamo's default limit of 8 compiled variants
         # per code object (models x batch sizes) would silently leave the later ones running eager.
@@ -93,7 +95,7 @@ def make_input(batch: int, size: tuple[int, int, int], dtype: torch.dtype, treat
 def matmul_fns(dtype: torch.dtype, n: int = 2048) -> dict:
     """An ``n x n`` by ``n x n`` matmul in ``dtype`` (``n**3`` MACs), two ways, as zero-argument callables:
     ``torch.mm`` (PyTorch's BLAS) and a oneDNN 1x1 conv over ``n`` channels_last pixels (the GEMM that
-    ``repmlp.nn.ops.groupwise_fc_onednn`` uses). The machine's peak is the faster of the two."""
+    ``repmlp.speed.fc3.fc3_onednn`` uses). The machine's peak is the faster of the two."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     image = b.t().contiguous().reshape(1, n, 1, n).permute(0, 3, 1, 2)  # (1, n, n, 1), channels_last
     kernel = a.reshape(n, n, 1, 1)

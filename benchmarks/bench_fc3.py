@@ -21,15 +21,8 @@ from torch import Tensor
 
 from common import device_arg, hardware, set_tf32, table
 from repmlp.bench.timing import time_interleaved
-from repmlp.nn.ops import (
-    from_group_rows,
-    groupwise_fc,
-    groupwise_fc_bmm,
-    groupwise_fc_onednn,
-    partition,
-    to_group_rows,
-    unpartition,
-)
+from repmlp.nn.block import from_group_rows, partition, to_group_rows, unpartition
+from repmlp.speed.fc3 import FORMS, fastest_form
 
 log = logging.getLogger("bench_fc3")
 
@@ -41,6 +34,10 @@ CONFIGS = [
     (32, 128, 128, 14, 7, 8),
     (32, 64, 64, 14, 7, 1),
 ]
+
+
+def x_is_cpu_float(weight: Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
 def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor, bias: Tensor):
@@ -59,13 +56,20 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
         return unpartition(y.reshape(parts.shape[0], o, p, p), n, hp, hp)
 
     def baddbmm_group_rows(x: Tensor) -> Tensor:  # one permute straight into (g, B, P/g), one baddbmm
-        return from_group_rows(groupwise_fc_bmm(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+        return from_group_rows(FORMS["bmm"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
 
     def onednn_group_rows(x: Tensor) -> Tensor:  # the same rows, one oneDNN 1x1 conv per group
-        return from_group_rows(groupwise_fc_onednn(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+        return from_group_rows(FORMS["onednn"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
 
-    def repmlp_ops(x: Tensor) -> Tensor:  # what the block runs: the faster of the two above, timed once
-        return from_group_rows(groupwise_fc(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+    # What the inference pass runs on a CPU in float32: the form timed fastest for this shape and rows.
+    picked = (
+        FORMS[fastest_form(g, tuple(weight.shape), True, n * hp * hp)] if x_is_cpu_float(weight) else None
+    )
+
+    def repmlp_ops(x: Tensor) -> Tensor:
+        return from_group_rows(
+            (picked or FORMS["bmm"])(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p
+        )
 
     def baddbmm_contig_weight(x: Tensor) -> Tensor:  # same, weight pre-transposed to (g, P/g, Q/g)
         rows = to_group_rows(x, p, p, g)
@@ -95,7 +99,7 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
 
     fns: dict[str, Callable[[Tensor], Tensor]] = {
         "conv1x1 (paper)": conv1x1,
-        "repmlp.nn.ops.groupwise_fc (picks one)": repmlp_ops,
+        "repmlp.speed.fc3 (the pass's pick)": repmlp_ops,
         "baddbmm group rows": baddbmm_group_rows,
         "oneDNN conv per group, group rows": onednn_group_rows,
         "baddbmm, weight pre-transposed": baddbmm_contig_weight,

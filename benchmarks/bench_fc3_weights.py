@@ -5,9 +5,9 @@ kernel of megabytes, bound by reading the kernel. This script takes every FC3 of
 runs at batch 1 (the rows each ``GroupwiseLinear`` gets, recorded by a hook) and times, interleaved, the
 whole set of them per form:
 
-- ``fp32``: what the deployed model runs (``repmlp.nn.ops.groupwise_fc``, float32: the form timed fastest
-  for the kernel shape and row count on this machine), and each float32 form on its own (``bmm``,
-  ``onednn``, ``transposed``: ``repmlp.nn.ops.FC3_FORMS``);
+- ``fp32``: what the deployed model runs after the inference pass (``repmlp.speed.fc3``, float32: the form
+  timed fastest for the kernel shape and row count on this machine), and each float32 form on its own
+  (``bmm``, ``onednn``, ``transposed``: ``repmlp.speed.fc3.FORMS``);
 - ``bf16``: kernel and rows in bfloat16 (batched matmul), the result back in float32;
 - ``int8 w, fp32 rows`` / ``int8 w, bf16 rows``: the kernel in int8 with one scale per output row,
   through PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, one call per group), rows
@@ -33,8 +33,8 @@ from torch import Tensor
 from common import device_arg, hardware, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.timing import time_interleaved, time_rounds
-from repmlp.nn.layers import GroupwiseLinear, prepare_fc3
-from repmlp.nn.ops import FC3_FORMS, fc3_backend, groupwise_fc, groupwise_fc_bmm
+from repmlp.nn.layers import GroupwiseLinear
+from repmlp.speed.fc3 import FORMS, fastest_form
 
 
 def fc3_calls(model: torch.nn.Module, size: int) -> list[tuple[Tensor, Tensor, Tensor | None]]:
@@ -87,14 +87,11 @@ def forms(rows: Tensor, weight: Tensor, bias: Tensor | None) -> dict[str, Callab
         outs = [torch._weight_int8pack_mm(act[j], q[j], scales[j]).float() for j in range(g)]
         return torch.stack([o if b[j] is None else o + b[j] for j, o in enumerate(outs)])
 
-    def pinned(form: str) -> Tensor:
-        with fc3_backend(form):
-            return groupwise_fc(rows, weight, bias, False)
-
+    picked = FORMS[fastest_form(g, tuple(weight.shape), bias is not None, rows.shape[1])]
     return {
-        "fp32": lambda: groupwise_fc(rows, weight, bias, False),
-        **{f"fp32 {form}": (lambda form=form: pinned(form)) for form in FC3_FORMS},
-        "bf16": lambda: groupwise_fc_bmm(rows16, weight16, bias16).float(),
+        "fp32": lambda: picked(rows, weight, bias),
+        **{f"fp32 {form}": (lambda fn=fn: fn(rows, weight, bias)) for form, fn in FORMS.items()},
+        "bf16": lambda: FORMS["bmm"](rows16, weight16, bias16).float(),
         "int8 w, fp32 rows": lambda: int8(rows, s),
         "int8 w, bf16 rows": lambda: int8(rows16, s16),
     }
@@ -113,7 +110,6 @@ def main() -> None:
     parser.add_argument("--img-size", type=int, default=224)
     args = parse_cpu_only(parser, "FC3 weight forms")
     model = reparameterize_model(create_model(args.model).eval())
-    prepare_fc3(model)
     raw = fc3_calls(model, args.img_size)
     calls = [forms(*c) for c in raw]
     names = list(calls[0])

@@ -15,7 +15,7 @@ compiled model replayed as a CUDA graph (``compile+graph``); fp16 (channels_last
 
 Training (``--phase train``; SGD with momentum, cross-entropy, batch 128, 224x224, channels_last): the same
 three models in AMP bf16 and in fp32 with TF32, eager and compiled, the RepMLP models in the paper's conv
-form and the dense form (:mod:`repmlp.nn.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
+form and the dense form (:mod:`repmlp.speed.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
 ConvNet at 32x32. ``--graphs-only``: the steps as ``repmlp train`` runs them on one GPU (the module's forward
 and backward captured as CUDA graphs); ``--compiled-graphs``: the steps compiled with
 ``mode="reduce-overhead"`` (inductor's kernels, which fuse BatchNorm's elementwise work with its
@@ -160,7 +160,7 @@ def train_worker(spec: dict) -> dict:
     from torch import Tensor
 
     from repmlp.engine import graph_module
-    from repmlp.nn.block import set_train_form
+    from repmlp.speed import fast_training
 
     device = torch.device(spec["device"])
     img, batch = spec["img"], spec["batch"]
@@ -171,8 +171,8 @@ def train_worker(spec: dict) -> dict:
         graphed = variant.endswith("+graph")
         model_name, form = variant.removesuffix("+graph").partition(":")[::2]
         model = _build(model_name, img).to(device).train()
-        if form:
-            set_train_form(model, form)
+        if form:  # the training pass: "dense" its dense Local Perceptron, "conv" its convs (as graphs)
+            fast_training(model, dense=form == "dense")
         model = model.to(memory_format=torch.channels_last)
         chans = 1 if model_name == "fmnist" else 3
         x = torch.randn(batch, chans, img, img, device=device).contiguous(memory_format=torch.channels_last)
@@ -540,13 +540,11 @@ def dense_check(device: str) -> str:
     import torch
 
     from repmlp import RepMLPBlock
-    from repmlp.nn.block import set_train_form
+    from repmlp.speed import fast_training
 
     torch.manual_seed(0)
     block = RepMLPBlock(64, 64, 28, 7, groups=8, kernel_sizes=(1, 3, 5)).double().to(device).train()
-    dense = copy.deepcopy(block)
-    set_train_form(block, "conv")
-    set_train_form(dense, "dense")
+    dense = fast_training(copy.deepcopy(block), dense=True)
     x = torch.randn(4, 64, 28, 28, dtype=torch.float64, device=device, requires_grad=True)
     y1, y2 = block(x), dense(x)
     g1 = torch.autograd.grad(y1.square().sum(), [x, *block.parameters()])

@@ -1,6 +1,5 @@
 """Training a Local Perceptron branch (groupwise conv + BatchNorm on the partition map) on a CPU: plain NCHW
-vs what the Local Perceptron's ``ConvBN(..., layout_choice=True)`` runs with autograd on
-(``repmlp.nn.layers.LayoutConv2d``: ``conv_in_layout_of``).
+vs what the training speed pass runs (``repmlp.speed.modules.LayoutConv2d``).
 
 Forward and backward of one branch, ``(B, C, h, h)`` partition maps in NCHW with an NCHW gradient (as the
 training-time RepMLP block hands them), ``g = 2``, for channels per group 2 to 16 and kernels 1, 3 and 7.
@@ -19,8 +18,8 @@ import torch
 
 from common import device_arg, hardware, parse_cpu_only, table
 from repmlp.bench.timing import time_interleaved
-from repmlp.nn import layers
 from repmlp.nn.layers import ConvBN
+from repmlp.speed import modules
 
 CASES = [(cg, k, h) for cg in (2, 4, 6, 8, 16) for k in (1, 3, 7) for h in (7, 8)]
 
@@ -28,15 +27,15 @@ CASES = [(cg, k, h) for cg in (2, 4, 6, 8, 16) for k in (1, 3, 7) for h in (7, 8
 def branch_step(layer: ConvBN, x: torch.Tensor, grad: torch.Tensor, channels_last: bool | None):
     """One forward and backward of ``layer`` on ``x``: channels_last or NCHW convs, or (``None``) the
     library's own choice."""
-    slow_in_nchw = layers._slow_in_nchw
+    slow_in_nchw = modules.slow_in_nchw
 
     def run() -> None:
         if channels_last is not None:
-            layers._slow_in_nchw = lambda weight, groups: channels_last
+            modules.slow_in_nchw = lambda conv: channels_last
         try:
             layer(x).backward(grad)
         finally:
-            layers._slow_in_nchw = slow_in_nchw
+            modules.slow_in_nchw = slow_in_nchw
 
     return run
 
@@ -51,7 +50,8 @@ def main() -> None:
         torch.manual_seed(0)
         c = 2 * cg
         b = 128 * 8 * 28 * 28 // (c * h * h)
-        layer = ConvBN(c, c, k, groups=2, layout_choice=True).train()
+        layer = ConvBN(c, c, k, groups=2).train()
+        layer.conv.__class__ = modules.LayoutConv2d  # what the training pass makes of a partition map's conv
         x = torch.randn(b, c, h, h)
         grad = torch.randn(b, c, h, h)
         t = time_interleaved(
@@ -64,7 +64,7 @@ def main() -> None:
             rounds=3 if args.quick else args.rounds,
             min_round_s=0.05 if args.quick else 0.2,
         )
-        picks = "channels_last" if layers._slow_in_nchw(layer.conv.weight, 2) else "NCHW"
+        picks = "channels_last" if modules.slow_in_nchw(layer.conv) else "NCHW"
         rows.append(
             [f"{cg}", f"{k}x{k}", f"({b}, {c}, {h}, {h})", f"{t['nchw'] * 1e3:.2f}", f"{t['cl'] * 1e3:.2f}",
              f"{t['nchw'] / t['cl']:.2f}x", picks, f"{t['nchw'] / t['repmlp']:.2f}x"]

@@ -34,6 +34,7 @@ from repmlp.bench.counts import count_macs, count_params
 from repmlp.bench.timing import time_interleaved
 from repmlp.deploy.precision import quantize_int8
 from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of
+from repmlp.speed import fast_inference
 
 MODELS = ("repmlp_res50_light", "repmlp_res50", "repmlpnet_b224")
 REFERENCE = "resnet50"
@@ -58,12 +59,12 @@ def variants(nets: dict[str, torch.nn.Module], runtime: str, precision: str) -> 
         return None
     out = {}
     for name, net in nets.items():
-        if runtime == "eager":
-            out[name] = net
+        if runtime == "eager":  # with the inference pass, as repmlp predict and repmlp bench run them
+            out[name] = fast_inference(copy.deepcopy(net))
         elif runtime == "compiled":
             # All repmlp ResNets share one forward's code: raise dynamo's per-code limit of compiled variants.
             torch._dynamo.config.recompile_limit = 64
-            out[name] = torch.compile(copy.deepcopy(net))
+            out[name] = torch.compile(fast_inference(copy.deepcopy(net)))
         else:
             onnx, int8 = graphs(name, net, precision)
             out[name] = RuntimeModel(onnx, runtime, int8=int8)

@@ -190,7 +190,7 @@ def matmul_gmacs() -> float:
 
 def training_macs(model_name: str, size: int, model_args: dict) -> float:
     """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients). The
-    convs' count: the dense FC form of narrow branches (repmlp.nn.branches_fc) adds zeros, not maths."""
+    convs' count: the dense FC form of narrow branches (repmlp.speed.dense) adds zeros, not maths."""
     from repmlp.bench.counts import profile_model
 
     kwargs = dict(num_classes=10, in_chans=1, **model_args)

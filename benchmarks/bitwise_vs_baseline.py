@@ -3,8 +3,11 @@
 For a refactor that must change no number: each of a few small models is built with the same seed by the
 baseline's code and by this checkout's (each in a process of its own, with its own ``src/``), in NCHW and
 channels_last, and run in eval mode without autograd, in training mode with autograd (outputs and every
-parameter's gradient of a fixed loss) and converted; every tensor must be equal to the bit. FC3 runs one
-pinned form on both sides (``REPMLP_FC3=bmm``), since the form timed fastest may differ between processes.
+parameter's gradient of a fixed loss) and converted; every tensor must be equal to the bit. A checkout with
+speed passes (``repmlp.speed``) runs each mode as ``repmlp`` runs it: the training pass for the training
+step, the inference pass for evaluation and the deployed model. FC3 runs the batched matmul on both sides
+(``REPMLP_FC3=bmm`` for a baseline that timed its form inside the forward), since the form timed fastest
+may differ between processes.
 
     python3 benchmarks/bitwise_vs_baseline.py --baseline d34241d
 """
@@ -41,9 +44,19 @@ CASES = [
 
 def worker(out: str) -> None:
     """Every tensor of every case, by name, saved to ``out`` (runs with the ``src/`` on sys.path)."""
+    import copy
+
     import torch
 
     import repmlp
+
+    try:
+        from repmlp.speed import fast_inference, fast_training, plain
+    except ImportError:  # a baseline from before the passes: its forms were chosen inside the forward
+        fast_training = fast_inference = plain = lambda model, **kwargs: model
+
+    def inference(model: torch.nn.Module) -> torch.nn.Module:
+        return fast_inference(model, batch_sizes=())  # no FC3 timed: the batched matmul
 
     tensors = {}
     for name, options, shape in CASES:
@@ -55,13 +68,13 @@ def worker(out: str) -> None:
                 model = model.to(memory_format=torch.channels_last)
             x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
-                tensors[f"{key}/eval"] = model.eval()(x)
-            y = model.train()(x)
+                tensors[f"{key}/eval"] = inference(copy.deepcopy(model).eval())(x)
+            y = fast_training(model.train())(x)
             y.square().sum().backward()
             tensors[f"{key}/train"] = y.detach()
             tensors.update({f"{key}/grad/{k}": p.grad for k, p in model.named_parameters()})
             with torch.no_grad():
-                tensors[f"{key}/deploy"] = repmlp.reparameterize_model(model.eval())(x)
+                tensors[f"{key}/deploy"] = inference(repmlp.reparameterize_model(plain(model).eval()))(x)
     torch.save(tensors, out)
 
 
@@ -78,8 +91,8 @@ def main() -> None:
         results = {}
         for side, src in sides.items():
             out = str(Path(tmp) / f"{side}.pt")
-            # FC3's deployed form is the one timed fastest in each process (repmlp.nn.ops.fc3_form), which
-            # may differ between two processes in the last bits: both sides run the batched matmul.
+            # A baseline that timed FC3's form inside the forward may pick another form in each process:
+            # both sides run the batched matmul.
             env = {**os.environ, "PYTHONPATH": src, "REPMLP_FC3": "bmm"}
             subprocess.run([sys.executable, __file__, "--worker", out], env=env, check=True, cwd=tmp)
             results[side] = torch.load(out)
@@ -88,6 +101,8 @@ def main() -> None:
         sys.exit(f"different tensors: {sorted(set(before) ^ set(now))[:5]}")
     differ = [k for k in before if not torch.equal(before[k], now[k])]
     print(f"{len(before)} tensors compared with {args.baseline}: {len(differ)} differ {differ[:5]}")
+    if os.environ.get("BITWISE_LIST"):
+        print("\n".join(differ))
     sys.exit(1 if differ else 0)
 
 

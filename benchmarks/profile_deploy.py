@@ -18,6 +18,7 @@ from torch import nn
 from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.timing import time_interleaved
+from repmlp.speed import fast_inference
 
 STAGES = ("stem", "c2", "c3", "c4", "c5")
 
@@ -31,11 +32,10 @@ def stages_of(model: nn.Module) -> list[nn.Module]:
 
 
 def stage_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """The input each stage sees when ``model`` runs on ``x`` (repmlp's trunks start channels_last)."""
-    from repmlp.nn import layers
-
+    """The input each stage sees when ``model`` runs on ``x`` (repmlp's trunks run channels_last after the
+    inference pass, :func:`repmlp.speed.fast_inference`)."""
     if not isinstance(model, torchvision.models.ResNet):
-        x = layers.cpu_channels_last(x)
+        x = x.contiguous(memory_format=torch.channels_last)
     inputs = []
     with torch.inference_mode():
         for stage in stages_of(model):
@@ -80,11 +80,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     args = parse_cpu_only(parser, "deployment")
     rounds = 2 if args.quick else args.rounds
-    net = reparameterize_model(create_model(args.model).eval())
+    net = fast_inference(
+        reparameterize_model(create_model(args.model).eval()), batch_sizes=(args.batch_size,)
+    )
     models = {
         args.model: net,
         "torchvision ResNet-50": torchvision.models.resnet50().eval(),
-        "our ResNet-50": reparameterize_model(create_model("repmlp_res50", stages=()).eval()),
+        "our ResNet-50": fast_inference(reparameterize_model(create_model("repmlp_res50", stages=()).eval())),
     }
     x = torch.randn(args.batch_size, 3, 224, 224)
     print(

@@ -22,7 +22,7 @@ from repmlp.models.repmlpnet import ChannelGate, RepMLPNet, RepMLPNetBlock
 from repmlp.nn.block import LocalPerceptron, RepMLPBlock
 from repmlp.nn.layers import GroupwiseLinear
 from repmlp.speed.dense import fits_dense
-from repmlp.speed.fc3 import TunedGroupwiseLinear, fastest_form, rows_class
+from repmlp.speed.fc3 import ROW_CLASSES, TunedGroupwiseLinear, fastest_form, rows_class
 from repmlp.speed.modules import (
     DenseLocalPerceptron,
     DensePartitionConvBlock,
@@ -77,8 +77,9 @@ def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
     Every RepMLP block keeps its input's memory format and makes its partition copies as custom ops; the
     Local Perceptron (and row D's big conv) trains as one dense FC with ``dense`` (default: on CUDA, where
     it saves many small launches) or on a CPU where the groups are narrow; on a CPU the convs on partition
-    maps write the map's layout (:class:`~repmlp.speed.modules.LayoutConv2d`), one-channel patch stems run
-    as a matmul and 2x2 max pools as two elementwise maxima. The same function:
+    maps write the map's layout (:class:`~repmlp.speed.modules.LayoutConv2d`), ResNet and RepMLPNet trunks
+    take their input channels_last, one-channel patch stems run as a matmul and 2x2 max pools as two
+    elementwise maxima. The same function:
     bits may differ where sums are reordered (the dense form). Pass ``dense=False`` for steps replayed as
     CUDA graphs, where the convs measured faster.
     """
@@ -99,6 +100,7 @@ def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
             for conv in m.modules():
                 _swap(conv, nn.Conv2d, LayoutConv2d)
     if cpu:
+        _channels_last_trunks(model)
         _cpu_forms(model)
     return model
 
@@ -120,6 +122,16 @@ def _to_channels_last(module: nn.Module, args: tuple) -> tuple:
     return (x.contiguous(memory_format=torch.channels_last), *args[1:]) if x.dim() == 4 else args
 
 
+def _channels_last_trunks(model: nn.Module) -> bool:
+    """ResNet and RepMLPNet trunks take their input channels_last (a forward pre-hook): oneDNN's convs run
+    their native layout then, and reorder input and output around every conv otherwise. Returns whether
+    ``model`` has such a trunk."""
+    trunks = [m for m in model.modules() if isinstance(m, (ResNet, RepMLPNet)) and not _watched(m)]
+    for trunk in trunks:
+        trunk._speed_hook = trunk.register_forward_pre_hook(_to_channels_last)
+    return bool(trunks)
+
+
 def fast_inference(model: nn.Module, *, batch_sizes: Sequence[int] | None = None) -> nn.Module:
     """The inference fast forms, in place, for the device the parameters are on; returns ``model``.
 
@@ -133,18 +145,9 @@ def fast_inference(model: nn.Module, *, batch_sizes: Sequence[int] | None = None
         _swap(m, RepMLPBlock, FastRepMLPBlock)
     if _device(model).type != "cpu":
         return model
-    trunks = [m for m in model.modules() if isinstance(m, (ResNet, RepMLPNet)) and not _watched(m)]
-    for trunk in trunks:
-        trunk._speed_hook = trunk.register_forward_pre_hook(_to_channels_last)
-    if trunks:
+    if _channels_last_trunks(model):
         model.to(memory_format=torch.channels_last)
-    for m in model.modules():
-        if isinstance(m, nn.MaxPool2d) and (m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode) == (
-            2, 2, 0, 1, False,
-        ):  # fmt: skip
-            _swap(m, nn.MaxPool2d, MaxPool2x2)
-    for conv in _patch_convs(model):
-        _swap(conv, nn.Conv2d, PatchwiseConv2d)
+    _cpu_forms(model)
     _tune_fc3(model, batch_sizes)
     return model
 
@@ -163,10 +166,11 @@ def _tune_fc3(model: nn.Module, batch_sizes: Sequence[int] | None) -> None:
             continue
         parts = block.parts[0] * block.parts[1]
         per_group = parts * (block.channels // block.sharesets if isinstance(block, RepMLPNetBlock) else 1)
-        classes = sorted({rows_class(b * per_group) for b in batch_sizes}) if batch_sizes else None
+        rows = (
+            ROW_CLASSES if batch_sizes is None else sorted({rows_class(b * per_group) for b in batch_sizes})
+        )
         fc3.forms = {
-            c: fastest_form(fc3.groups, tuple(fc3.weight.shape), fc3.bias is not None, c)
-            for c in classes or (1 << i for i in range(10))
+            c: fastest_form(fc3.groups, tuple(fc3.weight.shape), fc3.bias is not None, c) for c in rows
         }
 
 
