@@ -34,8 +34,9 @@ DEFAULT_RTOL = 1e-4
 # Batch sizes used to trace and, different on purpose, to check.
 _TRACE_BATCH, _CHECK_BATCH = 2, 3
 
-# A runner of a written file: (model, example input (N, C, H, W), path) -> the reloaded model, or None (unchecked).
-Writer = Callable[[nn.Module, Tensor, Path], Callable[[Tensor], object] | None]
+# Writes one format: (model, example input (N, C, H, W), path) -> the written file loaded back, or None
+# (not checked).
+_Writer = Callable[[nn.Module, Tensor, Path], Callable[[Tensor], object] | None]
 
 
 class ExportError(RuntimeError):
@@ -86,7 +87,7 @@ def _quoted(exc: BaseException) -> str:
 
 
 @full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
-def _export(what: str, write: Writer, model: nn.Module, path: str | os.PathLike, input_size: Sequence[int],
+def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike, input_size: Sequence[int],
             rtol: float) -> float:  # fmt: skip
     """``write`` an eval-mode float32 CPU copy of ``model`` (the caller's model is not changed) traced at
     one batch size to ``path`` atomically, once the reloaded file matched PyTorch at another batch size;
