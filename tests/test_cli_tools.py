@@ -119,22 +119,19 @@ def test_convert_writes_a_checkpoint_that_a_deploy_model_loads(run_dir, deployed
 
 def test_convert_keeps_existing_output_when_the_check_fails(run_dir, tmp_path, capsys):
     out = tmp_path / "deploy.safetensors"
-    # An earlier deployed file (the one kind of file convert may replace), marked by its metadata.
     save_model(out, repmlp.reparameterize_model(tiny_model(1)), name=NAME, model_kwargs=KWARGS, form="deploy",
                extra={"previous": True})  # fmt: skip
     previous = out.read_bytes()
-    # No float32 conversion is exact to 1e-30: the check fails after the file was staged.
+    # Without --force an existing file is refused before any work.
     argv = ["convert", "--checkpoint", str(run_dir / "model.safetensors"), "--output", str(out)]
-    assert cli.main([*argv, "--tolerance", "1e-30"]) == 2
+    assert cli.main(argv) == 2
+    assert "already exists: add --force" in capsys.readouterr().err
+    # No float32 conversion is exact to 1e-30: the check fails after the file was staged.
+    assert cli.main([*argv, "--force", "--tolerance", "1e-30"]) == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert "differs from the training-time model" in err and "not written" in err
     assert out.read_bytes() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy.safetensors"]  # no temp file left
-    # A file of another kind (here text) is not replaced at all: refused before any work.
-    out.write_bytes(b"previous file")
-    assert cli.main(argv) == 2
-    assert "is a text file, not a deployed model file" in capsys.readouterr().err
-    assert out.read_bytes() == b"previous file"
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
@@ -298,11 +295,12 @@ def test_tables_command():
     assert res.stdout.strip() in docs, "docs/models.md is stale: paste the output of `repmlp -q tables`"
 
 
-def test_help_of_each_command():
-    for command in ("convert", "export", "bench", "viz", "tables"):
+def test_help_of_each_command(capsys):
+    for command in ("convert", "export", "bench", "viz", "tables", "predict", "import"):
         with pytest.raises(SystemExit) as exc:
             cli.build_parser().parse_args([command, "--help"])
         assert exc.value.code == 0
+        assert "--force" in capsys.readouterr().out  # every command with an --output file takes it
 
 
 # --------------------------------------------------------------------------------------- bad inputs
@@ -326,7 +324,7 @@ def bad_files(run_dir) -> dict[str, Path]:
 def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
     out = tmp_path / "deploy.safetensors"
     out.write_bytes(b"keep me")
-    res = repmlp_cli("convert", "--checkpoint", bad_files["truncated"], "--output", out)
+    res = repmlp_cli("convert", "--checkpoint", bad_files["truncated"], "--output", out, "--force")
     assert_user_error(res, "truncated")
     assert out.read_bytes() == b"keep me"
 
@@ -343,7 +341,7 @@ def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
         (["viz", "--checkpoint", "{deploy}"], ["deployed form", "training-time checkpoint"]),
         (["viz", "--checkpoint", "{model}", "--block", "nope"], ["no RepMLP block named 'nope'"]),
         (["viz", "--checkpoint", "{model}", "--out-channel", "8"], ["out_channel must be in 0..3"]),
-        (["convert", "--checkpoint", "{model}", "--dataset", "cifar10"], ["--dataset cifar10"]),
+        (["convert", "--checkpoint", "{model}", "--dataset", "cifar10", "--force"], ["--dataset cifar10"]),
         (["export", "--checkpoint", "{model}", "--img-size", "20"], ["does not take 1x20x20 inputs"]),
         (["bench", "--model", NAME, "--batch-size", "0"], ["--batch-size: must be >= 1"]),
         (["bench", "--checkpoint", "{model}", "--repeats", "x"], ["--repeats: expected an integer"]),
@@ -351,8 +349,7 @@ def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
         (["export", "--checkpoint", "{model}", "--format", "tflite"], ["invalid choice"]),
         (["convert", "--checkpoint", "{missing}"], ["checkpoint not found"]),
         (["viz", "--checkpoint", "{model}", "--output", "{model}"], ["would overwrite the checkpoint"]),
-        (["bench", "--checkpoint", "{model}", "--output", "{deploy}"], ["model file name"]),
-        (["tables", "--output", "{missing}"], ["model file name"]),
+        (["bench", "--checkpoint", "{model}", "--output", "{deploy}"], ["already exists", "--force"]),
     ],
 )
 def test_bad_inputs_in_process(argv, fragments, run_dir, bad_files, deployed, capsys):

@@ -535,7 +535,7 @@ DATA_CASES: dict[str, tuple[Callable[[Ctx], list[object]], str]] = {
     ),
     "convert over a state": (
         lambda c: ["convert", "--checkpoint", c.model, "--output", c.run / "checkpoint.safetensors"],
-        "is a training state",
+        "already exists: add --force",
     ),
     "export over a model": (
         lambda c: ["export", "--checkpoint", c.model, "--output", c.run / "deploy.safetensors"],
@@ -555,11 +555,11 @@ DATA_CASES: dict[str, tuple[Callable[[Ctx], list[object]], str]] = {
     ),
     "bench over a report": (
         lambda c: ["bench", "--checkpoint", c.model, "--output", c.run / "report.md"],
-        "is a run report",
+        "already exists: add --force",
     ),
     "import over a state": (
         lambda c: c.imports("partial", "repmlp_res50", c.run / "checkpoint.safetensors"),
-        "is a training state",
+        "already exists: add --force",
     ),
     "train into a file": (lambda c: ["train", "--data-dir", c.fm, "--output", c.image], "not a run folder"),
     "convert size": (

@@ -1,9 +1,9 @@
-"""Nothing a user owns is ever replaced (issue 46): one rule for every ``--output``, one writer per run.
+"""Nothing a user owns is ever replaced unasked: one rule for every ``--output`` file, one writer per run.
 
 ``train --output`` takes a missing or empty folder (or its own run, with ``--resume``) and locks it for the
-whole run; the other commands replace only a file of their own earlier output (recognised by the mark
-repmlp's files carry), never an input and nothing in a finished run's folder. predict's outputs are safe to
-print and to open in a spreadsheet, whatever the file and class names.
+whole run; the other commands replace an existing file only with ``--force``, never one of their inputs,
+and write atomically. predict's outputs are safe to print and to open in a spreadsheet, whatever the file
+and class names.
 """
 
 from __future__ import annotations
@@ -103,52 +103,71 @@ def test_train_output_is_new_or_empty_and_one_writer_holds_it(files, tmp_path):
     assert "--resume" not in line
 
 
-def test_other_commands_replace_only_their_own_output(files, tmp_path):
+def test_an_existing_output_is_replaced_only_with_force(files, tmp_path):
+    """Every command with an ``--output`` file refuses an existing one without ``--force`` (naming the flag),
+    and replaces it with it; an empty file holds nothing to lose."""
     model, image = str(files["model"]), str(files["image"])
-    # export: a torch.save checkpoint is a zip like TorchScript, and is not replaced (nor by --format both).
-    ckpt = tmp_path / "mine.pt"
-    torch.save({"w": torch.zeros(2)}, ckpt)
-    saved = ckpt.read_bytes()
-    both = ["--format", "both", "--output", ckpt.with_suffix(".onnx")]
-    for argv in (["--format", "torchscript", "--output", ckpt], both):
-        refused(run_cli("export", "--checkpoint", model, *argv), "mine.pt", "did not write")
-    assert ckpt.read_bytes() == saved and not ckpt.with_suffix(".onnx").exists()
-    # predict's output over its own input (the labels file) or over a text file it did not write.
+    mine = {name: tmp_path / name for name in ("d.safetensors", "m.onnx", "m.pt", "p.csv", "b.md", "t.md",
+                                                "fc3.png", "i.safetensors")}  # fmt: skip
+    for path in mine.values():
+        path.write_bytes(b"the user's own file\n")
+    argv = {
+        "d.safetensors": ["convert", "--checkpoint", model, "--num-examples", 2],
+        "m.onnx": ["export", "--checkpoint", model, "--no-check"],
+        "m.pt": ["export", "--checkpoint", model, "--format", "torchscript"],
+        "p.csv": ["predict", "--checkpoint", model, image, "--workers", 0],
+        "b.md": ["bench", "--checkpoint", model, "--batch-size", 2, "--warmup", 0, "--repeats", 1],
+        "t.md": ["tables"],
+        "fc3.png": ["viz", "--checkpoint", model],
+        "i.safetensors": ["import", image, "--model", "repmlpnet_b224"],
+    }
+    for name, path in mine.items():
+        refused(run_cli(*argv[name], "--output", path), f"--output {path} already exists", "--force")
+    assert all(p.read_bytes() == b"the user's own file\n" for p in mine.values())  # nothing written
+    # --format both: refused when either file exists, and writes neither.
+    (tmp_path / "new.pt").write_bytes(b"mine")
+    refused(run_cli(*argv["m.onnx"], "--format", "both", "--output", tmp_path / "new.onnx"), "new.pt")
+    assert not (tmp_path / "new.onnx").exists()
+    # With --force the file is replaced (an empty one without it).
+    for name in ("d.safetensors", "m.onnx", "p.csv", "fc3.png"):
+        res = run_cli(*argv[name], "--output", mine[name], "--force")
+        assert res.returncode == 0, res.stderr
+        assert mine[name].read_bytes() != b"the user's own file\n"
+    empty = tmp_path / "empty.csv"
+    empty.touch()
+    assert run_cli(*argv["p.csv"], "--output", empty).returncode == 0 and empty.read_text().startswith(
+        "path,"
+    )
+    # The tasks' evaluations write --output-json by the same rule.
+    json_out = tmp_path / "m.json"
+    json_out.write_text("{}")
+    eval_argv = ["eval", "--task", "face", "--checkpoint", model, "--output-json", json_out]
+    refused(run_cli(*eval_argv), f"--output-json {json_out} already exists", "--force")
+
+
+def test_an_input_is_never_replaced(files, tmp_path):
+    """An ``--output`` that is one of the command's inputs (also through a link) is refused, with or without
+    ``--force``; so is a folder."""
+    model, image = files["model"], str(files["image"])
     labels = tmp_path / "names.csv"
     labels.write_text("".join(f"n{i}\n" for i in range(10)))
-    refused(
-        run_cli("predict", "--checkpoint", model, image, "--labels", labels, "--output", labels), "its input"
-    )
-    user = tmp_path / "mine.md"
-    user.write_text("| my | table |\n")
-    refused(run_cli("bench", "--checkpoint", model, "--output", user), "did not write")
-    refused(run_cli("tables", "--output", user), "did not write")
-    png = tmp_path / "photo.png"
-    Image.new("L", (4, 4)).save(png)
-    refused(
-        run_cli("viz", "--checkpoint", model, "--output", png), "a PNG image that this command did not write"
-    )
-    assert user.read_text() == "| my | table |\n" and labels.read_text().startswith("n0\n")
-    # A finished run's folder: nothing replaced, nothing added.
-    run = tmp_path / "run"
-    run.mkdir()
-    for name in ("model.safetensors", "report.md", "metrics.csv"):
-        (run / name).write_bytes(files["model"].read_bytes() if name == "model.safetensors" else b"x\n")
-    before = snapshot(run)
-    for argv in (
-        ["predict", "--checkpoint", model, image, "--output", run / "p.csv"],
-        ["bench", "--checkpoint", model, "--output", run / "b.md"],
-        ["viz", "--checkpoint", model, "--output", run / "fc3.png"],
-        ["tables", "--output", run / "t.md"],
-        ["import", image, "--model", "repmlpnet_b224", "--output", run / "model.safetensors"],
-    ):
-        refused(run_cli(*argv), "holds a finished run")
-    assert snapshot(run) == before
-    # Its own earlier output is replaced: predict twice into one CSV.
-    out = tmp_path / "p.csv"
-    for _ in range(2):
-        res = run_cli("predict", "--checkpoint", model, image, "--output", out, "--workers", 0)
-        assert res.returncode == 0, res.stderr
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(model)
+    before = model.read_bytes()
+    for force in ([], ["--force"]):
+        refused(run_cli("predict", "--checkpoint", model, image, "--labels", labels, "--output", labels, *force),
+                "would overwrite its input")  # fmt: skip
+        refused(
+            run_cli("convert", "--checkpoint", model, "--output", link, *force),
+            "would overwrite the checkpoint",
+        )
+        refused(
+            run_cli("viz", "--checkpoint", link, "--output", model, *force), "would overwrite the checkpoint"
+        )
+        refused(
+            run_cli("bench", "--checkpoint", model, "--output", tmp_path, *force), "is a folder, not a file"
+        )
+    assert model.read_bytes() == before and labels.read_text().startswith("n0\n")
 
 
 def test_predict_writes_hostile_names_safely(files, tmp_path):
@@ -182,9 +201,8 @@ def test_predict_writes_hostile_names_safely(files, tmp_path):
 
 
 def test_a_failed_write_names_the_users_path(tmp_path):
-    from repmlp.deploy.export import _staging
     from repmlp.errors import UserError
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.models.model_file import atomic_write_text, staged
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -192,8 +210,13 @@ def test_a_failed_write_names_the_users_path(tmp_path):
         atomic_write_text(blocker / "out.csv", "a")
     assert ".tmp" not in str(info.value)
     with pytest.raises(UserError, match=r"cannot write .*file/m\.onnx: "):
-        with _staging(blocker / "m.onnx"):
+        with staged(blocker / "m.onnx"):
             pass
+    with pytest.raises(ValueError, match="the writer failed"):  # the staged file goes, the old one stays
+        with staged(blocker) as tmp:
+            tmp.write_text("half")
+            raise ValueError("the writer failed")
+    assert blocker.read_text() == "x"
     (tmp_path / "dir.csv").mkdir()
     with pytest.raises(UserError, match=r"cannot write .*dir\.csv: ") as info:
         atomic_write_text(tmp_path / "dir.csv", "a")

@@ -80,7 +80,7 @@ def convert_eval_export_predict(run: Path, folder: Path, channels: int, in_subpr
     assert (scored["dataset"], scored["n"]) == ("imagefolder", n_val)
     # Item 2: the check runs on the run's own validation images (recorded, or named), not random inputs.
     for extra in ([], ["--dataset", "imagefolder", "--data-dir", folder]):
-        res = ok("convert", "--checkpoint", model, *extra)
+        res = ok("convert", "--checkpoint", model, *extra, "--force")  # over the run's deploy.safetensors
         assert "imagefolder validation images" in res.stdout and "random" not in res.stdout + res.stderr
     # Item 1: int8 calibrates on the folder's images read in the model's channels (was an onnxruntime crash).
     for precision in ("bf16", "int8"):

@@ -1,4 +1,4 @@
-"""Argument types and checkpoint helpers shared by the convert, export, bench and viz commands."""
+"""What several commands share: the rule of their output files, argument types and options."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from torch import nn
-
+from repmlp.data.inputs import not_regular
 from repmlp.errors import UserError
 from repmlp.tasks.limits import (  # noqa: F401 - the options' bounds, re-exported for the commands
     MAX_BATCH,
@@ -29,33 +28,27 @@ from repmlp.tasks.limits import (  # noqa: F401 - the options' bounds, re-export
 log = logging.getLogger(__name__)
 
 
-# Files a report or figure must never replace: weights and exported models.
-_MODEL_SUFFIXES = (".safetensors", ".onnx", ".pt", ".pth", ".ckpt", ".bin")
+# ------------------------------------------------------------------------------------ output files
+def add_force_argument(parser: argparse.ArgumentParser, flag: str = "--output") -> None:
+    """``--force``: what lets a command replace an existing ``flag`` file (see :func:`check_output_file`)."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"replace an existing {flag} file (never one of the command's inputs)",
+    )
 
 
-def check_report_output(
-    output: Path | None,
-    inputs: Sequence[Path | str] = (),
-    *,
-    kind: str = "a text file",
-    own: Callable[[Path], bool] | None = None,
+def check_output_file(
+    output: Path | None, inputs: Sequence[Path | str] = (), *, force: bool, flag: str = "--output"
 ) -> None:
-    """Refuse an ``--output`` for a text report or figure that would replace an input, a model file, or an
-    existing file of another kind than ``kind`` (:func:`repmlp.models.file_format.file_kind`: a training
-    state, a run's report, ...); see :func:`check_output_file` (``own``: what this command wrote)."""
+    """The rule of every command's output file but ``train``'s run folder: nothing the user owns is
+    replaced unasked. Refused with one line, before any work: an ``output`` that is one of the command's
+    ``inputs`` (symlinks and hard links seen through: ``os.path.samefile``; also with ``--force``), a
+    folder or special file, and an existing non-empty file unless ``force``. The commands then write it
+    atomically (:func:`repmlp.models.model_file.staged`): a failed write leaves the old file. ``None``: no
+    output asked for."""
     if output is None:
         return
-    if output.suffix.lower() in _MODEL_SUFFIXES:
-        check_not_input(output, inputs)
-        raise UserError(
-            f"--output {output}: refusing to write a report over a model file name ({output.suffix})"
-        )
-    check_output_file(output, inputs, writes=kind, same=(kind,), own=own)
-
-
-def check_not_input(output: Path, inputs: Sequence[Path | str]) -> None:
-    """:class:`UserError` when ``output`` is one of the files ``inputs`` (symlinks and hard links seen
-    through: ``os.path.samefile``), which writing it would destroy."""
     for src in inputs:
         try:
             same = os.path.samefile(output, src)
@@ -63,146 +56,12 @@ def check_not_input(output: Path, inputs: Sequence[Path | str]) -> None:
             same = False
         if same:
             what = "the checkpoint being read" if str(src).endswith(".safetensors") else f"its input {src}"
-            raise UserError(f"--output {output} would overwrite {what}: write it under another name")
-
-
-def check_output_file(
-    output: Path,
-    inputs: Sequence[Path | str] = (),
-    *,
-    writes: str,
-    same: tuple[str, ...],
-    own: Callable[[Path], bool] | None = None,
-    flag: str = "--output",
-    new_in_run: bool = False,
-) -> None:
-    """The one rule for the files that commands other than ``train`` write: nothing the user owns is replaced.
-
-    Refused (one line, before any work): an ``output`` that is one of the command's ``inputs``; a folder
-    or special file; an existing file of another kind than ``same`` (``writes`` names what the command
-    writes); one of that kind that this command did not write itself (``own(path)`` is false: the marks
-    repmlp's files carry, see :func:`repmlp_mark`); and any ``output`` inside a finished run's folder
-    (one holding ``report.md``: the run's record, whose files are the run's; ``new_in_run``: a new file
-    there is fine, an existing one is still refused). An empty file holds nothing to lose and may be
-    replaced."""
-    from repmlp.engine.state import REPORT_FILE, is_finished_run
-    from repmlp.models.file_format import check_output_kind, file_kind
-
-    check_not_input(output, inputs)
-    check_output_kind(output, writes, (*same, "an empty file"), flag=flag)
-    found = file_kind(output)
-    if found not in (None, "an empty file") and own is not None and not own(output):
-        raise UserError(
-            f"{flag} {output} is {found} that this command did not write: refusing to replace it (choose "
-            "another name, or remove the file first)"
-        )
-    folder = output.parent
-    if (found is not None or not new_in_run) and is_finished_run(folder):
-        raise UserError(
-            f"{flag} {output}: {folder} holds a finished run ({REPORT_FILE} written), whose files are left as "
-            "they are: write into another folder"
-        )
-
-
-def first_line_starts(*prefixes: str) -> Callable[[Path], bool]:
-    """An ``own`` test for :func:`check_output_file`: the file's first line starts with one of
-    ``prefixes`` (the header a command's text output always begins with)."""
-
-    def test(path: Path) -> bool:
-        from repmlp.data.inputs import InputError, read_bytes
-
-        try:
-            head = read_bytes(path, 1 << 30, "output")[:4096].decode("utf-8", "replace")
-        except InputError:
-            return False
-        return head.startswith(prefixes)
-
-    return test
-
-
-# --------------------------------------------------------------- the marks repmlp's own files carry
-_PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def png_is_ours(path: Path) -> bool:
-    """A PNG whose ``tEXt`` chunk ``Software`` (before the image data) says ``repmlp``
-    (:func:`repmlp.engine.report.save_figure` writes it)."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(8) != _PNG:
-                return False
-            for _ in range(64):  # the text chunks come first; a damaged file ends the search
-                head = f.read(8)
-                if len(head) < 8:
-                    return False
-                size, name = int.from_bytes(head[:4], "big"), head[4:]
-                if name == b"IDAT" or size > 1 << 20:
-                    return False
-                body = f.read(size)
-                f.seek(4, os.SEEK_CUR)  # the CRC
-                if name == b"tEXt" and body.startswith(b"Software\x00repmlp"):
-                    return True
-    except OSError:
-        return False
-    return False
-
-
-def onnx_is_ours(path: Path) -> bool:
-    """An ONNX file whose ``metadata_props`` hold the key ``repmlp`` (:mod:`repmlp.deploy.export` writes
-    it). Reads the top-level protobuf fields only, skipping the graph unread."""
-    from repmlp.deploy.export import MARK
-
-    def varint(f) -> int | None:  # noqa: ANN001 - a binary file
-        value = shift = 0
-        for _ in range(10):
-            b = f.read(1)
-            if not b:
-                return None
-            value |= (b[0] & 0x7F) << shift
-            if b[0] < 0x80:
-                return value
-            shift += 7
-        return None
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            while f.tell() < size:
-                tag = varint(f)
-                if tag is None:
-                    return False
-                field, wire = tag >> 3, tag & 7
-                if wire == 0:
-                    if varint(f) is None:
-                        return False
-                    continue
-                if wire != 2:
-                    return False
-                length = varint(f)
-                if length is None or f.tell() + length > size:
-                    return False
-                if field == 14 and length < 1 << 20:  # ModelProto.metadata_props: {1: key, 2: value}
-                    entry = f.read(length)
-                    if entry[:1] == b"\x0a" and entry[2 : 2 + entry[1]] == MARK.encode():
-                        return True
-                else:
-                    f.seek(length, os.SEEK_CUR)
-    except OSError:
-        return False
-    return False
-
-
-def archive_is_ours(path: Path) -> bool:
-    """A TorchScript or ``.pt2`` archive holding the extra file that :mod:`repmlp.deploy.export` adds."""
-    import zipfile
-
-    from repmlp.deploy.export import MARK_FILE
-
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(n.endswith("/extra/" + MARK_FILE) or n == "extra/" + MARK_FILE for n in z.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
+            raise UserError(f"{flag} {output} would overwrite {what}: write it under another name")
+    kind = not_regular(output)
+    if kind not in (None, "missing"):
+        raise UserError(f"{flag} {output} is {kind}, not a file")
+    if kind is None and not force and output.stat().st_size > 0:
+        raise UserError(f"{flag} {output} already exists: add --force to replace it, or choose another name")
 
 
 # The options' upper bounds (MAX_BATCH, ...) are repmlp.tasks.limits's: a resumed state gets the same.
@@ -373,21 +232,3 @@ def check_runtime(runtime: str, device) -> None:  # noqa: ANN001 - torch.device
         raise UserError(reason)
     if runtime != "torch" and device.type != "cpu":
         raise UserError(f"--runtime {runtime} runs on the CPU: leave out --device {device}")
-
-
-def runtime_version(runtime: str) -> str:
-    """``"onnxruntime 1.32.0"``: the runtime and its installed version."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"{runtime} {version(runtime)}"
-    except PackageNotFoundError:
-        return runtime
-
-
-def load_checkpoint(path: str | Path, *, form: str | None = None) -> nn.Module:
-    """:func:`repmlp.models.model_file.load_model` on the CPU: the model with its ``metadata`` (its errors
-    are already one-line UserErrors)."""
-    from repmlp.models.model_file import load_model
-
-    return load_model(path, device="cpu", form=form)

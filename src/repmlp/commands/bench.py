@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from importlib.metadata import version
 from pathlib import Path
 
 from repmlp.commands._common import (
@@ -17,17 +18,13 @@ from repmlp.commands._common import (
     MAX_CHANNELS,
     MAX_SIDE,
     add_device_argument,
+    add_force_argument,
     add_runtime_argument,
-    check_report_output,
+    check_output_file,
     check_runtime,
-    first_line_starts,
     int_at_least,
-    runtime_version,
 )
 from repmlp.engine import hardware_summary, resolve_device
-
-# The first line of the table `repmlp bench` writes (repmlp.bench.throughput.render_markdown).
-TABLE_HEADER = "| Model | Form | Input |"
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "docs/gpu.md: compile+graph in fp16/bf16, fused+graph in fp32); CPUs run the models as they are",
     )
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
+    add_force_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -95,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from repmlp.deploy.precision import precision_of
     from repmlp.models.model_file import atomic_write_text
 
-    # Only an earlier table of `repmlp bench` (its header line) is replaced.
-    check_report_output(args.output, args.checkpoint or [], own=first_line_starts(TABLE_HEADER))
+    check_output_file(args.output, args.checkpoint or [], force=args.force)
     device = resolve_device(args.device)
     check_runtime(args.runtime, device)
     models, input_size, forms = models_to_bench(
@@ -128,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             path=args.path,
         )
     size = "x".join(str(s) for s in input_size)
-    runtime = "" if args.runtime == "torch" else f", run by {runtime_version(args.runtime)}"
+    runtime = "" if args.runtime == "torch" else f", run by {args.runtime} {version(args.runtime)}"
     precisions = "/".join(sorted({precision_of(m) for m in models.values()}))
     note = (
         f"Batch {args.batch_size}, input {size}, {precisions}{runtime}, {hardware_summary(device)}; speed is "

@@ -9,33 +9,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
-from repmlp.commands._common import (
-    MAX_SIDE,
-    archive_is_ours,
-    check_output_file,
-    int_at_least,
-    load_checkpoint,
-    onnx_is_ours,
+from repmlp.commands._common import MAX_SIDE, add_force_argument, check_output_file, int_at_least
+from repmlp.commands._parser import HelpFormatter
+from repmlp.deploy.export import (
+    ExportError,
+    export_onnx,
+    export_program,
+    export_torchscript,
+    missing_onnx_packages,
+    write_int8_onnx,
 )
 from repmlp.errors import UserError
 from repmlp.models.builder import check_forward
+from repmlp.models.model_file import load_model
+from repmlp.nn.convert import reparameterize_model
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
-# What each format's file is (repmlp.models.file_format.file_kind): an existing file of another kind is not replaced.
-_KIND = {
-    "onnx": "an ONNX model",
-    "torchscript": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",
-    "exported-program": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",
-}
+# What each format's check compares with PyTorch.
+_CHECKED_BY = {"onnx": "onnxruntime", "torchscript": "TorchScript", "exported-program": "torch.export.load"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._parser import HelpFormatter
-
     p = subparsers.add_parser(
         "export",
         help="export a checkpoint's deployed model to ONNX / TorchScript / .pt2, checked against PyTorch",
@@ -58,9 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="output file (its suffix is replaced per format with --format both); "
         "default: the checkpoint's path with .onnx / .pt / .pt2",
     )
-    p.add_argument(
-        "--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="input size (default: the run's)"
-    )
+    add_force_argument(p)
+    p.add_argument("--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="(default: the run's)")
     p.add_argument(
         "--opset", type=int_at_least(7, 100), default=None, help="ONNX opset (default: the exporter's)"
     )
@@ -72,44 +70,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, Path]:
     """Where each requested format goes."""
     formats = ("onnx", "torchscript") if fmt == "both" else (fmt,)
-    base = output if output is not None else checkpoint
     if output is not None and len(formats) == 1:
         return {formats[0]: output}
-    return {f: base.with_suffix(_SUFFIX[f]) for f in formats}
+    return {f: (output or checkpoint).with_suffix(_SUFFIX[f]) for f in formats}
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.deploy.export import (
-        ExportError,
-        export_onnx,
-        export_program,
-        export_torchscript,
-        write_int8_onnx,
-    )
-    from repmlp.nn.convert import reparameterize_model
-
     paths = output_paths(args.checkpoint, args.output, args.format)
     for fmt, path in paths.items():
         if path.suffix.lower() != _SUFFIX[fmt]:
-            raise UserError(
-                f"--output {path}: --format {fmt} writes a {_SUFFIX[fmt]} file (name it so, or pick the "
-                "--format of that name)"
-            )
-        # Only an earlier export of repmlp's is replaced (never a torch.save checkpoint, another tool's ONNX);
-        # the default output lies beside the checkpoint, in its run's folder, where it is a new file.
-        check_output_file(
-            path,
-            [args.checkpoint],
-            writes=f"{'an' if fmt == 'onnx' else 'a'} {fmt} file",
-            same=(_KIND[fmt],),
-            own=onnx_is_ours if fmt == "onnx" else archive_is_ours,
-            new_in_run=True,
-        )
-    model = load_checkpoint(args.checkpoint)
+            raise UserError(f"--output {path}: --format {fmt} writes a {_SUFFIX[fmt]} file (name it so, or pick "
+                            "the --format of that name)")  # fmt: skip
+        check_output_file(path, [args.checkpoint], force=args.force)
+    model = load_model(args.checkpoint, device="cpu")
     meta = model.metadata
     input_size = meta.input_size_at(args.img_size)
     if meta.precision == "int8":
-        if "torchscript" in paths:
+        if "onnx" not in paths or len(paths) > 1:
             raise UserError(
                 "an int8 checkpoint holds an onnxruntime graph: it exports to ONNX only (--format onnx)"
             )
@@ -119,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(str(exc)) from None
         print(f"wrote {paths['onnx']} ({meta.name}, deployed, int8 QDQ ONNX as stored in the checkpoint)")
         return 0
+    missing = missing_onnx_packages() if "onnx" in paths else []
+    if missing:
+        raise UserError(f"ONNX export needs {', '.join(missing)}: pip install 'repmlp[export]'")
     if meta.precision != "fp32":
         log.warning("%s holds %s weights: they are exported as float32", args.checkpoint, meta.precision)
     if meta.form == "train":
@@ -130,18 +110,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             if fmt == "onnx":
                 diff = export_onnx(model, path, input_size, check=not args.no_check, opset_version=args.opset)
-                how = (
-                    "not checked"
-                    if args.no_check
-                    else f"onnxruntime vs PyTorch max diff {diff:.2e} of the output scale"
-                )
-            elif fmt == "exported-program":
-                diff = export_program(model, path, input_size)
-                how = f"torch.export.load vs PyTorch max diff {diff:.2e} of the output scale"
             else:
-                diff = export_torchscript(model, path, input_size)
-                how = f"TorchScript vs PyTorch max diff {diff:.2e} of the output scale"
+                diff = (export_program if fmt == "exported-program" else export_torchscript)(
+                    model, path, input_size
+                )
         except ExportError as exc:
             raise UserError(f"{fmt} export failed, {path} left unchanged: {exc}") from None
+        how = (
+            "not checked"
+            if math.isnan(diff)
+            else f"{_CHECKED_BY[fmt]} vs PyTorch max diff {diff:.2e} of the output scale"
+        )
         print(f"wrote {path} ({meta.name}, deployed, input Nx{size}; {how})")
     return 0

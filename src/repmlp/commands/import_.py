@@ -16,13 +16,13 @@ import argparse
 import logging
 from pathlib import Path
 
+from repmlp.commands._common import add_force_argument, check_output_file, model_arg
 from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._common import model_arg
     from repmlp.commands._parser import HelpFormatter
 
     p = subparsers.add_parser(
@@ -36,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--model", required=True, help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ..."
     )
     p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
+    add_force_argument(p)
     p.add_argument(
         "--model-arg",
         type=model_arg,
@@ -49,20 +50,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.commands._common import check_output_file
     from repmlp.models.importer import import_to_file
 
     out: Path = args.output
     if out.suffix != ".safetensors":
         raise UserError(f"--output {out}: repmlp model files end in .safetensors")
-    # An earlier model file (repmlp's metadata in it) may be replaced; a training state, a report, any other
-    # file, the input itself and anything in a finished run's folder may not.
-    check_output_file(
-        out,
-        [args.checkpoint],
-        writes="a model file",
-        same=("a training-time model file", "a deployed model file"),
-    )
+    check_output_file(out, [args.checkpoint], force=args.force)
     result = import_to_file(args.checkpoint, args.model, dict(args.model_arg), out)
     params = sum(p.numel() for p in result["model"].parameters())
     print(

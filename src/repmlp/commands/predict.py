@@ -22,10 +22,10 @@ from repmlp.commands._common import (
     MAX_BATCH,
     MAX_THREADS,
     MAX_WORKERS,
+    add_force_argument,
     add_runtime_argument,
-    check_report_output,
+    check_output_file,
     check_runtime,
-    first_line_starts,
     int_at_least,
 )
 
@@ -70,6 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="OUT",
         help="also write OUT.csv (path,label_1,prob_1,index_1,...) or OUT.jsonl, atomically",
     )
+    add_force_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -82,7 +83,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from repmlp.deploy.predict import (
-        CSV_HEADER,
         output_format,
         predict_paths,
         printable,
@@ -94,9 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output:
         output_format(args.output)  # a bad name is an error before any work
-        # Only an earlier output of predict's is replaced; never an input (the labels file, an image).
         inputs = [args.checkpoint, *([args.labels] if args.labels else []), *args.inputs]
-        check_report_output(Path(args.output), inputs, own=first_line_starts(CSV_HEADER, '{"path": '))
+        check_output_file(Path(args.output), inputs, force=args.force)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

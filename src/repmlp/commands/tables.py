@@ -14,6 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from repmlp.commands._common import add_force_argument, check_output_file
 from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         formatter_class=HelpFormatter,
     )
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown to this file")
+    add_force_argument(p)
     p.add_argument("--speed", action="store_true", help="measure the paper's speed tables on this machine")
     speed = p.add_argument_group("--speed options")
     speed.add_argument(
@@ -74,11 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.commands._common import check_report_output, first_line_starts
     from repmlp.models.model_file import atomic_write_text
 
-    # Only an earlier output of `repmlp tables` is replaced: its counts' note, or a speed table's title.
-    check_report_output(args.output, own=first_line_starts("Params: converted model", "### "))
+    check_output_file(args.output, force=args.force)
     if not args.speed:
         given = [f"--{name}" for name in _SPEED_ONLY if getattr(args, name) not in (None, False)]
         if given:

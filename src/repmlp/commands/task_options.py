@@ -14,6 +14,7 @@ from repmlp.commands._common import (
     MAX_BATCH,
     MAX_SIDE,
     MAX_WORKERS,
+    add_force_argument,
     add_init_argument,
     add_limit_argument,
     add_run_arguments,
@@ -45,6 +46,7 @@ def add_common_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="print the metrics as JSON (as for classification)"
     )
     parser.add_argument("--output-json", default=None, help="also write the metrics to this JSON file")
+    add_force_argument(parser, "--output-json")
     parser.add_argument(
         "--workers", type=int_at_least(0, MAX_WORKERS), default=2, help="data loading processes (default: 2)"
     )
@@ -75,7 +77,7 @@ def add_common_train_arguments(
         metavar="KEY=VALUE",
         help="extra model option, VALUE as JSON (e.g. --model-arg img_size=64); repeatable",
     )
-    parser.add_argument("--output", required=True, help="folder for checkpoints, models and the report")
+    parser.add_argument("--output", required=True, help="run folder: new or empty, or a run to --resume")
     parser.add_argument(
         "--batch-size",
         type=int_at_least(1, MAX_BATCH),
@@ -276,10 +278,7 @@ def seg_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="window size (default: the model's img_size)",
     )
     parser.add_argument(
-        "--val-limit",
-        type=int_at_least(1, 2**31 - 1),
-        default=None,
-        help="evaluate the first N images only",
+        "--val-limit", type=int_at_least(1, 2**31 - 1), default=None, help="evaluate the first N images only"
     )
     add_common_eval_arguments(parser)
 

@@ -118,12 +118,14 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     args.batch_size = getattr(task_args, "batch_size", None)
     # The task's typed config, built here at the command line's boundary.
     config = getattr(module, CONFIGS[args.task][phase]).from_args(task_args)
-    if getattr(config, "output_json", None):  # never over a model file, a training state, a report
+    if getattr(config, "output_json", None):
         from pathlib import Path
 
-        from repmlp.commands._common import check_report_output
+        from repmlp.commands._common import check_output_file
 
-        check_report_output(Path(config.output_json), [Path(config.checkpoint)])
+        check_output_file(
+            Path(config.output_json), [config.checkpoint], force=task_args.force, flag="--output-json"
+        )
     return int(getattr(module, "train" if phase == "train" else "evaluate")(config) or 0)
 
 

@@ -12,8 +12,9 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import check_report_output, int_at_least, load_checkpoint, png_is_ours
+from repmlp.commands._common import add_force_argument, check_output_file, int_at_least
 from repmlp.errors import UserError
+from repmlp.models.model_file import load_model
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--output",
         type=Path,
         default=None,
-        help="PNG to write (default: fc3_weights.png in the current folder; an existing PNG is replaced only "
-        "if repmlp drew it)",
+        help="PNG to write (default: fc3_weights.png in the current folder)",
     )
+    add_force_argument(p)
     p.set_defaults(func=run)
     return p
 
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
     # In the current folder by default: the checkpoint's folder is mostly a finished run's, left as it is.
     output = args.output or Path("fc3_weights.png")
-    check_report_output(output, [args.checkpoint], kind="a PNG image", own=png_is_ours)
-    model = load_checkpoint(args.checkpoint)
+    check_output_file(output, [args.checkpoint], force=args.force)
+    model = load_model(args.checkpoint, device="cpu")
     meta = model.metadata
     blocks = find_repmlp_blocks(model)
     if args.list_blocks:

@@ -4,7 +4,7 @@
 - :mod:`.export`: ONNX, TorchScript and ``torch.export`` files, each checked against PyTorch;
 - :mod:`.runtimes`: the model run by ONNX Runtime or OpenVINO;
 - :mod:`.gpu`: the fast inference paths on a GPU (CUDA graphs, fused epilogues, ``torch.compile``);
-- :mod:`.convert_file`: a training-time model file -> a verified deployed model file (``repmlp convert``);
+- :mod:`.conversion`: convert, reload and compare in full float32 (``repmlp convert``, every run's end);
 - :mod:`.predict`: :class:`~repmlp.deploy.predict.Predictor`, what ``repmlp predict`` runs.
 
 May import :mod:`repmlp.models`, :mod:`repmlp.data`, :mod:`repmlp.nn` and :mod:`repmlp.errors`; never

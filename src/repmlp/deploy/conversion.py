@@ -1,17 +1,16 @@
-"""Convert a training-time model and check the result against it: the one check behind ``repmlp convert``,
-the end of every training run (classification, face, segmentation) and the speed tables.
+"""Convert a training-time model and check it against that model: the one check behind ``repmlp convert``
+(:func:`convert_file`), the end of every training run and the speed tables (:func:`convert_and_check`).
 
-:func:`convert_and_check` converts the model (:func:`repmlp.nn.convert.reparameterize_model`), optionally
-writes the deployed model file and loads it back into a freshly built ``deploy=True`` model (so the check
-covers the file a deployment reads, not the object in memory), and runs both forms on the same inputs in
-full float32 (:func:`repmlp.nn.numerics.full_float32`: no autocast, no TF32, whose rounding would hide or
-fake a conversion error). :func:`compare_outputs` measures how far apart the two forms' outputs are; each
-caller judges that with its own tolerance (:data:`CONVERSION_RTOL` of the output scale, or
-``repmlp convert --tolerance``).
+The model is converted by :func:`repmlp.nn.convert.reparameterize_model`; with a file, the deployed form
+is written and loaded back into a freshly built ``deploy=True`` model (the check covers the file a
+deployment reads, not the object in memory). Both forms run on the same inputs in full float32
+(:func:`repmlp.nn.numerics.full_float32`: no autocast, no TF32, whose rounding would hide or fake a
+conversion error); each caller judges :func:`compare_outputs`' measure with its own tolerance.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -22,17 +21,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.errors import UserError
-from repmlp.models.model_file import device_of
+from repmlp.data import build_data
+from repmlp.deploy.precision import native_support, to_precision
+from repmlp.errors import UserError, first_line
+from repmlp.models import model_file
+from repmlp.models.builder import check_forward
+from repmlp.models.file_format import CheckpointError
+from repmlp.models.model_data import model_data_config
+from repmlp.models.model_file import ModelMetadata
+from repmlp.nn import convert as nn_convert
+from repmlp.nn.numerics import full_float32
 
-__all__ = [
-    "CONVERSION_RTOL",
-    "OutputDiff",
-    "compare_outputs",
-    "DeployedFile",
-    "Conversion",
-    "convert_and_check",
-]
+__all__ = ["CONVERSION_RTOL", "OutputDiff", "compare_outputs", "DeployedFile", "Conversion",
+           "convert_and_check", "default_output", "convert_file"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ CONVERSION_RTOL = 1e-4
 
 @dataclass
 class OutputDiff:
-    """How far a converted model's outputs are from the training-time model's (see :func:`compare_outputs`)."""
+    """How far a converted model's outputs are from the training-time model's (:func:`compare_outputs`)."""
 
     max_abs_diff: float  # max |output - reference|
     max_reference: float  # max |reference|: the output scale
@@ -57,11 +58,8 @@ class OutputDiff:
 
     def as_dict(self) -> dict[str, float]:
         """``{"max_abs_diff", "max_rel_diff", "changed_predictions"}`` (a run's report and metrics)."""
-        return {
-            "max_abs_diff": self.max_abs_diff,
-            "max_rel_diff": self.max_rel_diff,
-            "changed_predictions": self.changed_predictions,
-        }
+        return {"max_abs_diff": self.max_abs_diff, "max_rel_diff": self.max_rel_diff,
+                "changed_predictions": self.changed_predictions}  # fmt: skip
 
 
 def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
@@ -75,7 +73,7 @@ def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
 @dataclass
 class DeployedFile:
     """Where and as what :func:`convert_and_check` writes the deployed model: the arguments of
-    :func:`repmlp.models.model_file.save_model` (``form="deploy"``, float32)."""
+    :func:`repmlp.models.model_file.save_model` (``form="deploy"``)."""
 
     path: Path
     name: str
@@ -101,74 +99,186 @@ def convert_and_check(
     file: DeployedFile | None = None,
     device: str | torch.device | None = None,
 ) -> Conversion:
-    """Convert ``model``, optionally write the deployed file and load it back, and compare both forms.
-
-    Args:
-        model: the training-time model in eval mode (converted as a copy: it is not changed).
-        inputs: a batch ``(N, C, H, W)`` on the model's device that both forms run on, or a function
-            ``run(model) -> outputs`` that runs a model over inputs of its own (e.g. a whole validation set,
-            giving logits ``(N, K)``), called for the training-time model first, then for the deployed one.
-            Either way each form runs inside ``torch.inference_mode()`` and full float32; of a tuple of
-            outputs the first is compared.
-        file: write the deployed form there (:class:`DeployedFile`) and load it back with
-            ``load_model(form="deploy")`` onto ``device`` (default: the model's). Every BatchNorm is
-            folded unless the registered ``deploy=True`` model keeps some (timm's models that know nothing
-            of ``deploy=``): then the model is converted again without folding and written over it.
-
-    Returns:
-        :class:`Conversion`: the deployed model, both forms' outputs and their :class:`OutputDiff`. Whether
-        the difference is small enough is the caller's to judge (e.g. ``diff.max_rel_diff`` against
-        :data:`CONVERSION_RTOL`): this function fails only when the file loads into no ``deploy=True`` model.
+    """Convert ``model`` (eval mode; converted as a copy), optionally write the deployed ``file`` and load
+    it back onto ``device`` (default: the model's), and run both forms in ``torch.inference_mode()`` and
+    full float32 on ``inputs``: a batch ``(N, C, H, W)`` on the model's device, or a function ``run(model)
+    -> outputs`` (e.g. over a whole validation set: logits ``(N, K)``), called for the training-time model
+    first. Of a tuple of outputs the first is compared. Every BatchNorm is folded unless the registered
+    ``deploy=True`` model keeps some (timm's models know nothing of ``deploy=``): then the file is written
+    again without folding. Whether the difference is small enough is the caller's to judge.
 
     Raises:
         UserError: the written file does not load into ``create_model(name, deploy=True)``.
     """
-    from repmlp.nn.numerics import full_float32
-
     run = inputs if not isinstance(inputs, Tensor) else (lambda m: m(inputs))
     with torch.inference_mode(), full_float32():
         reference = _first(run(model))
-    if file is None:
-        deployed, seconds = _convert(model, {})
-    else:
-        deployed, seconds = _write_and_reload(model, file, device_of(model) if device is None else device)
+    start = time.perf_counter()
+    # Looked up at each call: tests replace the conversion with a broken one to see the check fail.
+    deployed = nn_convert.reparameterize_model(model)
+    seconds = time.perf_counter() - start
+    if file is not None:
+        deployed = _write_and_reload(
+            model, deployed, file, model_file.device_of(model) if device is None else device
+        )
     with torch.inference_mode(), full_float32():
         outputs = _first(run(deployed))
     return Conversion(deployed, reference, outputs, compare_outputs(reference, outputs), seconds)
+
+
+def _write_and_reload(
+    model: nn.Module, deployed: nn.Module, file: DeployedFile, device: str | torch.device
+) -> nn.Module:
+    """``deployed`` written to ``file`` and loaded back into ``create_model(..., deploy=True)`` on ``device``;
+    converted again without folding the BatchNorms when the registered model keeps some."""
+    for fuse_bn in (True, False):
+        if not fuse_bn:
+            log.info("deploy=True %s keeps some BatchNorms; converting without folding them", file.name)
+            deployed = nn_convert.reparameterize_model(model, fuse_bn=False)
+        model_file.save_model(file.path, deployed, name=file.name, model_kwargs=file.model_kwargs,
+                              form="deploy", extra=file.extra)  # fmt: skip
+        try:
+            return model_file.load_model(file.path, device=device, form="deploy")
+        except CheckpointError as exc:
+            error = exc
+    raise UserError(
+        f"the deployed {file.name} does not load into create_model({file.name!r}, deploy=True): {error}"
+    )
 
 
 def _first(out: Any) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _convert(model: nn.Module, options: dict[str, Any]) -> tuple[nn.Module, float]:
-    """``(reparameterize_model(model, **options), seconds)``."""
-    # Looked up at each call: tests replace the conversion with a broken one to see the check fail.
-    from repmlp.nn.convert import reparameterize_model
-
-    start = time.perf_counter()
-    deployed = reparameterize_model(model, **options)
-    return deployed, time.perf_counter() - start
+# ------------------------------------------------------------------------------ model file -> file
+def default_output(checkpoint: Path, precision: str = "fp32") -> Path:
+    """``deploy.safetensors`` beside a run's ``model.safetensors``, else ``<name>-deploy.safetensors``;
+    ``deploy-<precision>`` in a reduced precision."""
+    stem = "deploy" if checkpoint.name == "model.safetensors" else f"{checkpoint.stem}-deploy"
+    return checkpoint.with_name(stem + ("" if precision == "fp32" else f"-{precision}") + ".safetensors")
 
 
-def _write_and_reload(
-    model: nn.Module, file: DeployedFile, device: str | torch.device
-) -> tuple[nn.Module, float]:
-    """The deployed form written to ``file.path`` and loaded back into ``create_model(..., deploy=True)``
-    on ``device``, and the conversion's seconds."""
-    from repmlp.models.file_format import CheckpointError
-    from repmlp.models.model_file import load_model, save_model
+def _images(
+    meta: ModelMetadata, split: str, n: int, img_size: int | None, dataset: str | None, data_dir: str | None
+) -> tuple[list[Tensor], str]:
+    """``([(<= n, C, H, W), ...], name)``: the first ``n`` images of the run's data set (``dataset``, else
+    the one the file records) of ``split`` (``"val"``: one batch; ``"train"``: batches of <= 64), read for
+    the file's model (``meta``) as ``repmlp eval`` reads it (its channels, input size and normalisation).
+    No data set known, one that cannot be loaded, or images of another size: :class:`UserError`."""
+    name = dataset or meta.extra.get("dataset")
+    if not name:
+        raise UserError("the checkpoint names no data set")
+    if split == "val":
+        sizes = {"need_train": False, "val_limit": n, "eval_batch_size": n}
+    else:
+        sizes = {"train_limit": n, "batch_size": min(n, 64)}
+    # At the size the check runs at: the model's own unless --img-size (of a model that takes any size and
+    # records none, its default, not the data set's).
+    size = img_size or meta.input_size[1]
+    data = build_data(model_data_config(meta, name, data_dir=data_dir, img_size=size, workers=0, **sizes))
+    batches = [x.float() for x, _ in getattr(data, split).batches(0)]
+    got, want = tuple(batches[0].shape[1:]), tuple(meta.input_size_at(img_size))
+    if got != want:
+        raise UserError(f"the images of {name} are {got}, the model takes {want}")
+    return batches, name
 
-    for fuse_bn in (True, False):
-        deployed, seconds = _convert(model, {"fuse_bn": fuse_bn})
-        save_model(file.path, deployed, name=file.name, model_kwargs=file.model_kwargs, form="deploy",
-                   extra=file.extra)  # fmt: skip
+
+def _check_inputs(
+    meta: ModelMetadata, n: int, img_size: int | None, dataset: str | None, data_dir: str | None
+) -> tuple[Tensor, str]:
+    """``((n, C, H, W), where they come from)``: the run's validation images, else seeded noise. A data set
+    the user named that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back
+    to noise with a warning (the data may live on another machine)."""
+    try:
+        (x, *_), name = _images(meta, "val", n, img_size, dataset, data_dir)
+        return x, f"{len(x)} {name} validation images"
+    except UserError as exc:
+        msg = str(exc)
+        if dataset:
+            raise UserError(msg if msg.startswith("--dataset") else f"--dataset {dataset}: {msg}") from None
+        recorded = meta.extra.get("dataset")
+        if recorded:
+            log.warning("cannot load the run's data set %s (%s); checking on random inputs", recorded, msg)
+    why = "the run's data set could not be loaded" if recorded else "no data set known"
+    x = torch.randn(n, *meta.input_size_at(img_size), generator=torch.Generator().manual_seed(0))
+    return x, f"{n} random inputs ({why})"
+
+
+def _reduce_precision(
+    deployed: nn.Module, precision: str, x: Tensor, calibration: list[Tensor] | None
+) -> tuple[nn.Module, float, float]:
+    """``deployed`` (float32, verified) in ``precision``, its max abs logit change and changed-argmax share."""
+    reason = native_support(precision)
+    if reason:
+        log.warning("%s", reason)
+    with torch.inference_mode(), full_float32():
+        ref = deployed(x).float()
+    try:
+        reduced = to_precision(copy.deepcopy(deployed), precision, calibration, input_size=tuple(x.shape[1:]))
+        with torch.inference_mode(), full_float32():  # the reduced model without autocast: its own dtype
+            out = reduced(x).float()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        raise UserError(
+            f"--precision {precision}: this machine cannot run the model in {precision} ({first_line(exc)})"
+        ) from None
+    if not torch.isfinite(out).all():
+        raise UserError(f"--precision {precision}: the model's outputs overflow in {precision}")
+    changed = (out.argmax(1) != ref.argmax(1)).float().mean().item() if out.dim() == 2 else float("nan")
+    return reduced, (out - ref).abs().max().item(), changed
+
+
+def convert_file(
+    checkpoint: Path,
+    output: Path,
+    *,
+    precision: str = "fp32",
+    tolerance: float = CONVERSION_RTOL,
+    num_examples: int = 64,
+    img_size: int | None = None,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+    calibration_examples: int = 512,
+) -> str:
+    """Convert the training-time ``checkpoint``, check it (:func:`convert_and_check` with a file, on the
+    run's validation images or noise) and write it in ``precision`` as ``output``, atomically; returns what
+    was written and measured, as ``repmlp convert`` prints it. A difference above ``tolerance * max(1, max
+    |output|)`` is a :class:`UserError` and nothing is written. int8 calibrates on the run's training images."""
+    model = model_file.load_model(checkpoint, device="cpu")
+    meta = model.metadata
+    if meta.form != "train":  # the training-time file of its run beside it, else the one it records
+        source = checkpoint.with_name("model.safetensors")
+        source = source if source.is_file() else Path(meta.extra.get("converted_from", source))
+        raise UserError(f"{checkpoint} is already a deployed checkpoint of {meta.name}: convert the training-time "
+                        f"model file it came from instead (--checkpoint {source})")  # fmt: skip
+    input_size = meta.input_size_at(img_size)
+    check_forward(model, input_size, meta.name)  # a size the model does not take: one line
+    x, source = _check_inputs(meta, num_examples, img_size, dataset, data_dir)
+    calibration = None
+    if precision == "int8":
         try:
-            return load_model(file.path, device=device, form="deploy"), seconds
-        except CheckpointError as exc:
-            if not fuse_bn:
-                raise UserError(
-                    f"the deployed {file.name} does not load into create_model({file.name!r}, deploy=True): {exc}"
-                ) from None
-            log.info("deploy=True %s keeps some BatchNorms; converting without folding them", file.name)
-    raise AssertionError("unreachable")
+            calibration, _ = _images(meta, "train", calibration_examples, img_size, dataset, data_dir)
+        except UserError as exc:
+            raise UserError(f"--precision int8 needs calibration data of the run's training images ({exc}); "
+                            "pass --dataset and --data-dir of its training data") from None  # fmt: skip
+    extra = {**meta.extra, "converted_from": str(checkpoint)}
+    with model_file.staged(output) as tmp:  # the real name appears only once the file passed the check
+        check = convert_and_check(model, x, file=DeployedFile(tmp, meta.name, meta.model_kwargs, extra))
+        err, allowed = check.diff.max_abs_diff, tolerance * max(1.0, check.diff.max_reference)
+        if not err <= allowed:
+            raise UserError(f"deployed model differs from the training-time model by {err:.3g} on {source} "
+                            f"(allowed {allowed:.3g}); {output} not written")  # fmt: skip
+        params = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (check.deployed, model)]
+        lines = [f"wrote {output} ({meta.name}, deployed form, {precision}, {params[0]:.3f}M params; "
+                 f"training-time {params[1]:.3f}M)", f"max abs error deployed vs training-time: {err:.3e} "
+                 f"(max |output| {check.diff.max_reference:.3g}) on {source}"]  # fmt: skip
+        if precision != "fp32":
+            reduced, change, changed = _reduce_precision(check.deployed, precision, x, calibration)
+            extra.setdefault("input_size", list(input_size))  # an int8 graph has no registry config to tell
+            model_file.save_model(tmp, reduced, name=meta.name, model_kwargs=meta.model_kwargs, form="deploy",
+                                  extra=extra, precision=precision)  # fmt: skip
+            model_file.load_model(tmp, form="deploy")  # the file must load back
+            lines.append(
+                f"{precision}: max abs logit change vs float32 deployed {change:.3e}, "
+                f"{100 * changed:.2f}% of predictions changed on {source}; file {tmp.stat().st_size} bytes"
+            )
+    return "\n".join(lines)

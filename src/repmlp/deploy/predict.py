@@ -37,7 +37,6 @@ from repmlp.models.model_file import ModelMetadata, device_of, load_model, model
 from repmlp.speed import fast_inference
 
 __all__ = [
-    "CSV_HEADER",
     "printable",
     "Prediction",
     "Predictor",
@@ -487,10 +486,6 @@ def result_record(res: FileResult) -> dict[str, Any]:
     """The JSON (Lines) record of one file: ``{"path", "top_k": [{"label", "index", "probability"}]}``."""
     top = [{"label": p.label, "index": p.index, "probability": p.probability} for p in res.top_k or []]
     return {"path": res.path, "top_k": top}
-
-
-# The start of the CSV that predict writes (whatever --top-k): how a later run knows the file is its own.
-CSV_HEADER = "path,label_1,prob_1,index_1"
 
 
 def _utf8_safe(text: str) -> str:

@@ -65,13 +65,11 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     the new one), and close it, also when writing fails."""
     import matplotlib.pyplot as plt
 
-    from repmlp._version import __version__
     from repmlp.models.model_file import atomic_write_bytes
 
     try:
         buf = io.BytesIO()
-        # The mark that lets a later command replace this file (repmlp.commands._common.png_is_ours).
-        fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": f"repmlp {__version__}"})
+        fig.savefig(buf, format="png", dpi=dpi)
         atomic_write_bytes(path, buf.getvalue())
     finally:
         plt.close(fig)

@@ -35,13 +35,6 @@ def holds_run(folder: Path) -> bool:
     return (folder / STATE_FILE).is_file() or (folder / MODEL_FILE).is_file()
 
 
-def is_finished_run(folder: Path) -> bool:
-    """Whether ``folder`` holds a finished run (:func:`holds_run`, its ``report.md`` written): the run's
-    record, whose files no command replaces and next to which predict, bench, viz, import and tables write
-    nothing."""
-    return (folder / REPORT_FILE).is_file() and holds_run(folder)
-
-
 def check_output(
     out: Path, resume: bool, procs: DistInfo, *, finished_ok: bool = False
 ) -> dict[str, Any] | None:

@@ -29,7 +29,6 @@ __all__ = [
     "head_prefixes",
     "load_matching",
     "file_kind",
-    "check_output_kind",
 ]
 
 FORMAT = "repmlp"
@@ -207,9 +206,8 @@ def load_matching(
     return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
 
 
-# ---------------------------------------------------------------------------------- output kinds
+# ---------------------------------------------------------------------------------- file kinds
 _ZIP = b"PK\x03\x04"
-_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _safetensors_kind(path: Path) -> str | None:
@@ -229,11 +227,11 @@ def _safetensors_kind(path: Path) -> str | None:
 
 
 def file_kind(path: str | os.PathLike) -> str | None:
-    """What an existing file is, from its first bytes: ``"a training state"``, ``"a training-time model
-    file"``, ``"a deployed model file"``, ``"a safetensors file"``, ``"an ONNX model"``, ``"a zip archive
-    (TorchScript, .pt2 or a PyTorch checkpoint)"``, ``"a PNG image"``, ``"a run report"``, ``"a text
-    file"`` or ``"a binary file"``; ``"a folder"``, ``"a FIFO (named pipe)"``, ... for what is not a
-    regular file; ``None`` when nothing is there."""
+    """What an existing file is, from its first bytes (what :mod:`repmlp.models.importer` tells apart):
+    ``"a training state"``, ``"a training-time model file"``, ``"a deployed model file"``, ``"a safetensors
+    file"``, ``"an empty file"``, ``"a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)"``, ``"a text
+    file"`` or ``"a binary file"``; ``"a folder"``, ``"a FIFO (named pipe)"``, ... for what is not a regular
+    file; ``None`` when nothing is there."""
     from repmlp.data.inputs import not_regular
 
     path = Path(path)
@@ -254,10 +252,6 @@ def file_kind(path: str | os.PathLike) -> str | None:
         return "an empty file"
     if head.startswith(_ZIP):
         return "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)"
-    if head.startswith(_PNG):
-        return "a PNG image"
-    if path.suffix.lower() == ".onnx" and head[:1] == b"\x08":  # ModelProto's field 1, ir_version
-        return "an ONNX model"
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
@@ -266,23 +260,4 @@ def file_kind(path: str | os.PathLike) -> str | None:
             text = head[:-3].decode("utf-8")
         except UnicodeDecodeError:
             return "a binary file"
-    if text.startswith("# repmlp run:"):
-        return "a run report"
     return "a text file" if "\x00" not in text else "a binary file"
-
-
-def check_output_kind(
-    path: str | os.PathLike, writes: str, same: tuple[str, ...], flag: str = "--output"
-) -> None:
-    """Refuse an output ``path`` that already holds a file of another kind than the command writes.
-
-    ``writes`` names what the command writes (for the message); ``same`` lists the :func:`file_kind`
-    values it may replace (its own earlier output). A missing path is fine; a folder, a FIFO or a device
-    never is. Raises :class:`~repmlp.errors.UserError` with one line."""
-    kind = file_kind(path)
-    if kind is None or kind in same:
-        return
-    raise UserError(
-        f"{flag} {path} is {kind}, not {writes}: refusing to replace it (choose another name, or remove "
-        "the file first)"
-    )

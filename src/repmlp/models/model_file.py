@@ -19,10 +19,12 @@ target: a crash leaves either the old file or the new one, never half of one. Ev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +45,7 @@ from repmlp.models.file_metadata import FORMS
 from repmlp.models.input_size import model_input_size
 
 __all__ = [
+    "staged",
     "atomic_write_bytes",
     "atomic_write_text",
     "save_model",
@@ -61,43 +64,48 @@ Form = Literal["train", "deploy"]
 
 
 # ----------------------------------------------------------------------------------------- writing
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same folder, fsync, ``os.replace``."""
+@contextlib.contextmanager
+def staged(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path in ``path``'s folder that replaces ``path`` (``os.replace``: atomic) when the ``with``
+    block ends without an error, and is removed otherwise, leaving ``path`` as it was. Files the writer puts
+    beside it (ONNX external data) are moved first. A failed move or a folder that cannot be written is a
+    :class:`UserError` naming ``path``, not the temporary one."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as exc:  # a read-only folder, a file in the way: the user's path, not the temp file's
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    except OSError as exc:  # a read-only folder, a file in the way
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    tmp = folder / path.name
     try:
-        # mkstemp creates the file 0600; give it the permissions a plain open() would (0666 & ~umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
+        yield tmp
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        if isinstance(exc, OSError):  # disk full, a folder in the way: one line naming the user's path
+            for extra in sorted(folder.iterdir()):
+                if extra != tmp:
+                    os.replace(extra, path.parent / extra.name)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:  # disk full, a folder in the way
             raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
-        raise
-    # Make the rename itself durable (POSIX); harmless where directories cannot be opened.
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
     finally:
-        os.close(dfd)
+        shutil.rmtree(folder, ignore_errors=True)
+    # Make the rename itself durable (POSIX); harmless where folders cannot be opened.
+    with contextlib.suppress(OSError):
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`staged`)."""
+    with staged(path) as tmp:
+        try:
+            tmp.write_bytes(data)
+        except OSError as exc:  # disk full: one line naming the user's path
+            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
