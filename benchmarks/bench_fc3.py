@@ -22,7 +22,7 @@ from torch import Tensor
 from common import device_arg, hardware, set_tf32, table
 from repmlp.bench.timing import time_interleaved
 from repmlp.nn.block import from_group_rows, partition, to_group_rows, unpartition
-from repmlp.speed.fc3 import FORMS, fastest_form
+from repmlp.speed.fc3 import KERNELS, fastest_kernel
 
 log = logging.getLogger("bench_fc3")
 
@@ -56,19 +56,19 @@ def candidates(n: int, c: int, o: int, res: int, p: int, g: int, weight: Tensor,
         return unpartition(y.reshape(parts.shape[0], o, p, p), n, hp, hp)
 
     def baddbmm_group_rows(x: Tensor) -> Tensor:  # one permute straight into (g, B, P/g), one baddbmm
-        return from_group_rows(FORMS["bmm"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+        return from_group_rows(KERNELS["bmm"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
 
     def onednn_group_rows(x: Tensor) -> Tensor:  # the same rows, one oneDNN 1x1 conv per group
-        return from_group_rows(FORMS["onednn"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
+        return from_group_rows(KERNELS["onednn"](to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p)
 
     # What the inference pass runs on a CPU in float32: the form timed fastest for this shape and rows.
     picked = (
-        FORMS[fastest_form(g, tuple(weight.shape), True, n * hp * hp)] if x_is_cpu_float(weight) else None
+        KERNELS[fastest_kernel(g, tuple(weight.shape), True, n * hp * hp)] if x_is_cpu_float(weight) else None
     )
 
     def repmlp_ops(x: Tensor) -> Tensor:
         return from_group_rows(
-            (picked or FORMS["bmm"])(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p
+            (picked or KERNELS["bmm"])(to_group_rows(x, p, p, g), weight, bias), n, hp, hp, p, p
         )
 
     def baddbmm_contig_weight(x: Tensor) -> Tensor:  # same, weight pre-transposed to (g, P/g, Q/g)

@@ -7,7 +7,7 @@ whole set of them per form:
 
 - ``fp32``: what the deployed model runs after the inference pass (``repmlp.speed.fc3``, float32: the form
   timed fastest for the kernel shape and row count on this machine), and each float32 form on its own
-  (``bmm``, ``onednn``, ``transposed``: ``repmlp.speed.fc3.FORMS``);
+  (``bmm``, ``onednn``, ``transposed``: ``repmlp.speed.fc3.KERNELS``);
 - ``bf16``: kernel and rows in bfloat16 (batched matmul), the result back in float32;
 - ``int8 w, fp32 rows`` / ``int8 w, bf16 rows``: the kernel in int8 with one scale per output row,
   through PyTorch's weight-only int8 matmul (``torch._weight_int8pack_mm``, one call per group), rows
@@ -34,7 +34,7 @@ from common import device_arg, hardware, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.timing import time_interleaved, time_rounds
 from repmlp.nn.layers import GroupwiseLinear
-from repmlp.speed.fc3 import FORMS, fastest_form
+from repmlp.speed.fc3 import KERNELS, fastest_kernel
 
 
 def fc3_calls(model: torch.nn.Module, size: int) -> list[tuple[Tensor, Tensor, Tensor | None]]:
@@ -87,11 +87,11 @@ def forms(rows: Tensor, weight: Tensor, bias: Tensor | None) -> dict[str, Callab
         outs = [torch._weight_int8pack_mm(act[j], q[j], scales[j]).float() for j in range(g)]
         return torch.stack([o if b[j] is None else o + b[j] for j, o in enumerate(outs)])
 
-    picked = FORMS[fastest_form(g, tuple(weight.shape), bias is not None, rows.shape[1])]
+    picked = KERNELS[fastest_kernel(g, tuple(weight.shape), bias is not None, rows.shape[1])]
     return {
         "fp32": lambda: picked(rows, weight, bias),
-        **{f"fp32 {form}": (lambda fn=fn: fn(rows, weight, bias)) for form, fn in FORMS.items()},
-        "bf16": lambda: FORMS["bmm"](rows16, weight16, bias16).float(),
+        **{f"fp32 {form}": (lambda fn=fn: fn(rows, weight, bias)) for form, fn in KERNELS.items()},
+        "bf16": lambda: KERNELS["bmm"](rows16, weight16, bias16).float(),
         "int8 w, fp32 rows": lambda: int8(rows, s),
         "int8 w, bf16 rows": lambda: int8(rows16, s16),
     }

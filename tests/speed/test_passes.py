@@ -109,7 +109,7 @@ def test_fast_inference_is_the_plain_models_function(name: str, deploy: bool) ->
 def test_what_each_pass_changes_on_a_cpu() -> None:
     """The main job's model trains with custom-op partition copies, a matmul patch stem, layout-keeping
     convs on the partition maps and two-maxima pooling; a deployed ResNet trunk runs channels_last with its
-    FC3 forms timed and its weights stored channels_last."""
+    FC3 kernels timed and its weights stored channels_last."""
     model = fast_training(repmlp.create_model("repmlp_fmnist_patch2"))
     assert _fast_classes(model) == {"FastRepMLPBlock", "PatchwiseConv2d", "LayoutConv2d", "MaxPool2x2"}
     narrow = fast_training(repmlp.create_model("repmlp_cifar", widths=(4, 8, 16)))
@@ -118,8 +118,8 @@ def test_what_each_pass_changes_on_a_cpu() -> None:
     fast_inference(res50, batch_sizes=(1, 8))
     assert {"FastRepMLPBlock", "TunedGroupwiseLinear"} <= _fast_classes(res50)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in res50.parameters() if p.dim() == 4)
-    forms = [m.forms for m in res50.modules() if isinstance(m, repmlp.GroupwiseLinear)]
-    assert forms and all(set(f) and set(f.values()) <= {"bmm", "onednn", "transposed"} for f in forms)
+    kernels = [m.kernels for m in res50.modules() if isinstance(m, repmlp.GroupwiseLinear)]
+    assert kernels and all(set(k) and set(k.values()) <= {"bmm", "onednn", "transposed"} for k in kernels)
 
 
 @pytest.mark.parametrize("how", ["forward hook", "forward pre-hook", "backward hook", "prune"])
@@ -158,7 +158,7 @@ def test_a_watched_module_stays_plain_and_its_hooks_fire(how: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["repmlp_fmnist_patch2", "repmlp_cifar_fc3_conv9", "repmlp_res50_light"])
-def test_fast_forms_trace(name: str) -> None:
+def test_fast_modules_trace(name: str) -> None:
     """A model under either pass traces with torch.fx (training and evaluation, with and without autograd)
     into a graph that computes what the module computes; deployed and fast, torch.export too."""
     model = _model(name)

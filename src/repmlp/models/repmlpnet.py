@@ -37,7 +37,7 @@ from repmlp.models.registry import register_model
 from repmlp.nn import checks
 from repmlp.nn.block import LocalPerceptron
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
-from repmlp.nn.reparam import merge_fc3, pair
+from repmlp.nn.reparam import merge_fc3, ntuple
 
 __all__ = [
     "RepMLPNet",
@@ -121,8 +121,8 @@ class RepMLPNetBlock(nn.Module):
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        H, W = pair(resolution, "resolution")
-        h, w = pair(partition, "partition")
+        H, W = ntuple(resolution, 2, "resolution")
+        h, w = ntuple(partition, 2, "partition")
         if h < 1 or w < 1 or H % h or W % w:
             raise ValueError(f"partition {h}x{w} must divide the resolution {H}x{W}")
         if sharesets < 1 or channels % sharesets:
@@ -299,7 +299,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
         n = len(channels)
         if not (len(depths) == len(sharesets) == n) or (partitions is not None and len(partitions) != n):
             raise ValueError("channels, depths, sharesets (and partitions) need one value per stage")
-        self.img_size = pair(img_size, "img_size")
+        self.img_size = ntuple(img_size, 2, "img_size")
         self.in_chans = in_chans
         res = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         if res[0] * patch_size != self.img_size[0] or res[1] * patch_size != self.img_size[1]:
@@ -314,7 +314,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
                     raise ValueError(f"img_size {self.img_size} leaves an odd map before stage {i + 1}")
                 down = ConvBNReLU(channels[i - 1], channels[i], 2, 2, 0, deploy=deploy)
                 res = (res[0] // 2, res[1] // 2)
-            part = res if partitions is None else pair(partitions[i], "partitions")
+            part = res if partitions is None else ntuple(partitions[i], 2, "partitions")
             units = [
                 RepMLPNetUnit(
                     channels[i],

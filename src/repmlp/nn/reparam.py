@@ -1,16 +1,12 @@
-"""Pure, differentiable re-parameterization math (paper Sec. 3.3-3.4, Appendices B and C).
+"""Pure, differentiable re-parameterization maths (paper Sec. 3.3-3.4, Appendices B and C).
 
-Every function here takes tensors (and, for BatchNorm, the module whose running statistics are used)
-and returns new tensors; nothing is modified in place, so the functions may sit inside a loss.
+Every function takes tensors (and, for BatchNorm, the module whose running statistics are used) and returns
+new tensors; nothing is modified in place, so the functions may sit inside a loss.
 
-Layout convention for a *groupwise FC* (the paper's FC3): its kernel is a 2-D tensor of shape
-``(O*h*w, C*h*w/g)``, exactly the weight of a grouped 1x1 conv with ``C*h*w`` input channels,
-``O*h*w`` output channels and ``g`` groups, reshaped to 2-D. Rows are ordered ``(o, y, x)`` and
-columns ``(c_local, y', x')`` where ``c_local`` indexes the ``C/g`` input channels of the row's group.
-
-The conv-to-FC functions take any number of spatial dimensions (1-D sequences, 2-D images, 3-D
-volumes): a partition ``(s_1, ..., s_d)`` and kernels ``(O, C/g, k_1, ..., k_d)``; the FC kernel is
-then ``(O*S, C*S/g)`` with ``S = s_1*...*s_d``, rows ``(o, *position)``, in the same layout.
+A *groupwise FC* (the paper's FC3) has a 2-D kernel ``(O*S, C*S/g)``: the weight of a grouped 1x1 conv with
+``C*S`` inputs, ``O*S`` outputs and ``g`` groups, reshaped. ``S`` is the partition's volume (``h*w`` in 2-D,
+``l`` in 1-D, any of 1 to 3 spatial dimensions); rows are ordered ``(o, *position)``, columns
+``(c_local, *position)`` with ``c_local`` one of the row's group's ``C/g`` channels.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ __all__ = [
     "conv_to_fc_identity",
     "absorb_bn_into_fc",
     "merge_fc3",
-    "pair",
     "ntuple",
     "format_size",
     "ConvBranch",
@@ -43,15 +38,6 @@ _BN = (nn.modules.batchnorm._BatchNorm,)
 # One Local Perceptron branch as merge_fc3 takes it: conv kernel ``(O, C/g, *k)``, conv bias ``(O,)``
 # or ``None``, and the BatchNorm that follows the conv or ``None`` (a branch already fused).
 ConvBranch = tuple[Tensor, Tensor | None, nn.Module | None]
-
-
-def pair(value: int | Sequence[int], name: str = "value") -> tuple[int, int]:
-    """Return ``value`` as an ``(a, b)`` pair of ints, accepting an int or a length-2 sequence."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return int(value[0]), int(value[1])
-    raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
 
 
 def ntuple(value: int | Sequence[int], dims: int, name: str = "value") -> tuple[int, ...]:

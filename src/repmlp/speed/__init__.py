@@ -1,7 +1,7 @@
-"""Speed passes: faster forms of the models' modules, applied to a model explicitly, outside the paper's modules.
+"""Speed passes: faster versions of the models' modules, applied to a model explicitly, outside the paper's modules.
 
 The models compute one way (:mod:`repmlp.nn`, :mod:`repmlp.models`). The passes here change, in place and
-reversibly, the class of the modules they have a faster form for: :func:`fast_training` (applied by the
+reversibly, the class of the modules they have a faster version of: :func:`fast_training` (applied by the
 engine at a run's start unless ``--no-fast``), :func:`fast_inference` (applied by :mod:`repmlp.deploy` for
 prediction, evaluation and benchmarks) and :func:`plain` (back to the plain modules). Each pass says what
 it changes: which modules' hooks stop firing, and where bits may differ from the plain model.

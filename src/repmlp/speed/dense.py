@@ -7,7 +7,7 @@ branch run at the machine's matmul rate: the kernels are gathered into the dense
 autograd scatters the FC's gradient back onto the kernels), one ``bmm`` gives every branch's output, and
 each branch's own BatchNorm normalises its slice. Zeros add nothing, so this is the convs' function; the
 sums are ordered differently, so results agree to float rounding, not bit for bit. The convs' modules are
-read, not called: their forward hooks do not fire in this form.
+read, not called: their forward hooks do not fire here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from repmlp.nn.layers import ConvBN
 
 __all__ = ["dense_conv_index", "dense_branch_sum", "fits_dense"]
 
-# Largest ratio of the dense FC's multiply-accumulates to the convs' at which a CPU uses the dense form.
+# Largest ratio of the dense FC's multiply-accumulates to the convs' at which a CPU uses the dense version.
 # oneDNN's training convs of a few channels a group ran several times below the matmul rate where this was
 # measured (docs/benchmarks.md, benchmarks/bench_local_convs.py); the zeros' extra work must stay below that.
 FC_MAC_RATIO = 4.0

@@ -1,11 +1,11 @@
-"""FC3 for float32 CPU inference in the form measured fastest for its kernel and row count.
+"""FC3 for float32 CPU inference by the kernel measured fastest for its weight's shape and row count.
 
-The plain :class:`~repmlp.nn.layers.GroupwiseLinear` is one batched matmul. On a CPU two other forms of the
+The plain :class:`~repmlp.nn.layers.GroupwiseLinear` is one batched matmul. On a CPU two other kernels of the
 same sums can be faster: one oneDNN 1x1 conv per group over a zero-copy channels_last view of the rows
 (oneDNN's GEMM outruns PyTorch's BLAS on some CPUs, with many rows), and the transposed product, kernel
 times rows (with a few rows FC3 is bound by reading its kernel, which BLAS streams fastest as the left
 operand). Which wins depends on the CPU, the threads, the kernel's shape and the rows, so the inference
-pass times the forms once per kernel shape and row class (the rows a group, rounded up to a power of two,
+pass times the kernels once per weight shape and row class (the rows a group, rounded up to a power of two,
 at most 512) and :class:`TunedGroupwiseLinear` looks the choice up: no timing inside a forward, but two
 machines may round FC3 differently in the last bits. Timings are kept for the process.
 """
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from repmlp.nn.layers import GroupwiseLinear
 
-__all__ = ["FORMS", "ROW_CLASSES", "TunedGroupwiseLinear", "rows_class", "fastest_form", "fc3_bmm"]
+__all__ = ["KERNELS", "ROW_CLASSES", "TunedGroupwiseLinear", "rows_class", "fastest_kernel", "fc3_bmm"]
 
 ROW_CLASSES = tuple(1 << i for i in range(10))
 # Bytes of kernel copies a timing cycles through: more than a last-level cache holds, as in a model, where
@@ -61,7 +61,7 @@ def fc3_transposed(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-FORMS: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
+KERNELS: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
     "bmm": fc3_bmm, "onednn": fc3_onednn, "transposed": fc3_transposed,
 }  # fmt: skip
 
@@ -71,25 +71,27 @@ def rows_class(rows: int) -> int:
     return min(1 << (max(int(rows), 1) - 1).bit_length(), ROW_CLASSES[-1])
 
 
-def fastest_form(groups: int, weight_shape: tuple[int, int], bias: bool, rows: int) -> str:
-    """The fastest form for this kernel shape and row class at this thread count (timed once a process): a
-    form other than the batched matmul must be 10% faster, so that a close call does not flip."""
+def fastest_kernel(groups: int, weight_shape: tuple[int, int], bias: bool, rows: int) -> str:
+    """The fastest kernel for this weight shape and row class at this thread count (timed once a process):
+    another than the batched matmul must be 10% faster, so that a close call does not flip."""
     q, k = weight_shape
     key = (groups, k, q // groups, int(bias), torch.get_num_threads(), rows_class(rows))
     if key not in _CHOICES:
-        _CHOICES[key] = _time_forms(groups, k, q, bias, rows_class(rows))
+        _CHOICES[key] = _time_kernels(groups, k, q, bias, rows_class(rows))
     return _CHOICES[key]
 
 
-def _time_forms(groups: int, k: int, q: int, bias: bool, rows: int) -> str:
-    forms = FORMS if torch.backends.mkldnn.is_available() else {n: FORMS[n] for n in ("bmm", "transposed")}
+def _time_kernels(groups: int, k: int, q: int, bias: bool, rows: int) -> str:
+    kernels = (
+        KERNELS if torch.backends.mkldnn.is_available() else {n: KERNELS[n] for n in ("bmm", "transposed")}
+    )
     copies = min(max(_COLD_BYTES // (4 * q * k), 1), 64)
     best = {}
     with torch.no_grad():
         x = torch.full((groups, rows, k), 0.5)
         weights = [torch.full((q, k), 0.01) for _ in range(copies)]
         b = torch.full((q,), 0.1) if bias else None
-        for name, fn in forms.items():
+        for name, fn in kernels.items():
             fn(x, weights[0], b)  # warm-up: oneDNN builds its kernel on the first call
             times: list[float] = []
             while len(times) < 4 or (sum(times) < 5e-3 and len(times) < 100):  # calls of microseconds too
@@ -102,29 +104,29 @@ def _time_forms(groups: int, k: int, q: int, bias: bool, rows: int) -> str:
     return fastest if best[fastest] < 0.9 * best["bmm"] else "bmm"
 
 
-@torch.library.custom_op("repmlp::fc3_in_form", mutates_args=(), device_types="cpu")
-def _fc3_in_form(rows: Tensor, weight: Tensor, bias: Tensor | None, form: str) -> Tensor:
-    """FC3 in ``form`` as one op opaque to ``torch.compile`` (which would lower every form to its own bmm)."""
-    return FORMS[form](rows, weight, bias)
+@torch.library.custom_op("repmlp::fc3_in_kernel", mutates_args=(), device_types="cpu")
+def _fc3_in_kernel(rows: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> Tensor:
+    """FC3 by ``kernel`` as one op opaque to ``torch.compile`` (which would lower each to its own bmm)."""
+    return KERNELS[kernel](rows, weight, bias)
 
 
-@_fc3_in_form.register_fake
-def _(rows: Tensor, weight: Tensor, bias: Tensor | None, form: str) -> Tensor:
+@_fc3_in_kernel.register_fake
+def _(rows: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> Tensor:
     g, b, _ = rows.shape
     return rows.new_empty(g, b, weight.shape[0] // g)
 
 
 class TunedGroupwiseLinear(GroupwiseLinear):
-    """:class:`~repmlp.nn.layers.GroupwiseLinear` in the form its ``forms`` attribute names for the row
-    class of each call (``{rows class: form}``, filled by the inference pass; a class not timed runs the
+    """:class:`~repmlp.nn.layers.GroupwiseLinear` by the kernel its ``kernels`` attribute names for the row
+    class of each call (``{rows class: kernel name}``, filled by the inference pass; a class not timed runs the
     batched matmul). Evaluation mode only: training runs the batched matmul."""
 
-    forms: dict[int, str]
+    kernels: dict[int, str]
 
     def forward(self, rows: Tensor) -> Tensor:
-        form = self.forms.get(rows_class(rows.shape[1]), "bmm")
-        if form == "bmm" or self.training:
+        kernel = self.kernels.get(rows_class(rows.shape[1]), "bmm")
+        if kernel == "bmm" or self.training:
             return super().forward(rows)
         if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the op has no backward
-            return torch.ops.repmlp.fc3_in_form(rows, self.weight, self.bias, form)
-        return FORMS[form](rows, self.weight, self.bias)
+            return torch.ops.repmlp.fc3_in_kernel(rows, self.weight, self.bias, kernel)
+        return KERNELS[kernel](rows, self.weight, self.bias)

@@ -1,4 +1,4 @@
-"""The fast forms of the models' modules: subclasses that compute the same function faster on some device.
+"""The fast modules of the models' modules: subclasses that compute the same function faster on some device.
 
 Each subclasses one plain module and overrides its ``forward`` only (no parameters or buffers of its own),
 so a pass (:mod:`repmlp.speed.passes`) can change a module's class in place and back: state-dict keys,

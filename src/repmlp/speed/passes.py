@@ -1,12 +1,12 @@
 """The two speed passes and their undoing: :func:`fast_training`, :func:`fast_inference`, :func:`plain`.
 
-A pass walks a model once and changes the class of the modules it has a faster form for (the subclasses
+A pass walks a model once and changes the class of the modules it has a faster version of (the subclasses
 of :mod:`repmlp.speed.modules` and :mod:`repmlp.speed.fc3`, which override ``forward`` only): parameters,
 buffers, state-dict keys and hooks stay, and :func:`plain` changes every class back. Only modules of the
 plain class itself are changed (a user's subclass keeps its own forward), and none that a hook watches
 when the pass runs: a forward hook, a forward pre-hook (``torch.nn.utils.prune``), a backward hook on the
 module or anything in it, or such a hook registered for every module. Hooks registered after a pass may
-not fire where a fast form reads a module it does not call (the dense Local Perceptron's convs).
+not fire where a fast module reads a module it does not call (the dense Local Perceptron's convs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from repmlp.models.repmlpnet import ChannelGate, RepMLPNet, RepMLPNetBlock
 from repmlp.nn.block import LocalPerceptron, RepMLPBlock
 from repmlp.nn.layers import GroupwiseLinear
 from repmlp.speed.dense import fits_dense
-from repmlp.speed.fc3 import ROW_CLASSES, TunedGroupwiseLinear, fastest_form, rows_class
+from repmlp.speed.fc3 import ROW_CLASSES, TunedGroupwiseLinear, fastest_kernel, rows_class
 from repmlp.speed.modules import (
     DenseLocalPerceptron,
     DensePartitionConvBlock,
@@ -72,7 +72,7 @@ def _patch_convs(model: nn.Module) -> Iterable[nn.Conv2d]:
 
 
 def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
-    """The training-time fast forms, in place, for the device the parameters are on; returns ``model``.
+    """The training-time fast modules, in place, for the device the parameters are on; returns ``model``.
 
     Every RepMLP block keeps its input's memory format and makes its partition copies as custom ops; the
     Local Perceptron (and row D's big conv) trains as one dense FC with ``dense`` (default: on CUDA, where
@@ -80,7 +80,7 @@ def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
     maps write the map's layout (:class:`~repmlp.speed.modules.LayoutConv2d`), ResNet and RepMLPNet trunks
     take their input channels_last, one-channel patch stems run as a matmul and 2x2 max pools as two
     elementwise maxima. The same function:
-    bits may differ where sums are reordered (the dense form). Pass ``dense=False`` for steps replayed as
+    bits may differ where sums are reordered (the dense version). Pass ``dense=False`` for steps replayed as
     CUDA graphs, where the convs measured faster.
     """
     cpu = _device(model).type == "cpu"
@@ -101,11 +101,11 @@ def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
                 _swap(conv, nn.Conv2d, LayoutConv2d)
     if cpu:
         _channels_last_trunks(model)
-        _cpu_forms(model)
+        _cpu_modules(model)
     return model
 
 
-def _cpu_forms(model: nn.Module) -> None:
+def _cpu_modules(model: nn.Module) -> None:
     """What both passes do on a CPU: patch stems and RepMLPNet's gate as a matmul, 2x2 max pools as two
     elementwise maxima."""
     for m in model.modules():
@@ -133,13 +133,13 @@ def _channels_last_trunks(model: nn.Module) -> bool:
 
 
 def fast_inference(model: nn.Module, *, batch_sizes: Sequence[int] | None = None) -> nn.Module:
-    """The inference fast forms, in place, for the device the parameters are on; returns ``model``.
+    """The inference fast modules, in place, for the device the parameters are on; returns ``model``.
 
     Every RepMLP block keeps its input's memory format. On a CPU: ResNet and RepMLPNet trunks run
     channels_last (their weights stored so, their input reordered by a forward pre-hook); float32 FC3s
-    take the form timed fastest for their kernel and rows (:mod:`repmlp.speed.fc3`: now, for the rows of
+    take the kernel timed fastest for their kernel and rows (:mod:`repmlp.speed.fc3`: now, for the rows of
     ``batch_sizes``, default every batch up to 512 rows a group); patch stems and RepMLPNet's gate run as
-    a matmul; 2x2 max pools as two maxima. The same function; FC3's form may change the last bits.
+    a matmul; 2x2 max pools as two maxima. The same function; FC3's kernel may change the last bits.
     """
     for m in model.modules():
         _swap(m, RepMLPBlock, FastRepMLPBlock)
@@ -147,13 +147,13 @@ def fast_inference(model: nn.Module, *, batch_sizes: Sequence[int] | None = None
         return model
     if _channels_last_trunks(model):
         model.to(memory_format=torch.channels_last)
-    _cpu_forms(model)
+    _cpu_modules(model)
     _tune_fc3(model, batch_sizes)
     return model
 
 
 def _tune_fc3(model: nn.Module, batch_sizes: Sequence[int] | None) -> None:
-    """Time and fix the FC3 forms of every float32 FC3 of ``model`` for the rows it will see."""
+    """Time and fix the FC3 kernels of every float32 FC3 of ``model`` for the rows it will see."""
     for block in model.modules():
         fc3 = getattr(block, "fc3", None) if isinstance(block, RepMLPNetBlock) else None
         if isinstance(block, RepMLPBlock):
@@ -169,8 +169,8 @@ def _tune_fc3(model: nn.Module, batch_sizes: Sequence[int] | None) -> None:
         rows = (
             ROW_CLASSES if batch_sizes is None else sorted({rows_class(b * per_group) for b in batch_sizes})
         )
-        fc3.forms = {
-            c: fastest_form(fc3.groups, tuple(fc3.weight.shape), fc3.bias is not None, c) for c in rows
+        fc3.kernels = {
+            c: fastest_kernel(fc3.groups, tuple(fc3.weight.shape), fc3.bias is not None, c) for c in rows
         }
 
 
@@ -180,7 +180,7 @@ def plain(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if _is_fast(type(m)):
             m.__class__ = next(c for c in type(m).__mro__ if not _is_fast(c))
-            for attr in ("forms", "map_size"):  # what the passes set beside the class
+            for attr in ("kernels", "map_size"):  # what the passes set beside the class
                 m.__dict__.pop(attr, None)
         hook = m.__dict__.pop("_speed_hook", None)
         if hook is not None:

@@ -1,5 +1,5 @@
-"""The fast forms one by one (:mod:`repmlp.speed`): each computes its plain module's function, in the layouts
-the passes promise, and FC3's form is chosen at the pass, never inside a forward."""
+"""The fast modules one by one (:mod:`repmlp.speed`): each computes its plain module's function, in the layouts
+the passes promise, and FC3's kernel is chosen at the pass, never inside a forward."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from repmlp import GroupwiseLinear, RepMLPBlock, create_model, list_models, repa
 from repmlp.nn.layers import ConvBN
 from repmlp.nn.reparam import conv_to_fc
 from repmlp.speed import fast_inference, fast_training
-from repmlp.speed import fc3 as fc3_forms
+from repmlp.speed import fc3 as fc3_kernels
 from repmlp.speed.copies import is_channels_last
 from repmlp.speed.dense import dense_conv_index
 from repmlp.speed.modules import MaxPool2x2, PatchwiseConv2d
@@ -60,7 +60,7 @@ def test_maxpool2x2_matches_max_pool2d(n: int, c: int, h: int, w: int, cl: bool)
 @given(
     g=st.integers(1, 4), b=st.integers(1, 40), k=st.integers(1, 24), n=st.integers(1, 24), bias=st.booleans()
 )
-def test_fc3_forms_match_the_batched_matmul(g: int, b: int, k: int, n: int, bias: bool) -> None:
+def test_fc3_kernels_match_the_batched_matmul(g: int, b: int, k: int, n: int, bias: bool) -> None:
     torch.manual_seed(0)
     rows, weight = torch.randn(g, b, k), torch.randn(g * n, k)
     b_ = torch.randn(g * n) if bias else None
@@ -70,46 +70,46 @@ def test_fc3_forms_match_the_batched_matmul(g: int, b: int, k: int, n: int, bias
         if bias:
             layer.bias.copy_(b_)
         expected = layer(rows)
-    assert torch.equal(fc3_forms.fc3_bmm(rows, weight, b_), expected)
-    for form in ("onednn", "transposed"):
-        out = fc3_forms.FORMS[form](rows, weight, b_)
+    assert torch.equal(fc3_kernels.fc3_bmm(rows, weight, b_), expected)
+    for kernel in ("onednn", "transposed"):
+        out = fc3_kernels.KERNELS[kernel](rows, weight, b_)
         assert out.is_contiguous()
         torch.testing.assert_close(out, expected)
 
 
-def test_fc3_forms_are_timed_at_the_pass_once_per_shape_and_row_class(
+def test_fc3_kernels_are_timed_at_the_pass_once_per_shape_and_row_class(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The inference pass times each kernel shape and row class of the batches it is told once (kept for the
     process); no forward times anything; a class not timed, training and float64 run the batched matmul."""
-    monkeypatch.setattr(fc3_forms, "_CHOICES", {})
+    monkeypatch.setattr(fc3_kernels, "_CHOICES", {})
     timed: list[tuple] = []
-    monkeypatch.setattr(fc3_forms, "_time_forms", lambda *a: timed.append(a) or "transposed")
+    monkeypatch.setattr(fc3_kernels, "_time_kernels", lambda *a: timed.append(a) or "transposed")
     model = reparameterize_model(create_model("repmlp_fmnist").eval())
     fast_inference(model, batch_sizes=(8,))
     assert len(timed) == 3  # two RepMLPs a stage share a shape: three stages, three shapes
     fast_inference(reparameterize_model(create_model("repmlp_fmnist").eval()), batch_sizes=(8,))
     assert len(timed) == 3
-    monkeypatch.setattr(fc3_forms, "_time_forms", lambda *a: pytest.fail("timed inside a forward"))
+    monkeypatch.setattr(fc3_kernels, "_time_kernels", lambda *a: pytest.fail("timed inside a forward"))
     calls: list[str] = []
-    for name, fn in list(fc3_forms.FORMS.items()):
-        monkeypatch.setitem(fc3_forms.FORMS, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
+    for name, fn in list(fc3_kernels.KERNELS.items()):
+        monkeypatch.setitem(fc3_kernels.KERNELS, name, lambda *a, _n=name, _f=fn: calls.append(_n) or _f(*a))
     with torch.no_grad():
-        model(torch.randn(8, 1, 28, 28))  # timed class: the transposed form in every block
+        model(torch.randn(8, 1, 28, 28))  # timed class: the transposed kernel in every block
         assert calls == ["transposed"] * 6
         model(torch.randn(300, 1, 28, 28))  # not timed: the plain layer
         assert calls == ["transposed"] * 6
     model.train()(torch.randn(8, 1, 28, 28))
     assert calls == ["transposed"] * 6
     double = fast_inference(reparameterize_model(create_model("repmlp_fmnist").double().eval()))
-    assert not any(isinstance(m, fc3_forms.TunedGroupwiseLinear) for m in double.modules())
+    assert not any(isinstance(m, fc3_kernels.TunedGroupwiseLinear) for m in double.modules())
 
 
 def test_compiled_inference_keeps_the_picked_fc3(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torch.compile (no autograd) a tuned FC3 is one opaque op running the form picked at the pass."""
+    """Under torch.compile (no autograd) a tuned FC3 is one opaque op running the kernel picked at the pass."""
     torch._dynamo.reset()
-    monkeypatch.setattr(fc3_forms, "_CHOICES", {})
-    monkeypatch.setattr(fc3_forms, "_time_forms", lambda *a: "transposed")
+    monkeypatch.setattr(fc3_kernels, "_CHOICES", {})
+    monkeypatch.setattr(fc3_kernels, "_time_kernels", lambda *a: "transposed")
     block = RepMLPBlock(8, 8, 8, 4, groups=2, kernel_sizes=(1,)).eval()
     block.reparameterize()
     x = torch.randn(8, 8, 8, 8)
@@ -117,7 +117,7 @@ def test_compiled_inference_keeps_the_picked_fc3(monkeypatch: pytest.MonkeyPatch
         ref = block(x)
         fast_inference(block, batch_sizes=(8,))
         graphs = torch._dynamo.explain(block)(x).graphs
-        assert "repmlp.fc3_in_form" in {str(n.target) for gm in graphs for n in gm.graph.nodes}
+        assert "repmlp.fc3_in_kernel" in {str(n.target) for gm in graphs for n in gm.graph.nodes}
         torch.testing.assert_close(torch.compile(block, backend="eager")(x), ref)
 
 
