@@ -1,5 +1,5 @@
 """The package's import graph, read from the source with ``ast``: no cycles, and imports go one way
-(commands -> tasks -> engine -> models -> core). Imports under ``if TYPE_CHECKING:`` are for annotations
+(commands -> tasks -> engine -> io -> models -> core). Imports under ``if TYPE_CHECKING:`` are for annotations
 only and do not count."""
 
 from __future__ import annotations
@@ -92,22 +92,25 @@ def test_a_cycle_is_found_when_there_is_one():
 
 
 # The rooms of the package, lowest first: a module imports only from its own room and the rooms below it.
-# ``engine`` and ``deploy`` share a rank and never import each other (training knows no deployment, and a
-# deployed model needs no training loop); ``bench`` sits above both, since it measures what they produce.
+# ``io`` (model and state files) sits above ``models``: a file names the model to build, and the models
+# never read files. ``engine`` and ``deploy`` share a rank and never import each other (training knows no
+# deployment, and a deployed model needs no training loop); ``bench`` sits above both, since it measures
+# what they produce.
 RANKS = {
     "repmlp.errors": 0,
     "repmlp._version": 0,
     "repmlp.nn": 1,
     "repmlp.data": 2,
     "repmlp.models": 3,
-    "repmlp.engine": 4,
-    "repmlp.deploy": 4,
-    "repmlp.bench": 5,
-    "repmlp.tasks": 6,
-    "repmlp.commands": 7,
-    "repmlp.cli": 8,
-    "repmlp.__main__": 9,
-    "repmlp": 10,  # the package's __init__: the public names, from every room
+    "repmlp.io": 4,
+    "repmlp.engine": 5,
+    "repmlp.deploy": 5,
+    "repmlp.bench": 6,
+    "repmlp.tasks": 7,
+    "repmlp.commands": 8,
+    "repmlp.cli": 9,
+    "repmlp.__main__": 10,
+    "repmlp": 11,  # the package's __init__: the public names, from every room
 }
 
 
@@ -148,7 +151,7 @@ def test_every_module_is_in_a_ranked_room():
 
 
 def test_imports_go_one_way_between_rooms():
-    """commands -> tasks -> bench -> {deploy, engine} -> models -> data -> nn -> errors: nothing climbs."""
+    """commands -> tasks -> bench -> {deploy, engine} -> io -> models -> data -> nn -> errors: nothing climbs."""
     graph = import_graph()
     assert climbs(graph) == []
     assert room_cycle(graph) is None, " -> ".join(room_cycle(graph) or [])

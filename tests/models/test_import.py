@@ -16,9 +16,8 @@ from test_repmlpnet import randomize
 from torch import Tensor
 
 from repmlp import create_model
-from repmlp.models.file_format import read_metadata
-from repmlp.models.importer import WeightsImportError, import_checkpoint
-from repmlp.models.model_file import load_model
+from repmlp.io.importer import WeightsImportError, import_checkpoint
+from repmlp.io.model_file import load_model, read_metadata
 from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 
@@ -240,7 +239,7 @@ def test_eval_transform_is_the_published_preprocessing():
     from PIL import Image
 
     from repmlp.data import eval_transform
-    from repmlp.models.importer import eval_preprocessing
+    from repmlp.io.importer import eval_preprocessing
 
     pp = eval_preprocessing("repmlpnet_b224")
     assert (pp["crop_pct"], pp["crop_mode"], pp["interpolation"]) == (0.875, "squash", "bilinear")

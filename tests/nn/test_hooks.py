@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.nn.utils import prune
 
 import repmlp
-from repmlp.models.builder import default_input_size
 from repmlp.models.cifar import PartitionConvBlock
+from repmlp.models.registry import default_input_size
 from repmlp.nn import block as block_module
 from repmlp.nn import branches_fc
 from repmlp.nn.block import RepMLPBlock, set_train_form

@@ -16,11 +16,9 @@ from repmlp.bench.counts import profile_model
 from repmlp.cli import main as cli_main
 from repmlp.data.cityscapes import CityscapesSegmentation, random_scale_crop_flip
 from repmlp.errors import UserError
+from repmlp.io.model_file import load_model, read_metadata, save_model
 from repmlp.models import create_model
-from repmlp.models.file_format import read_metadata
-from repmlp.models.model_file import load_model, save_model
-from repmlp.models.pspnet import load_backbone_weights
-from repmlp.tasks.segmentation import poly_lr, sliding_window_logits
+from repmlp.tasks.segmentation import load_backbone_weights, poly_lr, sliding_window_logits
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import difflib
 import json
 import logging
 import math
@@ -33,6 +35,27 @@ log = logging.getLogger(__name__)
 _MODEL_SUFFIXES = (".safetensors", ".onnx", ".pt", ".pth", ".ckpt", ".bin")
 
 
+def model_name(text: str) -> str:
+    """argparse type of ``--model``: a name :func:`repmlp.create_model` knows (repmlp's, timm's, torchvision's);
+    an unknown one is refused before any work, with the closest names of all three."""
+    import timm  # start-up time: the registries load only when a model is named
+    import torchvision
+
+    from repmlp.models.registry import resolve_model
+
+    try:
+        resolve_model(text)
+    except ValueError as exc:
+        names = dict.fromkeys(
+            [*timm.list_models(), *torchvision.models.list_models(module=torchvision.models)]
+        )
+        close = difflib.get_close_matches(text.rpartition(":")[2], list(names), n=5, cutoff=0.6)
+        raise argparse.ArgumentTypeError(
+            f"{exc}" + (f"; did you mean: {', '.join(close)}." if close else "")
+        ) from None
+    return text
+
+
 def check_report_output(
     output: Path | None,
     inputs: Sequence[Path | str] = (),
@@ -41,7 +64,7 @@ def check_report_output(
     own: Callable[[Path], bool] | None = None,
 ) -> None:
     """Refuse an ``--output`` for a text report or figure that would replace an input, a model file, or an
-    existing file of another kind than ``kind`` (:func:`repmlp.models.file_format.file_kind`: a training
+    existing file of another kind than ``kind`` (:func:`repmlp.commands._common.file_kind`: a training
     state, a run's report, ...); see :func:`check_output_file` (``own``: what this command wrote)."""
     if output is None:
         return
@@ -66,6 +89,61 @@ def check_not_input(output: Path, inputs: Sequence[Path | str]) -> None:
             raise UserError(f"--output {output} would overwrite {what}: write it under another name")
 
 
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What an existing file is: ``"a training state"``, ``"a training-time model file"``, ``"a deployed model
+    file"``, ``"a safetensors file"``, ``"an ONNX model"``, ``"a zip archive (TorchScript, .pt2 or a PyTorch
+    checkpoint)"``, ``"a PNG image"``, ``"a run report"``, ``"a text file"``, ``"a binary file"``, ``"an
+    empty file"``; ``"a folder"``, ``"a FIFO (named pipe)"``, ... for what is not a regular file; ``None``
+    when nothing is there. Only a regular file's first bytes are read."""
+    from repmlp.data.inputs import not_regular  # start-up time: the models load only once a command runs
+    from repmlp.io.model_file import FORMAT, STATE_FORMAT, CheckpointError, read_metadata
+
+    kind = not_regular(path)
+    if kind is not None:
+        return None if kind == "missing" else kind
+    try:
+        meta = read_metadata(path)
+        if meta.get("format") == STATE_FORMAT:
+            return "a training state"
+        if meta.get("format") == FORMAT:
+            return "a deployed model file" if meta.get("form") == "deploy" else "a training-time model file"
+        return "a safetensors file"
+    except CheckpointError:
+        pass
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return "an unreadable file"
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "a PNG image"
+    if str(path).lower().endswith(".onnx") and head[:1] == b"\x08":  # ModelProto's field 1, ir_version
+        return "an ONNX model"
+    try:  # incremental: a multi-byte character cut at the end of the 4096 bytes still reads as text
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
+    except UnicodeDecodeError:
+        return "a binary file"
+    if text.startswith("# repmlp run:"):
+        return "a run report"
+    return "a text file" if "\x00" not in text else "a binary file"
+
+
+def check_output_kind(
+    path: str | os.PathLike, writes: str, same: tuple[str, ...], flag: str = "--output"
+) -> None:
+    """Refuse an output ``path`` that holds a file of another kind than the command writes: ``writes`` names
+    what it writes, ``same`` the :func:`file_kind` values it may replace (its own earlier output). A missing
+    path is fine; a folder, a FIFO or a device never is. One-line :class:`UserError`."""
+    kind = file_kind(path)
+    if kind is not None and kind not in same:
+        raise UserError(f"{flag} {path} is {kind}, not {writes}: refusing to replace it (choose another name, "
+                        "or remove the file first)")  # fmt: skip
+
+
 def check_output_file(
     output: Path,
     inputs: Sequence[Path | str] = (),
@@ -86,7 +164,6 @@ def check_output_file(
     there is fine, an existing one is still refused). An empty file holds nothing to lose and may be
     replaced."""
     from repmlp.engine.state import REPORT_FILE, is_finished_run
-    from repmlp.models.file_format import check_output_kind, file_kind
 
     check_not_input(output, inputs)
     check_output_kind(output, writes, (*same, "an empty file"), flag=flag)
@@ -386,8 +463,8 @@ def runtime_version(runtime: str) -> str:
 
 
 def load_checkpoint(path: str | Path, *, form: str | None = None) -> nn.Module:
-    """:func:`repmlp.models.model_file.load_model` on the CPU: the model with its ``metadata`` (its errors
+    """:func:`repmlp.io.model_file.load_model` on the CPU: the model with its ``metadata`` (its errors
     are already one-line UserErrors)."""
-    from repmlp.models.model_file import load_model
+    from repmlp.io.model_file import load_model
 
     return load_model(path, device="cpu", form=form)

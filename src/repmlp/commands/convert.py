@@ -14,7 +14,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import MAX_SIDE, int_at_least, positive_float
+from repmlp.commands._common import MAX_SIDE, check_not_input, check_output_kind, int_at_least, positive_float
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.deploy.convert_file import convert_checkpoint
+    from repmlp.deploy.convert_file import convert_checkpoint, default_output
 
+    output = args.output or default_output(args.checkpoint)
+    # Only an earlier deployed file may be replaced: not the checkpoint, a training state, a report.
+    check_not_input(output, [args.checkpoint])
+    check_output_kind(output, "a deployed model file", ("a deployed model file",))
     res = convert_checkpoint(
         args.checkpoint,
-        args.output,
+        output,
         precision=args.precision,
         tolerance=args.tolerance,
         num_examples=args.num_examples,

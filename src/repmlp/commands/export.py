@@ -20,12 +20,12 @@ from repmlp.commands._common import (
     onnx_is_ours,
 )
 from repmlp.errors import UserError
-from repmlp.models.builder import check_forward
+from repmlp.models.registry import check_forward
 
 log = logging.getLogger(__name__)
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
-# What each format's file is (repmlp.models.file_format.file_kind): an existing file of another kind is not replaced.
+# What each format's file is (repmlp.commands._common.file_kind): an existing file of another kind is not replaced.
 _KIND = {
     "onnx": "an ONNX model",
     "torchscript": "a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)",

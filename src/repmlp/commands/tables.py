@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from repmlp.commands._common import check_report_output, first_line_starts
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     # Only an earlier output of `repmlp tables` is replaced: its counts' note, or a speed table's title.
     check_report_output(args.output, own=first_line_starts("Params: converted model", "### "))

@@ -34,6 +34,7 @@ from repmlp.commands._common import (
     add_run_arguments,
     int_at_least,
     model_arg,
+    model_name,
     nonneg_float,
     positive_float,
     seed_int,
@@ -184,7 +185,10 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
         "(the --init file's) recipe, its batch fitted to the folder's size",
     )
     g.add_argument(
-        "--model", default=None, help="registered repmlp model, or a timm / torchvision model name"
+        "--model",
+        default=None,
+        type=model_name,
+        help="registered repmlp model, or a timm / torchvision model name",
     )
     g.add_argument(
         "--model-arg",
@@ -326,12 +330,12 @@ def _folder_recipe(
     """An image folder's new run: ``(preset, TrainConfig fields, recipe values)``, said in one log line.
 
     The input (channels and size) is the ``--init`` file's (:func:`_init_folder_defaults`), else the
-    model's own (:func:`repmlp.models.model_data.default_input`: ``repmlp_fmnist`` takes 1x28x28, not the
+    model's own (:func:`repmlp.models.registry.input_size_of`: ``repmlp_fmnist`` takes 1x28x28, not the
     ``imagenet`` preset's 224x224 RGB). Without ``--preset`` the recipe is that model's (the init file's:
     :func:`repmlp.tasks.recipes.preset_for_model`), and without ``--batch-size`` its batch is fitted to the
     folder's size (:func:`repmlp.tasks.recipes.folder_batch_size`). Options given on the command line win.
     """
-    from repmlp.models.model_data import default_input
+    from repmlp.models.registry import input_size_of
     from repmlp.tasks.recipes import PRESETS, folder_batch_size, folder_lr, preset_for_model
 
     name = model or PRESETS[args.preset or "imagenet"].model
@@ -341,7 +345,7 @@ def _folder_recipe(
         size, whose = pre["input_size"], "the --init file's"
         basis = (pre["model"], size, pre["dataset"])
     else:
-        size, whose = default_input(name, model_args), f"{name}'s"
+        size, whose = input_size_of(name, model_args), f"{name}'s"
         fields, basis = _own_input(name, size, args, derived), (name, size, None)
     preset, why = (args.preset, "--preset") if args.preset else preset_for_model(*basis)
     recipe = PRESETS[preset]

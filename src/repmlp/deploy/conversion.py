@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.errors import UserError
-from repmlp.models.model_file import device_of
+from repmlp.io.model_file import device_of
 
 __all__ = [
     "CONVERSION_RTOL",
@@ -75,7 +75,7 @@ def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
 @dataclass
 class DeployedFile:
     """Where and as what :func:`convert_and_check` writes the deployed model: the arguments of
-    :func:`repmlp.models.model_file.save_model` (``form="deploy"``, float32)."""
+    :func:`repmlp.io.model_file.save_model` (``form="deploy"``, float32)."""
 
     path: Path
     name: str
@@ -156,8 +156,7 @@ def _write_and_reload(
 ) -> tuple[nn.Module, float]:
     """The deployed form written to ``file.path`` and loaded back into ``create_model(..., deploy=True)``
     on ``device``, and the conversion's seconds."""
-    from repmlp.models.file_format import CheckpointError
-    from repmlp.models.model_file import load_model, save_model
+    from repmlp.io.model_file import CheckpointError, load_model, save_model
 
     for fuse_bn in (True, False):
         deployed, seconds = _convert(model, {"fuse_bn": fuse_bn})

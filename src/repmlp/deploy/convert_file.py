@@ -5,7 +5,7 @@ pair one conv. The deployed file is written only after it has been loaded back i
 ``deploy=True`` model and that model's outputs matched the training-time model's on real inputs
 (:func:`repmlp.deploy.conversion.convert_and_check`): a batch of the run's validation data when the file
 names its data set (or ``dataset`` is given), otherwise random inputs. Data are read for the file's model
-as ``repmlp eval`` reads them (:func:`repmlp.models.model_data.model_data_config`). A reduced precision
+as ``repmlp eval`` reads them (:func:`repmlp.data.for_model.model_data_config`). A reduced precision
 (bf16, fp16, int8) is applied to the verified model.
 """
 
@@ -27,7 +27,7 @@ from repmlp.nn.numerics import full_float32
 
 if TYPE_CHECKING:
     from repmlp.data import Data
-    from repmlp.models.model_file import ModelMetadata
+    from repmlp.io.model_file import ModelMetadata
 
 __all__ = ["Converted", "convert_checkpoint", "default_output", "check_inputs", "calibration_batches"]
 
@@ -59,10 +59,10 @@ def default_output(checkpoint: Path) -> Path:
 def _data_for(
     meta: ModelMetadata, name: str, data_dir: str | None, img_size: int | None, **options: Any
 ) -> Data:
-    """``name`` read for the file's model as ``repmlp eval`` reads it (:func:`repmlp.models.model_data.
+    """``name`` read for the file's model as ``repmlp eval`` reads it (:func:`repmlp.data.for_model.
     model_data_config`: its channels, input size and normalisation)."""
     from repmlp.data import build_data
-    from repmlp.models.model_data import model_data_config
+    from repmlp.data.for_model import model_data_config
 
     # At the size the check runs at: the model's own unless --img-size (a model that takes any size and
     # records none: its default, not the data set's).
@@ -188,15 +188,10 @@ def convert_checkpoint(
     :class:`UserError` and nothing is written.
     """
     from repmlp.deploy.conversion import DeployedFile, convert_and_check
-    from repmlp.models.builder import check_forward
-    from repmlp.models.file_format import check_output_kind
-    from repmlp.models.model_file import load_model
+    from repmlp.io.model_file import load_model
+    from repmlp.models.registry import check_forward
 
     output = output or default_output(checkpoint)
-    if output.exists() and output.resolve() == checkpoint.resolve():
-        raise UserError(f"--output {output} would overwrite the checkpoint being converted")
-    # Only an earlier deployed file may be replaced: not a training state, a training-time model, a report.
-    check_output_kind(output, "a deployed model file", ("a deployed model file",))
     model = load_model(checkpoint, device="cpu")
     meta = model.metadata
     if meta.form != "train":
@@ -249,7 +244,7 @@ def _params(model: nn.Module) -> int:
 
 
 def _save(path: Path, model: nn.Module, meta: ModelMetadata, extra: dict[str, Any], precision: str) -> None:
-    from repmlp.models.model_file import save_model
+    from repmlp.io.model_file import save_model
 
     save_model(path, model, name=meta.name, model_kwargs=meta.model_kwargs, form="deploy", extra=extra,
                precision=precision)  # fmt: skip

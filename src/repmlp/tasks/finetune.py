@@ -20,8 +20,9 @@ from typing import Any
 
 from torch import nn
 
+from repmlp.data.for_model import folder_preprocessing as for_file
 from repmlp.errors import UserError
-from repmlp.models.file_format import CheckpointError, head_prefixes, load_matching
+from repmlp.io.model_file import CheckpointError, ModelFileMeta, head_prefixes, load_matching, read_model_file
 
 __all__ = [
     "InitReport",
@@ -69,11 +70,9 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], Any]:
-    """Tensors and checked metadata (:class:`repmlp.models.file_metadata.ModelFileMeta`) of a training-time repmlp
-    model file (:func:`repmlp.models.model_file.read_model_file`); one-line errors for anything else."""
-    from repmlp.models.model_file import read_model_file
-
+def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], ModelFileMeta]:
+    """Tensors and checked metadata of a training-time repmlp model file
+    (:func:`repmlp.io.model_file.read_model_file`); one-line errors for anything else."""
     try:
         tensors, fm = read_model_file(path)
     except CheckpointError as exc:
@@ -120,9 +119,7 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
 def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
     """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
     folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: what ``repmlp eval``
-    reads a folder with for that file (:func:`repmlp.models.model_data.folder_preprocessing`)."""
-    from repmlp.models.model_data import folder_preprocessing as for_file
-
+    reads a folder with for that file (:func:`repmlp.data.for_model.folder_preprocessing`)."""
     return for_file(pre.get("eval_preprocessing"), pre.get("dataset"), channels)
 
 
@@ -141,12 +138,8 @@ def init_from_file(
     Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
     """
     tensors, fm = _read_model_file(path, flag)
-    from repmlp.models.registry import file_head_prefixes
-
-    meta = {"model": fm.model}
     try:
-        fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(fm.model),
-                            fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
+        fit = load_matching(model, tensors, fm.model, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
     except CheckpointError as exc:
         raise UserError(
             f"{exc} (the file holds {fm.model} with {fm.model_kwargs}: leave --model and --model-arg out to "
