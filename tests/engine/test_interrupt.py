@@ -39,9 +39,9 @@ ARGS = ["--train-limit", 64, "--val-limit", 16, "--batch-size", 8, "--ckpt-every
 SELF_SIGINT = """
 import runpy, signal, sys
 import repmlp.engine.loop as loop
-import repmlp.io.state as model_file
+import repmlp.io.state as state_file
 
-step, save_state = loop._Loop.step, model_file.save_state
+step, save_state = loop._Loop.step, state_file.save_state
 
 def step_then_sigint(self, images, labels):
     lr = step(self, images, labels)
@@ -53,7 +53,7 @@ def save_state_under_sigint(path, state):
     signal.raise_signal(signal.SIGINT)
     save_state(path, state)
 
-loop._Loop.step, model_file.save_state = step_then_sigint, save_state_under_sigint
+loop._Loop.step, state_file.save_state = step_then_sigint, save_state_under_sigint
 sys.argv = ["repmlp", *sys.argv[1:]]
 runpy.run_module("repmlp", run_name="__main__", alter_sys=True)
 """

@@ -225,7 +225,9 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
         import_checkpoint(tmp_path / "extra.pth", NAME, dict(ARCH))
     missing = {k: v for k, v in sd.items() if k != "stages.1.0.ffn_block.ffn_fc2.bn.weight"}
     torch.save(missing, tmp_path / "missing.pth")
-    with pytest.raises(WeightsImportError, match=r"missing: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"):
+    with pytest.raises(
+        WeightsImportError, match=r"1 missing from the file: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"
+    ):
         import_checkpoint(tmp_path / "missing.pth", NAME, dict(ARCH))
     torch.save(sd, tmp_path / "ok.pth")
     with pytest.raises(WeightsImportError, match=r"not a repmlpnet_b224: its channels \(8, 16, 16, 32\)"):

@@ -128,7 +128,7 @@ def test_backbone_weights_inherited_except_fc1_fc2(tmp_path):
     res_kwargs = {"stages": [], "widths": small["widths"], "img_size": 64, "num_classes": 10}
     save_model(bad, res, name="repmlp_res50", model_kwargs=res_kwargs, form="train")
     with pytest.raises(
-        UserError, match=r"\(from repmlp_res50\) do not fit the backbone: \d+ missing from the file: "
+        UserError, match=r"\(from repmlp_res50\) does not fit the backbone: \d+ missing from the file: "
     ):
         load_backbone_weights(seg, str(bad))
     with pytest.raises(UserError, match="not found"):

@@ -1,10 +1,5 @@
-"""Files: model files (:mod:`.model_file`: ``save_model`` / ``load_model``, the metadata checked before
-anything is built, atomic writes), training states (:mod:`.state`) and the authors' released weights
-(:mod:`.importer`).
-
-May import :mod:`repmlp.models` (a model file names the model to build), :mod:`repmlp.data`,
-:mod:`repmlp.nn` and :mod:`repmlp.errors`; the models never import files.
-"""
+"""Files: model files (:mod:`.model_file`), training states (:mod:`.state`), released weights (:mod:`.importer`).
+Above the models (a file names the model to build); the models never read files."""
 
 from repmlp.io.model_file import CheckpointError, ModelMetadata, load_model, save_model
 from repmlp.io.state import load_state, save_state

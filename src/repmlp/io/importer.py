@@ -459,13 +459,8 @@ def import_checkpoint(
     # The model the shapes and --model-arg describe, sized on the meta device against the file first.
     own = _meta_build(name, kwargs, mapped, deploy=form == "deploy").state_dict()
     # A file without BatchNorm's num_batches_tracked counters keeps the model's (they are unused).
-    mapped.update(
-        {
-            k: torch.zeros((), dtype=torch.long)
-            for k in own
-            if k.endswith("num_batches_tracked") and k not in mapped
-        }
-    )
+    counters = [k for k in own if k.endswith("num_batches_tracked") and k not in mapped]
+    mapped.update({k: torch.zeros((), dtype=torch.long) for k in counters})
     compare_state(path, name, own, mapped)
     model = create_model(name, deploy=form == "deploy", **kwargs)
     model.load_state_dict({k: v.to(own[k].dtype) for k, v in mapped.items()}, strict=True)
@@ -486,13 +481,10 @@ def _meta_build(name: str, kwargs: dict[str, Any], sd: Mapping[str, Tensor], *, 
                                  "--model-arg") from None  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
         unknown = re.search(r"unexpected keyword argument '(\w+)'", first_line(exc))
+        why = f"cannot build {name} with {repr(kwargs)[:120]}: {first_line(exc)[:200]}"
         if isinstance(exc, TypeError) and unknown:
-            raise WeightsImportError(
-                f"--model-arg {unknown.group(1)}: {name} has no option {unknown.group(1)!r}"
-            ) from None
-        raise WeightsImportError(
-            f"cannot build {name} with {repr(kwargs)[:120]}: {first_line(exc)[:200]}"
-        ) from None
+            why = f"--model-arg {unknown.group(1)}: {name} has no option {unknown.group(1)!r}"
+        raise WeightsImportError(why) from None
 
 
 def eval_preprocessing(name: str) -> dict[str, object]:
@@ -516,7 +508,6 @@ def import_to_file(
     """:func:`import_checkpoint`, then the model file ``repmlp import`` writes: the imported model with
     its input size, the preprocessing its published accuracy was measured with, and ImageNet-1k's class
     names for a 1000-class model (what ``repmlp predict`` shows)."""
-
     result = import_checkpoint(path, name, model_args)
     model = result["model"]
     img = getattr(model, "img_size", (224, 224))

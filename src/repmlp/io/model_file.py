@@ -1,13 +1,11 @@
 """Model files: a model's weights in safetensors with the metadata that rebuilds it, read as untrusted input.
 
-:func:`save_model` writes ``model.state_dict()`` with string metadata ``{"format": "repmlp", "model": name,
-"model_kwargs": JSON, "form": "train"|"deploy", "precision" (when not fp32), "extra": JSON}``, atomically
-(:func:`atomic_write_bytes`). :func:`load_model` reads a file from anywhere: safetensors itself validates
-the header and the offsets (nothing is unpickled); each metadata field is checked against :data:`FIELDS`
-(its type and range); the model the metadata describes is built on the ``meta`` device within a budget of
-the file's own size (:func:`check_fit`) and compared with the file's tensors; NaN weights are refused; only
-then is the model built for real. Every problem is one :class:`CheckpointError` line naming the file and
-the field, which the command line prints as ``repmlp: error: ...`` with exit status 2.
+:func:`save_model` writes ``state_dict()`` with string metadata (``format``, ``model``, ``model_kwargs``,
+``form``, ``precision``, ``extra``) atomically. :func:`load_model` reads a file from anywhere: safetensors
+validates the header (nothing is unpickled), each field is checked against :data:`FIELDS`, the model the
+metadata describes is built on the ``meta`` device within a budget of the file's size and compared with its
+tensors (:func:`check_fit`), NaN weights are refused, and only then is the model built. Every problem is
+one :class:`CheckpointError` line naming the file and the field (``repmlp: error: ...``, exit status 2).
 """
 
 from __future__ import annotations
@@ -18,12 +16,12 @@ import math
 import os
 import re
 import tempfile
+from collections import namedtuple
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import timm
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
@@ -40,13 +38,13 @@ from repmlp.nn.numerics import full_float32
 __all__ = ["CheckpointError", "atomic_write_bytes", "atomic_write_text", "save_model", "load_model",
            "read_model_file", "read_tensors", "read_metadata", "ModelMetadata", "model_metadata", "FIELDS",
            "check_field", "check_model_kwargs", "check_fit", "meta_build", "ModelTooLarge", "check_finite",
-           "load_matching", "head_prefixes", "PRECISION_LOADERS"]  # fmt: skip
+           "PRECISION_LOADERS"]  # fmt: skip
 
 FORMAT, STATE_FORMAT = "repmlp", "repmlp-state"
 FORMS = ("train", "deploy")  # a model file holds the training-time or the deployed form
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # what a deployed file may hold (repmlp.deploy.precision)
 # Bounds of plain values in metadata: far beyond any real model, far below what could exhaust memory.
-MAX_INT, MAX_FLOAT, MAX_TEXT, MAX_ITEMS, MAX_DEPTH = 2**31, 1e12, 4096, 100_000, 8
+MAX_INT, MAX_FLOAT, MAX_DEPTH = 2**31, 1e12, 8
 # A recorded input size: at most what --img-size takes per side and 64 channels (the zoo takes 3), so that
 # a few edited bytes cannot ask every command for an 8192x8192 input of thousands of channels.
 MAX_SIDE, MAX_CHANNELS = 4096, 64
@@ -62,9 +60,8 @@ class CheckpointError(UserError, ValueError):
 
 # ------------------------------------------------------------------------------------------ writing
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same folder, fsync'ed, then renamed
-    over ``path`` (a crash leaves the old file or the new one, never half of one), with the permissions a
-    plain ``open`` gives. A path that cannot be written is a :class:`UserError` naming it."""
+    """Write ``data`` to ``path`` atomically (a temporary file beside it, fsync'ed, renamed over it: a crash leaves
+    the old file or the new one) with the usual permissions; an unwritable path is a :class:`UserError`."""
     path, tmp = Path(path), None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,10 +101,9 @@ def cpu_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def save_model(path: str | os.PathLike, model: nn.Module, *, name: str, model_kwargs: dict[str, Any],
                form: Form, extra: dict[str, Any] | None = None, precision: str = "fp32") -> None:  # fmt: skip
-    """Save ``model.state_dict()`` to ``path`` with what :func:`load_model` needs: ``model_kwargs`` (JSON) go
-    back into ``create_model(name, deploy=form == "deploy", **model_kwargs)``; ``extra`` (JSON) is what the
-    file says besides (classes, input size, preprocessing, the run's data set: :data:`FIELDS`);
-    ``precision`` is recorded for a reduced-precision deployed model (bf16/fp16 weights, an int8 graph)."""
+    """Save ``model.state_dict()`` to ``path`` with what :func:`load_model` needs: the options of
+    ``create_model(name, deploy=form == "deploy", **model_kwargs)``, ``extra`` (classes, input size,
+    preprocessing, the run's data set: :data:`FIELDS`) and a deployed file's reduced ``precision``."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     meta = {"format": FORMAT, "model": name, "model_kwargs": json.dumps(model_kwargs, sort_keys=True),
@@ -132,10 +128,8 @@ def read_tensors(path: str | os.PathLike, *, body: bool = True) -> tuple[dict[st
         with safe_open(path, "pt") as f:
             return ({k: f.get_tensor(k) for k in f.keys()} if body else {}), dict(f.metadata() or {})
     except Exception as exc:  # noqa: BLE001 - safetensors' own errors: not safetensors, a bad header, truncated
-        reason = first_line(exc)[:200]
-        raise CheckpointError(
-            f"{path} is not a safetensors file, or is truncated or damaged ({reason})"
-        ) from None
+        why = f"{path} is not a safetensors file, or is truncated or damaged ({first_line(exc)[:200]})"
+        raise CheckpointError(why) from None
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -157,126 +151,84 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-Rule = Callable[[object, str, Any], None]  # (path, field name, value) -> None, or raises CheckpointError
-
-
-def _choice(*choices: str) -> Rule:
-    def check(path: object, name: str, value: Any) -> None:
-        if value not in choices:
-            raise _bad(path, name, f"must be one of {', '.join(choices)}, got {_short(value)}")
-
-    return check
-
-
-def _text(path: object, name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, str):
-        raise _bad(path, name, f"must be a text, got {_short(value)}")
-
-
-def _model_name(path: object, name: str, value: Any) -> None:
-    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,200}", value):
-        raise _bad(path, name, f"is not a model name ({_short(value)})")
-
-
-def _int(lo: int, hi: int) -> Rule:
-    def check(path: object, name: str, value: Any) -> None:
-        if isinstance(value, str) and value.strip().isdigit():  # older files stored some counts as text
-            value = int(value)
-        if not (_is_number(value) and isinstance(value, int) and lo <= value <= hi):
-            raise _bad(path, name, f"must be an integer in {lo}..{hi}, got {_short(value)}")
-
-    return check
-
-
-def _numbers(lo: float, hi: float, most: int = 4) -> Rule:
-    """1 to ``most`` numbers in [lo, hi] (a std's lower bound keeps it far enough from 0 to divide by)."""
-
-    def check(path: object, name: str, value: Any) -> None:
-        items = value if isinstance(value, list) and most > 1 else [value]
-        if not (1 <= len(items) <= most and all(_is_number(v) and lo <= v <= hi for v in items)):
-            many = f"1 to {most} numbers" if most > 1 else "a number"
-            raise _bad(path, name, f"must be {many} in [{lo:g}, {hi:g}], got {_short(value)}")
-
-    return check
-
-
-def _size(path: object, name: str, value: Any) -> None:
-    """``[C, H, W]``: at most :data:`MAX_CHANNELS` channels and :data:`MAX_SIDE` pixels a side."""
-    if not isinstance(value, list) or len(value) != 3:
-        raise _bad(path, name, f"must be [channels, height, width], got {_short(value)}")
-    for i, hi in enumerate((MAX_CHANNELS, MAX_SIDE, MAX_SIDE)):
-        _int(1, hi)(path, f"{name}[{i}]", value[i])
-
-
-def _names(path: object, name: str, value: Any) -> None:
-    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-        raise _bad(path, name, f"must be a non-empty list of class names, got {_short(value)}")
-
-
-def _record(prefix: str) -> Rule:
-    """A JSON object whose entries :data:`FIELDS` knows (``prefix.key``) are checked; others are kept."""
-
-    def check(path: object, name: str, value: Any) -> None:
-        if value is not None and not isinstance(value, dict):
-            raise _bad(path, name, f"must be a JSON object, got {_short(value)}")
-        for key, item in (value or {}).items():
-            if f"{prefix}.{key}" in FIELDS:
-                FIELDS[f"{prefix}.{key}"](path, f"{name}.{key}", item)
-
-    return check
-
-
-# Every metadata value repmlp reads, with what it may hold (``model_kwargs``: :func:`check_model_kwargs`).
-FIELDS: dict[str, Rule] = {
-    "model": _model_name,
-    "form": _choice(*FORMS),
-    "precision": _choice(*PRECISIONS),
-    "extra": _record("extra"),
-    "extra.task": _choice("cls", "face", "seg"),
-    **dict.fromkeys(
-        [f"extra.{k}" for k in ("dataset", "data_dir", "imported_from", "converted_from", "layout")], _text
-    ),  # fmt: skip
-    "extra.classes": _names,
-    "extra.input_size": _size,
-    **dict.fromkeys(["extra.identities", "extra.iterations", "extra.epochs"], _int(0, MAX_INT)),
-    "extra.crop_size": _int(1, MAX_SIDE),
-    "extra.eval_preprocessing": _record("extra.eval_preprocessing"),
-    "extra.eval_preprocessing.crop_pct": _numbers(0.05, 4, most=1),
-    "extra.eval_preprocessing.crop_mode": _choice("center", "squash", "border"),
-    "extra.eval_preprocessing.interpolation": _choice(
-        "nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"
-    ),
-    "extra.eval_preprocessing.mean": _numbers(-1e4, 1e4),
-    "extra.eval_preprocessing.std": _numbers(1e-4, 1e4),
-    "extra.eval_preprocessing.input_size": _size,
+Numbers = namedtuple("Numbers", "lo hi most", defaults=(4,))  # 1 to ``most`` numbers in [lo, hi]
+_SIZE = [range(1, MAX_CHANNELS + 1), range(1, MAX_SIDE + 1), range(1, MAX_SIDE + 1)]  # [C, H, W]
+_PRE = "extra.eval_preprocessing"
+# Every metadata value repmlp reads, with what it may hold: one of a tuple's texts; a text (``str``; or null);
+# a text matching a pattern; an integer in a range; 1 to n numbers in [lo, hi] (a std far enough from 0 to
+# divide by); a non-empty list of texts (``[str]``); ``[C, H, W]`` in :data:`_SIZE`; a JSON object (``dict``)
+# whose entries named here are checked too (others are kept, not read). ``model_kwargs``:
+# :func:`check_model_kwargs`.
+FIELDS: dict[str, Any] = {
+    "model": re.compile(r"[A-Za-z0-9_.:\-]{1,200}"),
+    "form": FORMS,
+    "precision": PRECISIONS,
+    "extra": dict,
+    "extra.task": ("cls", "face", "seg"),
+    **{f"extra.{k}": str for k in ("dataset", "data_dir", "imported_from", "converted_from", "layout")},
+    "extra.classes": [str],
+    "extra.input_size": _SIZE,
+    **{f"extra.{k}": range(MAX_INT + 1) for k in ("identities", "iterations", "epochs")},
+    "extra.crop_size": range(1, MAX_SIDE + 1),
+    _PRE: dict,
+    f"{_PRE}.crop_pct": Numbers(0.05, 4, most=1),
+    f"{_PRE}.crop_mode": ("center", "squash", "border"),
+    f"{_PRE}.interpolation": ("nearest", "bilinear", "bicubic", "box", "hamming", "lanczos"),
+    f"{_PRE}.mean": Numbers(-1e4, 1e4),
+    f"{_PRE}.std": Numbers(1e-4, 1e4),
+    f"{_PRE}.input_size": _SIZE,
 }
 
 
-def check_field(path: object, key: str, value: Any, name: str | None = None) -> None:
-    """``value`` checked as metadata field ``key`` of :data:`FIELDS` (named ``name`` in the error)."""
-    FIELDS[key](path, name or key, value)
+def check_field(path: object, key: str, value: Any, name: str | None = None, rule: Any = None) -> None:
+    """``value`` of metadata field ``key`` against its rule in :data:`FIELDS` (or ``rule``); ``name``: the
+    field in the error, a :class:`CheckpointError`."""
+    rule, name = FIELDS[key] if rule is None else rule, name or key
+    if isinstance(value, str) and isinstance(rule, range) and value.strip().isdigit():
+        value = int(value)  # older files stored some counts as text
+    if isinstance(rule, Numbers):
+        items = value if isinstance(value, list) and rule.most > 1 else [value]
+        ok = 1 <= len(items) <= rule.most and all(_is_number(v) and rule.lo <= v <= rule.hi for v in items)
+        many = f"1 to {rule.most} numbers" if rule.most > 1 else "a number"
+        why = f"must be {many} in [{rule.lo:g}, {rule.hi:g}]"
+    elif isinstance(rule, range):
+        ok = isinstance(value, int) and not isinstance(value, bool) and value in rule
+        why = f"must be an integer in {rule.start}..{rule.stop - 1}"
+    elif isinstance(rule, tuple):
+        ok, why = value in rule, f"must be one of {', '.join(rule)}"
+    elif isinstance(rule, re.Pattern):
+        ok, why = isinstance(value, str) and bool(rule.fullmatch(value)), "must be a model name"
+    elif rule in (str, dict):
+        ok = value is None or isinstance(value, rule)
+        why = "must be a text" if rule is str else "must be a JSON object"
+    elif rule is _SIZE:
+        ok, why = isinstance(value, list) and len(value) == 3, "must be [channels, height, width]"
+    else:  # [str]: class names
+        ok = isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+        why = "must be a non-empty list of class names"
+    if not ok:
+        raise _bad(path, name, f"{why}, got {_short(value)}")
+    for i, item in enumerate(value if rule is _SIZE else []):
+        check_field(path, key, item, f"{name}[{i}]", rule[i])
+    for k, item in (value or {}).items() if rule is dict else ():
+        if f"{key}.{k}" in FIELDS:
+            check_field(path, f"{key}.{k}", item, f"{name}.{k}")
 
 
 def check_json_value(value: Any, where: str, *, path: object, depth: int = 0) -> None:
-    """A JSON value of bounded size: ``None``, a bool, an int in +-2**31, a finite float, a text of at most
-    :data:`MAX_TEXT` characters, a list or an object of such, nested at most :data:`MAX_DEPTH` deep."""
+    """A JSON value of bounded size: null, a bool, a text, an int in +-2**31, a finite float of at most 1e12,
+    or a list or an object of such, nested at most :data:`MAX_DEPTH` deep."""
     if depth > MAX_DEPTH:
         raise _bad(path, where, f"is nested more than {MAX_DEPTH} levels deep")
-    if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
-        raise _bad(path, where, f"holds {len(value)} items (at most {MAX_ITEMS})")
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            check_json_value(item, f"{where}[{i}]", path=path, depth=depth + 1)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_json_value(item, f"{where}.{key}", path=path, depth=depth + 1)
-    elif isinstance(value, str) and len(value) > MAX_TEXT:
-        raise _bad(path, where, f"is a text of {len(value)} characters (at most {MAX_TEXT})")
-    elif _is_number(value) and not (
+    items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else ()
+    for key, item in items:
+        inner = f"{where}[{key}]" if isinstance(value, list) else f"{where}.{key}"
+        check_json_value(item, inner, path=path, depth=depth + 1)
+    if _is_number(value) and not (
         math.isfinite(value) and abs(value) <= (MAX_INT if isinstance(value, int) else MAX_FLOAT)
     ):
         raise _bad(path, where, f"is {value}, out of range")
-    elif not (value is None or isinstance(value, (bool, str)) or _is_number(value)):
+    if not isinstance(value, (type(None), bool, str, int, float, list, dict)):
         raise _bad(path, where, f"is a {type(value).__name__}, not a JSON value")
 
 
@@ -299,11 +251,10 @@ def check_model_kwargs(path: object, kwargs: Any, field_name: str = "model_kwarg
         raise _bad(path, field_name, f"must be a JSON object, got {type(kwargs).__name__}")
     check_json_value(kwargs, field_name, path=path)
     for key in kwargs:
-        if not isinstance(key, str) or not key.isidentifier() or key in RESERVED_OPTIONS:
-            why = (
-                "is not a model option a file may set" if key in RESERVED_OPTIONS else "is not an option name"
-            )
-            raise _bad(path, f"{field_name}.{key}", why)
+        if key in RESERVED_OPTIONS:
+            raise _bad(path, f"{field_name}.{key}", "is not a model option a file may set")
+        if not key.isidentifier():
+            raise _bad(path, f"{field_name}.{key}", "is not an option name")
 
 
 @dataclass
@@ -322,11 +273,13 @@ def parse_metadata(path: object, meta: Mapping[str, str]) -> ModelFileMeta:
     """The checked metadata of a repmlp model file; a :class:`CheckpointError` naming the file and the first
     field that is missing, of the wrong type or out of range."""
     if meta.get("format") != FORMAT:
+        why = f"{path} is not a repmlp model file (metadata format={meta.get('format')!r})"
         if meta.get("format") == STATE_FORMAT:  # the run's other file: say which one to use
-            model = Path(str(path)).with_name("model.safetensors")
-            raise CheckpointError(f"{path} is a training state (for `repmlp train --resume`), not a model file: "
-                                  f"use the run's model.safetensors ({model}) or deploy.safetensors")  # fmt: skip
-        raise CheckpointError(f"{path} is not a repmlp model file (metadata format={meta.get('format')!r})")
+            why = (
+                f"{path} is a training state (for `repmlp train --resume`), not a model file: use the run's "
+                f"model.safetensors ({Path(str(path)).with_name('model.safetensors')}) or deploy.safetensors"
+            )
+        raise CheckpointError(why)
     name, form, precision = meta.get("model"), meta.get("form"), meta.get("precision", "fp32")
     for key, value in (("model", name), ("form", form), ("precision", precision)):
         check_field(path, key, value)
@@ -344,9 +297,7 @@ class ModelTooLarge(Exception):
     """Raised from a registration hook: the model being built outgrew its budget."""
 
 
-def meta_build(
-    build: Callable[[], nn.Module], tensors: Mapping[str, Tensor], floor: tuple[int, int] = (0, 0)
-) -> nn.Module:
+def meta_build(build: Callable[[], nn.Module], tensors: Mapping, floor: tuple = (0, 0)) -> nn.Module:
     """``build()`` on the ``meta`` device (no memory), stopped with :class:`ModelTooLarge` once its parameters
     and buffers exceed four times the elements of ``tensors`` (the file's weights) plus 2**20, or four times
     their count plus 10,000 (never less than ``floor``): an option such as ``depths=[10**6]`` is refused in
@@ -371,19 +322,14 @@ def meta_build(
             handle.remove()
 
 
-def _build_error(
-    path: object, model: str, kwargs: dict, held: int, exc: BaseException, where: str
-) -> CheckpointError:
+def _build_error(path: object, model: str, kwargs: dict, held: int, exc: Exception, where: str) -> Exception:
     """The error of a meta-device build of a file's model: too large, an option the model does not take, an
     unknown model, or whatever else its builder raised; ``where`` names the field of the options."""
     text = first_line(exc)
     unknown = re.search(r"unexpected keyword argument '(\w+)'", text)
     if isinstance(exc, ModelTooLarge):
-        return _bad(
-            path,
-            where,
-            f"describes a {model} far larger than the {held} weights the file holds ({_short(kwargs)})",
-        )
+        why = f"describes a {model} far larger than the {held} weights the file holds ({_short(kwargs)})"
+        return _bad(path, where, why)
     if isinstance(exc, TypeError) and unknown:
         return _bad(path, f"{where}.{unknown.group(1)}", f"is not an option of {model}")
     if isinstance(exc, ValueError) and text.startswith("unknown model"):
@@ -391,20 +337,21 @@ def _build_error(
     return _bad(path, where, f"does not build a {model} ({type(exc).__name__}: {text[:200]})")
 
 
-def listed(keys: Sequence[str], n: int = 3) -> str:
+def listed(keys: Sequence[str], n: int = 6) -> str:
     """The first ``n`` of ``keys`` and how many more, for one-line messages."""
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
 
-def compare_state(path: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
-    """The keys and shapes of ``own`` (a model's state dict, on any device) must be those of ``tensors``."""
-    shapes = [f"{k} (file {tuple(tensors[k].shape)}, model {tuple(v.shape)})"
-              for k, v in own.items() if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
-    parts = [f"{label}: {listed(keys)}" for label, keys in (
-        ("missing", [k for k in own if k not in tensors]), ("unexpected", [k for k in tensors if k not in own]),
-        ("shape mismatch", shapes)) if keys]  # fmt: skip
+def compare_state(where: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
+    """The keys and shapes of ``own`` (a model's state dict, on any device) must be those of ``tensors`` (a
+    file's): else one :class:`CheckpointError` that counts and names the differences."""
+    shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+              if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
+    missing, unexpected = [k for k in own if k not in tensors], [k for k in tensors if k not in own]
+    parts = [f"{len(keys)} {label}: {listed(keys)}" for label, keys in (("missing from the file", missing),
+             ("not in the model", unexpected), ("with other shapes (file vs model)", shapes)) if keys]  # fmt: skip
     if parts:
-        raise CheckpointError(f"{path} does not fit {what}: {'; '.join(parts)}")
+        raise CheckpointError(f"{where} does not fit {what}: {'; '.join(parts)}")
 
 
 def check_fit(where: object, name: str, kwargs: dict[str, Any], tensors: Mapping[str, Any], *, deploy: bool = False,
@@ -419,35 +366,22 @@ def check_fit(where: object, name: str, kwargs: dict[str, Any], tensors: Mapping
     except Exception as exc:  # noqa: BLE001 - whatever a builder raises on these options, the file caused it
         held = sum(t.numel() for t in tensors.values())
         raise _build_error(where, name, kwargs, held, exc, field_name) from None
-    form = "deploy" if deploy else "train"
-    compare_state(
-        where, what or f"{name} ({form} form) as its metadata describes it", ghost.state_dict(), tensors
-    )
+    what = what or f"{name} ({'deploy' if deploy else 'train'} form) as its metadata describes it"
+    compare_state(where, what, ghost.state_dict(), tensors)
     return ghost
 
 
-# The channels of the data sets whose images are fed to a model as they are.
-_DATASET_CHANNELS = {"fashion-mnist": 1, "cifar10": 3}
-
-
 def _check_described(fm: ModelFileMeta, ghost: nn.Module) -> None:
-    """What the file records besides its weights must fit the model: the input size (channels, and a
-    fixed size), the data set's channels, the number of class names."""
-    chans, size = getattr(ghost, "in_chans", None), getattr(ghost, "img_size", None)
-    dataset, recorded, classes = (fm.extra.get(k) for k in ("dataset", "input_size", "classes"))
-    if isinstance(chans, int) and _DATASET_CHANNELS.get(dataset, chans) != chans:
-        raise _bad(
-            fm.path,
-            "extra.dataset",
-            f"is {dataset}, whose images do not have the {chans} channels of {fm.model}",
-        )
+    """What the file records besides its weights must fit the model (``ghost``, on the ``meta`` device): the
+    input size (its channels, and the size of a model built for one) and the number of class names."""
+    chans, size, n = (getattr(ghost, k, None) for k in ("in_chans", "img_size", "num_classes"))
+    recorded, classes = fm.extra.get("input_size"), fm.extra.get("classes")
     size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (tuple, list)) else None
     if recorded and isinstance(chans, int) and chans != recorded[0]:
         raise _bad(fm.path, "extra.input_size", f"says {recorded[0]} channels, but {fm.model} takes {chans}")
     if recorded and size is not None and len(size) == 2 and tuple(recorded[1:]) != size:
         raise _bad(fm.path, "extra.input_size", f"says {recorded[1]}x{recorded[2]} inputs, but {fm.model} "
                                                 f"is built for {size[0]}x{size[1]}")  # fmt: skip
-    n = getattr(ghost, "num_classes", None)
     if classes and isinstance(n, int) and n > 0 and len(classes) != n:
         raise _bad(fm.path, "extra.classes", f"names {len(classes)} classes, but the model has {n}")
 
@@ -494,12 +428,9 @@ PRECISION_LOADERS: dict[str, Callable[..., nn.Module]] = {}
 
 @dataclass
 class ModelMetadata:
-    """What a model file says besides its weights (``model.metadata`` of :func:`load_model`'s models).
-
-    ``input_size``: ``(C, H, W)`` the model takes; ``preprocessing``: ``{"dataset", "input_size" [C, H, W],
-    "eval_preprocessing"}``, the inputs of :func:`repmlp.deploy.predict.eval_image_transform`; ``classes``:
-    the class names (``None`` when the file has none); ``extra``: the file's ``extra`` record as it is.
-    """
+    """What a model file says besides its weights (``model.metadata`` of :func:`load_model`'s models):
+    ``input_size`` ``(C, H, W)``; ``preprocessing`` ``{"dataset", "input_size", "eval_preprocessing"}`` (what
+    :func:`repmlp.deploy.predict.eval_image_transform` takes); ``classes`` or ``None``; ``extra`` as it is."""
 
     name: str
     model_kwargs: dict[str, Any]
@@ -563,18 +494,16 @@ def _int8_model(fm: ModelFileMeta, tensors: Mapping[str, Tensor]) -> nn.Module:
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnxruntime's parse errors: the bytes are not a graph
-        raise CheckpointError(
-            f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first_line(exc)[:200]})"
-        ) from None
+        why = f"{fm.path}: tensor 'onnx' is not a usable ONNX graph ({first_line(exc)[:200]})"
+        raise CheckpointError(why) from None
 
 
 def load_model(
     path: str | os.PathLike, *, device: str | torch.device = "cpu", form: Form | None = None
 ) -> nn.Module:
-    """The model of a file written by :func:`save_model` (any form and precision), its weights loaded strictly,
-    on ``device`` in eval mode, with ``model.metadata`` (:class:`ModelMetadata`). ``form`` (if given) must be
-    the file's. Everything is checked before the real model is built (:func:`read_model_file`): a file
-    from elsewhere cannot make this allocate more than it holds. Every problem is a :class:`CheckpointError`."""
+    """The model of a :func:`save_model` file (any form and precision, ``form`` if given the file's), loaded
+    strictly, on ``device`` in eval mode, with ``model.metadata`` (:class:`ModelMetadata`); everything checked
+    before it is built (:func:`read_model_file`). Every problem is one :class:`CheckpointError`."""
     tensors, fm = read_model_file(path, form=form, int8=True)
     if fm.precision == "int8":
         model = _int8_model(fm, tensors)
@@ -594,71 +523,26 @@ def load_model(
     return model
 
 
-def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> list[str]:
-    """State-dict prefixes of a model's head: its classifier (``get_classifier()``, else its timm config's
-    ``classifier``; a registered model's name: its config's); with ``embedding_head``, a face model's whole
-    ``head`` module (BN-FC-BN)."""
-    if isinstance(model, str):
-        names = getattr(timm.get_pretrained_cfg(model), "classifier", None)
-        return [n + "." for n in ([names] if isinstance(names, str) else names or []) if n]
-    if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
-        return ["head."]
-    classifier = model.get_classifier() if hasattr(model, "get_classifier") else None
-    names = [n for n, m in model.named_modules() if n and m is classifier][:1]
-    cfg = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
-    names += [n for n in ([cfg] if isinstance(cfg, str) else cfg or []) if n and n not in names]
-    return [n + "." for n in names]
-
-
-def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: str, *,
-                  head: Sequence[str] | None = None, fresh_head: bool = False,
-                  what: str = "checkpoint") -> dict[str, Any]:  # fmt: skip
-    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, except its head.
-
-    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
-    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
-    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
-    file's head tensors (also those of ``file_model``'s head) are ignored. Any other missing, unexpected or
-    mis-shaped key is a :class:`CheckpointError` naming them. Returns ``{"loaded": count, "reinitialised":
-    [model keys], "ignored": [file keys]}``."""
-    own = model.state_dict()
-    prefixes = tuple(head if head is not None else head_prefixes(model))
-    head_own = [k for k in own if k.startswith(prefixes)]
-    load_head = (
-        bool(head_own)
-        and not fresh_head
-        and all(k in tensors and tensors[k].shape == own[k].shape for k in head_own)
-    )
-    reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
-    file_head = prefixes + tuple(head_prefixes(file_model))
-    ignored = sorted(k for k in tensors if k.startswith(file_head) and not (load_head and k in own))
-    body = [k for k in own if not k.startswith(prefixes)]
-    shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in body
-              if k in tensors and tensors[k].shape != own[k].shape]  # fmt: skip
-    parts = [f"{len(keys)} {label}: {listed(keys, 6)}" for label, keys in (
-        ("missing from the file", [k for k in body if k not in tensors]),
-        ("not in the model", [k for k in tensors if k not in own and k not in ignored]),
-        ("with other shapes (file vs model)", shapes)) if keys]  # fmt: skip
-    if parts:
-        raise CheckpointError(f"{what} ({file_model}) does not fit the model: " + "; ".join(parts))
-    loadable = {k: tensors[k] for k in body + (head_own if load_head else [])}
-    model.load_state_dict(loadable, strict=False)
-    return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
-
-
 def _load_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> nn.Module:
     """timm's ``pretrained=True, pretrained_cfg_overlay=dict(file=path)`` for repmlp model ``name``: the model
-    with the file's options (``kwargs`` take precedence), loaded by :func:`load_matching`."""
+    with the file's options (``kwargs`` take precedence), loaded strictly; a classifier for another number of
+    classes starts fresh (``reset_classifier``), as timm's ``load_pretrained`` drops it."""
     tensors, fm = read_model_file(path)
     if fm.model != name:
         raise CheckpointError(f"pretrained file {path} does not hold {name} ({fm.model})")
     if (fm.form == "deploy") != bool(kwargs.get("deploy", False)):
         hint = (
-            "pass deploy=True" if fm.form == "deploy" else "leave deploy out (the file is the training form)"
+            "leave deploy out (the file is the training form)" if fm.form == "train" else "pass deploy=True"
         )
         raise CheckpointError(f"{path} holds the {fm.form} form of {name}: {hint}")
+    classes = kwargs.pop("num_classes", None)
     model = create_model(name, **{**fm.model_kwargs, **kwargs})
-    load_matching(model, tensors, fm.model, what=f"pretrained file {path}")
+    compare_state(f"pretrained file {path}", f"{name} with {kwargs}", model.state_dict(), tensors)
+    model.load_state_dict(tensors)
+    if classes is not None and classes != getattr(model, "num_classes", None):
+        if not hasattr(model, "reset_classifier"):
+            raise ValueError(f"{name} has no classifier to resize: leave num_classes out")
+        model.reset_classifier(classes)
     return model
 
 

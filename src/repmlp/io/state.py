@@ -1,10 +1,6 @@
-"""Training states: any nested structure of dicts, lists, tuples, numbers, texts, tensors and numpy arrays
-(a run's model, optimizer, scheduler, RNG states, data position) in one safetensors file.
-
-Tensors and arrays go into the safetensors body, the rest into a JSON tree in the file's metadata, so one
-file holds one consistent state; it is written atomically (:func:`repmlp.io.model_file.atomic_write_bytes`)
-and read without unpickling anything.
-"""
+"""Training states: nested dicts, lists, tuples, numbers, texts, tensors and arrays (a run's model, optimizer,
+RNG states, data position) in one safetensors file, written atomically and read without unpickling: the
+tensors in its body, the rest a JSON tree in its metadata."""
 
 from __future__ import annotations
 
@@ -74,8 +70,7 @@ def save_state(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any]:
-    """Inverse of :func:`save_state` (tensors come back on the CPU); a :class:`CheckpointError` for a file
-    that is not a training state or whose tree is malformed."""
+    """Inverse of :func:`save_state` (tensors on the CPU); a :class:`CheckpointError` for any other file."""
     tensors, meta = read_tensors(path)
     if meta.get("format") != STATE_FORMAT or "state" not in meta:
         raise CheckpointError(

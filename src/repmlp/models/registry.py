@@ -1,10 +1,5 @@
-"""repmlp's models in timm's registry, and building any model by name.
-
-``@register_model`` registers a builder with timm under its ``__name__`` (with repmlp's default
-``pretrained_cfg``), so that after ``import repmlp`` both ``timm.create_model(name)`` and
-:func:`create_model` build it. :func:`create_model` is a thin wrapper over timm's (and torchvision's)
-that adds ``deploy=True``; :func:`build_model` is ``create_model`` sized for a run's data.
-"""
+"""repmlp's models in timm's registry (``@register_model``), and any model by name: :func:`create_model`, a thin
+wrapper over timm's and torchvision's that adds ``deploy=True``, and :func:`build_model`, sized for a run."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from repmlp.nn.convert import reparameterize_model
 from repmlp.nn.numerics import full_float32
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "resolve_model",
-           "build_model", "takes_img_size", "default_input_size", "input_size_of", "check_forward"]  # fmt: skip
+           "build_model", "takes_img_size", "default_input_size", "check_forward"]  # fmt: skip
 
 # How ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` reads a repmlp model file: repmlp.io
 # (which reads model files, above the models) sets ``FILE_LOADER["file"]``; ``import repmlp`` imports it.
@@ -34,23 +29,18 @@ FILE_LOADER: dict[str, Callable[[str, str, dict[str, Any]], nn.Module]] = {}
 
 
 def _no_pretrained(name: str) -> ValueError:
-    return ValueError(
-        f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` (or `repmlp "
-        "import` released ones) and load the file with repmlp.load_model, or with pretrained=True, "
-        "pretrained_cfg_overlay=dict(file=PATH)"
-    )
+    return ValueError(f"no pretrained weights are distributed for {name!r}; train one with `repmlp train` (or "
+                      "`repmlp import` released ones) and load the file with repmlp.load_model, or with "
+                      "pretrained=True, pretrained_cfg_overlay=dict(file=PATH)")  # fmt: skip
 
 
 def register_model(
     fn: Callable[..., nn.Module] | None = None, *, feature_cfg: dict | None = None, **cfg: Any
 ) -> Any:
-    """Register ``fn(pretrained=False, **kwargs) -> nn.Module`` with timm (bare or ``@register_model(**cfg)``).
-
-    ``cfg`` overrides fields of the model's timm ``pretrained_cfg`` (``input_size``, ``num_classes``, ``mean``,
-    ``pool_size``, ``fixed_input_size``, ...: the builder's defaults); it names no weights. The model is
-    built by timm's ``build_model_with_cfg``: ``features_only=True`` wraps it in the feature extractor that
-    ``feature_cfg`` chooses (``FeatureListNet`` on the model's ``feature_info`` by default).
-    """
+    """Register ``fn(pretrained=False, **kwargs) -> nn.Module`` with timm under its name, bare or as
+    ``@register_model(**cfg)``: ``cfg`` overrides fields of its ``pretrained_cfg`` (the builder's defaults; no
+    weights). timm's ``build_model_with_cfg`` builds it: ``features_only=True`` wraps it in the extractor
+    ``feature_cfg`` chooses (``FeatureListNet`` on the model's ``feature_info`` by default)."""
 
     def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         name = fn.__name__
@@ -86,9 +76,8 @@ def register_model(
 
 
 def _build(fn: Callable[..., nn.Module], name: str, feature_cfg: dict, **kwargs: Any) -> nn.Module:
-    """``fn`` built by timm's ``build_model_with_cfg``; the model's cfg then holds its own class count and
-    input size. timm passes ``img_size=(H, W)`` to fixed-size models: ours take an int for square inputs."""
-    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    """``fn`` built by timm's ``build_model_with_cfg``, its cfg then holding its own class count and input size.
+    timm passes ``img_size=(H, W)`` to fixed-size models: ours take an int for square inputs."""
     kwargs.pop("cache_dir", None)
 
     def call(**kw: Any) -> nn.Module:
@@ -106,7 +95,7 @@ def _build(fn: Callable[..., nn.Module], name: str, feature_cfg: dict, **kwargs:
         if size is not None:
             size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
             cfg["input_size"] = (getattr(model, "in_chans", cfg["input_size"][0]), *size)
-    return model if device is None and dtype is None else model.to(device=device, dtype=dtype)
+    return model
 
 
 def is_model(name: str) -> bool:
@@ -120,9 +109,9 @@ def list_models(pattern: str = "") -> list[str]:
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """``(source, bare name)`` of a model name: ``"repmlp"``, ``"timm"`` or ``"torchvision"``, in that order
-    of precedence; the prefixes ``repmlp:``, ``timm:`` and ``torchvision:`` force a source. A ``ValueError``
-    for a name no source knows (close names are suggested at the command line, :mod:`repmlp.commands`)."""
+    """``(source, bare name)``: ``"repmlp"``, ``"timm"`` or ``"torchvision"``, in that order (prefixes ``repmlp:``,
+    ``timm:``, ``torchvision:`` force one); a ``ValueError`` for a name none knows (close names are the
+    command line's: :func:`repmlp.commands._common.model_name`)."""
     source, _, bare = name.rpartition(":")
     if source not in ("", "repmlp", "timm", "torchvision"):
         raise ValueError(f"unknown model source {source!r} in {name} (repmlp, timm, torchvision)")
@@ -138,14 +127,10 @@ def resolve_model(name: str) -> tuple[str, str]:
 
 def create_model(name: str, *, num_classes: int | None = None, in_chans: int | None = None,
                  deploy: bool = False, pretrained: bool = False, **kwargs: Any) -> nn.Module:  # fmt: skip
-    """Build a model by name (:func:`resolve_model`): repmlp's, timm's or torchvision's.
-
-    ``num_classes``/``in_chans`` left ``None`` keep the model's defaults (``num_classes=0``: no classifier).
-    ``deploy=True`` builds the inference form: repmlp's models build the converted structure directly (load
-    the state dict of ``reparameterize_model(model)`` into it); timm's and torchvision's models are built
-    and passed through ``reparameterize_model``. Raises ``ValueError`` for an unknown name or an option
-    the model does not take.
-    """
+    """A model by name (:func:`resolve_model`); ``num_classes``/``in_chans`` left ``None`` keep its defaults
+    (``num_classes=0``: no classifier). ``deploy=True``: the inference form (repmlp's models build the
+    converted structure, which takes ``reparameterize_model(model)``'s state dict; timm's and torchvision's
+    are converted). A ``ValueError`` for an unknown name or an option the model does not take."""
     source, bare = resolve_model(name)
     for key, value, lowest in (("in_chans", in_chans, 1), ("num_classes", num_classes, 0)):
         if value is not None and (
@@ -181,30 +166,7 @@ def takes_img_size(name: str) -> bool:
 
 def default_input_size(model: nn.Module, fallback: Sequence[int] = (3, 224, 224)) -> tuple[int, ...]:
     """``(C, H, W)`` a built model expects: its timm ``pretrained_cfg`` input size, else ``fallback``."""
-    cfg = getattr(model, "pretrained_cfg", None)
-    size = cfg.get("input_size") if isinstance(cfg, Mapping) else None
-    return tuple(int(s) for s in (size or fallback))
-
-
-def input_size_of(name: str, model_args: Mapping[str, Any] | None = None) -> tuple[int, int, int] | None:
-    """``(C, H, W)`` model ``name`` takes when built with ``model_args``: their ``in_chans``/``img_size``, else
-    its registered (timm) config's input size; ``None`` when no config knows (a torchvision model)."""
-    try:
-        source, bare = resolve_model(name)
-    except ValueError:
-        return None
-    size = getattr(timm.get_pretrained_cfg(bare), "input_size", None) if source != "torchvision" else None
-    if not size:
-        return None
-    c, h, w = (int(s) for s in size)
-    args = model_args or {}
-    c = args["in_chans"] if isinstance(args.get("in_chans"), int) else c
-    given = args.get("img_size")
-    if isinstance(given, int):
-        h = w = given
-    elif isinstance(given, (list, tuple)) and len(given) == 2:
-        h, w = (int(s) for s in given)
-    return c, h, w
+    return tuple(int(s) for s in (getattr(model, "pretrained_cfg", None) or {}).get("input_size") or fallback)
 
 
 def build_model(
@@ -216,13 +178,9 @@ def build_model(
     img_size: int | None = None,
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """``create_model(name, **model_args)`` sized for the data; returns ``(model, kwargs used)``.
-
-    ``img_size`` is passed only to models built for one input size (:func:`takes_img_size`). ``check`` sees
-    the options before the model is built (a resumed run sizes them against its state on the ``meta``
-    device). An unknown name or an option the model rejects (``ValueError``/``TypeError``) is a
-    :class:`UserError`; any other exception is a bug and keeps its traceback.
-    """
+    """``(create_model(name, **kwargs), kwargs)``: ``model_args`` with the data's sizes (``img_size`` only for a
+    model built for one: :func:`takes_img_size`), seen by ``check`` before the build. An unknown name or an
+    option the model rejects is a :class:`UserError`; any other exception is a bug and keeps its traceback."""
     kwargs = dict(model_args or {})
     kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
     if img_size is not None and takes_img_size(name):

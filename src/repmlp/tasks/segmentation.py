@@ -34,7 +34,7 @@ from repmlp.engine import (
     unwrap,
 )
 from repmlp.errors import UserError
-from repmlp.io.model_file import CheckpointError, listed, read_model_file
+from repmlp.io.model_file import CheckpointError, compare_state, read_model_file
 from repmlp.models.pspnet import PSPNet
 from repmlp.models.registry import build_model
 from repmlp.tasks._common import (
@@ -151,7 +151,7 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
     Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh initialisation
     (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of the ImageNet model
     is dropped. Any other difference (a backbone tensor the file lacks, a file tensor the backbone lacks, a
-    shape) is a :class:`UserError` listing them. Returns ``{"loaded": [...], "reinitialised": [...],
+    shape) is one :class:`UserError` listing them. Returns ``{"loaded": [...], "reinitialised": [...],
     "ignored": [...]}`` (backbone keys) and the file's ``"model"``.
     """
     try:  # the file's metadata and tensors checked as any model file's
@@ -163,36 +163,13 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
             f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
             "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
         )
-    own = model.backbone.state_dict()
+    own = {k: v for k, v in model.backbone.state_dict().items() if not _is_reinitialised(k)}
     ignored = sorted(k for k in tensors if k.startswith("fc."))
-    reinit = sorted(k for k in own if _is_reinitialised(k))
-    shapes = sorted(
-        f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in tensors and not _is_reinitialised(k) and tensors[k].shape != v.shape
-    )
-    parts = [
-        f"{len(keys)} {what}: {listed(keys, 8)}"
-        for what, keys in (
-            (
-                "missing from the file",
-                sorted(k for k in own if k not in tensors and not _is_reinitialised(k)),
-            ),
-            (
-                "not in the backbone",
-                sorted(k for k in tensors if k not in own and k not in ignored and not _is_reinitialised(k)),
-            ),
-            ("with other shapes (file vs backbone)", shapes),
-        )
-        if keys
-    ]
-    if parts:
-        raise UserError(
-            f"backbone weights {path} (from {fm.model}) do not fit the backbone: " + "; ".join(parts)
-        )
-    loadable = {k: v for k, v in tensors.items() if k in own and not _is_reinitialised(k)}
-    model.backbone.load_state_dict(loadable, strict=False)
-    return {"loaded": sorted(loadable), "reinitialised": reinit, "ignored": ignored, "model": fm.model}
+    kept = {k: v for k, v in tensors.items() if k not in ignored and not _is_reinitialised(k)}
+    compare_state(f"backbone weights {path} (from {fm.model})", "the backbone", own, kept)
+    model.backbone.load_state_dict(kept, strict=False)
+    reinit = sorted(k for k in model.backbone.state_dict() if _is_reinitialised(k))
+    return {"loaded": sorted(kept), "reinitialised": reinit, "ignored": ignored, "model": fm.model}
 
 
 def _build(
