@@ -22,7 +22,7 @@ import torch
 from common import device_arg, hardware, parse_cpu_only, table
 from repmlp.bench.timing import time_interleaved
 from repmlp.data import DataConfig, build_data
-from repmlp.models.model_file import load_model
+from repmlp.io.model_file import load_model
 
 _GOAL_TOP1 = {"bf16": 0.3, "fp16": 0.3, "int8": 1.0}
 

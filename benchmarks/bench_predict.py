@@ -61,7 +61,7 @@ def save_deployed(
     path: Path, name: str, kwargs: dict, dataset: str, input_size: tuple[int, int, int]
 ) -> None:
     import repmlp
-    from repmlp.models.model_file import save_model
+    from repmlp.io.model_file import save_model
 
     model = repmlp.create_model(name, **kwargs).eval()
     extra = {"dataset": dataset, "input_size": list(input_size)}

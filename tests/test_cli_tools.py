@@ -1,7 +1,7 @@
 """``repmlp convert / export / bench / viz / tables`` through the real entry point, and their library code.
 
 A tiny ``repmlp_fmnist`` (two stages of 4 and 8 channels, 7x7 partitions, K=1,3,5) saved with
-``repmlp.models.model_file.save_model`` stands in for a trained run, so no test depends on training.
+``repmlp.io.model_file.save_model`` stands in for a trained run, so no test depends on training.
 The commands run through ``repmlp.cli.main`` in this process (the function the console script runs,
 which returns the exit status), to keep the suite fast on two cores; the ONNX/TorchScript export runs as a
 real ``python -m repmlp`` process, end to end.
@@ -20,7 +20,7 @@ import torch
 
 import repmlp
 from repmlp import cli
-from repmlp.models.model_file import load_model, save_model
+from repmlp.io.model_file import load_model, save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")

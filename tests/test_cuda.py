@@ -34,8 +34,8 @@ from safetensors.torch import load_file
 
 from repmlp import create_model, list_models, reparameterize_model, to_precision
 from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
-from repmlp.models.builder import default_input_size
-from repmlp.models.model_file import load_model
+from repmlp.io.model_file import load_model
+from repmlp.models.registry import default_input_size
 from repmlp.nn.numerics import full_float32
 from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 from zoo import shallow

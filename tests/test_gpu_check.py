@@ -45,7 +45,9 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
     assert budget <= 8 * 60
     assert not (tmp_path / "out").exists()
     # The image-folder pipeline and torchrun's stop-and-resume run when named.
-    res = gpu_check("--dry-run", "--only", "data,torchrun", "--out", tmp_path / "out", REPMLP_FMNIST_DIR=str(data))
+    res = gpu_check(
+        "--dry-run", "--only", "data,torchrun", "--out", tmp_path / "out", REPMLP_FMNIST_DIR=str(data)
+    )
     steps = {m[0]: m[2] for m in re.findall(r"^(\w+) +timeout +(\d+)s: (.*)$", res.stdout, re.M)}
     assert list(steps) == ["data", "torchrun"]
     assert "scripts/make_image_folder.py" in steps["data"] and "--gpu-decode" in steps["data"]

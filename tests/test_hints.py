@@ -36,6 +36,15 @@ def test_a_mistyped_option_or_choice_gets_the_closest_one_of_its_own_command():
     assert "did you mean" not in _error("eval", "--epochs", "2")
 
 
+def test_a_mistyped_model_name_gets_the_closest_names_of_every_registry():
+    """Close names are the command line's (``repmlp.create_model`` only says the name is unknown): repmlp's,
+    timm's and torchvision's, each once, for every command that takes ``--model``, before any work."""
+    line = _error("bench", "--model", "repmlp_res5O")
+    assert "argument --model: unknown model 'repmlp_res5O'" in line and "did you mean: repmlp_res50" in line
+    assert "did you mean: resnet18" in _error("train", "--model", "torchvision:resnet1")
+    assert "did you mean" not in _error("import", "x.pth", "--model", "zzzzqqqq", "--output", "y.safetensors")
+
+
 def test_a_model_file_given_without_checkpoint_says_how_to_give_it():
     hint = "give the model file with --checkpoint: --checkpoint runs/X/deploy.safetensors"
     for command in ("eval", "convert", "export", "bench"):

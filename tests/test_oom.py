@@ -15,7 +15,8 @@ from PIL import Image
 
 from repmlp import create_model
 from repmlp.data.fashion_mnist import load_fashion_mnist
-from repmlp.models.model_file import load_state, save_model
+from repmlp.io.model_file import save_model
+from repmlp.io.state import load_state
 from repmlp_testdata import make_fashion_mnist, run_cli, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 import repmlp
-from repmlp.models.model_file import save_model
+from repmlp.io.model_file import save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -202,7 +202,7 @@ def test_predict_writes_hostile_names_safely(files, tmp_path):
 
 def test_a_failed_write_names_the_users_path(tmp_path):
     from repmlp.errors import UserError
-    from repmlp.models.model_file import atomic_write_text, staged
+    from repmlp.io.model_file import atomic_write_text, staged
 
     blocker = tmp_path / "file"
     blocker.write_text("x")

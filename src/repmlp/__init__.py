@@ -4,7 +4,8 @@ from repmlp._version import __version__ as __version__  # repmlp.__version__
 from repmlp.bench.counts import profile
 from repmlp.deploy.precision import PRECISIONS, to_precision
 from repmlp.deploy.predict import Prediction, Predictor
-from repmlp.models import ModelMetadata, create_model, list_models, load_model, register_model
+from repmlp.io import ModelMetadata, load_model, save_model
+from repmlp.models import create_model, list_models, register_model
 from repmlp.nn.block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock, RepMLPBlock1d
 from repmlp.nn.convert import fuse_conv_bn, reparameterize_model
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
@@ -31,6 +32,7 @@ __all__ = [
     "register_model",
     "profile",
     "load_model",
+    "save_model",
     "Predictor",
     "Prediction",
     "ModelMetadata",

@@ -78,7 +78,7 @@ def _one_line(exc: BaseException) -> str:
     if len(lines) <= 1:
         return lines[0] if lines else type(exc).__name__
     last = lines[-1]
-    for prefix in ("repmlp.errors.UserError: ", "repmlp.models.file_format.CheckpointError: ", "UserError: "):
+    for prefix in ("repmlp.errors.UserError: ", "repmlp.io.model_file.CheckpointError: ", "UserError: "):
         if last.startswith(prefix):
             return last[len(prefix) :]
     return last

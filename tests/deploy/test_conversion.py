@@ -12,7 +12,7 @@ import repmlp
 import repmlp.nn.convert as convert_module
 from repmlp.deploy.conversion import CONVERSION_RTOL, DeployedFile, compare_outputs, convert_and_check
 from repmlp.errors import UserError
-from repmlp.models.file_format import CheckpointError
+from repmlp.io.model_file import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,7 +98,7 @@ def test_a_written_file_is_reloaded_and_compared(tmp_path):
 def test_batchnorms_the_deploy_model_keeps_are_written_unfolded(tmp_path, monkeypatch):
     """A file that does not load into the ``deploy=True`` model with every BN folded is written again
     without folding; one that loads in neither way is one error naming the model."""
-    import repmlp.models.model_file as model_file
+    import repmlp.io.model_file as model_file
 
     real_load, real_convert = model_file.load_model, convert_module.reparameterize_model
     folds = []

@@ -18,8 +18,7 @@ import torch
 import repmlp
 from repmlp.bench.counts import profile_model
 from repmlp.deploy.precision import Int8OnnxModel, precision_of, to_precision
-from repmlp.models.file_format import CheckpointError, read_metadata
-from repmlp.models.model_file import load_model, save_model
+from repmlp.io.model_file import CheckpointError, load_model, read_metadata, save_model
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

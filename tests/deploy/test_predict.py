@@ -23,7 +23,7 @@ from PIL import Image
 import repmlp
 from repmlp import cli
 from repmlp.data.fashion_mnist import CLASSES, DEBIAN_DIR, load_fashion_mnist
-from repmlp.models.model_file import save_model
+from repmlp.io.model_file import save_model
 from repmlp_testdata import make_fashion_mnist, make_image_folder, subprocess_env, user_error_line
 
 NAME = "repmlp_fmnist"
@@ -294,7 +294,7 @@ def test_user_errors_are_one_line(files, tmp_path, capsys):
     labels = tmp_path / "labels.txt"
     labels.write_text("a\nb\nc\n")
     state = tmp_path / "state.safetensors"
-    from repmlp.models.model_file import save_state
+    from repmlp.io.state import save_state
 
     save_state(state, {"step": 1})
     out = tmp_path / "out.csv"
@@ -359,7 +359,7 @@ def test_readme_example_runs(files, tmp_path, monkeypatch):
 
 
 def test_imported_imagenet_models_get_imagenet_class_names():
-    from repmlp.models.importer import imagenet_class_names
+    from repmlp.io.importer import imagenet_class_names
 
     names = imagenet_class_names(1000)
     assert len(names) == 1000 and names[0].startswith("tench") and names[999].startswith("toilet tissue")

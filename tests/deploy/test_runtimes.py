@@ -21,7 +21,7 @@ import torch
 import repmlp
 from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, to_runtime
 from repmlp.errors import UserError
-from repmlp.models.model_file import save_model
+from repmlp.io.model_file import save_model
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

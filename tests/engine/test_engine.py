@@ -27,7 +27,7 @@ from repmlp.engine import (
     train_loop,
 )
 from repmlp.errors import UserError
-from repmlp.models.model_file import load_state
+from repmlp.io.state import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,7 +184,7 @@ def test_resume_rules_runtime_keys_may_change_the_others_not(tmp_path):
 
 
 def test_build_model_passes_img_size_only_to_models_built_for_one_size():
-    from repmlp.models.builder import build_model, takes_img_size
+    from repmlp.models.registry import build_model, takes_img_size
 
     assert takes_img_size("repmlp_fmnist") and takes_img_size("repmlp:repmlp_cifar")
     assert takes_img_size("vit_tiny_patch16_224")  # timm's config: fixed_input_size
@@ -196,8 +196,8 @@ def test_build_model_passes_img_size_only_to_models_built_for_one_size():
 
 
 def test_build_model_errors_are_user_errors_and_bugs_keep_their_traceback(monkeypatch):
-    import repmlp.models as models
-    from repmlp.models.builder import build_model
+    import repmlp.models.registry as models
+    from repmlp.models.registry import build_model
 
     with pytest.raises(UserError, match="cannot build model 'no_such_model'"):
         build_model("no_such_model")

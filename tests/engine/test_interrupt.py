@@ -24,7 +24,7 @@ from torch import nn
 import repmlp.engine.loop as loop
 from repmlp.engine import DistInfo, LoopHooks, LoopOptions, Position, check_output, state_hash, train_loop
 from repmlp.engine.loop import Diverged, RunInterrupted
-from repmlp.models.model_file import load_state
+from repmlp.io.state import load_state
 from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,9 +39,9 @@ ARGS = ["--train-limit", 64, "--val-limit", 16, "--batch-size", 8, "--ckpt-every
 SELF_SIGINT = """
 import runpy, signal, sys
 import repmlp.engine.loop as loop
-import repmlp.models.model_file as model_file
+import repmlp.io.state as state_file
 
-step, save_state = loop._Loop.step, model_file.save_state
+step, save_state = loop._Loop.step, state_file.save_state
 
 def step_then_sigint(self, images, labels):
     lr = step(self, images, labels)
@@ -53,7 +53,7 @@ def save_state_under_sigint(path, state):
     signal.raise_signal(signal.SIGINT)
     save_state(path, state)
 
-loop._Loop.step, model_file.save_state = step_then_sigint, save_state_under_sigint
+loop._Loop.step, state_file.save_state = step_then_sigint, save_state_under_sigint
 sys.argv = ["repmlp", *sys.argv[1:]]
 runpy.run_module("repmlp", run_name="__main__", alter_sys=True)
 """

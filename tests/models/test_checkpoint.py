@@ -12,8 +12,8 @@ import torch
 
 import repmlp
 from repmlp.errors import UserError
-from repmlp.models.file_format import CheckpointError, read_metadata
-from repmlp.models.model_file import atomic_write_bytes, load_model, load_state, save_model, save_state
+from repmlp.io.model_file import CheckpointError, atomic_write_bytes, load_model, read_metadata, save_model
+from repmlp.io.state import load_state, save_state
 
 TINY = {"num_classes": 10, "in_chans": 1, "img_size": 28, "widths": [4, 4, 4]}
 
@@ -56,12 +56,13 @@ def test_model_round_trip_both_forms(tmp_path):
 
 
 def test_a_loaded_model_carries_its_files_metadata(tmp_path):
-    """``load_model`` (also ``repmlp.load_model`` and ``repmlp.models.load_model``) returns the model with
+    """``load_model`` (also ``repmlp.load_model`` and ``repmlp.io.load_model``) returns the model with
     ``metadata``: what the file records, completed from the model where the file says nothing."""
-    import repmlp.models
+    import repmlp.io
 
-    assert repmlp.load_model is load_model and repmlp.models.load_model is load_model
-    assert repmlp.ModelMetadata is repmlp.models.ModelMetadata
+    assert repmlp.load_model is load_model and repmlp.io.load_model is load_model
+    assert repmlp.save_model is save_model and repmlp.io.save_model is save_model
+    assert repmlp.ModelMetadata is repmlp.io.ModelMetadata
     classes = [f"c{i}" for i in range(10)]
     extra = {"dataset": "fashion-mnist", "classes": classes, "task": "cls"}
     path = tmp_path / "m.safetensors"
@@ -98,7 +99,7 @@ def test_wrong_form_and_other_model_are_clear_errors(tmp_path):
     # Weights of another architecture under this name: strict loading names the mismatch.
     other = repmlp.create_model("repmlp_fmnist", **{**TINY, "widths": [4, 8, 8]})
     save_model(path, other, name="repmlp_fmnist", model_kwargs=TINY, form="train")
-    with pytest.raises(CheckpointError, match="does not fit repmlp_fmnist.*shape mismatch"):
+    with pytest.raises(CheckpointError, match="does not fit repmlp_fmnist.*with other shapes"):
         load_model(path)
     save_model(path, _tiny(), name="no_such_model_xyz", model_kwargs={}, form="train")
     with pytest.raises(CheckpointError, match="field 'model' names no model .*no_such_model_xyz"):
@@ -193,10 +194,9 @@ def test_atomic_write_gives_files_the_usual_permissions(tmp_path):
 
 def test_recorded_normalisation_is_bounded_where_the_file_is_read():
     """A std of 1e-300 would turn every pixel into inf (every image "skipped"): the file is blamed."""
-    from repmlp.models.file_metadata import EXTRA_FIELDS
+    from repmlp.io.model_file import check_field
 
-    check = EXTRA_FIELDS["eval_preprocessing"]
-    check("f", "eval_preprocessing", {"mean": [0.5], "std": [0.25]})  # a real one passes
+    check_field("f", "extra.eval_preprocessing", {"mean": [0.5], "std": [0.25]})  # a real one passes
     for key, value in (("std", [1e-300]), ("std", [0.0]), ("std", [1e300]), ("mean", [-1e300])):
         with pytest.raises(CheckpointError, match=f"eval_preprocessing.{key}' must be 1 to 4 numbers in"):
-            check("f", "eval_preprocessing", {key: value})
+            check_field("f", "extra.eval_preprocessing", {key: value})

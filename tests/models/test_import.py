@@ -16,9 +16,8 @@ from test_repmlpnet import randomize
 from torch import Tensor
 
 from repmlp import create_model
-from repmlp.models.file_format import read_metadata
-from repmlp.models.importer import WeightsImportError, import_checkpoint
-from repmlp.models.model_file import load_model
+from repmlp.io.importer import WeightsImportError, import_checkpoint
+from repmlp.io.model_file import load_model, read_metadata
 from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 
@@ -226,7 +225,9 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
         import_checkpoint(tmp_path / "extra.pth", NAME, dict(ARCH))
     missing = {k: v for k, v in sd.items() if k != "stages.1.0.ffn_block.ffn_fc2.bn.weight"}
     torch.save(missing, tmp_path / "missing.pth")
-    with pytest.raises(WeightsImportError, match=r"missing: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"):
+    with pytest.raises(
+        WeightsImportError, match=r"1 missing from the file: stages\.1\.blocks\.0\.ffn\.fc2\.bn\.weight"
+    ):
         import_checkpoint(tmp_path / "missing.pth", NAME, dict(ARCH))
     torch.save(sd, tmp_path / "ok.pth")
     with pytest.raises(WeightsImportError, match=r"not a repmlpnet_b224: its channels \(8, 16, 16, 32\)"):
@@ -240,7 +241,7 @@ def test_eval_transform_is_the_published_preprocessing():
     from PIL import Image
 
     from repmlp.data import eval_transform
-    from repmlp.models.importer import eval_preprocessing
+    from repmlp.io.importer import eval_preprocessing
 
     pp = eval_preprocessing("repmlpnet_b224")
     assert (pp["crop_pct"], pp["crop_mode"], pp["interpolation"]) == (0.875, "squash", "bilinear")

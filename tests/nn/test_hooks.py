@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.nn.utils import prune
 
 import repmlp
-from repmlp.models.builder import default_input_size
 from repmlp.models.cifar import PartitionConvBlock
+from repmlp.models.registry import default_input_size
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.layers import ConvBN
 from zoo import SMALL_BUILDS, shallow

@@ -21,7 +21,7 @@ from torch import nn
 
 from repmlp import create_model, reparameterize_model
 from repmlp.cli import main as cli_main
-from repmlp.models.model_file import save_model
+from repmlp.io.model_file import save_model
 from repmlp.nn.numerics import full_float32
 from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 
@@ -263,7 +263,7 @@ def test_convert_and_export_checks_run_in_full_float32(caller_tf32, tiny_checkpo
 
 
 def test_selfcheck_and_bench_input_check_run_in_full_float32(caller_tf32, tiny_checkpoint):
-    from repmlp.models.builder import check_forward
+    from repmlp.models.registry import check_forward
 
     with recorded() as seen:
         res = run_cli("selfcheck")

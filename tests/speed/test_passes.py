@@ -13,7 +13,7 @@ from torch.nn.utils import prune
 
 import repmlp
 from equivalence import randomize
-from repmlp.models.builder import default_input_size
+from repmlp.models.registry import default_input_size
 from repmlp.speed import fast_inference, fast_training, plain
 from zoo import SMALL_BUILDS
 

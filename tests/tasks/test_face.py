@@ -17,9 +17,8 @@ from repmlp.bench.counts import profile_model
 from repmlp.cli import main as cli_main
 from repmlp.data.face import FaceFolder, read_pairs
 from repmlp.errors import UserError
+from repmlp.io.model_file import load_model, read_metadata, save_model
 from repmlp.models import create_model
-from repmlp.models.file_format import read_metadata
-from repmlp.models.model_file import load_model, save_model
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 import repmlp
 from repmlp import cli
-from repmlp.models.file_format import CheckpointError
-from repmlp.models.model_file import save_model, save_state
+from repmlp.io.model_file import CheckpointError, save_model
+from repmlp.io.state import save_state
 from repmlp.tasks.finetune import head_prefixes, init_from_file
 from repmlp_testdata import make_cifar10, make_image_folder, user_error_line
 
@@ -206,7 +206,7 @@ def test_main_job_model_finetunes_on_an_image_folder_of_any_mode(tmp_path, capsy
     import numpy as np
     from PIL import Image
 
-    from repmlp.models.file_format import read_metadata
+    from repmlp.io.model_file import read_metadata
 
     init = _main_job_file(tmp_path / "main.safetensors")
     folder = make_image_folder(tmp_path / "mine", classes=3, per_class=4, size=40)

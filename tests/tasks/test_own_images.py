@@ -23,8 +23,8 @@ import torch
 import repmlp
 from repmlp.cli import build_parser
 from repmlp.commands.train import resolve_config
-from repmlp.models.model_data import model_data_config
-from repmlp.models.model_file import save_model
+from repmlp.data.for_model import model_data_config
+from repmlp.io.model_file import save_model
 from repmlp_testdata import make_image_folder, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")

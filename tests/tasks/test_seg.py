@@ -16,11 +16,9 @@ from repmlp.bench.counts import profile_model
 from repmlp.cli import main as cli_main
 from repmlp.data.cityscapes import CityscapesSegmentation, random_scale_crop_flip
 from repmlp.errors import UserError
+from repmlp.io.model_file import load_model, read_metadata, save_model
 from repmlp.models import create_model
-from repmlp.models.file_format import read_metadata
-from repmlp.models.model_file import load_model, save_model
-from repmlp.models.pspnet import load_backbone_weights
-from repmlp.tasks.segmentation import poly_lr, sliding_window_logits
+from repmlp.tasks.segmentation import load_backbone_weights, poly_lr, sliding_window_logits
 from repmlp_testdata import (
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
@@ -130,7 +128,7 @@ def test_backbone_weights_inherited_except_fc1_fc2(tmp_path):
     res_kwargs = {"stages": [], "widths": small["widths"], "img_size": 64, "num_classes": 10}
     save_model(bad, res, name="repmlp_res50", model_kwargs=res_kwargs, form="train")
     with pytest.raises(
-        UserError, match=r"\(from repmlp_res50\) do not fit the backbone: \d+ missing from the file: "
+        UserError, match=r"\(from repmlp_res50\) does not fit the backbone: \d+ missing from the file: "
     ):
         load_backbone_weights(seg, str(bad))
     with pytest.raises(UserError, match="not found"):

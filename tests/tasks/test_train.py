@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from repmlp import cli
 from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
 from repmlp.engine import state_hash
-from repmlp.models.model_file import load_model, load_state, save_state
+from repmlp.io.model_file import load_model
+from repmlp.io.state import load_state, save_state
 from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, subprocess_env, write_idx
 
 # Two 28x28 stages of 4 channels, then 8 and 8: ~0.4M parameters, mostly FC3.
@@ -457,7 +458,7 @@ def bad_data(data, tmp_path_factory) -> dict[str, Path]:
         (["--dataset", "imagefolder", "--data-dir", "{no_val}"], ["has no 'val' sub-folder"]),
         (["--dataset", "cifar10", "--data-dir", "{no_test}"], ["CIFAR-10 batch missing", "test_batch"]),
         (["--dataset", "cifar10"], ["needs --data-dir"]),
-        (["--model", "no_such_model_xyz"], ["cannot build model 'no_such_model_xyz'", "unknown model"]),
+        (["--model", "no_such_model_xyz"], ["argument --model: unknown model 'no_such_model_xyz'"]),
         (["--model-arg", "widths=[4,8,8,8,8]"], ["cannot build model 'repmlp_fmnist_patch2'"]),
         (["--epochs", "0"], ["--epochs: must be >= 1, got 0"]),
         (["--lr", "-1"], ["--lr: must be a positive number, got -1"]),

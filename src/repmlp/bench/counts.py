@@ -91,7 +91,7 @@ def profile_model(
     training-time one. ``input_size`` defaults to the model's default input size; ``kwargs`` go to
     :func:`repmlp.create_model`.
     """
-    from repmlp.models import create_model, is_model, model_default_cfg
+    from repmlp.models import create_model, is_model
 
     with torch.device("meta"):
         model = create_model(name, deploy=deploy, **kwargs)
@@ -100,7 +100,7 @@ def profile_model(
         if img is not None:
             input_size = img if isinstance(img, int) else tuple(img)
         elif is_model(name):
-            input_size = tuple(model_default_cfg(name)["input_size"][1:])
+            input_size = tuple(model.pretrained_cfg["input_size"][1:])
         else:
             input_size = 224
     return profile(model.eval(), input_size, in_chans=kwargs.get("in_chans"))

@@ -23,11 +23,11 @@ from torch import nn
 
 from repmlp.bench.timing import time_rounds
 from repmlp.errors import UserError, first_line
-from repmlp.models.builder import build_model, check_forward, default_input_size
+from repmlp.models.registry import build_model, check_forward, default_input_size
 from repmlp.speed import fast_inference
 
 if TYPE_CHECKING:
-    from repmlp.models.model_file import ModelMetadata
+    from repmlp.io.model_file import ModelMetadata
 
 __all__ = [
     "BenchRow",
@@ -244,7 +244,7 @@ def models_to_bench(
     Returns name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form;
     models that take different input sizes, or not the given one, are a :class:`UserError`.
     """
-    from repmlp.models.model_file import load_model
+    from repmlp.io.model_file import load_model
 
     models: dict[str, nn.Module] = {}
     sizes: dict[str, tuple[int, ...]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -29,6 +30,27 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ output files
+def model_name(text: str) -> str:
+    """argparse type of ``--model``: a name :func:`repmlp.create_model` knows (repmlp's, timm's, torchvision's);
+    an unknown one is refused before any work, with the closest names of all three."""
+    import timm  # start-up time: the registries load only when a model is named
+    import torchvision
+
+    from repmlp.models.registry import resolve_model
+
+    try:
+        resolve_model(text)
+    except ValueError as exc:
+        names = dict.fromkeys(
+            [*timm.list_models(), *torchvision.models.list_models(module=torchvision.models)]
+        )
+        close = difflib.get_close_matches(text.rpartition(":")[2], list(names), n=5, cutoff=0.6)
+        raise argparse.ArgumentTypeError(
+            f"{exc}" + (f"; did you mean: {', '.join(close)}." if close else "")
+        ) from None
+    return text
+
+
 def add_force_argument(parser: argparse.ArgumentParser, flag: str = "--output") -> None:
     """``--force``: what lets a command replace an existing ``flag`` file (see :func:`check_output_file`)."""
     parser.add_argument(
@@ -45,7 +67,7 @@ def check_output_file(
     replaced unasked. Refused with one line, before any work: an ``output`` that is one of the command's
     ``inputs`` (symlinks and hard links seen through: ``os.path.samefile``; also with ``--force``), a
     folder or special file, and an existing non-empty file unless ``force``. The commands then write it
-    atomically (:func:`repmlp.models.model_file.staged`): a failed write leaves the old file. ``None``: no
+    atomically (:func:`repmlp.io.model_file.staged`): a failed write leaves the old file. ``None``: no
     output asked for."""
     if output is None:
         return

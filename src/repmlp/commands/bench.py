@@ -23,6 +23,7 @@ from repmlp.commands._common import (
     check_output_file,
     check_runtime,
     int_at_least,
+    model_name,
 )
 from repmlp.engine import hardware_summary, resolve_device
 
@@ -41,7 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--model", nargs="+", metavar="NAME", help="registered model name(s) (see repmlp tables)"
+        "--model",
+        nargs="+",
+        type=model_name,
+        metavar="NAME",
+        help="registered model name(s) (see repmlp tables)",
     )
     src.add_argument("--checkpoint", nargs="+", type=Path, metavar="PATH", help="model checkpoint(s)")
     p.add_argument(
@@ -91,7 +96,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from repmlp.bench.throughput import benchmark, in_precision, models_to_bench, render_markdown
     from repmlp.deploy.precision import precision_of
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     check_output_file(args.output, args.checkpoint or [], force=args.force)
     device = resolve_device(args.device)

@@ -23,8 +23,8 @@ from repmlp.deploy.export import (
     write_int8_onnx,
 )
 from repmlp.errors import UserError
-from repmlp.models.builder import check_forward
-from repmlp.models.model_file import load_model
+from repmlp.io.model_file import load_model
+from repmlp.models.registry import check_forward
 from repmlp.nn.convert import reparameterize_model
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from repmlp.commands._common import add_force_argument, check_output_file, model_arg
+from repmlp.commands._common import add_force_argument, check_output_file, model_arg, model_name
 from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("checkpoint", type=Path, help="the .pth file (authors' or mmpretrain's)")
     p.add_argument(
-        "--model", required=True, help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ..."
+        "--model",
+        required=True,
+        type=model_name,
+        help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ...",
     )
     p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
     add_force_argument(p)
@@ -50,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.models.importer import import_to_file
+    from repmlp.io.importer import import_to_file
 
     out: Path = args.output
     if out.suffix != ".safetensors":

@@ -76,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     check_output_file(args.output, force=args.force)
     if not args.speed:

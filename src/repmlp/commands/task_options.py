@@ -22,6 +22,7 @@ from repmlp.commands._common import (
     fraction,
     int_at_least,
     model_arg,
+    model_name,
     nonneg_float,
     positive_float,
     seed_int,
@@ -68,7 +69,9 @@ def add_common_train_arguments(
 
     add_init_argument(parser, help=init_help, aliases=init_aliases)
 
-    parser.add_argument("--model", default=model, help=f"registered model name (default: {model})")
+    parser.add_argument(
+        "--model", default=model, type=model_name, help=f"registered model name (default: {model})"
+    )
     parser.add_argument(
         "--model-arg",
         type=model_arg,

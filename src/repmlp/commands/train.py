@@ -34,6 +34,7 @@ from repmlp.commands._common import (
     add_run_arguments,
     int_at_least,
     model_arg,
+    model_name,
     nonneg_float,
     positive_float,
     seed_int,
@@ -186,7 +187,10 @@ def _add_recipe_options(parser: argparse.ArgumentParser) -> None:
         "(the --init file's) recipe, its batch fitted to the folder's size",
     )
     g.add_argument(
-        "--model", default=None, help="registered repmlp model, or a timm / torchvision model name"
+        "--model",
+        default=None,
+        type=model_name,
+        help="registered repmlp model, or a timm / torchvision model name",
     )
     g.add_argument(
         "--model-arg",
@@ -328,12 +332,11 @@ def _folder_recipe(
     """An image folder's new run: ``(preset, TrainConfig fields, recipe values)``, said in one log line.
 
     The input (channels and size) is the ``--init`` file's (:func:`_init_folder_defaults`), else the
-    model's own (:func:`repmlp.models.model_data.default_input`: ``repmlp_fmnist`` takes 1x28x28, not the
+    model's own (:func:`_model_input`: ``repmlp_fmnist`` takes 1x28x28, not the
     ``imagenet`` preset's 224x224 RGB). Without ``--preset`` the recipe is that model's (the init file's:
     :func:`repmlp.tasks.recipes.preset_for_model`), and without ``--batch-size`` its batch is fitted to the
     folder's size (:func:`repmlp.tasks.recipes.folder_batch_size`). Options given on the command line win.
     """
-    from repmlp.models.model_data import default_input
     from repmlp.tasks.recipes import PRESETS, folder_batch_size, folder_lr, preset_for_model
 
     name = model or PRESETS[args.preset or "imagenet"].model
@@ -343,7 +346,7 @@ def _folder_recipe(
         size, whose = pre["input_size"], "the --init file's"
         basis = (pre["model"], size, pre["dataset"])
     else:
-        size, whose = default_input(name, model_args), f"{name}'s"
+        size, whose = _model_input(name, model_args), f"{name}'s"
         fields, basis = _own_input(name, size, args, derived), (name, size, None)
     preset, why = (args.preset, "--preset") if args.preset else preset_for_model(*basis)
     recipe = PRESETS[preset]
@@ -366,6 +369,27 @@ def _folder_recipe(
 
 # How far _count_images counts: a folder of at least this many batches is large enough for any preset.
 FOLDER_COUNT_STEPS = 16
+
+
+def _model_input(name: str, model_args: dict | None) -> tuple[int, int, int] | None:
+    """``(C, H, W)`` model ``name`` takes with ``model_args``: their ``in_chans``/``img_size``, else its timm
+    config's input size; ``None`` when no config knows (a torchvision model)."""
+    import timm  # start-up time: the registries load only when a run starts
+
+    from repmlp.models.registry import resolve_model
+
+    try:
+        source, bare = resolve_model(name)
+    except ValueError:
+        return None
+    size = getattr(timm.get_pretrained_cfg(bare), "input_size", None) if source != "torchvision" else None
+    if not size:
+        return None
+    args = model_args or {}
+    c, h, w = (int(s) for s in size)
+    given = args.get("img_size")
+    h, w = (given, given) if isinstance(given, int) else given if isinstance(given, (list, tuple)) else (h, w)
+    return (args["in_chans"] if isinstance(args.get("in_chans"), int) else c), int(h), int(w)
 
 
 def _own_input(

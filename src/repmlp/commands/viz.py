@@ -14,7 +14,7 @@ from pathlib import Path
 
 from repmlp.commands._common import add_force_argument, check_output_file, int_at_least
 from repmlp.errors import UserError
-from repmlp.models.model_file import load_model
+from repmlp.io.model_file import load_model
 
 log = logging.getLogger(__name__)
 

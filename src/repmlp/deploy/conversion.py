@@ -22,13 +22,12 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.data import build_data
+from repmlp.data.for_model import model_data_config
 from repmlp.deploy.precision import native_support, to_precision
 from repmlp.errors import UserError, first_line
-from repmlp.models import model_file
-from repmlp.models.builder import check_forward
-from repmlp.models.file_format import CheckpointError
-from repmlp.models.model_data import model_data_config
-from repmlp.models.model_file import ModelMetadata
+from repmlp.io import model_file
+from repmlp.io.model_file import CheckpointError, ModelMetadata
+from repmlp.models.registry import check_forward
 from repmlp.nn import convert as nn_convert
 from repmlp.nn.numerics import full_float32
 
@@ -73,7 +72,7 @@ def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
 @dataclass
 class DeployedFile:
     """Where and as what :func:`convert_and_check` writes the deployed model: the arguments of
-    :func:`repmlp.models.model_file.save_model` (``form="deploy"``)."""
+    :func:`repmlp.io.model_file.save_model` (``form="deploy"``)."""
 
     path: Path
     name: str

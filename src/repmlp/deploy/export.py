@@ -1,6 +1,6 @@
 """Export a (deployed) model to ONNX, TorchScript or a ``torch.export`` program, checked against PyTorch.
 
-Each exporter writes into a temporary file beside the destination (:func:`repmlp.models.model_file.staged`),
+Each exporter writes into a temporary file beside the destination (:func:`repmlp.io.model_file.staged`),
 loads the written file back (ONNX into onnxruntime), compares its outputs with PyTorch's in full float32,
 and only then moves it into place: the destination is never left half-written or replaced by a file that
 failed its check. The batch dimension stays dynamic: the check runs at another batch size than the trace,
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.errors import first_line
-from repmlp.models.model_file import atomic_write_bytes, staged
+from repmlp.io.model_file import atomic_write_bytes, staged
 from repmlp.nn.numerics import full_float32
 
 __all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "missing_onnx_packages",

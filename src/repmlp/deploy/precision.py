@@ -28,8 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.deploy.onnx_model import RuntimeModel
-from repmlp.models.file_metadata import PRECISIONS
-from repmlp.models.model_file import register_precision_loader
+from repmlp.io.model_file import PRECISION_LOADERS, PRECISIONS
 
 __all__ = [
     "PRECISIONS",
@@ -350,8 +349,8 @@ def _load_int8(onnx: Tensor, input_size: Sequence[int] | None = None) -> Int8Onn
     return Int8OnnxModel(onnx)
 
 
-# Model files in a reduced precision are rebuilt by these (repmlp.models.model_file reads the files).
-register_precision_loader("int8", _load_int8)
+# Model files in a reduced precision are rebuilt by these (repmlp.io.model_file reads the files).
+PRECISION_LOADERS["int8"] = _load_int8
 for _precision, _dtype in DTYPES.items():
     if _precision != "fp32":
-        register_precision_loader(_precision, lambda model, dtype=_dtype: _float_model(model, dtype))
+        PRECISION_LOADERS[_precision] = lambda model, dtype=_dtype: _float_model(model, dtype)

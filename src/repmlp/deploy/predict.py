@@ -3,8 +3,8 @@
 A model file (any this project writes or imports: training-time or deployed, float32, bf16, fp16 or
 int8) carries what a prediction needs besides its weights: the model's name and options, its class names
 (``extra["classes"]``) and its evaluation preprocessing (``extra["dataset"]``, ``input_size``,
-``eval_preprocessing``). :func:`repmlp.models.model_file.load_model` (``repmlp.load_model``) returns the
-model with that as ``model.metadata`` (:class:`~repmlp.models.model_file.ModelMetadata`);
+``eval_preprocessing``). :func:`repmlp.io.model_file.load_model` (``repmlp.load_model``) returns the
+model with that as ``model.metadata`` (:class:`~repmlp.io.model_file.ModelMetadata`);
 :class:`Predictor` turns image files, PIL images or a batch tensor into the top-k
 ``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval`` applies (the
 same functions of :mod:`repmlp.data`). Prediction is for image classifiers: a face embedding or
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from repmlp.data.folder import image_to_channels
 from repmlp.errors import UserError
-from repmlp.models.model_file import ModelMetadata, device_of, load_model, model_metadata
+from repmlp.io.model_file import ModelMetadata, device_of, load_model, model_metadata
 from repmlp.speed import fast_inference
 
 __all__ = [
@@ -554,7 +554,7 @@ def write_results(path: str | os.PathLike, results: Sequence[FileResult], k: int
     """``OUT.csv`` or ``OUT.jsonl`` (by the suffix), written atomically."""
     import json
 
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     if output_format(path) == "csv":
         text = render_csv(results, k)

@@ -610,7 +610,7 @@ class _Loop:
 
     def save(self) -> None:
         """``checkpoint.safetensors``: everything a resume needs (rank 0 writes; every process's RNG)."""
-        from repmlp.models.model_file import save_state
+        from repmlp.io.state import save_state
 
         self.check_finite()  # a diverged run keeps its last finite checkpoint
         rngs = gather_object(rng_state(self.procs.device), self.procs)
@@ -631,7 +631,7 @@ class _Loop:
 
     def restore(self, state: dict[str, Any]) -> None:
         from repmlp.engine.optim_state import check_resumed_state
-        from repmlp.models.file_format import CheckpointError
+        from repmlp.io.model_file import CheckpointError
 
         opts, procs = self.opts, self.procs
         check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)

@@ -18,7 +18,7 @@ LOSS_FIELDS = ("iteration", "epoch", "loss", "lr", "seconds")
 
 def write_metrics_csv(path: Path, history: list[dict[str, Any]], fields: Sequence[str] = LOSS_FIELDS) -> None:
     """The history as CSV (floats to 6 significant digits), written atomically."""
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore", lineterminator="\n")
@@ -31,7 +31,7 @@ def write_metrics_csv(path: Path, history: list[dict[str, Any]], fields: Sequenc
 def write_run_report(out: Path, title: str, history: list[dict[str, Any]], section: list[str]) -> None:
     """``curves.png`` (loss against iteration) and ``report.md`` of a run with a loss log (the loop wrote
     ``metrics.csv``): the task's own ``section`` (markdown lines), then the loss log."""
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     curves = _plot_loss(history, out / "curves.png", title)
     lines = [f"# {title}", "", *section, "", "## Training loss", ""]
@@ -65,7 +65,7 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> None:
     the new one), and close it, also when writing fails."""
     import matplotlib.pyplot as plt
 
-    from repmlp.models.model_file import atomic_write_bytes
+    from repmlp.io.model_file import atomic_write_bytes
 
     try:
         buf = io.BytesIO()

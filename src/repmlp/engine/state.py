@@ -47,7 +47,7 @@ def check_output(
     run whose results it did not record). An existing ``out`` is locked first (:func:`lock_output`): a
     second process writing the same run is refused."""
     from repmlp.data.inputs import not_regular
-    from repmlp.models.model_file import load_state
+    from repmlp.io.state import load_state
 
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):

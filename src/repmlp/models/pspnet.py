@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from repmlp.models.blocks import ConvBNReLU, ResNet, StageSpec, check_input_size
 from repmlp.models.registry import register_model
 from repmlp.models.resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
 
-__all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50", "load_backbone_weights"]
+__all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50"]
 
 
 class PyramidPooling(nn.Module):
@@ -155,7 +154,7 @@ _PSPNET_CFG: dict[str, Any] = dict(
 )
 
 
-@register_model(timm=False, **_PSPNET_CFG)
+@register_model(**_PSPNET_CFG)
 def pspnet_res50(
     pretrained: bool = False,
     *,
@@ -178,7 +177,7 @@ def pspnet_res50(
     return _pspnet(stages, (1, 1, 2, 4), num_classes, img_size, in_chans, deploy, kwargs)
 
 
-@register_model(timm=False, **_PSPNET_CFG)
+@register_model(**_PSPNET_CFG)
 def pspnet_repmlp_res50(
     pretrained: bool = False,
     *,
@@ -244,61 +243,3 @@ def _dilated(
         replace(spec, stride=s, dilation=d, first_dilation=p, keep_first=True)
         for spec, s, d, p in zip(specs, strides, dilations, previous, strict=True)
     )
-
-
-def _is_reinitialised(key: str) -> bool:
-    """FC1/FC2 of the Global Perceptrons: their size depends on the resolution (paper Sec. 4.4)."""
-    return ".global_perceptron.fc1." in key or ".global_perceptron.fc2." in key
-
-
-def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-weights") -> dict[str, Any]:
-    """Load ImageNet-trained backbone weights (a training-form safetensors file) into ``model.backbone``.
-
-    Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh random
-    initialisation (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of
-    the ImageNet model is dropped. Any other difference - a backbone tensor the file lacks, a file
-    tensor the backbone lacks, a shape mismatch - raises :class:`~repmlp.errors.UserError` listing
-    them. Returns ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the
-    file's ``"model"``.
-    """
-    from repmlp.errors import UserError
-    from repmlp.models.file_format import CheckpointError
-    from repmlp.models.model_file import read_model_file
-
-    try:  # the file's metadata and tensors checked as any model file's
-        tensors, fm = read_model_file(Path(path))
-    except CheckpointError as exc:
-        raise UserError(f"{flag}: {exc}") from None
-    meta = {"model": fm.model, "form": fm.form}
-    if meta.get("form") == "deploy":
-        raise UserError(
-            f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
-            "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
-        )
-    model_name = meta.get("model", "an unknown model")
-    own = model.backbone.state_dict()
-    ignored = sorted(k for k in tensors if k.startswith("fc."))
-    reinit = sorted(k for k in own if _is_reinitialised(k))
-    missing = sorted(k for k in own if k not in tensors and not _is_reinitialised(k))
-    unexpected = sorted(k for k in tensors if k not in own and k not in ignored and not _is_reinitialised(k))
-    shapes = sorted(
-        f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
-        for k in own
-        if k in tensors and not _is_reinitialised(k) and tuple(tensors[k].shape) != tuple(own[k].shape)
-    )
-    if missing or unexpected or shapes:
-        parts = []
-        for what, keys in (
-            ("missing from the file", missing),
-            ("not in the backbone", unexpected),
-            ("with other shapes (file vs backbone)", shapes),
-        ):
-            if keys:
-                shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
-                parts.append(f"{len(keys)} {what}: {shown}")
-        raise UserError(
-            f"backbone weights {path} (from {model_name}) do not fit the backbone: " + "; ".join(parts)
-        )
-    loadable = {k: v for k, v in tensors.items() if k in own and not _is_reinitialised(k)}
-    model.backbone.load_state_dict(loadable, strict=False)
-    return {"loaded": sorted(loadable), "reinitialised": reinit, "ignored": ignored, "model": model_name}

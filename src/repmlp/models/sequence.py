@@ -178,10 +178,9 @@ class RowSequenceMLP(SequenceMLP):
         self.in_chans, self.img_size = in_chans, img_size
 
 
-# Registered with repmlp only, not timm: their feature maps are 1-D, (N, C, L), and timm's image-model
-# contract (forward_features and features_only give (N, C, H, W) maps) has no place for them
-# (docs/models.md). repmlp.create_model builds them through timm's build_model_with_cfg all the same.
-_FMNIST_CFG = dict(fmnist_cfg((7,), levels=3), timm=False)
+# In timm's registry like every model, but outside its image-model contract: their feature maps are 1-D,
+# (N, C, L), where timm's forward_features and features_only give (N, C, H, W) maps (docs/models.md).
+_FMNIST_CFG = fmnist_cfg((7,), levels=3)
 
 # Shared by both Fashion-MNIST models, so that only the mixer differs.
 _FMNIST_DEFAULTS: dict[str, Any] = dict(

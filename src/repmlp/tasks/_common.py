@@ -21,7 +21,7 @@ from repmlp.engine import DistInfo
 from repmlp.errors import UserError
 
 if TYPE_CHECKING:
-    from repmlp.models.model_file import ModelMetadata
+    from repmlp.io.model_file import ModelMetadata
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ def save_run(
     (``input_size`` ``(C, H, W)``), compared on their (first) outputs, embeddings ``(2, D)`` or score maps
     ``(2, K, H, W)``."""
     from repmlp.deploy.conversion import DeployedFile, convert_and_check
-    from repmlp.models.model_file import save_model
+    from repmlp.io.model_file import save_model
 
     trained = trained.float().eval()
     save_model(out / "model.safetensors", trained, name=name, model_kwargs=kwargs, form="train", extra=meta)
@@ -378,7 +378,7 @@ def save_run(
 
 
 def write_json(path: Path, obj: Any) -> None:
-    from repmlp.models.model_file import atomic_write_text
+    from repmlp.io.model_file import atomic_write_text
 
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
@@ -387,14 +387,14 @@ def load_for_eval(
     path: str, device: torch.device, task: str
 ) -> tuple[nn.Module | None, nn.Module, ModelMetadata]:
     """Load a ``task`` checkpoint; returns ``(train_form_or_None, deployed, metadata)`` (the file's
-    :class:`~repmlp.models.model_file.ModelMetadata`).
+    :class:`~repmlp.io.model_file.ModelMetadata`).
 
     A training-form checkpoint is converted here with ``reparameterize_model``; a deployed one is used
     as is (and the first element is ``None``). A checkpoint of another task (its ``extra["task"]``,
     ``"cls"`` for a classification run, which records its ``dataset``) or of another kind of model, and
     one whose weights hold NaN/inf (a diverged run), are :class:`UserError`.
     """
-    from repmlp.models.model_file import load_model
+    from repmlp.io.model_file import load_model
     from repmlp.nn.convert import reparameterize_model
 
     model = load_model(path, device=device)

@@ -56,8 +56,8 @@ from repmlp.engine import (
 from repmlp.engine import write_metrics_csv as _write_csv
 from repmlp.engine.devices import COMPILE_CHOICES
 from repmlp.errors import UserError
-from repmlp.models.builder import build_model
-from repmlp.models.file_format import CheckpointError
+from repmlp.io.model_file import CheckpointError, check_field, check_fit, check_model_kwargs
+from repmlp.models.registry import build_model, takes_img_size
 from repmlp.tasks._common import check_batchnorm_batch, require_task_model
 from repmlp.tasks.limits import (
     MAX_BATCH,
@@ -281,7 +281,6 @@ class TrainConfig:
         """The images' normalisation and evaluation preprocessing (an ``--init`` file's, kept by the run):
         a model file's checks, mean and std together, a std far enough from 0 to divide by (a std of 1e-300
         would make every input inf), at most one value per channel."""
-        from repmlp.models.file_metadata import EXTRA_FIELDS
 
         if (self.mean is None) != (self.std is None):
             missing = "mean" if self.mean is None else "std"
@@ -289,7 +288,9 @@ class TrainConfig:
         pre = self.eval_preprocessing
         if pre is not None:
             try:
-                EXTRA_FIELDS["eval_preprocessing"]("the recorded preprocessing", "eval_preprocessing", pre)
+                check_field(
+                    "the recorded preprocessing", "extra.eval_preprocessing", pre, "eval_preprocessing"
+                )
             except CheckpointError as exc:
                 yield "eval_preprocessing", str(exc)
             if "mean" not in pre or "std" not in pre:
@@ -456,16 +457,13 @@ def _open_run(
     """The run's configuration and the state to resume from (``None`` for a new run); refuses to
     overwrite a run in ``cfg.output`` and to resume a finished one. A resumed run's saved configuration is
     checked like a model file's metadata (types, ranges, model options) before anything is built."""
-    from repmlp.models.file_metadata import check_model_kwargs
-    from repmlp.models.registry import model_options
-
     out = Path(cfg.output)
     state = check_output(out, resume, di, finished_ok=finished_ok)
     if state is None:
         return cfg, None
     where = out / STATE_FILE
     saved = TrainConfig.from_state(state.get("config"), where)
-    check_model_kwargs(where, saved.model, saved.model_args, model_options(saved.model), "config.model_args")
+    check_model_kwargs(where, saved.model_args, "config.model_args")
     if not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{where} holds no model weights")
     merged = resumed_config(saved, cfg, given, out)
@@ -515,8 +513,7 @@ def _build_data_and_model(
         in_chans=data.in_chans,
         img_size=data.img_size,
         model_args=cfg.model_args,
-        expect=None if state is None else state["model"],
-        where=Path(cfg.output) / STATE_FILE,
+        check=None if state is None else functools.partial(_check_state_fits, cfg, state["model"]),
     )
     model.to(device)
     if channels_last:
@@ -524,11 +521,19 @@ def _build_data_and_model(
     return data, model, model_kwargs
 
 
+def _check_state_fits(cfg: TrainConfig, weights: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """A resumed run's model, built on the ``meta`` device within the budget of its state's weights, must hold
+    their keys and shapes: a state whose options describe a huge model is refused before anything is built."""
+    what = f"this run ({cfg.model} with {kwargs})"
+    check_fit(
+        Path(cfg.output) / STATE_FILE, cfg.model, kwargs, weights, field_name="config.model_args", what=what
+    )
+
+
 def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
     """A new ``--init`` run of the file's own model must give it inputs it was built for: the channels
     (image folders are converted to them; an in-memory data set has its own) and, for a model built for
     one input size, the size. A mismatch is one line saying which option to pass."""
-    from repmlp.models.builder import takes_img_size
     from repmlp.tasks.finetune import init_preprocessing
 
     if not cfg.init:
@@ -768,9 +773,9 @@ def evaluate(args: EvalConfig) -> int:
     classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
+    from repmlp.data.for_model import model_data_config
     from repmlp.engine import resolve_device
-    from repmlp.models.model_data import model_data_config
-    from repmlp.models.model_file import load_model
+    from repmlp.io.model_file import load_model
 
     device = resolve_device(args.device)
     model = load_model(args.checkpoint, device=device)

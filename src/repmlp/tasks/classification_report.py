@@ -22,7 +22,7 @@ from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
 from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
-from repmlp.models.model_file import atomic_write_text, save_model
+from repmlp.io.model_file import atomic_write_text, save_model
 from repmlp.nn.numerics import run_precision
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy

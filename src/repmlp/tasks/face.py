@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from repmlp.engine import progress, unwrap
 from repmlp.errors import UserError
-from repmlp.models.builder import build_model
+from repmlp.models.registry import build_model
 from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,

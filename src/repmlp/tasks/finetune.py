@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import timm
+from torch import Tensor, nn
 
+from repmlp.data.for_model import folder_preprocessing as for_file
 from repmlp.errors import UserError
-from repmlp.models.file_format import CheckpointError, head_prefixes, load_matching
+from repmlp.io.model_file import CheckpointError, ModelFileMeta, compare_state, read_model_file
 
 __all__ = [
     "InitReport",
@@ -69,11 +71,9 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], Any]:
-    """Tensors and checked metadata (:class:`repmlp.models.file_metadata.ModelFileMeta`) of a training-time repmlp
-    model file (:func:`repmlp.models.model_file.read_model_file`); one-line errors for anything else."""
-    from repmlp.models.model_file import read_model_file
-
+def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], ModelFileMeta]:
+    """Tensors and checked metadata of a training-time repmlp model file
+    (:func:`repmlp.io.model_file.read_model_file`); one-line errors for anything else."""
     try:
         tensors, fm = read_model_file(path)
     except CheckpointError as exc:
@@ -120,10 +120,55 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
 def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
     """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
     folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: what ``repmlp eval``
-    reads a folder with for that file (:func:`repmlp.models.model_data.folder_preprocessing`)."""
-    from repmlp.models.model_data import folder_preprocessing as for_file
-
+    reads a folder with for that file (:func:`repmlp.data.for_model.folder_preprocessing`)."""
     return for_file(pre.get("eval_preprocessing"), pre.get("dataset"), channels)
+
+
+def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> list[str]:
+    """State-dict prefixes of a model's head: its classifier (``get_classifier()``, else its timm config's
+    ``classifier``; a registered model's name: its config's); with ``embedding_head``, a face model's whole
+    ``head`` module (BN-FC-BN)."""
+    if isinstance(model, str):
+        names = getattr(timm.get_pretrained_cfg(model), "classifier", None)
+        return [n + "." for n in ([names] if isinstance(names, str) else names or []) if n]
+    if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
+        return ["head."]
+    classifier = model.get_classifier() if hasattr(model, "get_classifier") else None
+    names = [n for n, m in model.named_modules() if n and m is classifier][:1]
+    cfg = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    names += [n for n in ([cfg] if isinstance(cfg, str) else cfg or []) if n and n not in names]
+    return [n + "." for n in names]
+
+
+def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: str, *,
+                  head: Sequence[str] | None = None, fresh_head: bool = False,
+                  what: str = "checkpoint") -> dict[str, Any]:  # fmt: skip
+    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, except its head.
+
+    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
+    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
+    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
+    file's head tensors (also those of ``file_model``'s head) are ignored. Any other missing, unexpected or
+    mis-shaped key is a :class:`CheckpointError` naming them. Returns ``{"loaded": count, "reinitialised":
+    [model keys], "ignored": [file keys]}``."""
+    own = model.state_dict()
+    prefixes = tuple(head if head is not None else head_prefixes(model))
+    head_own = [k for k in own if k.startswith(prefixes)]
+    fits = all(k in tensors and tensors[k].shape == own[k].shape for k in head_own)
+    load_head = bool(head_own) and fits and not fresh_head
+    file_head = prefixes + tuple(head_prefixes(file_model))
+    ignored = sorted(k for k in tensors if k.startswith(file_head) and not (load_head and k in own))
+    body = {k: v for k, v in own.items() if not k.startswith(prefixes)}
+    compare_state(
+        f"{what} ({file_model})",
+        "the model",
+        body,
+        {k: v for k, v in tensors.items() if not k.startswith(file_head)},
+    )
+    loadable = {k: tensors[k] for k in [*body, *(head_own if load_head else [])]}
+    model.load_state_dict(loadable, strict=False)
+    reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
+    return {"loaded": len(loadable), "reinitialised": reinit, "ignored": ignored}
 
 
 def init_from_file(
@@ -141,12 +186,8 @@ def init_from_file(
     Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
     """
     tensors, fm = _read_model_file(path, flag)
-    from repmlp.models.registry import file_head_prefixes
-
-    meta = {"model": fm.model}
     try:
-        fit = load_matching(model, tensors, meta, head=head, file_head=file_head_prefixes(fm.model),
-                            fresh_head=fresh_head, what=f"{flag} {path}")  # fmt: skip
+        fit = load_matching(model, tensors, fm.model, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
     except CheckpointError as exc:
         raise UserError(
             f"{exc} (the file holds {fm.model} with {fm.model_kwargs}: leave --model and --model-arg out to "

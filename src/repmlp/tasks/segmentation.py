@@ -34,7 +34,9 @@ from repmlp.engine import (
     unwrap,
 )
 from repmlp.errors import UserError
-from repmlp.models.builder import build_model
+from repmlp.io.model_file import CheckpointError, compare_state, read_model_file
+from repmlp.models.pspnet import PSPNet
+from repmlp.models.registry import build_model
 from repmlp.tasks._common import (
     EvalOptions,
     TrainOptions,
@@ -138,12 +140,43 @@ def train(args: SegTrainConfig) -> int:
     return run_in_processes(args, _train)
 
 
+def _is_reinitialised(key: str) -> bool:
+    """FC1/FC2 of the Global Perceptrons: their size depends on the resolution (paper Sec. 4.4)."""
+    return ".global_perceptron.fc1." in key or ".global_perceptron.fc2." in key
+
+
+def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-weights") -> dict[str, Any]:
+    """Load ImageNet-trained backbone weights (a training-form model file) into ``model.backbone``.
+
+    Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh initialisation
+    (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of the ImageNet model
+    is dropped. Any other difference (a backbone tensor the file lacks, a file tensor the backbone lacks, a
+    shape) is one :class:`UserError` listing them. Returns ``{"loaded": [...], "reinitialised": [...],
+    "ignored": [...]}`` (backbone keys) and the file's ``"model"``.
+    """
+    try:  # the file's metadata and tensors checked as any model file's
+        tensors, fm = read_model_file(path)
+    except CheckpointError as exc:
+        raise UserError(f"{flag}: {exc}") from None
+    if fm.form == "deploy":
+        raise UserError(
+            f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
+            "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
+        )
+    own = {k: v for k, v in model.backbone.state_dict().items() if not _is_reinitialised(k)}
+    ignored = sorted(k for k in tensors if k.startswith("fc."))
+    kept = {k: v for k, v in tensors.items() if k not in ignored and not _is_reinitialised(k)}
+    compare_state(f"backbone weights {path} (from {fm.model})", "the backbone", own, kept)
+    model.backbone.load_state_dict(kept, strict=False)
+    reinit = sorted(k for k in model.backbone.state_dict() if _is_reinitialised(k))
+    return {"loaded": sorted(kept), "reinitialised": reinit, "ignored": ignored, "model": fm.model}
+
+
 def _build(
     args: SegTrainConfig, kwargs: dict[str, Any], procs: DistInfo
 ) -> tuple[nn.Module, dict[str, Any] | None]:
     """The PSPNet of ``args``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
     it and what was loaded (``None`` without ``--init``)."""
-    from repmlp.models.pspnet import load_backbone_weights
     from repmlp.tasks.finetune import file_sha256
 
     model, _ = build_model(args.model, kwargs)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from repmlp.errors import UserError
-from repmlp.models.model_file import atomic_write_text
+from repmlp.io.model_file import atomic_write_text
 
 __all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one", "start_order"]
 
@@ -177,7 +177,7 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     and benchmark (the study times all rows side by side instead).
     """
     from repmlp.engine import STATE_FILE
-    from repmlp.models.model_file import load_state
+    from repmlp.io.state import load_state
     from repmlp.tasks.classification import TrainConfig, resumed_config, run_training
     from repmlp.tasks.classification_report import finish_run
 

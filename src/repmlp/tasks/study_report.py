@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from repmlp.engine.report import save_figure
-from repmlp.models.model_file import atomic_write_text
+from repmlp.io.model_file import atomic_write_text
 from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
 
 __all__ = [

@@ -16,15 +16,30 @@ import os
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
+from timm.data import ImageNetInfo
 from torch import Tensor, nn
 
-from repmlp.errors import UserError, first_line
-from repmlp.models.file_metadata import RESERVED_OPTIONS, ModelTooLarge, meta_model
+from repmlp.data.inputs import not_regular
+from repmlp.errors import first_line
+from repmlp.io.model_file import (
+    FORMAT,
+    RESERVED_OPTIONS,
+    CheckpointError,
+    ModelTooLarge,
+    check_finite,
+    compare_state,
+    meta_build,
+    read_metadata,
+    save_model,
+)
+from repmlp.models.registry import create_model, is_model
 from repmlp.nn.reparam import fuse_bn
 
 __all__ = [
@@ -39,26 +54,25 @@ __all__ = [
 ]
 
 
-class WeightsImportError(UserError, ValueError):
-    """A checkpoint that cannot be imported (unsafe, unknown layout, keys that do not fit)."""
+# A checkpoint that cannot be imported (unsafe, unknown layout, keys that do not fit): one line, as any file.
+WeightsImportError = CheckpointError
 
 
 def _load(path: Path) -> Any:
     """``torch.load(weights_only=True)``; one-line errors that tell a file that would run code (unsafe)
     from one that is no PyTorch checkpoint at all (text, another format, truncated)."""
-    from repmlp.models.file_format import file_kind
-
-    kind = file_kind(path)
-    if kind in ("a training-time model file", "a deployed model file"):
+    try:
+        found = read_metadata(path).get("format")
+    except CheckpointError:  # not safetensors: a checkpoint, perhaps
+        found = None
+    if found == FORMAT:
         raise WeightsImportError(f"{path} is already a repmlp model file: use it as it is (no import needed)")
-    if kind not in ("a zip archive (TorchScript, .pt2 or a PyTorch checkpoint)", "a binary file"):
-        raise WeightsImportError(f"{path} is {kind}, not a PyTorch checkpoint (.pth)")
     try:
         with warnings.catch_warnings():
             # torch's note on checking sparse tensors: a sparse tensor is refused below anyway.
             warnings.filterwarnings("ignore", "Validating sparse tensor invariants", UserWarning)
             # mmap: the tensors of a zip checkpoint are mapped, not read, until they are used.
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=kind.startswith("a zip"))
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         if "weights_only" not in str(exc) and "Weights only load failed" not in str(exc):
             raise WeightsImportError(
@@ -82,8 +96,6 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     Unwraps ``{"model": sd}`` / ``{"state_dict": sd}`` and strips DDP's ``module.`` prefix. Every tensor
     must be dense, real and non-empty: a sparse, complex or zero-size tensor is no released weight.
     """
-    from repmlp.data.inputs import not_regular
-
     path = Path(path)
     kind = not_regular(path)
     if kind == "missing":
@@ -110,11 +122,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
             raise WeightsImportError(f"{path}: tensor {key} is empty (shape {tuple(t.shape)})")
     _check_keys(path, tensors)
     _check_storage(path, tensors)
-    for key, t in tensors.items():  # a NaN weight makes every output NaN: no released weight holds one
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise WeightsImportError(
-                f"{path}: tensor {key} holds NaN or infinite values: not a usable weight"
-            )
+    check_finite(path, tensors)  # a NaN weight makes every output NaN: no released weight holds one
     if all(k.startswith("module.") for k in tensors):
         tensors = {k[len("module.") :]: v for k, v in tensors.items()}
     return tensors
@@ -341,7 +349,7 @@ def _check_structure(name: str, inferred: dict[str, Any], model_args: dict[str, 
                      sd: Mapping[str, Tensor]) -> None:  # fmt: skip
     """The inferred structure must be the named model's (with ``--model-arg`` overrides). The model is
     built on the ``meta`` device within the budget of the file's weights ``sd`` (:func:`_meta_build`)."""
-    ref = _meta_build(name, model_args, sd, at_least=(1 << 28, 20_000))
+    ref = _meta_build(name, model_args, sd, floor=(1 << 28, 20_000))
     expected = {
         "channels": tuple(s.blocks[0].norm1.num_features for s in ref.stages),
         "depths": tuple(len(s.blocks) for s in ref.stages),
@@ -392,56 +400,6 @@ _FAMILIES = {
 }
 
 
-# Bounds of a --model-arg value: far beyond any option of the registered models (a few numbers, lists of
-# four stages), far below what could make building or checking the model costly.
-_MAX_ARG_INT = 2**31 - 1
-_MAX_ARG_ITEMS = 64
-_MAX_ARG_DEPTH = 3
-
-
-def _check_arg_value(key: str, value: Any, depth: int = 0) -> None:
-    """A ``--model-arg`` value: ``None``, a bool, an int in +-2**31, a finite float, a short text, or a list of
-    at most 64 such (nested at most 3 deep)."""
-    import math
-
-    bad = None
-    if isinstance(value, bool) or value is None:
-        return
-    if isinstance(value, int):
-        bad = None if abs(value) <= _MAX_ARG_INT else f"is out of range (at most {_MAX_ARG_INT} in size)"
-    elif isinstance(value, float):
-        bad = None if math.isfinite(value) else "is not a finite number"
-    elif isinstance(value, str):
-        bad = None if len(value) <= 200 else "is a text of more than 200 characters"
-    elif isinstance(value, list):
-        if len(value) > _MAX_ARG_ITEMS or depth >= _MAX_ARG_DEPTH:
-            bad = f"is a list of more than {_MAX_ARG_ITEMS} items or nested more than {_MAX_ARG_DEPTH} deep"
-        else:
-            for item in value:
-                _check_arg_value(key, item, depth + 1)
-    else:
-        bad = f"is a {type(value).__name__}; a model option is a number, a text or a list"
-    if bad:
-        raise WeightsImportError(f"--model-arg {key}={_short(value, 60)}: the value {bad}")
-
-
-def _check_model_args(name: str, args: Mapping[str, Any]) -> None:
-    """``--model-arg`` options of registered model ``name``: each one its builder takes (its signature:
-    :func:`repmlp.models.registry.model_options`), none that places or loads the model (``device``,
-    ``pretrained``, ...), each value plain and bounded (:func:`_check_arg_value`)."""
-    from repmlp.models.registry import model_options
-
-    options = model_options(name)
-    for key, value in args.items():
-        if key in RESERVED_OPTIONS:
-            raise WeightsImportError(f"--model-arg {key}: not a model option an imported file may set")
-        if options is not None and key not in options:
-            raise WeightsImportError(
-                f"--model-arg {key}: {name} has no option {key!r} (its options: {', '.join(sorted(options))})"
-            )
-        _check_arg_value(key, value)
-
-
 def import_checkpoint(
     path: str | os.PathLike, name: str, model_args: dict[str, Any] | None = None
 ) -> ImportResult:
@@ -451,12 +409,11 @@ def import_checkpoint(
     :func:`repmlp.create_model`, its ``form`` (``"train"``, or ``"deploy"`` for a converted /
     locality-injected file) and the detected ``layout``.
     """
-    from repmlp.models import create_model, is_model
-
     if not is_model(name):
         raise WeightsImportError(f"--model {name!r} is not a registered repmlp model")
     args = dict(model_args or {})
-    _check_model_args(name, args)
+    for key in sorted(set(args) & set(RESERVED_OPTIONS)):  # whether the model takes the others: its build
+        raise WeightsImportError(f"--model-arg {key}: not a model option an imported file may set")
     raw = read_state_dict(path)
     layout = detect_layout(raw)
     family = _FAMILIES[layout]
@@ -500,106 +457,39 @@ def import_checkpoint(
     if form == "deploy":
         mapped = _fuse_conv_bn_pairs(mapped)
     # The model the shapes and --model-arg describe, sized on the meta device against the file first.
-    ghost = _meta_build(name, kwargs, mapped, deploy=form == "deploy")
-    _check_fit(ghost.state_dict(), mapped, path, name)
+    own = _meta_build(name, kwargs, mapped, deploy=form == "deploy").state_dict()
+    # A file without BatchNorm's num_batches_tracked counters keeps the model's (they are unused).
+    counters = [k for k in own if k.endswith("num_batches_tracked") and k not in mapped]
+    mapped.update({k: torch.zeros((), dtype=torch.long) for k in counters})
+    compare_state(path, name, own, mapped)
     model = create_model(name, deploy=form == "deploy", **kwargs)
-    _load_exact(model, mapped, path)
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in mapped.items()}, strict=True)
     return ImportResult(model=model.eval(), name=name, model_kwargs=kwargs, form=form, layout=layout)
 
 
-def _meta_build(
-    name: str,
-    kwargs: dict[str, Any],
-    sd: Mapping[str, Tensor],
-    *,
-    deploy: bool = False,
-    at_least: tuple[int, int] = (0, 0),
-) -> nn.Module:
-    """``create_model(name, **kwargs)`` on the ``meta`` device, stopped once it holds more than four times the
-    weights of the file's ``sd`` (plus a million elements) or four times its tensors (plus 1,000): the
-    model the file's shapes and ``--model-arg`` describe must fit the file, so that ``depths=[10**8, ...]``
-    is refused in milliseconds instead of building for minutes (:func:`repmlp.models.file_metadata.meta_model`).
-    ``at_least``: (elements, tensors) the budget never goes below (the structure check builds the named
-    model before the file's fit is known: any zoo model fits 2**28 elements and 20,000 tensors).
-    """
-    from repmlp.models import create_model
-
-    held = sum(t.numel() for t in sd.values())
+def _meta_build(name: str, kwargs: dict[str, Any], sd: Mapping[str, Tensor], *, deploy: bool = False,
+                floor: tuple[int, int] = (0, 0)) -> nn.Module:  # fmt: skip
+    """``create_model(name, **kwargs)`` on the ``meta`` device within the budget of the file's weights ``sd``
+    (:func:`repmlp.io.model_file.meta_build`): ``depths=[10**8, ...]`` is refused in milliseconds instead of
+    building for minutes. ``floor``: the budget the structure check builds the named model with before the
+    file's fit is known (any zoo model fits 2**28 elements and 20,000 tensors)."""
     try:
-        return meta_model(lambda: create_model(name, deploy=deploy, **kwargs),
-                          max(4 * held + (1 << 20), at_least[0]), max(4 * len(sd) + 1_000, at_least[1]))  # fmt: skip
+        return meta_build(lambda: create_model(name, deploy=deploy, **kwargs), sd, floor)
     except ModelTooLarge:
-        raise WeightsImportError(
-            f"{name} with {_short(kwargs)} (the file's shapes and --model-arg) is far larger than the file's "
-            f"{held} weights: check --model-arg"
-        ) from None
+        raise WeightsImportError(f"{name} with {repr(kwargs)[:120]} (the file's shapes and --model-arg) is far "
+                                 f"larger than the file's {sum(t.numel() for t in sd.values())} weights: check "
+                                 "--model-arg") from None  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the options come from the file's shapes and --model-arg
         unknown = re.search(r"unexpected keyword argument '(\w+)'", first_line(exc))
-        if isinstance(exc, TypeError) and unknown:  # a builder that hands **kwargs on to its model's class
-            raise WeightsImportError(
-                f"--model-arg {unknown.group(1)}: {name} has no option {unknown.group(1)!r}"
-                f"{_class_options(name)}"
-            ) from None
-        raise WeightsImportError(
-            f"cannot build {name} with {_short(kwargs)}: {first_line(exc)[:200]}"
-        ) from None
-
-
-def _class_options(name: str) -> str:
-    """`` (its options: ...)``: the keyword parameters of the class of registered model ``name`` (its
-    default build, on the ``meta`` device), for a message; ``""`` when they cannot be told."""
-    import inspect
-
-    from repmlp.models import create_model
-
-    try:
-        with torch.device("meta"):
-            cls = type(create_model(name))
-        params = inspect.signature(cls.__init__).parameters.values()
-    except Exception:  # noqa: BLE001 - a hint only; the error is raised anyway
-        return ""
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    names = sorted(p.name for p in params if p.kind in kinds and p.name not in ("self", *RESERVED_OPTIONS))
-    return f" (its options: {', '.join(names)})" if names else ""
-
-
-def _short(value: object, n: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _check_fit(
-    own: Mapping[str, Tensor], sd: Mapping[str, Tensor], path: str | os.PathLike, name: str
-) -> None:
-    """The keys and shapes of ``sd`` must be the model's (``own``, its state dict on any device); missing
-    ``num_batches_tracked`` counters are fine (they are unused)."""
-    missing = [k for k in own if k not in sd and not k.endswith("num_batches_tracked")]
-    unexpected = [k for k in sd if k not in own]
-    shapes = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        parts = [
-            f"{label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-            for label, keys in (("missing", missing), ("unused", unexpected), ("shape mismatch", shapes))
-            if keys
-        ]
-        raise WeightsImportError(f"{path} does not fit {name}: {'; '.join(parts)}")
-
-
-def _load_exact(model: nn.Module, sd: dict[str, Tensor], path: str | os.PathLike) -> None:
-    """Strict load (the fit checked by :func:`_check_fit`); a file without ``num_batches_tracked``
-    counters keeps the model's."""
-    own = model.state_dict()
-    for k, v in own.items():
-        if k.endswith("num_batches_tracked") and k not in sd:
-            sd[k] = v
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in sd.items()}, strict=True)
+        why = f"cannot build {name} with {repr(kwargs)[:120]}: {first_line(exc)[:200]}"
+        if isinstance(exc, TypeError) and unknown:
+            why = f"--model-arg {unknown.group(1)}: {name} has no option {unknown.group(1)!r}"
+        raise WeightsImportError(why) from None
 
 
 def eval_preprocessing(name: str) -> dict[str, object]:
     """How the published top-1 of ``name`` was measured: the model's default cfg (resize/crop/mean/std)."""
-    from repmlp.models import model_default_cfg
-
-    cfg = model_default_cfg(name)
+    cfg = timm.get_pretrained_cfg(name).to_dict()
     keys = ("input_size", "crop_pct", "crop_mode", "interpolation", "mean", "std")
     return {k: list(cfg[k]) if isinstance(cfg.get(k), tuple) else cfg.get(k) for k in keys if k in cfg}
 
@@ -609,8 +499,6 @@ def imagenet_class_names(num_classes: int) -> list[str] | None:
     for a 1000-class model; ``None`` for any other number of classes (the file then has none)."""
     if num_classes != 1000:
         return None
-    from timm.data import ImageNetInfo
-
     return list(ImageNetInfo().label_descriptions())
 
 
@@ -620,8 +508,6 @@ def import_to_file(
     """:func:`import_checkpoint`, then the model file ``repmlp import`` writes: the imported model with
     its input size, the preprocessing its published accuracy was measured with, and ImageNet-1k's class
     names for a 1000-class model (what ``repmlp predict`` shows)."""
-    from repmlp.models.model_file import save_model
-
     result = import_checkpoint(path, name, model_args)
     model = result["model"]
     img = getattr(model, "img_size", (224, 224))
