@@ -151,7 +151,7 @@ def _millions(n: int) -> str:
 def render_markdown(rows: Sequence[BenchRow], *, note: str | None = None) -> str:
     """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s, the spread
     (interquartile range of the batch times over their median) and each deployed row's speed over its
-    training-time row's; ``note`` (the hardware, say) and :func:`timing_caveat` below."""
+    training-time row's; :func:`timing_caveat` and ``note`` (the hardware, say) below."""
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
     lines = [
         "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | spread | vs. train |",
@@ -165,12 +165,9 @@ def render_markdown(rows: Sequence[BenchRow], *, note: str | None = None) -> str
             f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
             f"| {r.throughput:.1f} | {100 * r.spread:.0f}% | {ratio} |"
         )
-    if note:
-        lines += ["", note]
     caveat = timing_caveat(rows)
-    if caveat:
-        lines += ["", f"**Caveat:** {caveat}."]
-    return "\n".join(lines)
+    lines += ["", f"**Caveat:** {caveat}."] if caveat else []
+    return "\n".join(lines + (["", note] if note else []))
 
 
 def models_to_bench(

@@ -184,26 +184,20 @@ def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
     first, second, same = [], [], []
     for number, tokens in enumerate(lines, start=2 if lfw else 1):
         where = f"{pairs_file}:{number}"
-        if lfw and len(tokens) == 3:
-            first.append(_lfw_image(root, tokens[0], tokens[1], where))
-            second.append(_lfw_image(root, tokens[0], tokens[2], where))
-            same.append(True)
-        elif lfw and len(tokens) == 4:
-            first.append(_lfw_image(root, tokens[0], tokens[1], where))
-            second.append(_lfw_image(root, tokens[2], tokens[3], where))
-            same.append(False)
+        if lfw and len(tokens) in (3, 4):  # name i j (same identity) or name1 i name2 j
+            a = _lfw_image(root, tokens[0], tokens[1], where)
+            b = _lfw_image(root, tokens[-2] if len(tokens) == 4 else tokens[0], tokens[-1], where)
+            is_same = len(tokens) == 3
         elif not lfw and len(tokens) == 3 and tokens[2] in ("0", "1"):
-            a, b = root / tokens[0], root / tokens[1]
+            a, b, is_same = root / tokens[0], root / tokens[1], tokens[2] == "1"
             for p in (a, b):
                 if not_regular(p) is not None:
                     raise UserError(f"{where}: image {str(p)[:200]} does not exist")
-            first.append(a)
-            second.append(b)
-            same.append(tokens[2] == "1")
         else:
             text = " ".join(tokens)  # quoted in part: a line may be megabytes long
-            raise UserError(
-                f"{where}: cannot parse {text[:80] + ('...' if len(text) > 80 else '')!r} (expected LFW "
-                "pairs.txt lines or '<path1> <path2> <0|1>')"
-            )
+            raise UserError(f"{where}: cannot parse {text[:80] + ('...' if len(text) > 80 else '')!r} (expected "
+                            "LFW pairs.txt lines or '<path1> <path2> <0|1>')")  # fmt: skip
+        first.append(a)
+        second.append(b)
+        same.append(is_same)
     return VerificationPairs(first, second, same, folds)

@@ -169,11 +169,11 @@ class _NormalizingCollate:
     """A ``collate_fn`` that normalises in the worker (:func:`normalize_on_device`): on a CPU device the main
     process would otherwise do it alone while the workers wait (docs/benchmarks.md). Picklable."""
 
-    def __init__(self, collate: Callable | None, mean: Tensor, std: Tensor) -> None:
-        self.collate, self.mean, self.std = collate, mean, std
+    def __init__(self, mean: Tensor, std: Tensor) -> None:
+        self.mean, self.std = mean, std
 
     def __call__(self, items: list[Any]) -> tuple[Tensor, Tensor]:
-        x, y = (self.collate or torch.utils.data.default_collate)(items)
+        x, y = torch.utils.data.default_collate(items)
         return normalize_on_device(x, self.mean, self.std), y
 
 
@@ -190,13 +190,13 @@ class FolderLoader(_ShardedBatches):
     def __init__(self, dataset: torch.utils.data.Dataset, *, batch_size: int, train: bool, seed: int = 0,
                  rank: int = 0, world: int = 1, workers: int | None = None,
                  device: torch.device | str = "cpu", channels_last: bool = False,
-                 collate: Callable | None = None, mean: Sequence[float] | None = None,
-                 std: Sequence[float] | None = None, on_device: OnDevice | None = None) -> None:  # fmt: skip
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 on_device: OnDevice | None = None) -> None:  # fmt: skip
         self.dataset, self.batch_size, self.train = dataset, batch_size, train
         self.seed, self.rank, self.world = seed, rank, world
         self.workers = default_workers() if workers is None else workers
         self.device, self.channels_last = torch.device(device), channels_last
-        self.collate, self.on_device = collate, on_device
+        self.on_device = on_device
         self.mean = self.std = None
         if mean is not None and std is not None:
             self.mean, self.std = _channel_stats(mean, self.device), _channel_stats(std, self.device)
@@ -213,9 +213,9 @@ class FolderLoader(_ShardedBatches):
 
     def _data_loader(self) -> torch.utils.data.DataLoader:
         if self._loader is None:
-            collate = _collate_list if self.on_device is not None else self.collate
+            collate = _collate_list if self.on_device is not None else None
             if self._normalizes_in_workers:
-                collate = _NormalizingCollate(collate, self.mean, self.std)
+                collate = _NormalizingCollate(self.mean, self.std)
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=self.batch_size,
