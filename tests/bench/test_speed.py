@@ -104,9 +104,9 @@ def counting_prepare(model, example):
 
 
 def test_timing_goes_through_the_chosen_path_and_failures_stay_in_their_row(monkeypatch):
-    """A path registered as "module:function" is imported when chosen and times every pass; a row that
+    """The chosen path prepares the model once and times every pass; a row that
     fails (here: out of memory) is reported in its row while the others are measured."""
-    monkeypatch.setitem(speed.SPEED_PATHS, "counting", "test_speed:counting_prepare")
+    monkeypatch.setitem(speed.SPEED_PATHS, "counting", counting_prepare)
     CALLS.clear()
     face = [r for r in PAPER_ROWS if r.table == "face"]
     real_build = speed._build

@@ -5,6 +5,6 @@
 - :mod:`.tables` and :mod:`.speed_tables`: the paper's tables of counts and of speed (``repmlp tables``);
 - :mod:`.viz`: the paper's FC3 weight figure (``repmlp viz``).
 
-May import :mod:`repmlp.deploy` and :mod:`repmlp.engine` (it measures what they produce) and every room
-below them; nothing above (tasks, commands).
+May import :mod:`repmlp.deploy`, :mod:`repmlp.engine` (it measures what they produce) and the folders below
+them; nothing above (tasks, commands).
 """

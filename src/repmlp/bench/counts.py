@@ -1,11 +1,9 @@
 """Parameter and multiply-accumulate counts, as the paper reports them.
 
-The paper's "FLOPs" are multiply-accumulates (MACs) of one image; its parameter counts are taken on
-the converted model (RepMLPs merged, every conv-BN fused into a conv with bias), except the
-"before conversion" row. MACs are counted with torch's own ``torch.utils.flop_counter.FlopCounterMode``
-(which reports 2 FLOPs per MAC for matmuls and convolutions and ignores element-wise ops, pooling and
-bias additions). The forward pass runs on ``meta`` tensors, so no memory is allocated and no
-arithmetic is done: counting a 713x713 PSPNet takes well under a second.
+The paper's "FLOPs" are multiply-accumulates (MACs) of one image; its parameter counts are the converted
+model's (except the "before conversion" row). MACs come from torch's ``FlopCounterMode`` (2 FLOPs per MAC of
+matmuls and convolutions; element-wise ops, pooling and biases not counted), run on ``meta`` tensors: no
+memory allocated, no arithmetic done.
 """
 
 from __future__ import annotations
@@ -18,20 +16,16 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
+from repmlp.models import create_model, is_model
+
 __all__ = ["profile", "profile_model", "count_params", "count_macs"]
 
 
 def _input_shape(input_size: int | Sequence[int], in_chans: int) -> tuple[int, ...]:
     """``224`` -> ``(1, in_chans, 224, 224)``; ``(C, H, W)`` -> ``(1, C, H, W)``; 4-D kept as given."""
-    if isinstance(input_size, int):
-        return (1, in_chans, input_size, input_size)
-    size = tuple(int(s) for s in input_size)
-    if len(size) == 2:
-        return (1, in_chans, *size)
-    if len(size) == 3:
-        return (1, *size)
-    if len(size) == 4:
-        return size
+    size = (input_size, input_size) if isinstance(input_size, int) else tuple(int(s) for s in input_size)
+    if 2 <= len(size) <= 4:  # put the batch of 1 (and for (H, W) the channels) in front
+        return ((1, in_chans), (1,), ())[len(size) - 2] + size
     raise ValueError(f"input_size must be an int, (H, W), (C, H, W) or (N, C, H, W); got {input_size!r}")
 
 
@@ -41,11 +35,8 @@ def count_params(model: nn.Module) -> int:
 
 
 def count_macs(model: nn.Module, input_size: int | Sequence[int], *, in_chans: int | None = None) -> int:
-    """Multiply-accumulates of one forward pass on an input of ``input_size`` (batch 1 unless 4-D given).
-
-    Runs in eval mode on ``meta`` copies of the parameters and buffers (the module's tensors and its
-    training flag are left as they were).
-    """
+    """Multiply-accumulates of one forward pass on ``input_size`` (batch 1 unless 4-D), in eval mode on
+    ``meta`` copies of the parameters and buffers (the module is left as it was)."""
     if in_chans is None:
         in_chans = int(getattr(model, "in_chans", 3))
     shape = _input_shape(input_size, in_chans)
@@ -69,13 +60,9 @@ def count_macs(model: nn.Module, input_size: int | Sequence[int], *, in_chans: i
 def profile(
     model: nn.Module, input_size: int | Sequence[int], *, in_chans: int | None = None
 ) -> tuple[int, int]:
-    """``(params, MACs)`` of ``model`` as it is (train-time or converted) for one input of ``input_size``.
-
-    For the paper's deployed counts pass the converted model (``reparameterize_model(model.eval())`` or
-    ``create_model(name, deploy=True)``), or use :func:`profile_model`. A model that carries its counts
-    in ``profile_counts`` (an int8 ONNX graph, which has no PyTorch parameters: the counts of the deployed
-    structure it quantizes) reports those.
-    """
+    """``(params, MACs)`` of ``model`` as it is (training-time or converted; the paper's counts are of the
+    converted one) for one input of ``input_size``. A model carrying ``profile_counts`` (an int8 ONNX graph,
+    without PyTorch parameters: its deployed structure's counts) reports those."""
     counts = getattr(model, "profile_counts", None)
     if counts is not None:
         return int(counts[0]), int(counts[1])
@@ -85,14 +72,9 @@ def profile(
 def profile_model(
     name: str, input_size: int | Sequence[int] | None = None, *, deploy: bool = True, **kwargs: Any
 ) -> tuple[int, int]:
-    """``(params, MACs)`` of the named model built on the ``meta`` device (nothing is allocated).
-
-    ``deploy=True`` counts the inference structure (the paper's convention), ``False`` the
-    training-time one. ``input_size`` defaults to the model's default input size; ``kwargs`` go to
-    :func:`repmlp.create_model`.
-    """
-    from repmlp.models import create_model, is_model
-
+    """``(params, MACs)`` of the named model built on the ``meta`` device: ``deploy=True`` the inference
+    structure (the paper's convention), else the training-time one; ``input_size`` defaults to the model's;
+    ``kwargs`` go to :func:`repmlp.create_model`."""
     with torch.device("meta"):
         model = create_model(name, deploy=deploy, **kwargs)
     if input_size is None:

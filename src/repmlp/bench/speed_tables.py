@@ -1,26 +1,17 @@
 """The paper's speed tables (Tables 2-6 and Appendix A) measured on this machine: ``repmlp tables --speed``.
 
-The paper times every model converted (RepMLPs merged, every conv-BN fused) on one 1080Ti at batch 128
-(face models 512 at 96x96, PSPNets 16 at 713x713) and reports examples/second. For each row of
-:data:`repmlp.bench.tables.PAPER_ROWS` with a paper speed, :func:`measure_speed_rows` builds the training-time
-model with random weights and random BatchNorm statistics, converts it with
-:func:`repmlp.reparameterize_model` (torchvision's and timm's models: BatchNorm folded), checks the
-converted model against the training-time one in full float32 (:func:`repmlp.nn.numerics.full_float32`),
-and times it at the paper's batch and input: float32 with TF32 off by default (the 1080Ti has none),
-fp16/bf16 as the model and input cast to that dtype in channels_last, ``cudnn.benchmark`` on CUDA.
-Ratios are to the row's reference (:func:`speed_reference`): ResNet-50 at the same input (the
-EfficientNets: ResNet-50 at 320, beside which the paper lists them), MobileFaceNet, PSPNet-ResNet-50.
-
-How a converted model is run is a *path* (:data:`SPEED_PATHS`; the GPU inference paths it draws on are
-:data:`repmlp.deploy.gpu.PATHS`): ``eager`` calls the module; another path (a compiled or CUDA-graph
-form) is a function ``prepare(model, example) -> callable`` registered there, as ``"module:function"`` to
-import it only when chosen. Every timing goes through :func:`time_path`.
+For each row of :data:`repmlp.bench.tables.PAPER_ROWS` with a paper speed (one 1080Ti, batch 128; face 512,
+PSPNet 16), :func:`measure_speed_rows` builds the training-time model with random weights and BatchNorm
+statistics, converts and checks it in full float32 (:func:`repmlp.deploy.conversion.convert_and_check`) and
+times it at the paper's batch and input: float32 without TF32 by default (the 1080Ti has none), fp16/bf16
+with model and input cast, channels_last, ``cudnn.benchmark`` on CUDA; ratios to :func:`speed_reference`.
+A converted model runs by a *path* of :data:`SPEED_PATHS`, ``prepare(model, example) -> callable``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import importlib
 import logging
 import statistics
 from collections.abc import Callable, Sequence
@@ -31,31 +22,24 @@ from torch import Tensor, nn
 
 from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
 from repmlp.bench.timing import time_rounds
-from repmlp.deploy.conversion import CONVERSION_RTOL
+from repmlp.deploy.conversion import CONVERSION_RTOL, convert_and_check
+from repmlp.deploy.gpu import prepare_fast
+from repmlp.deploy.precision import DTYPES
+from repmlp.engine import hardware_summary
 from repmlp.errors import first_line
+from repmlp.models import create_model
+from repmlp.nn.numerics import full_float32
 from repmlp.speed import fast_inference
 
-__all__ = [
-    "SPEED_TABLES",
-    "SPEED_PATHS",
-    "SpeedOptions",
-    "SpeedResult",
-    "speed_rows",
-    "speed_reference",
-    "paper_batch",
-    "measure_speed_rows",
-    "render_speed_tables",
-    "time_path",
-    "prepare_path",
-]
+__all__ = ["SPEED_TABLES", "SPEED_PATHS", "SpeedOptions", "SpeedResult", "speed_rows", "speed_reference",
+           "paper_batch", "measure_speed_rows", "render_speed_tables", "time_path"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 SPEED_TABLES = ("c4_rg", "stages", "comparisons", "light", "face", "seg")
 _BATCH = {"face": 512, "seg": 16}  # the paper's batch per table; 128 elsewhere
-_REFERENCE = {"c4_rg": "Original Res50", "stages": "Original Res50", "light": "Original", "face": "MobileFaceNet",
-              "seg": "ResNet-50"}  # fmt: skip
-CHECK_RTOL = CONVERSION_RTOL  # max |converted - training-time| / max |training-time output|, full float32
+_REFERENCE = {"c4_rg": "Original Res50", "stages": "Original Res50", "comparisons": "ResNet-50",
+              "light": "Original", "face": "MobileFaceNet", "seg": "ResNet-50"}  # fmt: skip
 
 Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
 
@@ -65,18 +49,9 @@ def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
     return fast_inference(model, batch_sizes=(example.shape[0],))
 
 
-#: Inference paths by name: a function ``prepare(model, example) -> callable``, or ``"module:function"``.
-#: ``fast``: the path measured fastest for the device and precision (:func:`repmlp.deploy.gpu.fastest_path`).
-SPEED_PATHS: dict[str, Prepare | str] = {"eager": _eager, "fast": "repmlp.deploy.gpu:prepare_fast"}
-
-
-def prepare_path(name: str) -> Prepare:
-    """The ``prepare`` function of path ``name`` (imported now if it was registered as a string)."""
-    entry = SPEED_PATHS[name]
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-    return entry
+#: Inference paths by name. ``fast``: the path measured fastest for the device and precision
+#: (:func:`repmlp.deploy.gpu.fastest_path`).
+SPEED_PATHS: dict[str, Prepare] = {"eager": _eager, "fast": prepare_fast}
 
 
 @dataclass(frozen=True)
@@ -99,10 +74,8 @@ class SpeedOptions:
 
 @dataclass
 class SpeedResult:
-    """One measured model (shared by the rows that build the same structure at the same input and batch).
-
-    ``speed`` maps precision -> examples/s; ``error`` says why a row has no figures (e.g. out of memory).
-    """
+    """One measured model (shared by the rows of the same structure, input and batch): ``speed`` maps
+    precision -> examples/s; ``error`` says why a row has no figures (out of memory, say)."""
 
     batch: int
     check_rel_diff: float = float("nan")
@@ -111,7 +84,7 @@ class SpeedResult:
 
     @property
     def check_ok(self) -> bool:
-        return self.check_rel_diff <= CHECK_RTOL
+        return self.check_rel_diff <= CONVERSION_RTOL
 
 
 def paper_batch(row: PaperRow) -> int:
@@ -133,30 +106,28 @@ def speed_rows(patterns: Sequence[str] | None = None) -> list[PaperRow]:
 def speed_reference(row: PaperRow) -> PaperRow:
     """The row ``row``'s speed ratio is taken to: ResNet-50 of its table (torchvision's at the same input
     in the comparisons table, at 320 for the EfficientNets), MobileFaceNet, PSPNet with ResNet-50."""
-    if row.table == "comparisons":
-        size = 224 if row.input_size == 224 else 320
-        return next(
-            r for r in PAPER_ROWS if r.table == row.table and r.label == "ResNet-50" and r.input_size == size
-        )
-    return next(r for r in PAPER_ROWS if r.table == row.table and r.label == _REFERENCE[row.table])
+    size = 224 if row.input_size == 224 else 320
+    return next(r for r in PAPER_ROWS if r.table == row.table and r.label == _REFERENCE[row.table]
+                and (row.table != "comparisons" or r.input_size == size))  # fmt: skip
 
 
 def time_path(fn: Callable[[Tensor], Tensor], x: Tensor, opts: SpeedOptions) -> float:
-    """Seconds per batch of ``fn(x)``: the median over ``opts.rounds`` rounds of the mean pass time, each
-    round repeating the pass for at least ``opts.round_seconds``, after ``opts.warmup`` untimed passes (one
-    round of one pass with ``opts.quick``), by :func:`repmlp.bench.timing.time_rounds`: the device is
-    synchronised around each round's passes, so that a GPU's queued kernels are counted in full."""
+    """Seconds per batch of ``fn(x)``: the median over ``opts.rounds`` rounds of at least
+    ``opts.round_seconds`` after ``opts.warmup`` untimed passes (``opts.quick``: one pass after one), by
+    :func:`repmlp.bench.timing.time_rounds`."""
     warmup, rounds, seconds = (1, 1, 0.0) if opts.quick else (opts.warmup, opts.rounds, opts.round_seconds)
     with torch.inference_mode():
-        per_pass = time_rounds(
-            {"path": lambda: fn(x)}, x.device, rounds=rounds, warmup=warmup, min_round_s=seconds
-        )
+        per_pass = time_rounds({"path": lambda: fn(x)}, x.device, rounds=rounds, warmup=warmup,
+                               min_round_s=seconds)  # fmt: skip
     return statistics.median(per_pass["path"])
 
 
-def _randomize_batchnorm(model: nn.Module, seed: int = 0) -> None:
-    """Random running statistics and affine parameters, so that folding them is not a no-op."""
-    gen = torch.Generator().manual_seed(seed)
+def _build(row: PaperRow) -> nn.Module:
+    """``row``'s training-time model (eval mode), seeded, with random BatchNorm statistics and affine
+    parameters, so that folding them is not a no-op."""
+    torch.manual_seed(0)
+    model = create_model(row.model, **row.kwargs)
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
@@ -166,25 +137,12 @@ def _randomize_batchnorm(model: nn.Module, seed: int = 0) -> None:
                 if m.affine:
                     m.weight.copy_(torch.rand(n, generator=gen) * 0.5 + 0.75)
                     m.bias.copy_(torch.rand(n, generator=gen) * 0.2 - 0.1)
-
-
-def _build(row: PaperRow) -> nn.Module:
-    from repmlp.models import create_model
-
-    torch.manual_seed(0)
-    model = create_model(row.model, **row.kwargs)
-    _randomize_batchnorm(model)
     return model.eval()
 
 
 def _time_precisions(deployed: nn.Module, x: Tensor, opts: SpeedOptions) -> dict[str, float]:
     """examples/s of ``deployed`` on ``x`` in each of ``opts.precisions``."""
-    import contextlib
-
-    from repmlp.deploy.precision import DTYPES
-    from repmlp.nn.numerics import full_float32
-
-    prepare = prepare_path(opts.path)
+    prepare = SPEED_PATHS[opts.path]
     speed = {}
     for precision in opts.precisions:
         if precision == "fp32":
@@ -193,40 +151,29 @@ def _time_precisions(deployed: nn.Module, x: Tensor, opts: SpeedOptions) -> dict
             dtype = DTYPES[precision]
             net = copy.deepcopy(deployed).to(dtype=dtype, memory_format=torch.channels_last)
             inp = x.to(dtype=dtype, memory_format=torch.channels_last)
-        precise = full_float32() if precision == "fp32" and not opts.tf32 else contextlib.nullcontext()
-        with precise:
-            seconds = time_path(prepare(net, inp), inp, opts)
-        speed[precision] = len(x) / seconds
+        with full_float32() if precision == "fp32" and not opts.tf32 else contextlib.nullcontext():
+            speed[precision] = len(x) / time_path(prepare(net, inp), inp, opts)
         del net
     return speed
 
 
 def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult:
-    """Convert, check and time ``row``'s training-time ``model`` (CPU, eval mode): the check compares both
-    forms on the first two images of the timed batch ``(N, 3, S, S)``."""
-    from repmlp.deploy.conversion import convert_and_check
-
+    """Convert, check (on the first two images of the timed batch ``(N, 3, S, S)``) and time ``row``'s
+    training-time ``model`` (CPU, eval mode)."""
     batch, size = opts.batch(row), row.input_size
-    result = SpeedResult(batch)
-    model = model.to(opts.device)
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)).to(opts.device)
-    check = convert_and_check(model, x[: min(batch, 2)])
-    result.check_rel_diff = check.diff.max_rel_diff
-    result.speed = _time_precisions(check.deployed, x, opts)
-    return result
+    check = convert_and_check(model.to(opts.device), x[: min(batch, 2)])
+    return SpeedResult(batch, check.diff.max_rel_diff, _time_precisions(check.deployed, x, opts))
 
 
 def _failure(exc: BaseException) -> str:
-    first = first_line(exc)
-    if type(exc).__name__ == "OutOfMemoryError":
-        return "out of memory"
-    return f"{type(exc).__name__}: {first[:160]}"
+    name = type(exc).__name__
+    return "out of memory" if name == "OutOfMemoryError" else f"{name}: {first_line(exc)[:160]}"
 
 
 def measure_speed_rows(rows: Sequence[PaperRow], opts: SpeedOptions) -> list[tuple[PaperRow, SpeedResult]]:
-    """Every row measured (see the module docstring); rows whose models have the same structure (the
-    same module tree), input and batch share one measurement. A row that fails (out of memory, say) gets
-    its error instead of figures, and the others go on."""
+    """Every row measured (module docstring), rows of the same module tree, input and batch once; a row
+    that fails (out of memory, say) gets its error instead of figures, and the others go on."""
     benchmark = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = opts.device.type == "cuda"  # the paper's practice; restored below
     done: dict[tuple, SpeedResult] = {}
@@ -260,18 +207,14 @@ def _log_row(i: int, n: int, row: PaperRow, res: SpeedResult) -> None:
 
 
 def _ratio(value: float | None, reference: float | None) -> str:
-    if not value or not reference:
-        return "-"
-    return f"{value / reference:.2f}x"
+    return f"{value / reference:.2f}x" if value and reference else "-"
 
 
 def _speed_cell(value: float | None, *, paper: bool = False) -> str:
     """examples/s: the paper's figure as printed (5,002; 10.43), ours to the unit above 100, else 3 digits."""
     if value is None:
         return "-"
-    if paper:
-        return f"{value:,g}"
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    return f"{value:,g}" if paper else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def render_speed_tables(
@@ -292,9 +235,8 @@ def render_speed_tables(
         for row, res in rows:
             ref = speed_reference(row)
             ref_res = next((m for r, m in results if r is ref), None)
-            check = "-" if res.check_rel_diff != res.check_rel_diff else f"{res.check_rel_diff:.1e}"
-            if res.check_rel_diff == res.check_rel_diff and not res.check_ok:
-                check += " FAILED"
+            measured = res.check_rel_diff == res.check_rel_diff  # not NaN
+            check = f"{res.check_rel_diff:.1e}" + ("" if res.check_ok else " FAILED") if measured else "-"
             cells = [row.label, f"`{row.call}`", str(row.input_size), str(res.batch), check,
                      _speed_cell(row.speed, paper=True), _ratio(row.speed, ref.speed)]  # fmt: skip
             for p in opts.precisions:
@@ -310,23 +252,16 @@ def render_speed_tables(
 
 def describe(opts: SpeedOptions) -> str:
     """How the figures were measured, in one paragraph (above the tables)."""
-    from repmlp.engine import hardware_summary
-
-    how = (
-        "batch 1, one timed pass after one warm-up pass (--quick: the figures only show that each row runs)"
-        if opts.quick
-        else f"the paper's batch, median of {opts.rounds} rounds of at least {opts.round_seconds:g} s after "
-        f"{opts.warmup} warm-up passes"
-    )
-    precisions = ", ".join(
-        ("fp32 (TF32 " + ("allowed" if opts.tf32 else "off") + ")")
-        if p == "fp32"
-        else f"{p} (weights and input cast, channels_last)"
-        for p in opts.precisions
-    )
+    how = (f"the paper's batch, median of {opts.rounds} rounds of at least {opts.round_seconds:g} s after "
+           f"{opts.warmup} warm-up passes")  # fmt: skip
+    if opts.quick:
+        how = "batch 1, one timed pass after one warm-up pass (--quick: the figures only show that each row runs)"
+    tf32 = "fp32 (TF32 " + ("allowed" if opts.tf32 else "off") + ")"
+    precisions = ", ".join(tf32 if p == "fp32" else f"{p} (weights and input cast, channels_last)"
+                           for p in opts.precisions)  # fmt: skip
     bench = ", cudnn.benchmark on" if opts.device.type == "cuda" else ""
     return (
         f"Converted models (random weights and BatchNorm statistics), checked against the training-time "
-        f"form in full float32 (tolerance {CHECK_RTOL:g} of the output scale), timed on "
+        f"form in full float32 (tolerance {CONVERSION_RTOL:g} of the output scale), timed on "
         f"{hardware_summary(opts.device)}: {precisions}; path `{opts.path}`{bench}; {how}. Paper: one 1080Ti."
     )

@@ -1,9 +1,8 @@
 """The paper's tables of parameters and FLOPs, with our models' counts beside them.
 
-:data:`PAPER_ROWS` is the single source of the paper's numbers (also used by the tests); each row names
-the model (and keyword arguments) that reproduces it. :func:`render_tables` counts every row on the
-``meta`` device (:func:`repmlp.bench.counts.profile_model`) and prints Markdown tables; the paper's
-"FLOPs" are multiply-accumulates, so ours are MACs. Rows whose model is not available are skipped.
+:data:`PAPER_ROWS` is the single source of the paper's numbers (also for the tests), each row naming the
+model (and keyword arguments) that reproduces it. :func:`render_tables` counts every available row on the
+``meta`` device and prints Markdown tables; the paper's "FLOPs" are multiply-accumulates, so ours are MACs.
 """
 
 from __future__ import annotations
@@ -14,7 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import timm
+import torchvision
 from tqdm import tqdm
+
+from repmlp.bench.counts import profile_model
+from repmlp.models import is_model
 
 __all__ = ["PaperRow", "PAPER_ROWS", "TABLE_TITLES", "RowResult", "measure_row", "render_tables", "deviation"]
 
@@ -23,12 +27,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PaperRow:
-    """One row of a paper table: the model that reproduces it and the paper's counts.
-
-    ``form`` is ``"deploy"`` (converted model, the paper's convention) or ``"train"`` (row A).
-    ``params``/``macs`` are in millions, as printed in the paper; ``speed`` is the paper's examples/second
-    on its 1080Ti (batch 128; face models 512, PSPNets 16), for the rows it timed.
-    """
+    """One row of a paper table: the model that reproduces it and the paper's counts, ``params``/``macs`` in
+    millions as printed; ``form``: ``"deploy"`` (converted, the paper's convention) or ``"train"`` (row A);
+    ``speed``: the paper's examples/s on its 1080Ti (batch 128; face models 512, PSPNets 16), if timed."""
 
     table: str
     label: str
@@ -64,13 +65,10 @@ _PURE = (
     "we found no structure following the paper's description that reaches its params for rows D, E and "
     "the Wide ConvNet while matching its FLOPs (see docs/models.md); our FLOPs match"
 )
-
 _FACE = (
     "the paper's FaceResNet (40.35M, 1050M) minus the four bottlenecks its text replaces (3.97M, 415M) "
     "is already above its RepMLP-FaceRes, so no RepMLP Bottleneck reaches these counts (see docs/models.md)"
 )
-
-
 _NET = (
     "the authors' README prints 4.2G; their own code, counted with torch's FlopCounterMode over their "
     "model after `locality_injection()`, gives 4,245.6M, which the README rounds, so that unrounded count "
@@ -124,25 +122,12 @@ PAPER_ROWS: tuple[PaperRow, ...] = (
     PaperRow("seg", "RepMLP-Res50 (g4/8)", "pspnet_repmlp_res50", 713, 175.41, 342696, speed=10.43),
     PaperRow("seg", "ResNet-50", "pspnet_res50", 713, 46.56, 350004, speed=10.22),
     *(
-        PaperRow(
-            "repmlpnet",
-            f"RepMLPNet-{v.upper()}{s}",
-            f"repmlpnet_{v}{s}",
-            s,
-            p,
-            g * 1000,
-            note=_NET if (v, s) == ("t", 256) else "",
-        )
-        for v, s, p, g in (
-            ("t", 224, 38.3, 2.8),
-            ("t", 256, 58.7, 4.2456),
-            ("b", 224, 68.2, 6.7),
-            ("b", 256, 96.5, 9.6),
-            ("d", 256, 86.9, 8.6),
-            ("l", 256, 117.7, 11.5),
-        )
+        PaperRow("repmlpnet", f"RepMLPNet-{v.upper()}{s}", f"repmlpnet_{v}{s}", s, p, g * 1000,
+                 note=_NET if (v, s) == ("t", 256) else "")
+        for v, s, p, g in (("t", 224, 38.3, 2.8), ("t", 256, 58.7, 4.2456), ("b", 224, 68.2, 6.7),
+                           ("b", 256, 96.5, 9.6), ("d", 256, 86.9, 8.6), ("l", 256, 117.7, 11.5))
     ),
-)
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -156,22 +141,14 @@ class RowResult:
 
 def deviation(ours: float, paper: float | None) -> float | None:
     """Relative deviation of ours from the paper's figure, in percent (``None`` without a paper figure)."""
-    if paper is None:
-        return None
-    return 100.0 * (ours - paper) / paper
+    return None if paper is None else 100.0 * (ours - paper) / paper
 
 
 def _available(name: str) -> bool:
-    from repmlp.models import is_model
-
     source, _, bare = name.rpartition(":")
     if source == "timm":
-        import timm
-
         return timm.is_model(bare)
     if source == "torchvision":
-        import torchvision
-
         return bare in torchvision.models.list_models()
     return is_model(name)
 
@@ -184,10 +161,7 @@ def measure_row(row: PaperRow) -> RowResult:
 
 @functools.cache
 def _count(model: str, input_size: int, deploy: bool, kwargs: tuple) -> tuple[int, int]:
-    """``profile_model``'s counts, once per process (they depend only on the arguments; ``kwargs``: the
-    row's keyword arguments as sorted ``(name, value)`` pairs, values hashable)."""
-    from repmlp.bench.counts import profile_model
-
+    """``profile_model``'s counts, once per process (``kwargs``: sorted ``(name, value)`` pairs, hashable)."""
     return profile_model(model, input_size, deploy=deploy, **dict(kwargs))
 
 
@@ -196,27 +170,18 @@ def _fmt_dev(value: float | None) -> str:
 
 
 def _fmt_num(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.2f}" if value < 1000 else f"{value:,.0f}"
+    return "-" if value is None else f"{value:,.2f}" if value < 1000 else f"{value:,.0f}"
 
 
 def _render(table: str, results: Iterable[RowResult]) -> str:
-    lines = [
-        f"### {TABLE_TITLES[table]}",
-        "",
-        "| Model | Built as | Input | Params (M) paper | Params (M) ours | Dev. "
-        "| FLOPs (M) paper | MACs (M) ours | Dev. |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"### {TABLE_TITLES[table]}", "", "| Model | Built as | Input | Params (M) paper | Params (M) ours "
+             "| Dev. | FLOPs (M) paper | MACs (M) ours | Dev. |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     notes: list[str] = []
     for r in results:
-        row = r.row
+        row, label = r.row, r.row.label
         form = " (training-time)" if row.form == "train" else ""
-        label = row.label
         if row.note:
-            if row.note not in notes:
-                notes.append(row.note)
+            notes += [row.note] if row.note not in notes else []
             label += f" [{notes.index(row.note) + 1}]"
         lines.append(
             f"| {label} | `{row.call}`{form} | {row.input_size} | {_fmt_num(row.params)} | "
@@ -224,36 +189,24 @@ def _render(table: str, results: Iterable[RowResult]) -> str:
             f"{_fmt_num(r.macs)} | {_fmt_dev(deviation(r.macs, row.macs))} |"
         )
     if notes:
-        lines.append("")
-        lines += [f"[{i}] {note}." for i, note in enumerate(notes, 1)]
+        lines += ["", *(f"[{i}] {note}." for i, note in enumerate(notes, 1))]
     return "\n".join(lines)
 
 
 def render_tables(tables: Iterable[str] | None = None, *, progress: bool = False) -> str:
-    """Every paper table (or those named in ``tables``) as Markdown, our counts beside the paper's.
-
-    Params are counted on the converted model (training-time for row A), MACs at batch 1.
-    """
+    """Every paper table (or those named in ``tables``) as Markdown, our counts beside the paper's: params of
+    the converted model (training-time for row A), MACs at batch 1."""
     wanted = list(TABLE_TITLES) if tables is None else list(tables)
     unknown = [t for t in wanted if t not in TABLE_TITLES]
     if unknown:
         raise ValueError(f"unknown table(s) {unknown}; choose from {', '.join(TABLE_TITLES)}")
     rows = [r for r in PAPER_ROWS if r.table in wanted]
-    cache: dict[tuple, RowResult] = {}
     by_table: dict[str, list[RowResult]] = {t: [] for t in wanted}
     for row in tqdm(rows, desc="counting", disable=not progress, leave=False):
         if not _available(row.model):
             log.info("skipping %s: model %s is not available", row.label, row.model)
             continue
-        key = (
-            row.model,
-            row.input_size,
-            row.form,
-            tuple(sorted((k, repr(v)) for k, v in row.kwargs.items())),
-        )
-        if key not in cache:
-            cache[key] = measure_row(row)
-        by_table[row.table].append(RowResult(row, cache[key].params, cache[key].macs))
+        by_table[row.table].append(measure_row(row))  # rows of the same model are counted once
     parts = [
         "Params: converted model (RepMLPs merged, conv-BN fused) unless marked training-time. "
         "FLOPs: the paper's multiply-accumulates; ours are MACs at batch 1 from "
@@ -261,7 +214,3 @@ def render_tables(tables: Iterable[str] | None = None, *, progress: bool = False
     ]
     parts += [_render(t, res) for t, res in by_table.items() if res]
     return "\n\n".join(parts) + "\n"
-
-
-if __name__ == "__main__":
-    print(render_tables(progress=True))

@@ -1,9 +1,6 @@
-"""Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's.
-
-The paper reports speed as examples per second at a fixed batch size in inference (Tables 1-6);
-:func:`benchmark` measures the same for each model twice: as built (the training-time structure run in
-eval mode) and after :func:`repmlp.reparameterize_model` (the deployed structure), with parameters and
-multiply-accumulates of each form from :func:`repmlp.profile`.
+"""Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's:
+examples/s at a fixed batch in inference, for each model as built (eval mode) and after
+:func:`repmlp.reparameterize_model`, with each form's parameters and multiply-accumulates.
 """
 
 from __future__ import annotations
@@ -14,29 +11,24 @@ import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from repmlp.bench.counts import profile, profile_model
 from repmlp.bench.timing import time_rounds
+from repmlp.deploy.gpu import prepare_for_device
+from repmlp.deploy.precision import precision_of, to_precision
+from repmlp.deploy.runtimes import to_runtime
 from repmlp.errors import UserError, first_line
+from repmlp.io.model_file import ModelMetadata, load_model
 from repmlp.models.registry import build_model, check_forward, default_input_size
+from repmlp.nn.convert import reparameterize_model
 from repmlp.speed import fast_inference
 
-if TYPE_CHECKING:
-    from repmlp.io.model_file import ModelMetadata
-
-__all__ = [
-    "BenchRow",
-    "benchmark",
-    "render_markdown",
-    "models_to_bench",
-    "in_precision",
-    "timing_caveat",
-]
+__all__ = ["BenchRow", "benchmark", "render_markdown", "models_to_bench", "in_precision", "timing_caveat"]
 
 log = logging.getLogger(__name__)
 
@@ -56,47 +48,20 @@ class BenchRow:
     latency_ms: float  # median time of one batch
     spread: float = 0.0  # interquartile range of the batch times / their median
 
-    def as_dict(self) -> dict:
-        return asdict(self)
 
+def benchmark(models: Mapping[str, nn.Module], input_size: Sequence[int], batch_size: int, *,
+              device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 10,
+              forms: Sequence[str] = ("train", "deploy"), runtime: str = "torch", path: str = "auto",
+              ) -> list[BenchRow]:  # fmt: skip
+    """One :class:`BenchRow` per model and form of ``forms``, in input order.
 
-def benchmark(
-    models: Mapping[str, nn.Module],
-    input_size: Sequence[int],
-    batch_size: int,
-    *,
-    device: str | torch.device = "cpu",
-    warmup: int = 3,
-    repeats: int = 10,
-    forms: Sequence[str] = ("train", "deploy"),
-    runtime: str = "torch",
-    path: str = "auto",
-) -> list[BenchRow]:
-    """Measure every model in its training-time and deployed form.
-
-    Args:
-        models: name -> model (training-time form; one already deployed is measured as ``deploy`` only).
-            Models are copied, never modified.
-        input_size: ``(C, H, W)`` of one example.
-        batch_size: examples per forward pass.
-        device: where to run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
-        warmup: untimed passes before timing (cuDNN autotuning, allocator, caches).
-        repeats: timed passes; the row reports the median.
-        forms: which forms to measure.
-        runtime: ``"torch"``, or an ONNX runtime (:data:`repmlp.deploy.runtimes.RUNTIMES`) that runs each form's
-            exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only); parameters and MACs are the
-            PyTorch model's.
-        path: how PyTorch runs each form on a GPU (:data:`repmlp.deploy.gpu.PATHS`; ``"auto"``: the path
-            measured fastest for the form's precision, :func:`repmlp.deploy.gpu.fastest_path`); on a CPU
-            the models run as they are.
-
-    Returns:
-        One :class:`BenchRow` per model and form, in input order.
+    ``models``: name -> model (training-time; one already deployed is measured as ``deploy`` only), copied,
+    never modified. ``input_size``: ``(C, H, W)``. ``warmup`` untimed passes, then ``repeats`` timed ones
+    (the row reports the median). ``runtime``: ``"torch"`` (with the inference speed pass), or an ONNX
+    runtime running each form's exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only;
+    parameters and MACs are the PyTorch model's). ``path``: how PyTorch runs on a GPU
+    (:data:`repmlp.deploy.gpu.PATHS`; ``"auto"``: :func:`repmlp.deploy.gpu.fastest_path`).
     """
-    from repmlp.bench.counts import profile
-    from repmlp.deploy.runtimes import to_runtime
-    from repmlp.nn.convert import reparameterize_model
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if repeats < 1 or warmup < 0:
@@ -105,28 +70,15 @@ def benchmark(
     if runtime != "torch" and device.type != "cpu":
         raise ValueError(f"runtime {runtime!r} runs on the CPU, not on {device}")
     input_size = tuple(int(s) for s in input_size)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, *input_size, generator=gen).to(device)
-    variants: list[tuple[str, str, nn.Module, int, int]] = []
-    for name, model in models.items():
-        base = copy.deepcopy(model).eval()
-        deployed_already = _is_deployed(base)
-        if "train" in forms and not deployed_already:
-            variants.append((name, "train", base, *profile(base, input_size)))
-        if "deploy" in forms:
-            net = base if deployed_already else reparameterize_model(base)
-            variants.append((name, "deploy", net, *profile(net, input_size)))
+    x = torch.randn(batch_size, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
+    variants = _forms(models, forms, input_size)
     nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
     if runtime == "torch":  # the inference speed pass, as repmlp predict runs the models
         nets = [fast_inference(net, batch_sizes=(batch_size,)) for net in nets]
     inputs = [x] * len(nets)
     if device.type == "cuda" and runtime == "torch":
-        from repmlp.deploy.gpu import prepare_for_device
-
-        prepared = [prepare_for_device(net, x, path) for net in nets]
-        nets, inputs = [p[0] for p in prepared], [p[1] for p in prepared]
-    # One pass of every form a round (repmlp.bench.timing.time_rounds): on a shared machine the load
-    # drifts, and interleaving makes the drift hit every form alike, so the ratios between them hold.
+        nets, inputs = map(list, zip(*[prepare_for_device(net, x, path) for net in nets], strict=True))
+    # One pass of every form a round: a drift in the machine's load hits every form alike.
     passes = {i: functools.partial(net, inp) for i, (net, inp) in enumerate(zip(nets, inputs, strict=True))}
     with torch.inference_mode():
         times = time_rounds(passes, device, rounds=repeats, warmup=warmup).values()
@@ -134,20 +86,9 @@ def benchmark(
     for (name, form, _, params, macs), t in zip(variants, times, strict=True):
         median = statistics.median(t)
         q = statistics.quantiles(t, n=4) if len(t) > 1 else [median, median, median]
-        rows.append(
-            BenchRow(
-                model=name,
-                form=form,
-                input_size=input_size,
-                batch_size=batch_size,
-                device=str(device),
-                params=int(params),
-                macs=int(macs),
-                throughput=batch_size / median if median > 0 else math.inf,
-                latency_ms=median * 1e3,
-                spread=(q[2] - q[0]) / median if median > 0 else 0.0,
-            )
-        )
+        rows.append(BenchRow(name, form, input_size, batch_size, str(device), int(params), int(macs),
+                             batch_size / median if median > 0 else math.inf, median * 1e3,
+                             (q[2] - q[0]) / median if median > 0 else 0.0))  # fmt: skip
         log.info(
             "%s (%s): %.1f examples/s (spread %.0f%%)", name, form, rows[-1].throughput, 100 * rows[-1].spread
         )
@@ -160,17 +101,28 @@ def benchmark(
     return rows
 
 
+def _forms(models: Mapping[str, nn.Module], forms: Sequence[str], input_size: tuple[int, ...]) -> list[tuple]:
+    """``(name, form, module, params, MACs)`` of each model's ``forms``, on copies (eval mode)."""
+    variants = []
+    for name, model in models.items():
+        base = copy.deepcopy(model).eval()
+        deployed_already = _is_deployed(base)
+        if "train" in forms and not deployed_already:
+            variants.append((name, "train", base, *profile(base, input_size)))
+        if "deploy" in forms:
+            net = base if deployed_already else reparameterize_model(base)
+            variants.append((name, "deploy", net, *profile(net, input_size)))
+    return variants
+
+
 # Spread (interquartile range / median of a form's pass times) above which the figures carry a caveat.
 BUSY_SPREAD = 0.25
 
 
 def timing_caveat(rows: Sequence[BenchRow]) -> str | None:
-    """The caveat that must travel with ``rows``' figures (printed and in any report), or ``None``.
-
-    Two signs that the timings measured the machine's load more than the models: pass times spread by
-    more than :data:`BUSY_SPREAD`, or a deployed form slower than its training-time form, which runs
-    the same layers and more (BatchNorm, the conv branches).
-    """
+    """The caveat that must travel with ``rows``' figures (log, table, report), or ``None``: pass times
+    spread by more than :data:`BUSY_SPREAD`, or a deployed form slower than its training-time form (which runs
+    the same layers and more), mean the timings measured the machine's load more than the models."""
     worst = max((r.spread for r in rows), default=0.0)
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
     slower = [r.model for r in rows if r.form == "deploy" and r.throughput < train_speed.get(r.model, 0.0)]
@@ -181,40 +133,27 @@ def timing_caveat(rows: Sequence[BenchRow]) -> str | None:
         signs.append(f"the deployed form measured slower than the training-time form ({', '.join(slower)})")
     if not signs:
         return None
-    return (
-        f"{'; '.join(signs)}: the machine is busy or the batches too short to time; the speeds and their "
-        "ratio are not reliable here: rerun `repmlp bench` on an idle machine"
-    )
+    return (f"{'; '.join(signs)}: the machine is busy or the batches too short to time; the speeds and their "
+            "ratio are not reliable here: rerun `repmlp bench` on an idle machine")  # fmt: skip
 
 
 def _is_deployed(model: nn.Module) -> bool:
     """True when nothing in ``model`` would change on re-parameterization (no BN, no training-time branch)."""
-    for m in model.modules():
-        if getattr(m, "deploy", None) is False:
-            return False
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            return False
-    return True
+    bn = nn.modules.batchnorm._BatchNorm
+    return not any(getattr(m, "deploy", None) is False or isinstance(m, bn) for m in model.modules())
 
 
 def _millions(n: int) -> str:
-    # The paper's precision for its models (22.41M), more digits for the tiny ones (0.218M).
-    m = n / 1e6
+    m = n / 1e6  # the paper's precision (22.41M), more digits for tiny models (0.218M)
     return f"{m:.2f}" if m >= 1 else f"{m:.3f}"
 
 
-def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note: str | None = None) -> str:
-    """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s.
-
-    ``spread`` is the interquartile range of the batch times relative to their median. Each deployed
-    row also shows its speed relative to the training-time row of the same model;
-    ``title`` goes above the table, ``note`` (say, the hardware) below it.
-    """
+def render_markdown(rows: Sequence[BenchRow], *, note: str | None = None) -> str:
+    """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s, the spread
+    (interquartile range of the batch times over their median) and each deployed row's speed over its
+    training-time row's; :func:`timing_caveat` and ``note`` (the hardware, say) below."""
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
-    lines = []
-    if title:
-        lines += [title, ""]
-    lines += [
+    lines = [
         "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | spread | vs. train |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -226,9 +165,9 @@ def render_markdown(rows: Sequence[BenchRow], *, title: str | None = None, note:
             f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
             f"| {r.throughput:.1f} | {100 * r.spread:.0f}% | {ratio} |"
         )
-    if note:
-        lines += ["", note]
-    return "\n".join(lines)
+    caveat = timing_caveat(rows)
+    lines += ["", f"**Caveat:** {caveat}."] if caveat else []
+    return "\n".join(lines + (["", note] if note else []))
 
 
 def models_to_bench(
@@ -239,13 +178,9 @@ def models_to_bench(
     in_chans: int | None = None,
     img_size: int | None = None,
 ) -> tuple[dict[str, nn.Module], tuple[int, ...], dict[str, str]]:
-    """What ``repmlp bench`` times: registered ``names`` (random weights) or model files ``checkpoints``.
-
-    Returns name -> model (CPU, eval), the common input size ``(C, H, W)``, and each model's form;
-    models that take different input sizes, or not the given one, are a :class:`UserError`.
-    """
-    from repmlp.io.model_file import load_model
-
+    """What ``repmlp bench`` times, registered ``names`` (random weights) or model files ``checkpoints``:
+    name -> model (CPU, eval), the common input size ``(C, H, W)``, name -> form; models that take different
+    input sizes, or not the given one, are a :class:`UserError`."""
     models: dict[str, nn.Module] = {}
     sizes: dict[str, tuple[int, ...]] = {}
     forms: dict[str, str] = {}
@@ -254,27 +189,21 @@ def models_to_bench(
             model, _ = build_model(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)
             model.eval()  # measured and exported as an inference model
             c, h, w = default_input_size(model)
-            if in_chans is not None:
-                c = in_chans
-            if img_size is not None:
-                h = w = img_size
-            models[name], sizes[name], forms[name] = model, (c, h, w), "train"
+            size = (in_chans or c, img_size or h, img_size or w)
+            models[name], sizes[name], forms[name] = model, size, "train"
     else:
         paths = list(dict.fromkeys(checkpoints or []))
         for path in paths:
             model = load_model(path, device="cpu")
             meta = model.metadata
             label = f"{meta.name} ({Path(path).name})" if len(paths) > 1 else meta.name
-            models[label] = model
-            sizes[label] = meta.input_size_at(img_size)
-            forms[label] = meta.form
+            models[label], sizes[label], forms[label] = model, meta.input_size_at(img_size), meta.form
             if meta.precision == "int8":
                 model.profile_counts = _int8_counts(meta, sizes[label])
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{n}: {'x'.join(map(str, s))}" for n, s in sizes.items())
-        raise UserError(
-            f"the models take different input sizes ({listed}); pass --img-size or bench them apart"
-        )
+        raise UserError(f"the models take different input sizes ({listed}); pass --img-size or bench them "
+                        "apart")  # fmt: skip
     input_size = next(iter(sizes.values()))
     for name, model in models.items():
         check_forward(model, input_size, name)
@@ -282,10 +211,8 @@ def models_to_bench(
 
 
 def _int8_counts(meta: ModelMetadata, input_size: tuple[int, ...]) -> tuple[int, int]:
-    """``(params, MACs)`` of an int8 file's model (its ``metadata``): its deployed float structure's, counted
-    on the ``meta`` device (the ONNX graph has no PyTorch parameters; it holds the same weights, in int8)."""
-    from repmlp.bench.counts import profile_model
-
+    """``(params, MACs)`` of an int8 file's model: its deployed float structure's (the ONNX graph holds the
+    same weights in int8 but no PyTorch parameters), counted on the ``meta`` device."""
     kwargs = dict(meta.model_kwargs)
     kwargs.setdefault("in_chans", input_size[0])
     try:
@@ -297,10 +224,6 @@ def _int8_counts(meta: ModelMetadata, input_size: tuple[int, ...]) -> tuple[int,
 
 def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) -> nn.Module:
     """The deployed ``model`` in ``precision``; a file already in a reduced precision stays as it is."""
-    from repmlp.bench.counts import profile
-    from repmlp.deploy.precision import precision_of, to_precision
-    from repmlp.nn.convert import reparameterize_model
-
     if precision_of(model) != "fp32":
         return model
     gen = torch.Generator().manual_seed(0)
@@ -313,5 +236,7 @@ def in_precision(model: nn.Module, precision: str, input_size: tuple[int, ...]) 
             reduced.profile_counts = counts
         return reduced
     except (RuntimeError, ValueError) as exc:
-        first = first_line(exc)
-        raise UserError(f"--precision {precision}: cannot build the model in {precision} ({first})") from None
+        reason = first_line(exc)
+        raise UserError(
+            f"--precision {precision}: cannot build the model in {precision} ({reason})"
+        ) from None

@@ -1,23 +1,15 @@
 """The one place this project times code: seconds per call of a callable, on a CPU or a GPU.
 
-``repmlp bench``'s table (:mod:`repmlp.bench.throughput`), the speed tables of ``repmlp tables --speed``
-(:mod:`repmlp.bench.speed_tables`) and the scripts under ``benchmarks/`` all time through this module, so
-that their figures mean the same thing.
+``repmlp bench``, ``repmlp tables --speed`` and the scripts under ``benchmarks/`` all time through here, so
+their figures mean the same thing. Every figure comes from *blocks*: ``k`` back-to-back calls between two
+readings of a clock that first waits for the device's queued work (:func:`sync_device`), run by
+:class:`timeit.Timer` (garbage collection off). ``torch.utils.benchmark.Timer`` is not used: it cannot time
+exactly ``k`` calls (it adds untimed ones) and its device check lands inside the timed block (see
+``benchmarks/bench_timing.py`` and docs/benchmarks.md). Alternatives are timed in *interleaved rounds*
+(:func:`time_rounds`), so a drift in the machine's load hits them all alike.
 
-Every figure comes from *blocks*: ``k`` back-to-back calls between two readings of a clock that first
-waits for the device's queued work (:func:`sync_device`), so that a GPU's kernels are counted in full and
-work queued before the block is not. A block runs in the standard library's :class:`timeit.Timer`
-(garbage collection off while it runs), the engine under ``torch.utils.benchmark.Timer``. That Timer
-itself is not used because it cannot time exactly ``k`` calls: its ``timeit(k)`` first makes
-``max(k // 100, 2)`` untimed calls (two extra passes for every pass of a one-pass round), and its default
-clock's device check lands inside the timed block, which shows at batch 1 (measured by
-``benchmarks/bench_timing.py``, figures in docs/benchmarks.md).
-
-Alternatives are timed in *interleaved rounds* (:func:`time_rounds`): each round runs every callable in
-turn, so a drift in the machine's load hits them all alike and the ratios between them stay meaningful.
-
-This module imports nothing from ``repmlp``: ``benchmarks/bench_train.py`` loads the file alone into
-worker processes that run a baseline commit's code.
+This module imports nothing from ``repmlp``: ``benchmarks/bench_train.py`` loads the file alone into worker
+processes that run a baseline commit's code.
 """
 
 from __future__ import annotations
@@ -59,17 +51,14 @@ def _clock(device: torch.device | str) -> Callable[[], float]:
 
 
 def _timer(fn: Callable[[], object], device: torch.device | str) -> timeit.Timer:
-    # A Timer compiles its loop once; reusing it keeps that work out of every round.
-    return timeit.Timer(fn, timer=_clock(device))
+    return timeit.Timer(fn, timer=_clock(device))  # compiles its loop once: reused for every round
 
 
 def time_calls(
     fn: Callable[[], object], number: int, device: torch.device | str = "cpu", *, warmup: int = 0
 ) -> float:
-    """Seconds per call of ``number`` back-to-back calls of ``fn()``, after ``warmup`` untimed ones.
-
-    ``device`` is the device ``fn`` queues work on; it is synchronised before and after the block.
-    """
+    """Seconds per call of ``number`` back-to-back calls of ``fn()`` after ``warmup`` untimed ones; ``device``
+    (where ``fn`` queues work) is synchronised before and after the block."""
     if number < 1 or warmup < 0:
         raise ValueError(f"need number >= 1 and warmup >= 0, got number={number}, warmup={warmup}")
     for _ in range(warmup):
@@ -81,42 +70,25 @@ def _round(timer: timeit.Timer, calls: int, min_round_s: float) -> tuple[float, 
     """Seconds and calls of one round: a block of ``calls`` calls, then more while under ``min_round_s``."""
     seconds, n = timer.timeit(calls), calls
     while seconds < min_round_s:
-        # The calls still missing at this round's rate so far: usually none, since ``calls`` came from the
-        # previous round; a faster machine (or a cold first block) needs a second block.
+        # The calls still missing at this round's rate (a cold first block, or a machine grown faster).
         more = max(1, math.ceil(n * (min_round_s - seconds) / max(seconds, 1e-9)))
         seconds, n = seconds + timer.timeit(more), n + more
     return seconds, n
 
 
-def time_rounds(
-    fns: Mapping[K, Callable[[], object]],
-    device: torch.device | str = "cpu",
-    *,
-    rounds: int,
-    warmup: int = 2,
-    min_round_s: float = 0.0,
-) -> dict[K, list[float]]:
-    """Seconds per call of every callable in each of ``rounds`` interleaved rounds.
+def time_rounds(fns: Mapping[K, Callable[[], object]], device: torch.device | str = "cpu", *, rounds: int,
+                warmup: int = 2, min_round_s: float = 0.0) -> dict[K, list[float]]:  # fmt: skip
+    """Seconds per call of every callable of ``fns`` (name -> callable, results under the same names) in
+    each of ``rounds`` interleaved rounds, after ``warmup`` untimed calls of each.
 
-    Each callable first makes ``warmup`` untimed calls (one callable's, then the next's). Every round then
-    runs the callables in the order given, each for at least ``min_round_s`` and at least one call, and
-    records its time over its calls. With ``min_round_s=0`` a round is one call of each, so the figures are
-    single passes and their spread is the passes' spread. Otherwise the calls of a round are chosen from
-    the callable's previous round (the first round: from its last warm-up call, timed for that alone),
-    and a round that falls short is extended.
-
-    Args:
-        fns: name -> callable of no arguments; results are returned under the same names, in this order.
-        device: the device the callables queue work on, synchronised around every block.
-        rounds: rounds to run (>= 1).
-        warmup: untimed calls of each callable before the rounds (>= 0).
-        min_round_s: the least seconds of one callable's round (>= 0).
+    A round runs the callables in order, each for at least ``min_round_s`` and one call, and records its time
+    over its calls (``min_round_s=0``: single passes). A round's calls come from the callable's previous
+    round (the first: from its last warm-up call, timed alone); a round that falls short is extended.
+    ``device``, where the callables queue work, is synchronised around every block.
     """
     if rounds < 1 or warmup < 0 or not 0 <= min_round_s < math.inf:
-        raise ValueError(
-            f"need rounds >= 1, warmup >= 0 and a finite min_round_s >= 0, got rounds={rounds}, "
-            f"warmup={warmup}, min_round_s={min_round_s}"
-        )
+        raise ValueError(f"need rounds >= 1, warmup >= 0 and a finite min_round_s >= 0, got rounds={rounds}, "
+                         f"warmup={warmup}, min_round_s={min_round_s}")  # fmt: skip
     if not fns:
         raise ValueError("nothing to time: no callables given")
     timers = {name: _timer(fn, device) for name, fn in fns.items()}
@@ -136,14 +108,8 @@ def time_rounds(
     return times
 
 
-def time_interleaved(
-    fns: Mapping[K, Callable[[], object]],
-    device: torch.device | str = "cpu",
-    *,
-    rounds: int = 7,
-    min_round_s: float = 0.2,
-    warmup: int = 2,
-) -> dict[K, float]:
+def time_interleaved(fns: Mapping[K, Callable[[], object]], device: torch.device | str = "cpu", *,
+                     rounds: int = 7, min_round_s: float = 0.2, warmup: int = 2) -> dict[K, float]:  # fmt: skip
     """Median seconds per call of every callable over ``rounds`` interleaved rounds of at least
     ``min_round_s`` each (:func:`time_rounds`); the benchmark scripts' comparison of alternatives."""
     times = time_rounds(fns, device, rounds=rounds, warmup=warmup, min_round_s=min_round_s)

@@ -1,24 +1,21 @@
 """The paper's FC3 weight figure (Sec. 4.2, Fig. "FC weights sampled from FC3").
 
-FC3's kernel ``(O*h*w, C*h*w/g)`` is viewed as ``W(O, h, w, C/g, h, w)``; for one output channel, one
-output point ``(y, x)`` of the partition and one input channel of that output channel's group, the
-``h x w`` matrix ``W[o, y, x, c, :, :]`` says how much every input position of the partition counts
-for that output point. The figure shows it, as ``ln(|W| / min |W|)`` (min over the matrix), for the
-training-time FC3 and for the inference FC3 with the Local Perceptron merged in: merging adds the
-conv kernels around the point, so a local prior appears, while positions outside the largest kernel
-keep what FC3 learnt (the global capacity).
+FC3's kernel ``(O*h*w, C*h*w/g)`` is viewed as ``W(O, h, w, C/g, h, w)``; for one output channel, one output
+point ``(y, x)`` and one input channel of its group, ``W[o, y, x, c, :, :]`` says how much every input
+position of the partition counts for that point. The figure shows it as ``ln(|W| / min |W|)`` for the
+training-time FC3 and for FC3 with the Local Perceptron merged in: merging adds the conv kernels around the
+point (a local prior), while positions outside the largest kernel keep what FC3 learnt (global capacity).
 
-A 1-D block (:class:`~repmlp.RepMLPBlock1d`, sequences of partitions of ``l`` positions) has one output
-point per position: its figure is the whole ``l x l`` matrix ``W[o, :, c, :]`` (row ``y``: how much each
-input position counts for output position ``y``), where the Local Perceptron adds a band around the
-diagonal; the sampled point ``(y, y)`` marks one row.
+A 1-D block (partitions of ``l`` positions) has one output point per position: its figure is the whole
+``l x l`` matrix ``W[o, :, c, :]`` (rows: output positions), where the Local Perceptron adds a band around
+the diagonal; the sampled point ``(y, y)`` marks one row.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,14 +23,18 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.engine.report import save_figure
+from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp.nn.block import RepMLPBlock, RepMLPBlock1d
 
 __all__ = ["FC3Sample", "find_repmlp_blocks", "sample_fc3", "fc3_log_weights", "plot_fc3"]
 
+log = logging.getLogger(__name__)
+_BLOCKS = (RepMLPBlock, RepMLPBlock1d, RepMLPNetBlock)
+
 
 @dataclass
 class FC3Sample:
-    """The two sampled ``(h, w)`` matrices of the figure, log-normalised, and where they come from."""
+    """The two sampled matrices of the figure, log-normalised, and where they come from."""
 
     block_name: str
     out_channel: int
@@ -46,25 +47,17 @@ class FC3Sample:
     one_d: bool = False  # a 1-D block: train/merged are (l, l), rows output and columns input positions
 
 
-def _block_types() -> tuple[type, ...]:
-    from repmlp.models.repmlpnet import RepMLPNetBlock
-
-    return (RepMLPBlock, RepMLPBlock1d, RepMLPNetBlock)
-
-
 def find_repmlp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """All RepMLP blocks (RepMLP-Res50's, the pure MLPs' 2-D and 1-D ones, RepMLPNet's) of ``model`` as
+    """Every RepMLP block (RepMLP-Res50's, the pure MLPs' 2-D and 1-D ones, RepMLPNet's) of ``model`` as
     ``(name, block)``, in module order."""
-    if isinstance(model, _block_types()):
+    if isinstance(model, _BLOCKS):
         return [("", model)]
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, _block_types())]
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BLOCKS)]
 
 
 def _fc3_layout(block: nn.Module) -> tuple[Tensor, int, int, bool, tuple[tuple[int, int], ...]]:
-    """``(FC3 kernel, output channels, groups, has Local Perceptron, kernels)`` of either block kind.
-
-    RepMLPNet's FC3 maps each of its ``S`` parameter sets on its own: ``S`` channels in ``S`` groups.
-    """
+    """``(FC3 kernel, output channels, groups, has Local Perceptron, kernels)`` of either block kind
+    (RepMLPNet's FC3 maps each of its ``S`` parameter sets on its own: ``S`` channels in ``S`` groups)."""
     if isinstance(block, (RepMLPBlock, RepMLPBlock1d)):
         fc3 = block.partition_perceptron.fc3.weight
         return fc3, block.out_channels, block.groups, block.local_perceptron is not None, block.kernel_sizes
@@ -76,13 +69,10 @@ def _select_block(model: nn.Module, block_name: str | None) -> tuple[str, nn.Mod
     blocks = find_repmlp_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no RepMLP block to visualise")
-    if block_name is None:
-        # The paper samples a block that has a Local Perceptron; prefer the first such block.
+    if block_name is None:  # the paper samples a block with a Local Perceptron
         with_local = [(n, b) for n, b in blocks if _fc3_layout(b)[3]]
         if not with_local:
-            logging.getLogger(__name__).warning(
-                "no RepMLP block has a Local Perceptron: both panels will show the same FC3"
-            )
+            log.warning("no RepMLP block has a Local Perceptron: both panels will show the same FC3")
         return (with_local or blocks)[0]
     for name, block in blocks:
         if name == block_name:
@@ -92,11 +82,8 @@ def _select_block(model: nn.Module, block_name: str | None) -> tuple[str, nn.Mod
 
 
 def fc3_log_weights(matrix: Tensor) -> np.ndarray:
-    """``ln(|W| / min |W|)`` of a sampled ``(h, w)`` matrix (the paper's normalisation).
-
-    The minimum is taken over non-zero magnitudes (an exactly zero weight would make the log infinite);
-    zeros map to 0, like the minimum. Result: float64 ``(h, w)``, all values >= 0.
-    """
+    """``ln(|W| / min |W|)`` of a sampled matrix (the paper's normalisation), float64, all >= 0; the minimum
+    over non-zero magnitudes (a zero weight would make the log infinite), zeros mapping to 0."""
     mag = matrix.detach().abs().double().cpu()
     nonzero = mag[mag > 0]
     if nonzero.numel() == 0:
@@ -104,33 +91,17 @@ def fc3_log_weights(matrix: Tensor) -> np.ndarray:
     return torch.log(mag.clamp_min(nonzero.min()) / nonzero.min()).numpy()
 
 
-def sample_fc3(
-    block_or_model: nn.Module,
-    *,
-    block_name: str | None = None,
-    out_channel: int = 0,
-    point: Sequence[int] | None = None,
-    in_channel: int = 0,
-) -> FC3Sample:
-    """Sample ``W[out_channel, y, x, in_channel, :, :]`` from the training-time and the merged FC3.
+def sample_fc3(block_or_model: nn.Module, *, block_name: str | None = None, out_channel: int = 0,
+               point: Sequence[int] | None = None, in_channel: int = 0) -> FC3Sample:  # fmt: skip
+    """``W[out_channel, y, x, in_channel, :, :]`` of the training-time FC3 (its own kernel: its BatchNorm
+    scales each row by one factor, which the normalisation cancels) and of the merged one
+    (:meth:`RepMLPBlock.merged_fc3`: BN fused, every Local Perceptron branch added).
 
-    The training-time panel uses FC3's own kernel. Its BatchNorm1d scales each output row by one
-    factor, so fusing it would change nothing after normalising by the minimum; the merged panel is
-    :meth:`RepMLPBlock.merged_fc3` (BN fused, every Local Perceptron branch added, running statistics).
-
-    Args:
-        block_or_model: a training-time :class:`RepMLPBlock` (or :class:`RepMLPBlock1d`, whose sample is
-            the whole ``(l, l)`` matrix of one channel pair, see the module docstring) or a model
-            containing some.
-        block_name: qualified module name of the block (default: first block with a Local Perceptron).
-        out_channel: output channel ``o`` (0 .. O-1).
-        point: output point ``(y, x)`` in the partition, zero-based (default: the centre
-            ``(h // 2, w // 2)``; the paper's figure samples ``(6, 6)`` of a 10x10 partition).
-        in_channel: input channel inside ``out_channel``'s group (0 .. C/g - 1).
-
-    Raises:
-        ValueError: no such block, a deployed block (its training-time FC3 is gone), or an index out
-            of range.
+    ``block_or_model``: a training-time block or a model holding some; ``block_name``: the block's module
+    name (default: the first with a Local Perceptron); ``point``: ``(y, x)`` in the partition (default the
+    centre; the paper samples ``(6, 6)`` of a 10x10 partition); a 1-D block's point is ``(y,)`` or ``(y, y)``
+    (default ``l // 2``); ``in_channel``: inside ``out_channel``'s group. ``ValueError`` for no such block, a
+    deployed block, or an index out of range.
     """
     name, block = _select_block(block_or_model, block_name)
     if block.deploy:
@@ -138,27 +109,42 @@ def sample_fc3(
             f"RepMLP block {name or '<root>'} is already deployed: the figure compares the training-time "
             "FC3 with the merged one, so it needs the training-time model"
         )
-    if len(block.partition) == 1:
-        return _sample_fc3_1d(name, block, out_channel, point, in_channel)
-    h, w = block.partition
     fc3, out_c, groups, _, kernels = _fc3_layout(block)
-    cg = fc3.shape[1] // (h * w)
-    if point is None:
-        point = (h // 2, w // 2)
-    if len(point) != 2:
-        raise ValueError(f"point must be (y, x), got {tuple(point)}")
-    y, x = (int(p) for p in point)
-    _check_channels(out_channel, out_c, in_channel, cg)
-    if not (0 <= y < h and 0 <= x < w):
-        raise ValueError(f"point must lie in the {h}x{w} partition (0..{h - 1}, 0..{w - 1}), got ({y}, {x})")
-
-    def pick(weight: Tensor) -> Tensor:
-        return weight.reshape(out_c, h, w, cg, h, w)[out_channel, y, x, in_channel]
-
-    largest = max(kernels, key=lambda k: k[0] * k[1]) if kernels else None
-    layout = (out_c, groups, cg)
-    return _sample(
-        name, block, fc3, pick, layout, out_channel, in_channel, point=(y, x), largest_kernel=largest
+    one_d = len(block.partition) == 1
+    if one_d:
+        (length,) = block.partition
+        cg = fc3.shape[1] // length
+        y = length // 2 if point is None else int(point[0])
+        if point is not None and (len(point) not in (1, 2) or (len(point) == 2 and point[1] != point[0])):
+            raise ValueError(f"a 1-D block's point is one position (y, or y y), got {tuple(point)}")
+        _check_channels(out_channel, out_c, in_channel, cg)
+        if not 0 <= y < length:
+            raise ValueError(
+                f"point must lie in the partition of {length} positions (0..{length - 1}), got {y}"
+            )
+        x, shape, index = y, (out_c, length, cg, length), (out_channel, slice(None), in_channel)
+        largest = max((k[0] for k in kernels), default=None)
+        largest_kernel = (1, largest) if largest else None
+    else:
+        h, w = block.partition
+        cg = fc3.shape[1] // (h * w)
+        point = (h // 2, w // 2) if point is None else point
+        if len(point) != 2:
+            raise ValueError(f"point must be (y, x), got {tuple(point)}")
+        y, x = (int(p) for p in point)
+        _check_channels(out_channel, out_c, in_channel, cg)
+        if not (0 <= y < h and 0 <= x < w):
+            raise ValueError(
+                f"point must lie in the {h}x{w} partition (0..{h - 1}, 0..{w - 1}), got ({y}, {x})"
+            )
+        shape, index = (out_c, h, w, cg, h, w), (out_channel, y, x, in_channel)
+        largest_kernel = max(kernels, key=lambda k: k[0] * k[1]) if kernels else None
+    train, merged = (
+        fc3_log_weights(weight.detach().reshape(shape)[index]) for weight in (fc3, block.merged_fc3()[0])
+    )
+    input_channel = (out_channel // (out_c // groups)) * cg + in_channel
+    return FC3Sample(
+        name, out_channel, in_channel, input_channel, (y, x), largest_kernel, train, merged, one_d
     )
 
 
@@ -169,108 +155,35 @@ def _check_channels(out_channel: int, out_c: int, in_channel: int, cg: int) -> N
         raise ValueError(f"in_channel must be in 0..{cg - 1} (channels per group), got {in_channel}")
 
 
-def _sample_fc3_1d(
-    name: str, block: nn.Module, out_channel: int, point: Sequence[int] | None, in_channel: int
-) -> FC3Sample:
-    """A 1-D block's sample: the ``(l, l)`` matrix ``W[o, :, c, :]`` (output position x input position);
-    ``point`` (``(y,)`` or ``(y, y)``, default ``l // 2``) marks the row of one output position."""
-    (length,) = block.partition
-    fc3, out_c, groups, _, kernels = _fc3_layout(block)
-    cg = fc3.shape[1] // length
-    y = length // 2 if point is None else int(point[0])
-    if point is not None and (len(point) not in (1, 2) or (len(point) == 2 and point[1] != point[0])):
-        raise ValueError(f"a 1-D block's point is one position (y, or y y), got {tuple(point)}")
-    _check_channels(out_channel, out_c, in_channel, cg)
-    if not 0 <= y < length:
-        raise ValueError(f"point must lie in the partition of {length} positions (0..{length - 1}), got {y}")
-
-    def pick(weight: Tensor) -> Tensor:
-        return weight.reshape(out_c, length, cg, length)[out_channel, :, in_channel, :]
-
-    largest = max((k[0] for k in kernels), default=None)
-    layout = (out_c, groups, cg)
-    return _sample(
-        name, block, fc3, pick, layout, out_channel, in_channel, point=(y, y),
-        largest_kernel=(1, largest) if largest else None, one_d=True,
-    )  # fmt: skip
-
-
-def _sample(
-    name: str,
-    block: nn.Module,
-    fc3: Tensor,
-    pick: Callable[[Tensor], Tensor],
-    layout: tuple[int, int, int],
-    out_channel: int,
-    in_channel: int,
-    *,
-    point: tuple[int, int],
-    largest_kernel: tuple[int, int] | None,
-    one_d: bool = False,
-) -> FC3Sample:
-    """The sample of ``pick`` (one matrix of an FC3 kernel, ``(h, w)`` or ``(l, l)``) from the training-time
-    ``fc3`` and from the merged kernel; ``layout`` is ``(out channels, groups, input channels per group)``."""
-    out_c, groups, cg = layout
-    return FC3Sample(
-        block_name=name,
-        out_channel=out_channel,
-        in_channel=in_channel,
-        input_channel=(out_channel // (out_c // groups)) * cg + in_channel,
-        point=point,
-        largest_kernel=largest_kernel,
-        train=fc3_log_weights(pick(fc3.detach())),
-        merged=fc3_log_weights(pick(block.merged_fc3()[0])),
-        one_d=one_d,
-    )
-
-
 def describe(sample: FC3Sample) -> str:
-    """The sampled matrix in words: ``W[o, y, x, c, :, :] (input channel C`` (2-D) or ``W[o, :, c, :]
-    (rows: output positions, columns: input positions; input channel C`` (1-D, a square ``(y, y)``)."""
-    y, x = sample.point
+    """The sampled matrix in words: ``W[o, y, x, c, :, :] (input channel C`` or, 1-D, ``W[o, :, c, :]
+    (rows: output positions, columns: input positions; input channel C`` (the caller closes the bracket)."""
+    o, c, y, x = sample.out_channel, sample.in_channel, *sample.point
     if sample.one_d:
-        return (
-            f"W[{sample.out_channel}, :, {sample.in_channel}, :] (rows: output positions, columns: input "
-            f"positions; input channel {sample.input_channel}"
-        )
-    return (
-        f"W[{sample.out_channel}, {y}, {x}, {sample.in_channel}, :, :] (input channel {sample.input_channel}"
-    )
+        return (f"W[{o}, :, {c}, :] (rows: output positions, columns: input positions; input channel "
+                f"{sample.input_channel}")  # fmt: skip
+    return f"W[{o}, {y}, {x}, {c}, :, :] (input channel {sample.input_channel}"
 
 
-def plot_fc3(
-    block_or_model: nn.Module,
-    path: str | os.PathLike,
-    *,
-    block_name: str | None = None,
-    out_channel: int = 0,
-    point: Sequence[int] | None = None,
-    in_channel: int = 0,
-    title: str | None = None,
-    dpi: int = 150,
-) -> FC3Sample:
-    """Draw the paper's FC3 figure into the PNG ``path`` (written atomically) and return the data.
-
-    Left: training-time FC3; right: FC3 merged with the Local Perceptron. Darker = larger
-    ``ln(|W| / min |W|)``. The sampled output point is the dashed red square, the extent of the
-    largest Local Perceptron kernel centred on it the blue square. Arguments as :func:`sample_fc3`.
-    """
-    import matplotlib
+def plot_fc3(block_or_model: nn.Module, path: str | os.PathLike, *, block_name: str | None = None,
+             out_channel: int = 0, point: Sequence[int] | None = None, in_channel: int = 0,
+             title: str | None = None, dpi: int = 150) -> FC3Sample:  # fmt: skip
+    """Draw the paper's FC3 figure into the PNG ``path`` (atomically) and return its data (arguments as
+    :func:`sample_fc3`). Left the training-time FC3, right FC3 merged with the Local Perceptron; darker is a
+    larger ``ln(|W| / min |W|)``; the sampled point is the dashed red square, the largest Local Perceptron
+    kernel centred on it the blue one."""
+    import matplotlib  # slow to import, and only this figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    sample = sample_fc3(
-        block_or_model, block_name=block_name, out_channel=out_channel, point=point, in_channel=in_channel
-    )
+    sample = sample_fc3(block_or_model, block_name=block_name, out_channel=out_channel, point=point,
+                        in_channel=in_channel)  # fmt: skip
     y, x = sample.point
     h, w = sample.train.shape
     fig, axes = plt.subplots(1, 2, figsize=(9.0, 4.3), constrained_layout=True)
-    panels = (
-        (sample.train, "training-time FC3"),
-        (sample.merged, "FC3 merged with Local Perceptron"),
-    )
+    panels = ((sample.train, "training-time FC3"), (sample.merged, "FC3 merged with Local Perceptron"))
     for ax, (data, label) in zip(axes, panels, strict=True):
         im = ax.imshow(data, cmap="Greys", interpolation="nearest")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="ln(|W| / min |W|)")
@@ -279,16 +192,8 @@ def plot_fc3(
             kh, kw = sample.largest_kernel
             top, left = max(y - kh // 2, 0), max(x - kw // 2, 0)
             bottom, right = min(y + kh // 2, h - 1), min(x + kw // 2, w - 1)
-            ax.add_patch(
-                Rectangle(
-                    (left - 0.5, top - 0.5),
-                    right - left + 1,
-                    bottom - top + 1,
-                    fill=False,
-                    ec="tab:blue",
-                    lw=1.5,
-                )
-            )
+            box = (left - 0.5, top - 0.5), right - left + 1, bottom - top + 1
+            ax.add_patch(Rectangle(*box, fill=False, ec="tab:blue", lw=1.5))
         ax.set_title(label)
         ax.set_xticks(range(w))
         ax.set_yticks(range(h))
@@ -298,7 +203,6 @@ def plot_fc3(
         if sample.largest_kernel
         else ""
     )
-    heading = f"{sample.block_name or 'RepMLP block'}: {describe(sample)}{kernel})"
-    fig.suptitle(title or heading, fontsize=10)
+    fig.suptitle(title or f"{sample.block_name or 'RepMLP block'}: {describe(sample)}{kernel})", fontsize=10)
     save_figure(fig, path, dpi=dpi)
     return sample

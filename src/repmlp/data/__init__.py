@@ -1,11 +1,8 @@
 """Classification data: Fashion-MNIST (IDX), CIFAR-10 (torchvision's layout) and ImageNet-style folders.
 
-:func:`build_data` returns train and validation loaders with one contract (see :mod:`.loader`), plus
-what a model needs to know (classes, channels, resolution). The folder also holds the face and Cityscapes
-formats (:mod:`.face`, :mod:`.cityscapes`), bounded reading of the user's files (:mod:`.inputs`), PNG
-(:mod:`.png`) and the normalisation constants (:mod:`.normalization`).
-
-May import :mod:`repmlp.nn` and :mod:`repmlp.errors`; nothing above (the models read their constants here).
+:func:`build_data` returns train and validation loaders with one contract (:mod:`.loader`) and what a model
+needs to know (classes, channels, resolution). The folder also holds the face and Cityscapes formats, bounded
+reading of the user's files (:mod:`.inputs`) and the normalisation constants.
 """
 
 from __future__ import annotations
@@ -15,28 +12,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
+from timm.data import create_transform
+from torchvision import transforms as T
 
 from repmlp.data.cifar import load_cifar10
 from repmlp.data.fashion_mnist import CLASSES as FMNIST_CLASSES
 from repmlp.data.fashion_mnist import find_fashion_mnist, load_fashion_mnist
-from repmlp.data.folder import EvalPixels, ImageFolderData, TrainCrop, scan_image_folder, stratified_subset
+from repmlp.data.folder import (
+    EvalPixels,
+    GpuTrainBatch,
+    ImageFolderData,
+    TrainCrop,
+    scan_image_folder,
+    stratified_subset,
+)
 from repmlp.data.loader import FolderLoader, InMemoryLoader
 from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
 
-__all__ = [
-    "DATASETS",
-    "DataConfig",
-    "Data",
-    "build_data",
-    "NORMALIZATION",
-    "NATIVE_SIZE",
-    "folder_eval_transform",
-    "folder_eval_pixels",
-    "GpuTrainBatch",
-    "PixelEvalTransform",
-]
+__all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION", "NATIVE_SIZE",
+           "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +47,8 @@ NORMALIZATION = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
 }
+# The most memory an in-memory data set may take once zero-padded to --img-size.
+_MAX_PADDED_BYTES = 4 << 30
 
 
 @dataclass
@@ -67,21 +67,17 @@ class DataConfig:
     flip: bool = False
     autoaugment: bool = False  # image folders only
     img_size: int | None = None  # image folders: train crop / eval centre crop; in memory: zero-pad to it
-    # image folders: the evaluation preprocessing published weights were measured with (timm cfg keys
-    # crop_pct, crop_mode, interpolation, mean, std); None: resize to size/0.875, centre crop, ImageNet
-    # mean/std (bilinear).
+    # Image folders: the evaluation preprocessing published weights were measured with (timm cfg keys
+    # crop_pct, crop_mode, interpolation, mean, std; None: size/0.875, centre crop, ImageNet mean/std), the
+    # channels images become (None: 3), the training normalisation (None: ImageNet's or the preprocessing's).
     eval_preprocessing: dict[str, Any] | None = None
-    # image folders: the channels images are converted to (1 or 3; None: 3) and the training
-    # normalisation (None: ImageNet's mean/std; with eval_preprocessing its mean/std go with it).
     channels: int | None = None
     mean: Sequence[float] | None = None
     std: Sequence[float] | None = None
-    # image folders: decoding processes (None: one per CPU core this process may use)
-    workers: int | None = None
+    workers: int | None = None  # image folders: decoding processes (None: one per usable CPU core)
     channels_last: bool = False
     need_train: bool = True
-    # image folders on CUDA: decode the training JPEGs in batches on the GPU (nvJPEG) and crop, flip and
-    # normalise there (None: no, until measured faster on a GPU; see docs/benchmarks.md).
+    # Image folders on CUDA: decode the training JPEGs on the GPU (nvJPEG), crop, flip and normalise there.
     gpu_decode: bool | None = None
 
 
@@ -93,10 +89,8 @@ class Data:
     in_chans: int
     img_size: int
     classes: list[str] = field(default_factory=list)
-    # What a report should say of how the examples were chosen (a stratified subset, ...).
-    notes: list[str] = field(default_factory=list)
-    # Image folders: the evaluation preprocessing when it is not the default one (recorded in model files).
-    eval_preprocessing: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)  # how the examples were chosen, for the report
+    eval_preprocessing: dict[str, Any] | None = None  # image folders, when not the default (in model files)
 
 
 def _limit(n: int | None, what: str, total: int) -> int:
@@ -115,60 +109,36 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
         return _build_folder(cfg, rank, world, device)
     if cfg.autoaugment:
         raise UserError("--autoaugment is supported with --dataset imagefolder only")
+    wanted = (True, False) if cfg.need_train else (False,)
     if cfg.dataset == "fashion-mnist":
         folder = find_fashion_mnist(cfg.data_dir, cfg.download)
         log.info("Fashion-MNIST from %s", folder)
-        splits = {
-            s: load_fashion_mnist(folder, train=s) for s in ((True, False) if cfg.need_train else (False,))
-        }
-        classes = FMNIST_CLASSES
+        splits, classes = {s: load_fashion_mnist(folder, train=s) for s in wanted}, FMNIST_CLASSES
     else:
         if cfg.data_dir is None:
             raise UserError("--dataset cifar10 needs --data-dir DIR, the folder holding cifar-10-batches-py "
                             "(--download fetches Fashion-MNIST only; torchvision.datasets.CIFAR10(DIR, "
                             "download=True) creates that folder)")  # fmt: skip
-        splits = {
-            s: load_cifar10(cfg.data_dir, train=s) for s in ((True, False) if cfg.need_train else (False,))
-        }
-        classes = CIFAR10_CLASSES
+        splits, classes = {s: load_cifar10(cfg.data_dir, train=s) for s in wanted}, CIFAR10_CLASSES
     _check_in_memory(cfg, splits)
     mean, std = NORMALIZATION[cfg.dataset]
-    common = dict(
-        mean=mean,
-        std=std,
-        seed=cfg.seed,
-        rank=rank,
-        world=world,
-        device=device,
-        channels_last=cfg.channels_last,
-    )
 
     def loader(train: bool, limit: int | None, what: str, batch: int) -> InMemoryLoader:
         images, labels = splits[train]
         n = _limit(limit, what, len(labels))
-        return InMemoryLoader(
-            pad_to(torch.from_numpy(images[:n].copy()), cfg.img_size),
-            torch.from_numpy(labels[:n].copy()),
-            batch_size=batch,
-            train=train,
-            pad=cfg.pad if train else 0,
-            flip=cfg.flip and train,
-            **common,
-        )
+        return InMemoryLoader(pad_to(torch.from_numpy(images[:n].copy()), cfg.img_size),
+                              torch.from_numpy(labels[:n].copy()), batch_size=batch, train=train,
+                              pad=cfg.pad if train else 0, flip=cfg.flip and train, mean=mean, std=std,
+                              seed=cfg.seed, rank=rank, world=world, device=device,
+                              channels_last=cfg.channels_last)  # fmt: skip
 
     train = loader(True, cfg.train_limit, "--train-limit", cfg.batch_size) if cfg.need_train else None
     val = loader(False, cfg.val_limit, "--val-limit", cfg.eval_batch_size)
-    images = val.images
-    return Data(train, val, len(classes), images.shape[1], images.shape[2], list(classes))
-
-
-# The most memory an in-memory data set may take once zero-padded to --img-size.
-_MAX_PADDED_BYTES = 4 << 30
+    return Data(train, val, len(classes), val.images.shape[1], val.images.shape[2], list(classes))
 
 
 def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> None:
-    """Options an in-memory data set must fit: ``--pad`` at most the image side, an ``--img-size`` whose
-    zero-padded copy of the data fits in memory (the readers already refused empty splits)."""
+    """``--pad`` at most the image side, and an ``--img-size`` whose zero-padded copy fits in memory."""
     images = next(iter(splits.values()))[0]
     c, h, w = images.shape[1:]
     if cfg.pad > max(h, w):
@@ -184,28 +154,18 @@ def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> No
 
 
 def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
-    """PIL image -> normalised ``(3, size, size)`` tensor as ``preprocessing`` (timm cfg keys) says.
-
-    timm's eval transform: resize to ``floor(size / crop_pct)`` (the short side; both sides when
-    ``crop_mode="squash"``), centre crop ``size``, ``interpolation``, ``mean``/``std``.
-    """
-    from timm.data import create_transform
-
+    """PIL image -> normalised ``(3, size, size)`` tensor by timm's eval transform with ``preprocessing``
+    (timm cfg keys): resize to ``floor(size / crop_pct)`` (short side; both with ``crop_mode="squash"``),
+    centre crop ``size``, ``interpolation``, ``mean``/``std``."""
     keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in preprocessing.items() if k in keys}
     return create_transform((3, size, size), is_training=False, **opts)
 
 
 def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None) -> Callable:
-    """The evaluation transform of an image folder: RGB PIL image -> normalised ``(3, size, size)`` tensor.
-
-    ``preprocessing`` (timm cfg keys, what imported weights were published with) goes through
-    :func:`eval_transform`; without it, a single centre crop at the usual 0.875 ratio (224 of 256),
-    bilinear, ImageNet mean/std. ``repmlp eval`` and ``repmlp predict`` both call this, so the two see the
-    same pixels.
-    """
-    from torchvision import transforms as T
-
+    """An image folder's evaluation transform, RGB PIL image -> normalised ``(3, size, size)``, shared by
+    ``repmlp eval`` and ``repmlp predict``: :func:`eval_transform` with ``preprocessing``, else resize to
+    ``size / 0.875``, centre crop, bilinear, ImageNet mean/std."""
     if preprocessing:
         return eval_transform(size, preprocessing)
     mean, std = NORMALIZATION["imagefolder"]
@@ -218,11 +178,8 @@ _TO_TENSOR = ("ToTensor", "MaybeToTensor")  # torchvision's and timm's
 
 
 def folder_eval_pixels(size: int, preprocessing: dict[str, Any] | None = None) -> tuple[Callable, list, list]:
-    """:func:`folder_eval_transform` in two: ``(PIL image -> PIL image, mean, std)``, the resizing and
-    cropping, and the normalisation that the loader applies on the device after ``/ 255`` (as ``ToTensor``
-    and ``Normalize`` would, so the values are the same)."""
-    from torchvision import transforms as T
-
+    """:func:`folder_eval_transform` split in ``(PIL -> PIL resizing and cropping, mean, std)``: the loader
+    normalises on the device after ``/ 255``, as ``ToTensor`` and ``Normalize`` would."""
     full = folder_eval_transform(size, preprocessing)
     steps = list(full.transforms)
     to_tensor, normalize = steps[-2:]
@@ -235,15 +192,10 @@ def folder_eval_pixels(size: int, preprocessing: dict[str, Any] | None = None) -
 
 
 class PixelEvalTransform:
-    """The evaluation transform of an in-memory data set (Fashion-MNIST, CIFAR-10) for PIL images.
-
-    Exactly what :class:`~.loader.InMemoryLoader` does to a validation batch: uint8 pixels zero-padded to
-    ``img_size`` (:func:`pad_to`), ``/ 255``, then ``(x - mean) / std``. An image of another size is first
-    resized (bilinear) to the data set's own ``native`` size (28 or 32), which the model's training images
-    had. In two steps, so that a batch is normalised at once as the loader does: :meth:`pixels` (one
-    image -> ``(H, W, C)`` uint8 array) and :meth:`normalize` (``(N, C, H, W)`` uint8 -> float32);
-    calling the transform does both for one image. Picklable (DataLoader workers).
-    """
+    """An in-memory data set's evaluation transform for PIL images, as :class:`~.loader.InMemoryLoader` does
+    it to a validation batch: resized (bilinear) to the data set's ``native`` size if it differs, zero-padded
+    to ``img_size``, ``/ 255``, ``(x - mean) / std``. In two steps, so a batch is normalised at once:
+    :meth:`pixels` (one image -> ``(H, W, C)`` uint8) and :meth:`normalize`. Picklable."""
 
     def __init__(self, dataset: str, img_size: int | None) -> None:
         self.native, self.img_size = NATIVE_SIZE[dataset], img_size
@@ -251,33 +203,24 @@ class PixelEvalTransform:
         self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, len(mean), 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).reshape(1, len(std), 1, 1)
 
-    def pixels(self, img) -> Any:
-        """A PIL image (in the model's channels) -> ``(native, native, C)`` uint8 numpy array."""
-        import numpy as np
-        from PIL import Image
-
+    def pixels(self, img: Image.Image) -> np.ndarray:
+        """A PIL image (in the model's channels) -> ``(native, native, C)`` uint8."""
         if img.size != (self.native, self.native):
             img = img.resize((self.native, self.native), Image.BILINEAR)
         # bytearray: a writable buffer (torch.from_numpy needs one) without numpy's array-interface path
-        arr = np.frombuffer(bytearray(img.tobytes()), dtype=np.uint8)
-        return arr.reshape(img.size[1], img.size[0], -1)
+        return np.frombuffer(bytearray(img.tobytes()), dtype=np.uint8).reshape(img.size[1], img.size[0], -1)
 
     def normalize(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, C, h, w)`` uint8 -> the model's normalised float32 input ``(N, C, H, W)``."""
-        x = pad_to(batch, self.img_size).float().div_(255.0)
-        return (x - self.mean) / self.std
+        return (pad_to(batch, self.img_size).float().div_(255.0) - self.mean) / self.std
 
-    def __call__(self, img) -> torch.Tensor:
-        arr = self.pixels(img)
-        return self.normalize(torch.from_numpy(arr).permute(2, 0, 1)[None])[0]
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        return self.normalize(torch.from_numpy(self.pixels(img)).permute(2, 0, 1)[None])[0]
 
 
 def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
-    """Zero-pad ``(N, C, H, W)`` images evenly on all sides to ``size x size`` (``None``: unchanged).
-
-    Lets a model built for 32x32 inputs (the paper's CIFAR models) run on 28x28 Fashion-MNIST, whose
-    background is black (0), so the border adds no content.
-    """
+    """Zero-pad ``(N, C, H, W)`` evenly to ``size x size`` (``None``: unchanged): a 32x32 model on 28x28
+    Fashion-MNIST, whose black (0) background makes the border add nothing."""
     if size is None:
         return images
     h, w = images.shape[-2:]
@@ -289,8 +232,7 @@ def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
 
 def _folder_limit(samples: list[tuple[str, int]], limit: int | None, flag: str, seed: int, notes: list[str],
                   what: str) -> list[tuple[str, int]]:  # fmt: skip
-    """``limit`` examples of an image folder's split: a seeded stratified subset (every class keeps its
-    share), named in ``notes`` for the report."""
+    """``limit`` examples of a split: a seeded stratified subset (classes keep their shares), in ``notes``."""
     n = _limit(limit, flag, len(samples))
     if n >= len(samples):
         return samples
@@ -304,13 +246,11 @@ def _folder_limit(samples: list[tuple[str, int]], limit: int | None, flag: str, 
 
 
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
-    """The loaders of an image folder: uint8 pixels decoded in ``cfg.workers`` processes, normalised on
-    ``device`` (:class:`~.loader.FolderLoader`); training through :class:`~.folder.TrainCrop`, or on CUDA
-    with ``cfg.gpu_decode`` through the GPU pipeline (:func:`gpu_train_batch`)."""
+    """An image folder's loaders: uint8 pixels decoded in ``cfg.workers`` processes, normalised on ``device``;
+    training through :class:`~.folder.TrainCrop` (CUDA with ``cfg.gpu_decode``: :class:`GpuTrainBatch`)."""
     if cfg.data_dir is None:
         raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
-    size = cfg.img_size or 224
-    channels = cfg.channels or 3
+    size, channels = cfg.img_size or 224, cfg.channels or 3
     pre = dict(cfg.eval_preprocessing or {})
     mean = tuple(cfg.mean or pre.get("mean") or NORMALIZATION["imagefolder"][0])[:channels]
     std = tuple(cfg.std or pre.get("std") or NORMALIZATION["imagefolder"][1])[:channels]
@@ -321,14 +261,8 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
     eval_pil, eval_mean, eval_std = folder_eval_pixels(size, pre or None)
-    common = dict(
-        seed=cfg.seed,
-        rank=rank,
-        world=world,
-        workers=cfg.workers,
-        device=device,
-        channels_last=cfg.channels_last,
-    )
+    common = dict(seed=cfg.seed, rank=rank, world=world, workers=cfg.workers, device=device,
+                  channels_last=cfg.channels_last)  # fmt: skip
     notes: list[str] = []
     train = None
     if cfg.need_train:
@@ -340,68 +274,12 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
         )
         on_gpu = bool(cfg.gpu_decode) and torch.device(device).type == "cuda" and not cfg.autoaugment
         dataset.raw_jpeg = on_gpu
-        train = FolderLoader(
-            dataset,
-            batch_size=cfg.batch_size,
-            train=True,
-            mean=mean,
-            std=std,
-            on_device=GpuTrainBatch(dataset) if on_gpu else None,
-            **common,
-        )
+        train = FolderLoader(dataset, batch_size=cfg.batch_size, train=True, mean=mean, std=std,
+                             on_device=GpuTrainBatch(dataset) if on_gpu else None, **common)  # fmt: skip
     val_samples = _folder_limit(val_samples, cfg.val_limit, "--val-limit", cfg.seed, notes, "validation")
-    val = FolderLoader(
-        ImageFolderData(val_samples, EvalPixels(eval_pil), cfg.seed, False, channels),
-        batch_size=cfg.eval_batch_size,
-        train=False,
-        mean=eval_mean,
-        std=eval_std,
-        **common,
-    )
+    val_data = ImageFolderData(val_samples, EvalPixels(eval_pil), cfg.seed, False, channels)
+    val = FolderLoader(val_data, batch_size=cfg.eval_batch_size, train=False, mean=eval_mean, std=eval_std,
+                       **common)  # fmt: skip
     for note in notes:
         log.info("%s", note)
     return Data(train, val, len(classes), channels, size, classes, notes, pre or None)
-
-
-class GpuTrainBatch:
-    """The device side of the GPU training pipeline (``FolderLoader``'s ``on_device``): the batch's raw
-    JPEGs decoded together by ``torchvision.io.decode_jpeg`` on the device (nvJPEG on CUDA), cropped,
-    resized and flipped there with the boxes their workers drew (:func:`~.folder.device_crop_batch`); items
-    the workers decoded (other formats) are moved as they are. A batch the device decoder refuses is
-    decoded file by file, and a file it refuses goes through the CPU path, which names a bad file.
-    Returns float ``(B, C, size, size)`` in 0..255 (the loader normalises)."""
-
-    def __init__(self, dataset: ImageFolderData) -> None:
-        self.dataset, self.size = dataset, dataset.transform.size
-
-    def _decode(self, raws: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        mode = ImageReadMode.GRAY if self.dataset.channels == 1 else ImageReadMode.RGB
-        try:
-            return list(decode_jpeg(raws, mode=mode, device=device))
-        except RuntimeError:
-            out: list[torch.Tensor | None] = []
-            for raw in raws:
-                try:
-                    out.append(decode_jpeg(raw, mode=mode, device=device))
-                except RuntimeError:
-                    out.append(None)
-            return out
-
-    def __call__(self, payloads: list, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
-        from repmlp.data.folder import device_crop_batch
-
-        jpeg = [i for i, p in enumerate(payloads) if isinstance(p, tuple)]
-        decoded = self._decode([payloads[i][0] for i in jpeg], device) if jpeg else []
-        good = [(i, img) for i, img in zip(jpeg, decoded, strict=True) if img is not None]
-        out: list[torch.Tensor | None] = [None] * len(payloads)
-        if good:
-            crops = device_crop_batch([img for _, img in good], [payloads[i][1] for i, _ in good], self.size)
-            for (i, _), crop in zip(good, crops, strict=True):
-                out[i] = crop
-        for i, p in enumerate(payloads):
-            if out[i] is None:  # decoded by a worker, or refused by the device decoder: the CPU path
-                pixels = self.dataset.cpu_item(p[2], p[3]) if isinstance(p, tuple) else p
-                out[i] = pixels.to(device, non_blocking=True).float()
-        return torch.stack(out)  # type: ignore[arg-type]

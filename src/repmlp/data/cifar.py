@@ -1,20 +1,12 @@
 """CIFAR-10 in torchvision's on-disk layout (``cifar-10-batches-py``), read without running pickled code.
 
-The batches are Python pickles of ``{"data": uint8 array (N, 3072), "labels": [int], ...}``: the one
-pickled format this project reads, an exception to "never unpickle" made because it is the data set's own
-distribution format. A small file must not make the reader run for minutes or allocate gigabytes, so the
-batch is read by a restricted unpickler that accepts only the structure torchvision's batches have:
-
-- Only the opcodes such a batch uses (protocols 0-5, no sets, no object building other than numpy's array
-  reconstruction), at most :data:`_MAX_OPS` of them: time and the objects made are bounded by that count.
-- Only the numpy array reconstruction functions and a latin-1-only stand-in for ``_codecs.encode`` (how
-  protocol-2 pickles written by Python 3 spell ``bytes``) may be called, with checked arguments: a file
-  that tries to call anything else fails to load instead of executing it.
-- Dict keys are the batch's own names (a str or bytes): a 64-level tuple of shared tuples as a key, whose
-  hash takes 2**64 steps, is refused before it is hashed.
-- No nesting beyond the batch's own (lists of scalars as dict values, tuples of scalars in tuples) and no
-  memo reference to a container: shared structure (a label list of lists of the same list, 8 GB to turn
-  into an array) is refused as it is read.
+The batches are pickles of ``{"data": uint8 (N, 3072), "labels": [int], ...}``, the data set's own format
+(the one exception to "never unpickle"). A restricted unpickler accepts only what such a batch holds, so a
+small file can neither run code nor make the reader run for minutes or allocate gigabytes: only the opcodes a
+batch uses, at most :data:`_MAX_OPS` of them (bounding time and objects); only numpy's array reconstruction
+and a latin-1 ``_codecs.encode`` may be called, with checked arguments; dict keys are the batch's own names,
+checked before hashing; no nesting beyond a batch's and no memo reference to a container (no shared
+structure that would expand to gigabytes).
 """
 
 from __future__ import annotations
@@ -36,10 +28,9 @@ TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 TEST_FILES = ["test_batch"]
 FOLDER = "cifar-10-batches-py"
 NUM_CLASSES = 10
-# A CIFAR-10 batch is 30 MB (10000 examples); one of all 50000 training images would be 150 MB.
-_MAX_BATCH_BYTES = 256 << 20
-# A batch of 10000 examples takes about 70000 opcodes (a few per file name, one per label); every opcode
-# makes at most one object, so this bounds both the time and the memory a batch's structure may take.
+_MAX_BATCH_BYTES = 256 << 20  # above a batch of all 50000 training images
+# Far above a batch's opcodes (a few per file name, one per label); each makes at most one object, so this
+# bounds both the time and the memory a batch's structure may take.
 _MAX_OPS = 2_000_000
 # The keys of a batch (torchvision's files; "coarse_labels"/"fine_labels" are CIFAR-100's, not read).
 _KEYS = frozenset({"batch_label", "labels", "data", "filenames"})
@@ -120,8 +111,7 @@ _Ops = pickle._Unpickler  # the pure-Python unpickler: its opcode table can be r
 
 
 def _target(obj: object, kind: type) -> None:
-    """The object an opcode adds items to must be a ``kind`` (a ``list``'s append, a ``dict``'s setitem):
-    the pure-Python unpickler would call any object's ``append`` or ``__setitem__``."""
+    """An opcode adds items only to a ``kind`` (the unpickler would call any object's ``append``)."""
     if type(obj) is not kind:
         raise pickle.UnpicklingError(f"adding items to a {type(obj).__name__}")
 
@@ -144,8 +134,7 @@ def _dict(self: _Ops) -> None:
 
 
 def _into(code: bytes, inside: str, count: int | None) -> Callable[[_Ops], None]:
-    """The opcode ``code``, which puts the top ``count`` items (``None``: those since the mark) in a list or
-    tuple, after checking them."""
+    """Opcode ``code`` putting the top ``count`` items (``None``: since the mark) in a list or tuple."""
     load = _Ops.dispatch[code[0]]
 
     def checked(self: _Ops) -> None:
@@ -223,16 +212,15 @@ class _RestrictedUnpickler(_Ops):
 
 
 def _labels(path: Path, labels: object, n: int) -> np.ndarray:
-    """A batch's ``labels`` -> ``(n,)`` int64: a flat list of ``n`` ints (or a 1-D integer array) in
-    0..9; anything else (floats, nested lists, bools) is a :class:`UserError` naming the file."""
+    """A batch's ``labels`` (``n`` ints in 0..9, or a 1-D integer array) -> ``(n,)`` int64; anything else
+    (floats, nested lists, bools) is a :class:`UserError` naming the file."""
     if isinstance(labels, np.ndarray):
         if labels.dtype.kind not in "iu" or labels.ndim != 1:
             raise UserError(
                 f"{path}: 'labels' is a {labels.dtype} array of shape {labels.shape}, not class numbers"
             )
     elif isinstance(labels, list):
-        # Python ints only (not floats, which numpy would truncate, nor bools), checked one by one: also
-        # before a huge int reaches numpy.
+        # Python ints only (numpy would truncate floats), one by one: before a huge int reaches numpy.
         bad = next((i for i, v in enumerate(labels) if type(v) is not int or not 0 <= v < NUM_CLASSES), None)
         if bad is not None:
             value = labels[bad]

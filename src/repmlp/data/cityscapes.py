@@ -1,14 +1,8 @@
 """Cityscapes in its on-disk layout (paper Sec. 4.4), with PSPNet's training augmentation.
 
-Layout (as unpacked from cityscapes-dataset.com, after ``createTrainIdLabelImgs.py``)::
-
-    root/leftImg8bit/{train,val}/<city>/<name>_leftImg8bit.png
-    root/gtFine/{train,val}/<city>/<name>_gtFine_labelTrainIds.png
-
-Label maps hold the 19 train ids and 255 for ignored pixels. Training samples are randomly scaled
-(0.5-2x), randomly cropped (padding with the ignore label where the scaled image is smaller than the
-crop) and randomly flipped; evaluation samples are whole images. Images are normalised with the
-ImageNet mean and standard deviation, as the backbone was pretrained with.
+Layout (as unpacked, after ``createTrainIdLabelImgs.py``): ``root/leftImg8bit/{train,val}/<city>/
+<name>_leftImg8bit.png`` and ``root/gtFine/{train,val}/<city>/<name>_gtFine_labelTrainIds.png``, label maps
+of the 19 train ids and 255 for ignored pixels. Images are normalised with ImageNet's mean and std.
 """
 
 from __future__ import annotations
@@ -22,20 +16,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from repmlp.data.inputs import InputError, open_image
 from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
 
-__all__ = [
-    "NUM_CLASSES",
-    "IGNORE_INDEX",
-    "CLASS_NAMES",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "CityscapesSegmentation",
-    "find_pairs",
-    "random_scale_crop_flip",
-    "normalize",
-]
+__all__ = ["NUM_CLASSES", "IGNORE_INDEX", "CLASS_NAMES", "IMAGENET_MEAN", "IMAGENET_STD",
+           "CityscapesSegmentation", "find_pairs", "random_scale_crop_flip", "normalize"]  # fmt: skip
 
 NUM_CLASSES = 19
 IGNORE_INDEX = 255
@@ -93,13 +79,9 @@ def random_scale_crop_flip(
     ignore_index: int = IGNORE_INDEX,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PSPNet's training augmentation on a normalised image ``(3, H, W)`` and labels ``(H, W)`` (int64).
-
-    Random scale in ``scale_range`` (bilinear for the image, nearest for the labels, so no label is
-    invented), zero-padding (= the mean colour after normalisation) and ignore-label padding up to the
-    crop, a random ``crop_size`` crop, and a horizontal flip with probability 1/2.
-    Returns ``(3, ch, cw)`` and ``(ch, cw)``.
-    """
+    """PSPNet's training augmentation of a normalised image ``(3, H, W)`` and int64 labels ``(H, W)`` ->
+    ``(3, ch, cw)``, ``(ch, cw)``: random scale (bilinear image, nearest labels: no label invented), padding
+    to the crop (zeros, the mean colour; the ignore label), a random crop, a flip with probability 1/2."""
     lo, hi = scale_range
     scale = lo + (hi - lo) * float(torch.rand((), generator=generator))
     h, w = label.shape
@@ -125,13 +107,9 @@ _LABEL_MODES = ("L", "P", "I;16", "I")
 
 
 def _read(path: Path, mode: str | None) -> np.ndarray:
-    """One image in ``mode``, or (``None``) a label map's stored values: a regular file of bounded size and
-    pixel count (:func:`repmlp.data.inputs.open_image`).
-
-    A label map is not converted: converting a 16-bit map to 8 bits would clip 300 to 255 (the ignore
-    label) and an RGB one would become luminance, both silently; those modes are refused."""
-    from repmlp.data.inputs import InputError, open_image
-
+    """One image in ``mode``, or (``None``) a label map's stored values, read within bounds. A label map is
+    never converted (16 to 8 bits would clip 300 to 255, the ignore label; RGB would become luminance):
+    other modes are refused."""
     try:
         with open_image(path) as img:
             if mode is not None:
@@ -144,11 +122,8 @@ def _read(path: Path, mode: str | None) -> np.ndarray:
 
 
 class CityscapesSegmentation(Dataset):
-    """Cityscapes fine annotations of one split; items ``(image (3,H,W) float, labels (H,W) int64)``.
-
-    With ``crop_size`` (training) each item is randomly scaled/cropped/flipped to ``crop_size``;
-    without it (evaluation) the whole image is returned.
-    """
+    """Cityscapes fine annotations of one split, items ``(image (3, H, W) float, labels (H, W) int64)``:
+    with ``crop_size`` (training) randomly scaled, cropped and flipped, else the whole image."""
 
     def __init__(
         self,

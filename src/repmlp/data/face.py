@@ -1,15 +1,9 @@
 """Aligned face crops on disk (paper Sec. 4.3: 96x96 inputs).
 
-Training data is an image folder with one sub-folder per identity, the way MS1M-style sets are
-commonly unpacked::
-
-    root/<identity>/<any name>.{jpg,png,...}
-
-Verification pairs are read from a text file, either LFW's ``pairs.txt`` (first line ``<folds> <n>``,
-then ``name i j`` for a same-identity pair and ``name1 i name2 j`` for a different one, image
-``name/name_<i:04d>.<ext>``) or one pair per line as ``<path1> <path2> <0|1>`` (1 = same identity;
-paths relative to the image root). Identification uses two identity folders, a probe set and a
-gallery that holds the probes' mates plus any distractors.
+Training data: one sub-folder per identity, as MS1M-style sets are unpacked (``root/<identity>/<image>``).
+Verification pairs: LFW's ``pairs.txt`` (header ``<folds> <n>``, then ``name i j`` for a same-identity pair
+and ``name1 i name2 j`` for a different one, image ``name/name_<i:04d>.<ext>``) or ``<path1> <path2> <0|1>``
+lines (1 = same; paths relative to the image root). Identification: a probe and a gallery identity folder.
 """
 
 from __future__ import annotations
@@ -27,14 +21,7 @@ from torch.utils.data import Dataset
 from repmlp.data.inputs import InputError, not_regular, open_image, read_text
 from repmlp.errors import UserError
 
-__all__ = [
-    "IMAGE_EXTENSIONS",
-    "FaceFolder",
-    "ImageList",
-    "face_transform",
-    "read_pairs",
-    "VerificationPairs",
-]
+__all__ = ["IMAGE_EXTENSIONS", "FaceFolder", "ImageList", "face_transform", "read_pairs", "VerificationPairs"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +38,8 @@ def _is_image(path: Path) -> bool:
 
 
 def face_transform(size: int = FACE_SIZE, *, train: bool) -> Callable[[Image.Image], Tensor]:
-    """PIL image -> ``(3, size, size)`` float tensor in ``[-1, 1]``; random horizontal flip in training.
-
-    Crops are already aligned, so the only geometric change is a resize when they are not ``size``
-    (MS1M's common 112x112 release, say) and the flip; ``[-1, 1]`` scaling is usual for face models.
-    """
+    """PIL image -> ``(3, size, size)`` float in ``[-1, 1]`` (usual for face models), flipped at random in
+    training; crops are aligned already, so only resized when not ``size`` (MS1M's 112x112 release)."""
 
     def transform(img: Image.Image) -> Tensor:
         img = img.convert("RGB")
@@ -90,11 +74,8 @@ class ImageList(Dataset):
 
 
 class FaceFolder(ImageList):
-    """Identity-per-folder face crops: ``root/<identity>/<image>``; labels follow sorted folder names.
-
-    ``classes`` lists the identities (folder names). Raises :class:`~repmlp.errors.UserError` with
-    the reason when ``root`` is not such a folder (missing, a file, no identity folders, or no images).
-    """
+    """Face crops ``root/<identity>/<image>``; labels follow the sorted folder names (``classes``). A
+    :class:`~repmlp.errors.UserError` says why ``root`` is not such a folder."""
 
     def __init__(
         self,
@@ -168,9 +149,8 @@ class VerificationPairs:
 
 
 def _number(token: str, where: str, what: str) -> int:
-    """A count or image number of a pairs file: ASCII digits, at most :data:`_MAX_NUMBER`, else a
-    :class:`UserError` at ``where`` (``file:line``); ``int`` alone would take Unicode digits and raise a
-    ``ValueError`` for a 5000-digit number."""
+    """A pairs file's count or image number: ASCII digits up to :data:`_MAX_NUMBER`, else a :class:`UserError`
+    at ``where`` (``int`` alone takes Unicode digits and fails on 5000 digits)."""
     if not (token.isascii() and token.isdigit()) or len(token) > 7 or int(token) > _MAX_NUMBER:
         raise UserError(f"{where}: {what} {token[:20]!r} is not a number from 0 to {_MAX_NUMBER}")
     return int(token)
@@ -204,26 +184,20 @@ def read_pairs(pairs_file: str | Path, root: str | Path) -> VerificationPairs:
     first, second, same = [], [], []
     for number, tokens in enumerate(lines, start=2 if lfw else 1):
         where = f"{pairs_file}:{number}"
-        if lfw and len(tokens) == 3:
-            first.append(_lfw_image(root, tokens[0], tokens[1], where))
-            second.append(_lfw_image(root, tokens[0], tokens[2], where))
-            same.append(True)
-        elif lfw and len(tokens) == 4:
-            first.append(_lfw_image(root, tokens[0], tokens[1], where))
-            second.append(_lfw_image(root, tokens[2], tokens[3], where))
-            same.append(False)
+        if lfw and len(tokens) in (3, 4):  # name i j (same identity) or name1 i name2 j
+            a = _lfw_image(root, tokens[0], tokens[1], where)
+            b = _lfw_image(root, tokens[-2] if len(tokens) == 4 else tokens[0], tokens[-1], where)
+            is_same = len(tokens) == 3
         elif not lfw and len(tokens) == 3 and tokens[2] in ("0", "1"):
-            a, b = root / tokens[0], root / tokens[1]
+            a, b, is_same = root / tokens[0], root / tokens[1], tokens[2] == "1"
             for p in (a, b):
                 if not_regular(p) is not None:
                     raise UserError(f"{where}: image {str(p)[:200]} does not exist")
-            first.append(a)
-            second.append(b)
-            same.append(tokens[2] == "1")
         else:
             text = " ".join(tokens)  # quoted in part: a line may be megabytes long
-            raise UserError(
-                f"{where}: cannot parse {text[:80] + ('...' if len(text) > 80 else '')!r} (expected LFW "
-                "pairs.txt lines or '<path1> <path2> <0|1>')"
-            )
+            raise UserError(f"{where}: cannot parse {text[:80] + ('...' if len(text) > 80 else '')!r} (expected "
+                            "LFW pairs.txt lines or '<path1> <path2> <0|1>')")  # fmt: skip
+        first.append(a)
+        second.append(b)
+        same.append(is_same)
     return VerificationPairs(first, second, same, folds)

@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torchvision
 
 from repmlp.data.idx import read_idx
+from repmlp.data.inputs import not_regular
 from repmlp.errors import UserError, first_line
 
 __all__ = ["load_fashion_mnist", "find_fashion_mnist", "DEBIAN_DIR", "CLASSES"]
@@ -47,10 +49,8 @@ def default_cache_dir() -> Path:
 
 
 def _find_file(folder: Path, stem: str) -> Path | None:
-    """The IDX file ``stem`` (``.gz`` or not) in ``folder``; one that is there but not a regular file (a
-    FIFO would block the reader) is a :class:`UserError` naming it."""
-    from repmlp.data.inputs import not_regular
-
+    """The IDX file ``stem`` (``.gz`` or not) in ``folder``; one there but not a regular file (a FIFO would
+    block the reader) is a :class:`UserError` naming it."""
     for name in (stem + ".gz", stem, stem.replace("-idx", ".idx")):
         kind = not_regular(folder / name)
         if kind is None:
@@ -91,10 +91,8 @@ def find_fashion_mnist(data_dir: str | os.PathLike | None, download: bool = Fals
 
 def _download(root: Path) -> Path:
     try:
-        from torchvision.datasets import FashionMNIST
-
         for train in (True, False):
-            FashionMNIST(str(root), train=train, download=True)
+            torchvision.datasets.FashionMNIST(str(root), train=train, download=True)
     except Exception as exc:  # noqa: BLE001 - network, disk: all end the same way for the user
         msg = first_line(exc)
         raise UserError(
@@ -107,11 +105,8 @@ def _download(root: Path) -> Path:
 
 
 def load_fashion_mnist(folder: Path, train: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split.
-
-    Labels are checked as read (an IDX file may hold int8, int32 or float data, where -1, NaN or 2.5 can
-    be written): integers in ``0..9``, else a :class:`UserError` naming the file.
-    """
+    """Images ``(N, 1, 28, 28)`` uint8 and labels ``(N,)`` int64 of one split; labels must be integers in
+    ``0..9`` (an IDX file may hold -1, NaN or 2.5), else a :class:`UserError` naming the file."""
     img_stem, lbl_stem = _FILES[train]
     image_file, label_file = _find_file(folder, img_stem), _find_file(folder, lbl_stem)
     images = read_idx(image_file)

@@ -1,18 +1,12 @@
 """ImageNet-style image folders: ``<root>/train/<class>/*.jpg`` and ``<root>/val/<class>/*.jpg``.
 
-The folders are the user's: a class folder is walked once even when symlinks loop back into it, files
-that are not regular (FIFOs, devices, sockets) are named and left out, and an image is decoded only when
-its file and its pixel count are within bounds (:mod:`repmlp.data.inputs`). Images of any mode are converted
-to the channels the model takes (:func:`image_to_channels`). A limit on the number of examples takes a
-seeded subset that keeps every class's share (:func:`stratified_subset`).
-
-Items are uint8 pixels ``(C, H, W)``; the loader collates, pins and moves them and normalises on the device
-(:class:`~repmlp.data.loader.FolderLoader`), a quarter of the bytes of float32. Decoding takes what measured
-fastest per format (docs/benchmarks.md, "The image-folder pipeline"): ``torchvision.io.decode_jpeg`` for
-baseline RGB or greyscale JPEGs (the same pixels as Pillow's, both libjpeg-turbo), Pillow for the rest
-and for any JPEG the fast path cannot take (:func:`decode_pixels`). The training crop box and flip are a
-pure function of ``(seed, epoch, index)`` and the image size (:func:`train_crop_params`), so a batched
-device-side implementation (:func:`device_crop_batch`, with nvJPEG decoding on CUDA) applies the same boxes.
+The folders are the user's: each class folder is walked once even when symlinks loop, special files are
+named and left out, and an image is decoded only within bounds of file size and pixel count (:mod:`.inputs`).
+Items are uint8 pixels ``(C, H, W)``, a quarter of float32's bytes; the loader normalises them on the device.
+Baseline JPEGs are decoded by ``torchvision.io.decode_jpeg`` (Pillow's pixels: both are libjpeg-turbo),
+everything else by Pillow (docs/benchmarks.md, "The image-folder pipeline"). The training crop and flip are
+a pure function of ``(seed, epoch, index)`` and the image size, so the GPU pipeline (:class:`GpuTrainBatch`)
+applies the same boxes.
 """
 
 from __future__ import annotations
@@ -28,6 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
+from torchvision import transforms as T
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2 import functional as F
 
 from repmlp.data.inputs import (
     MAX_IMAGE_BYTES,
@@ -40,36 +38,21 @@ from repmlp.data.inputs import (
 )
 from repmlp.errors import UserError
 
-__all__ = [
-    "ImageFolderData",
-    "scan_image_folder",
-    "IMG_EXTENSIONS",
-    "image_to_channels",
-    "stratified_subset",
-    "decode_pixels",
-    "CropParams",
-    "TrainCrop",
-    "EvalPixels",
-    "sample_seed",
-    "train_crop_params",
-    "device_crop_batch",
-]
+__all__ = ["ImageFolderData", "scan_image_folder", "IMG_EXTENSIONS", "image_to_channels", "stratified_subset",
+           "decode_pixels", "CropParams", "TrainCrop", "EvalPixels", "GpuTrainBatch", "sample_seed",
+           "train_crop_params", "device_crop_batch"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-# Pillow's ``I;16`` family holds 16-bit samples: scaled to 8 bits (65535 -> 255) like any image viewer.
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_JPEG_MAGIC = b"\xff\xd8\xff"
+SCALE, RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's defaults (the paper's recipe)
 
 
-def image_to_channels(img: Any, channels: int) -> Any:
-    """A PIL image of any mode as ``L`` (``channels == 1``) or ``RGB``: what the model takes.
-
-    16-bit greyscale is scaled to 8 bits, 32-bit integer and float images are clipped to 0..255, a
-    palette image with transparency goes through RGBA (alpha is dropped, as ``convert("RGB")`` does).
-    """
-    from PIL import Image
-
+def image_to_channels(img: Image.Image, channels: int) -> Image.Image:
+    """A PIL image of any mode as ``L`` (``channels == 1``) or ``RGB``: 16-bit greyscale scaled to 8 bits
+    (65535 -> 255), 32-bit integer and float clipped to 0..255, a palette with transparency through RGBA."""
     if img.mode in _SIXTEEN_BIT or img.mode in ("I", "F"):
         arr = np.asarray(img, dtype=np.float64)
         arr = arr / 257.0 if img.mode in _SIXTEEN_BIT else arr
@@ -81,19 +64,16 @@ def image_to_channels(img: Any, channels: int) -> Any:
 
 
 def stratified_subset(labels: Sequence[int], n: int, seed: int) -> list[int]:
-    """``n`` indices of ``labels`` (in their order) drawn so that every class keeps its share: each class
-    contributes about ``n * its size / len(labels)`` examples, and at least one while ``n`` allows, drawn
-    at random within the class (seeded by ``seed``). The first ``n`` of a class-sorted folder would be one
-    or two classes only."""
+    """``n`` indices of ``labels`` (in order), seeded, every class keeping its share (about ``n * its size /
+    len(labels)``, at least one while ``n`` allows): the first ``n`` of a sorted folder would be one class."""
     if n >= len(labels):
         return list(range(len(labels)))
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
     by_class: dict[int, list[int]] = {}
     for i, label in enumerate(labels):
         by_class.setdefault(int(label), []).append(i)
-    # An example's rank: its position in a random order of its class, over the class size. Every class's
-    # first draw ranks 0 (ties broken at random), so the first len(classes) picks cover the classes; after
-    # that the classes are drawn in proportion to their sizes.
+    # An example's rank: its position in a random order of its class over the class size. Every class's first
+    # draw ranks 0 (ties broken at random), so the first picks cover the classes, then sizes decide.
     keys: list[tuple[float, float, int]] = []
     for members in by_class.values():
         order = rng.permutation(len(members))
@@ -104,8 +84,8 @@ def stratified_subset(labels: Sequence[int], n: int, seed: int) -> list[int]:
 
 
 def scan_image_folder(root: str | os.PathLike, split: str, classes: list[str] | None = None):
-    """``(samples [(path, class_index)], classes)`` of ``root/split``; errors name what is wrong, and
-    files of the class folders that are not regular files are logged and left out."""
+    """``(samples [(path, class_index)], classes)`` of ``root/split``; errors name what is wrong, and files
+    of the class folders that are not regular files are logged and left out."""
     folder = Path(root) / split
     if not_regular(root) != "a folder":
         raise UserError(f"data folder not found: {root}")
@@ -131,19 +111,11 @@ def scan_image_folder(root: str | os.PathLike, split: str, classes: list[str] | 
     return samples, found
 
 
-_JPEG_MAGIC = b"\xff\xd8\xff"
-
-
 def _jpeg_header(path: str, channels: int) -> tuple[bytes, int, int] | None:
-    """``(file bytes, height, width)`` of a JPEG that ``torchvision.io.decode_jpeg`` decodes to Pillow's
-    pixels, or ``None`` (not a JPEG, a mode Pillow would convert otherwise: CMYK, or RGB to one channel;
-    anything unreadable: the Pillow path then names the problem).
-
-    The file size and the header's pixel count are bounded first, as :func:`~.inputs.open_image` does, and
-    a file without its end marker is left to Pillow (libjpeg only warns of a truncated file, Pillow fails).
-    """
-    from PIL import Image
-
+    """``(file bytes, height, width)`` of a JPEG that ``decode_jpeg`` decodes to Pillow's pixels, or ``None``
+    (not a JPEG; CMYK or RGB to one channel, which Pillow converts otherwise; unreadable: Pillow then names
+    the problem). Bounded as :func:`~.inputs.open_image`; a file without its end marker is left to Pillow
+    (libjpeg only warns of a truncated file)."""
     try:
         data = read_bytes(path, MAX_IMAGE_BYTES)
         if not data.startswith(_JPEG_MAGIC) or not data.rstrip(b"\0\r\n ").endswith(b"\xff\xd9"):
@@ -160,10 +132,8 @@ def _jpeg_header(path: str, channels: int) -> tuple[bytes, int, int] | None:
 
 
 def _fast_jpeg(path: str, channels: int) -> torch.Tensor | None:
-    """``path`` decoded by ``torchvision.io.decode_jpeg`` as uint8 ``(channels, H, W)``, or ``None`` where
-    that path does not apply or fails in any way (:func:`_jpeg_header`; a libjpeg warning counts)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
+    """``path`` decoded by ``decode_jpeg`` as uint8 ``(channels, H, W)``, or ``None`` where that does not
+    apply or fails in any way (a libjpeg warning counts)."""
     header = _jpeg_header(path, channels)
     if header is None:
         return None
@@ -171,7 +141,7 @@ def _fast_jpeg(path: str, channels: int) -> torch.Tensor | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # libjpeg's warnings of corrupt data
-            warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 points to TorchCodec
+            warnings.simplefilter("ignore", DeprecationWarning)  # torchvision's notes on its decoders
             read = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
             x = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=read)
     except Exception:  # noqa: BLE001 - Pillow decodes the file or says why not
@@ -180,11 +150,8 @@ def _fast_jpeg(path: str, channels: int) -> torch.Tensor | None:
 
 
 def decode_pixels(path: str, channels: int) -> torch.Tensor:
-    """The image file ``path`` as uint8 pixels ``(channels, H, W)``, by the fastest decoder that gives
-    Pillow's pixels (:func:`_fast_jpeg`, else Pillow and :func:`image_to_channels`).
-
-    A file that cannot be read is a :class:`UserError` naming it (size, pixel and format checks of
-    :func:`~.inputs.open_image`)."""
+    """The image file ``path`` as uint8 ``(channels, H, W)`` (:func:`_fast_jpeg`, else Pillow); a file that
+    cannot be read is a :class:`UserError` naming it."""
     x = _fast_jpeg(path, channels)
     if x is not None:
         return x
@@ -196,7 +163,7 @@ def decode_pixels(path: str, channels: int) -> torch.Tensor:
     return pil_to_pixels(img)
 
 
-def pil_to_pixels(img: Any) -> torch.Tensor:
+def pil_to_pixels(img: Image.Image) -> torch.Tensor:
     """A PIL ``L`` or ``RGB`` image -> uint8 ``(C, H, W)`` (a writable copy, no numpy array interface)."""
     w, h = img.size
     return torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(h, w, -1).permute(2, 0, 1)
@@ -218,64 +185,48 @@ class CropParams:
     flip: bool
 
 
-SCALE, RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's defaults (the paper's recipe)
-
-
 def draw_crop(height: int, width: int, flip: bool) -> CropParams:
-    """A crop box and flip drawn from the global torch RNG, as ``RandomResizedCrop`` then
-    ``RandomHorizontalFlip`` draw them (torchvision's own ``get_params``; an expanded 1-element tensor
-    stands for an image of that size without allocating it)."""
-    from torchvision import transforms as T
-
+    """A crop box and flip from the global torch RNG, as ``RandomResizedCrop`` then ``RandomHorizontalFlip``
+    draw them (an expanded 1-element tensor stands for the image without allocating it)."""
     shape = torch.empty(1, 1, 1).expand(1, height, width)
     top, left, h, w = T.RandomResizedCrop.get_params(shape, list(SCALE), list(RATIO))
     return CropParams(top, left, h, w, bool(torch.rand(1) < 0.5) if flip else False)
 
 
 def train_crop_params(seed: int, epoch: int, index: int, height: int, width: int, flip: bool) -> CropParams:
-    """Example ``index``'s crop box and flip in ``epoch`` of an image of ``height x width``: what
-    :class:`ImageFolderData` with a :class:`TrainCrop` applies, for a device-side pipeline to apply too."""
+    """Example ``index``'s crop box and flip in ``epoch``: what :class:`TrainCrop` applies in
+    :class:`ImageFolderData`, for the device pipeline to apply too."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sample_seed(seed, epoch, index, True))
         return draw_crop(height, width, flip)
 
 
 class TrainCrop:
-    """The training augmentation on uint8 pixels ``(C, H, W)`` -> ``(C, size, size)`` uint8: a random
-    resized crop (bilinear, antialiased), a random left-right flip when ``flip``, then ImageNet AutoAugment
-    when ``autoaugment``. Random numbers come from the global torch RNG, which :class:`ImageFolderData`
-    seeds per example. Picklable (DataLoader workers)."""
+    """Training augmentation, uint8 ``(C, H, W)`` -> ``(C, size, size)``: random resized crop (bilinear,
+    antialiased), left-right flip when ``flip``, ImageNet AutoAugment when ``autoaugment``; random numbers
+    from the global torch RNG, which :class:`ImageFolderData` seeds per example. Picklable."""
 
     def __init__(self, size: int, flip: bool, autoaugment: bool = False) -> None:
         self.size, self.flip, self.autoaugment = size, flip, autoaugment
 
     def apply(self, x: torch.Tensor, p: CropParams) -> torch.Tensor:
         """``x`` cropped to ``p``'s box, resized to ``size`` and flipped as ``p`` says (no AutoAugment)."""
-        from torchvision.transforms.v2 import functional as F
-
         x = F.resized_crop(x, p.top, p.left, p.height, p.width, [self.size, self.size], antialias=True)
         return x.flip(-1) if p.flip else x
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = self.apply(x, draw_crop(x.shape[-2], x.shape[-1], self.flip))
-        if self.autoaugment:
-            from torchvision import transforms as T
-
-            x = T.AutoAugment(T.AutoAugmentPolicy.IMAGENET)(x)
-        return x
+        return T.AutoAugment(T.AutoAugmentPolicy.IMAGENET)(x) if self.autoaugment else x
 
 
 class EvalPixels:
-    """An evaluation transform of PIL images (resize, centre crop) on uint8 pixels ``(C, H, W)``: the
-    pixels of ``repmlp predict``'s transform before its ``ToTensor``/``Normalize`` (the loader does those
-    on the device, with the same float operations). Picklable."""
+    """A PIL evaluation transform (resize, centre crop) applied to uint8 ``(C, H, W)``: ``repmlp predict``'s
+    pixels before ``ToTensor``/``Normalize``, which the loader does on the device. Picklable."""
 
     def __init__(self, pil_transform: Callable) -> None:
         self.pil_transform = pil_transform
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from PIL import Image
-
         c, h, w = x.shape
         arr = x.permute(1, 2, 0).numpy()
         img = Image.fromarray(arr[:, :, 0] if c == 1 else arr, "L" if c == 1 else "RGB")
@@ -285,9 +236,8 @@ class EvalPixels:
 def device_crop_batch(
     images: Sequence[torch.Tensor], params: Sequence[CropParams], size: int
 ) -> torch.Tensor:
-    """Uint8 images ``[(C, H_i, W_i)]`` (on any device) -> float ``(B, C, size, size)`` in 0..255: each
-    cropped to its box, resized (bilinear, antialiased, in float) and flipped, as :meth:`TrainCrop.apply`
-    does on the CPU in uint8 (the two differ by the uint8 rounding, at most 1 per pixel)."""
+    """Uint8 ``[(C, H_i, W_i)]`` (any device) -> float ``(B, C, size, size)`` in 0..255, each cropped, resized
+    (bilinear, antialiased, in float) and flipped as :meth:`TrainCrop.apply` does in uint8 (within 1)."""
     out = []
     for x, p in zip(images, params, strict=True):
         crop = x[None, :, p.top : p.top + p.height, p.left : p.left + p.width].float()
@@ -299,17 +249,13 @@ def device_crop_batch(
 
 
 class ImageFolderData(torch.utils.data.Dataset):
-    """Decodes one image per item; items are ``(index, epoch)`` so augmentation is seeded per sample.
+    """One decoded image per item ``(index, epoch)`` -> ``(pixels, label)``.
 
-    Seeding each sample's transform from ``(seed, epoch, index)`` makes the augmented batch independent of
-    worker count and process history, which is what makes a resumed run identical to an uninterrupted one.
-    Images are decoded (:func:`decode_pixels`) to ``channels`` (1: greyscale, 3: RGB) whatever their mode,
-    and ``transform`` maps those uint8 pixels ``(C, H, W)`` to the example's uint8 ``(C, size, size)``
-    (:class:`TrainCrop`, :class:`EvalPixels`). Returns ``(pixels, label)``.
-
-    With ``raw_jpeg`` (the device pipeline, training without AutoAugment), a JPEG that the fast decoder
-    takes is returned undecoded: ``((file bytes uint8 (N,), CropParams, index, epoch), label)``, for
-    :func:`device_crop_batch` to crop after a batched decode on the device.
+    Each transform is seeded from ``(seed, epoch, index)``, so batches do not depend on the workers and a
+    resumed run equals an uninterrupted one. Images become ``channels`` (1 or 3) uint8 ``(C, H, W)``, then
+    ``transform`` (:class:`TrainCrop`, :class:`EvalPixels`) gives ``(C, size, size)``. With ``raw_jpeg`` (the
+    device pipeline) a JPEG the fast decoder takes comes undecoded: ``((bytes uint8 (N,), CropParams, index,
+    epoch), label)``.
     """
 
     def __init__(
@@ -325,24 +271,14 @@ class ImageFolderData(torch.utils.data.Dataset):
     def __getitem__(self, item: tuple[int, int]) -> tuple[Any, int]:
         index, epoch = item
         path, label = self.samples[index]
-        if self.raw_jpeg:
-            raw = self._raw_jpeg(index, epoch)
-            if raw is not None:
-                return raw, label
+        if self.raw_jpeg and (header := _jpeg_header(path, self.channels)) is not None:
+            data, height, width = header
+            params = train_crop_params(self.seed, epoch, index, height, width, self.transform.flip)
+            return (torch.frombuffer(bytearray(data), dtype=torch.uint8), params, index, epoch), label
         x = decode_pixels(path, self.channels)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, epoch, index, self.train))
             return self.transform(x), label
-
-    def _raw_jpeg(self, index: int, epoch: int) -> tuple[torch.Tensor, CropParams, int, int] | None:
-        """A JPEG's bytes and crop for the device pipeline, or ``None`` for the CPU path (other formats,
-        JPEGs the fast decoder would not take)."""
-        header = _jpeg_header(self.samples[index][0], self.channels)
-        if header is None:
-            return None
-        data, height, width = header
-        params = train_crop_params(self.seed, epoch, index, height, width, self.transform.flip)
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), params, index, epoch
 
     def cpu_item(self, index: int, epoch: int) -> torch.Tensor:
         """Example ``index`` of ``epoch`` by the CPU path (a file the device decoder refused)."""
@@ -351,3 +287,42 @@ class ImageFolderData(torch.utils.data.Dataset):
             return self[(index, epoch)][0]
         finally:
             self.raw_jpeg = raw
+
+
+class GpuTrainBatch:
+    """The GPU training pipeline (``FolderLoader``'s ``on_device``): the batch's raw JPEGs decoded together
+    by ``decode_jpeg`` on the device (nvJPEG on CUDA), cropped and flipped there with the workers' boxes
+    (:func:`device_crop_batch`); items the workers decoded are moved as they are. A batch the device refuses
+    is decoded file by file, and a refused file goes the CPU path, which names a bad file. Returns float
+    ``(B, C, size, size)`` in 0..255 (the loader normalises)."""
+
+    def __init__(self, dataset: ImageFolderData) -> None:
+        self.dataset, self.size = dataset, dataset.transform.size
+
+    def _decode(self, raws: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        mode = ImageReadMode.GRAY if self.dataset.channels == 1 else ImageReadMode.RGB
+        try:
+            return list(decode_jpeg(raws, mode=mode, device=device))
+        except RuntimeError:
+            out: list[torch.Tensor | None] = []
+            for raw in raws:
+                try:
+                    out.append(decode_jpeg(raw, mode=mode, device=device))
+                except RuntimeError:
+                    out.append(None)
+            return out
+
+    def __call__(self, payloads: list, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        jpeg = [i for i, p in enumerate(payloads) if isinstance(p, tuple)]
+        decoded = self._decode([payloads[i][0] for i in jpeg], device) if jpeg else []
+        good = [(i, img) for i, img in zip(jpeg, decoded, strict=True) if img is not None]
+        out: list[torch.Tensor | None] = [None] * len(payloads)
+        if good:
+            crops = device_crop_batch([img for _, img in good], [payloads[i][1] for i, _ in good], self.size)
+            for (i, _), crop in zip(good, crops, strict=True):
+                out[i] = crop
+        for i, p in enumerate(payloads):
+            if out[i] is None:  # decoded by a worker, or refused by the device decoder: the CPU path
+                pixels = self.dataset.cpu_item(p[2], p[3]) if isinstance(p, tuple) else p
+                out[i] = pixels.to(device, non_blocking=True).float()
+        return torch.stack(out)  # type: ignore[arg-type]

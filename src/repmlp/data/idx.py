@@ -1,12 +1,9 @@
 """IDX files (the MNIST / Fashion-MNIST format), plain or gzip-compressed, read with numpy only.
 
-A damaged file is one line naming it: a gzip stream that is corrupt or cut short, a header whose
-dimensions the data does not hold (or that claims more than :data:`MAX_BYTES`), data left over after
-them. What a small file may make the reader allocate is bounded before anything is allocated: a plain
-file's size must be exactly what its header implies (checked with ``fstat`` before reading); a gzip file
-may not claim more than :data:`MAX_RATIO` times its own size (image data compresses 2-5x; a 3.8 MB file
-of zeros claiming 5,000,000 images is a decompression bomb), and is inflated in chunks, no further than
-the header allows, so a header that promises more than the stream holds costs only what the stream holds.
+A damaged file is one line naming it. What a small file may make the reader allocate is bounded before
+anything is allocated: a plain file's size must be exactly what its header implies (``fstat``); a gzip file
+may not claim more than :data:`MAX_RATIO` times its own size (a decompression bomb) and is inflated in
+chunks no further than the header allows.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ __all__ = ["read_idx", "MAX_BYTES"]
 
 # IDX type codes (third magic byte) -> big-endian numpy dtypes.
 _DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-# The largest data an IDX file may hold (Fashion-MNIST's training images: 47 MB).
+# The largest data an IDX file may hold (far above Fashion-MNIST's).
 MAX_BYTES = 4 << 30
 # A gzip file may inflate to at most this many times its size, or to _SMALL bytes (a few blank images
 # compress far better than real ones: a small file is allowed any ratio).
@@ -44,8 +41,7 @@ def _open(path: Path):  # noqa: ANN202 - a binary file object
 
 
 def _read_exactly(f, n: int, path: Path, what: str) -> bytearray:  # noqa: ANN001 - a binary file object
-    """``n`` bytes of ``f``, read in chunks: memory grows with the data that is there, never to a size
-    the header only claims (``f.read(n)`` would allocate ``n`` bytes first)."""
+    """``n`` bytes of ``f`` in chunks: memory grows with the data there, not with what the header claims."""
     data = bytearray()
     while len(data) < n:
         chunk = f.read(min(_CHUNK, n - len(data)))
@@ -58,8 +54,8 @@ def _read_exactly(f, n: int, path: Path, what: str) -> bytearray:  # noqa: ANN00
 
 
 def _check_size(path: Path, f, header: int, need: int, shape: str) -> None:  # noqa: ANN001 - file object
-    """Refuse, before reading the data, a header whose ``need`` data bytes the file cannot hold: a plain
-    file of another size, or a gzip file that would have to inflate more than :data:`MAX_RATIO` times."""
+    """Refuse a header whose ``need`` data bytes the file cannot hold (a plain file of another size, a gzip
+    file that would inflate more than :data:`MAX_RATIO` times), before reading the data."""
     size = os.fstat((f.fileobj if isinstance(f, gzip.GzipFile) else f).fileno()).st_size
     if not isinstance(f, gzip.GzipFile):
         if size != header + need:
@@ -75,10 +71,8 @@ def _check_size(path: Path, f, header: int, need: int, shape: str) -> None:  # n
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (``.gz`` or not) into an array of shape ``dims`` from its header.
-
-    Raises :class:`UserError` for a file that is not IDX, is truncated or corrupt, or is too large.
-    """
+    """An IDX file (``.gz`` or not) as an array of its header's shape; :class:`UserError` for a file that
+    is not IDX, is truncated or corrupt, or too large."""
     path = Path(path)
     try:
         with _open(path) as f:

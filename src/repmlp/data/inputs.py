@@ -1,45 +1,28 @@
 """Reading what a user hands the program: regular files only, each folder once, bounded reads and decodes.
 
-Every file a command reads comes from the user (images, labels and pairs files, data sets) and may be
-anything: a FIFO that blocks a reader forever, a device such as ``/dev/zero`` that never ends, a socket,
-a folder whose symlinks loop back to itself, a file of gigabytes, or an image whose header claims
-40000x40000 pixels (a decompression bomb). The functions here are what the readers build on:
-
-- :func:`not_regular`: what a path is when it is not a regular file (``"a FIFO"``, ...), from ``stat``
-  (which never blocks).
-- :func:`read_bytes` / :func:`read_text`: a regular file's contents up to a limit, opened non-blocking.
-- :func:`walk_files`: the files under a folder with given suffixes, sorted; symlinked folders are followed,
-  each real folder once (a loop ends), special files are named instead of read.
-- :func:`expand_glob`: a glob pattern's matches (``**`` recursive) with the same walk.
-- :func:`open_image`: a Pillow image, decoded, of a regular file of bounded size and pixel count.
-
-Problems are :class:`InputError` (a :class:`~repmlp.errors.UserError`) with a one-line reason; callers
-that skip bad files report ``str(exc)`` next to the file's name.
+A user's file may be anything: a FIFO that blocks a reader forever, ``/dev/zero``, a socket, a folder whose
+symlinks loop, a file of gigabytes, an image whose header claims 40000x40000 pixels (a decompression bomb).
+The readers build on these functions; problems are :class:`InputError` with a one-line reason (callers
+that skip bad files report ``str(exc)`` next to the file's name).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import glob
+import io
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+
+from PIL import Image
 
 from repmlp.errors import UserError
 
-__all__ = [
-    "InputError",
-    "MAX_IMAGE_BYTES",
-    "MAX_IMAGE_PIXELS",
-    "not_regular",
-    "read_bytes",
-    "read_text",
-    "walk_files",
-    "expand_glob",
-    "open_image",
-]
+__all__ = ["InputError", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "not_regular", "read_bytes", "read_text",
+           "walk_files", "expand_glob", "open_image"]  # fmt: skip
 
 # An image file larger than this is not decoded (no image format a model needs comes near it).
 MAX_IMAGE_BYTES = 256 << 20
@@ -65,8 +48,8 @@ def _kind(mode: int) -> str | None:
 
 
 def not_regular(path: str | os.PathLike) -> str | None:
-    """``None`` for a regular file (symlinks followed); else what ``path`` is: ``"a FIFO (named pipe)"``,
-    ``"a character device"``, ``"a folder"``, ``"missing"``, ... (``stat`` only: a FIFO is not opened)."""
+    """``None`` for a regular file (symlinks followed), else what ``path`` is (``"a FIFO (named pipe)"``,
+    ``"a folder"``, ``"missing"``, ...), from ``stat`` alone: a FIFO is not opened."""
     try:
         return _kind(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -104,11 +87,8 @@ def _read(path: str | os.PathLike, limit: int) -> bytes:
 
 
 def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
-    """The contents of the regular file ``path``, at most ``limit`` bytes (else :class:`InputError`
-    naming ``what`` and the file).
-
-    Opened with ``O_NONBLOCK``, so that a FIFO that appeared after a check does not block; the open file
-    is checked with ``fstat`` (the checked file is the one read)."""
+    """The regular file ``path``'s contents, at most ``limit`` bytes (else :class:`InputError` naming ``what``
+    and the file); opened ``O_NONBLOCK`` (a FIFO does not block) and checked with ``fstat`` once open."""
     try:
         return _read(path, limit)
     except InputError as exc:
@@ -134,13 +114,10 @@ def _identity(path: str) -> tuple[int, int] | None:
 def walk_files(
     root: str | os.PathLike, suffixes: Sequence[str] | None = None
 ) -> tuple[list[str], list[tuple[str, str]]]:
-    """The regular files under folder ``root`` whose suffix (lower case) is in ``suffixes`` (all files for
-    ``None``), recursively, sorted: ``(files, skipped)``.
-
-    Symlinked folders are followed, each real folder once (a symlink loop, or two links to one folder,
-    is walked once). ``skipped`` lists ``(path, reason)`` of entries with a wanted suffix that are not
-    regular files (FIFOs, devices, sockets, dangling links) and of sub-folders that cannot be listed.
-    Hidden entries (names starting with ``.``) are left out, as shells and glob leave them out."""
+    """``(files, skipped)``: the regular files under ``root`` with a (lower-case) suffix in ``suffixes`` (all
+    for ``None``), recursively, sorted, each real folder once (symlinks followed, loops end), hidden entries
+    left out as shells do; ``skipped``: ``(path, reason)`` of wanted entries that are not regular files and
+    of folders that cannot be listed."""
     wanted = None if suffixes is None else {s.lower() for s in suffixes}
     files: list[str] = []
     skipped: list[tuple[str, str]] = []
@@ -185,10 +162,8 @@ def _components(pattern: str) -> tuple[str, list[str]]:
 
 
 def expand_glob(pattern: str) -> list[str]:
-    """Paths matching a glob pattern, sorted (``*``, ``?``, ``[...]`` within a name, ``**`` for any
-    number of folders), as :func:`glob.glob` with ``recursive=True`` gives them, except that ``**``
-    follows each real folder once: a symlink loop ends instead of recursing until the path is too long.
-    Names starting with ``.`` match only a pattern component that starts with ``.``."""
+    """A glob pattern's matches, sorted, as ``glob.glob(pattern, recursive=True)`` gives them, except that
+    ``**`` follows each real folder once (a symlink loop ends); hidden names match only a ``.`` component."""
     base, parts = _components(pattern)
     if not parts:
         return [pattern] if os.path.lexists(pattern) else []
@@ -238,16 +213,10 @@ def expand_glob(pattern: str) -> list[str]:
 
 def open_image(
     path: str | os.PathLike, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
-) -> Any:
-    """The decoded Pillow image of a regular file (a GIF's first frame); :class:`InputError` for a special
-    file, a file over ``max_bytes``, an image over ``max_pixels`` (checked from the header, before any
-    pixel is decoded) or a file Pillow cannot decode, with the reason alone (the caller names the file
-    and closes the image)."""
-    import io
-    import warnings
-
-    from PIL import Image
-
+) -> Image.Image:
+    """The decoded Pillow image of a regular file (a GIF's first frame); :class:`InputError` with the reason
+    alone for a special file, one over ``max_bytes``, an image over ``max_pixels`` (from the header, before
+    decoding) or one Pillow cannot decode. The caller names the file and closes the image."""
     data = _read(path, max_bytes)
     if not data:  # Pillow would say "cannot identify image file": the reason is simpler
         raise InputError("the file is empty")

@@ -1,21 +1,18 @@
 """Batch iterators with a resumable, distributed, seeded data order.
 
-Both loaders share one contract: ``batches(epoch, start)`` yields ``(x, y)`` for batches ``start, start+1,
-...`` of ``epoch`` on this rank, with ``x`` a normalised float batch ``(B, C, H, W)`` on the target device
-and ``y`` int64 labels ``(B,)``. The order is a pure function of ``(seed, epoch)`` (the same permutation
-as ``DistributedSampler``: shuffle, pad to a multiple of the world size, take every ``world``-th index),
-and augmentation is seeded per batch or per sample, so skipping ``start`` batches after a resume
-reproduces the uninterrupted run exactly.
-
-:class:`FolderLoader` keeps one ``DataLoader`` and its worker processes for all epochs (the sampler is
-told each epoch's indices before iteration starts), takes uint8 batches from its dataset, pins and moves
-them and converts and normalises them on the device (its ``mean``/``std``).
+Both loaders' ``batches(epoch, start)`` yield ``(x, y)`` for batches ``start, start+1, ...`` of ``epoch`` on
+this rank: ``x`` a normalised float batch ``(B, C, H, W)`` on the target device, ``y`` int64 labels ``(B,)``.
+The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s: shuffle, pad to a multiple of
+the world size, every ``world``-th index) and augmentation is seeded per batch or per sample, so skipping
+``start`` batches after a resume reproduces the uninterrupted run exactly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,21 +20,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = [
-    "rank_indices",
-    "InMemoryLoader",
-    "FolderLoader",
-    "batch_generator",
-    "pad_crop_flip",
-    "default_workers",
-    "normalize_on_device",
-]
+__all__ = ["rank_indices", "InMemoryLoader", "FolderLoader", "batch_generator", "pad_crop_flip",
+           "default_workers", "normalize_on_device"]  # fmt: skip
 
 
 def default_workers() -> int:
-    """The decoding processes of an image folder when ``--workers`` is not given: one per CPU core this
-    process may use (its affinity mask, which a container or ``taskset`` narrows; ``os.cpu_count()``
-    elsewhere). The main process mostly waits on the device or on the workers."""
+    """Decoding processes when ``--workers`` is not given: one per CPU core this process may use (its
+    affinity mask, which a container or ``taskset`` narrows)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -45,9 +34,8 @@ def default_workers() -> int:
 
 
 def normalize_on_device(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32: the operations
-    of ``ToTensor`` and ``Normalize``, in their order, so the values are the same bits as theirs.
-    ``mean``/``std``: ``(1, C, 1, 1)`` on ``x``'s device."""
+    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32, ``ToTensor`` and
+    ``Normalize``'s operations in their order (the same bits); ``mean``/``std`` ``(1, C, 1, 1)``."""
     return x.float().div_(255.0).sub_(mean).div_(std)
 
 
@@ -71,7 +59,7 @@ def rank_indices(n: int, *, epoch: int, seed: int, rank: int, world: int, shuffl
 
 
 def pad_crop_flip(x: Tensor, pad: int, flip: bool, gen: torch.Generator) -> Tensor:
-    """Random ``pad``-pixel crop (zero padding) and left-right flip of each image in ``x`` ``(B, C, H, W)``."""
+    """Random ``pad``-pixel crop (zero padding) and left-right flip of each image of ``(B, C, H, W)``."""
     b, c, h, w = x.shape
     if pad > 0:
         padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
@@ -86,32 +74,23 @@ def pad_crop_flip(x: Tensor, pad: int, flip: bool, gen: torch.Generator) -> Tens
     return x
 
 
-class _ShardedBatches:
-    """What both loaders share: this process's shard of the examples, and how many batches it makes.
+def _channel_stats(values: Sequence[float], device: torch.device | str = "cpu") -> Tensor:
+    return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1, 1).to(device)
 
-    Subclasses set ``batch_size``, ``train``, ``seed``, ``rank``, ``world`` and define ``num_samples``.
-    """
+
+class _ShardedBatches:
+    """What both loaders share: this process's shard of ``num_samples`` examples, and its batch count."""
 
     batch_size: int
     train: bool
     seed: int
     rank: int
     world: int
-
-    @property
-    def num_samples(self) -> int:
-        raise NotImplementedError
+    num_samples: int
 
     def _indices(self, epoch: int) -> Tensor:
-        return rank_indices(
-            self.num_samples,
-            epoch=epoch,
-            seed=self.seed,
-            rank=self.rank,
-            world=self.world,
-            shuffle=self.train,
-            pad=self.train,
-        )
+        return rank_indices(self.num_samples, epoch=epoch, seed=self.seed, rank=self.rank, world=self.world,
+                            shuffle=self.train, pad=self.train)  # fmt: skip
 
     def __len__(self) -> int:
         n = len(self._indices(0))
@@ -120,35 +99,18 @@ class _ShardedBatches:
 
 
 class InMemoryLoader(_ShardedBatches):
-    """Batches from uint8 image tensors held in memory (Fashion-MNIST, CIFAR-10): no per-sample Python.
+    """Batches of uint8 images held in memory (Fashion-MNIST, CIFAR-10), no per-sample Python:
+    ``images`` ``(N, C, H, W)`` uint8, ``labels`` ``(N,)`` int64, ``batch_size`` per rank."""
 
-    ``images``: ``(N, C, H, W)`` uint8; ``labels``: ``(N,)`` int64. ``batch_size`` is per rank.
-    """
-
-    def __init__(
-        self,
-        images: Tensor,
-        labels: Tensor,
-        *,
-        batch_size: int,
-        mean: tuple[float, ...],
-        std: tuple[float, ...],
-        train: bool,
-        seed: int = 0,
-        rank: int = 0,
-        world: int = 1,
-        pad: int = 0,
-        flip: bool = False,
-        device: torch.device | str = "cpu",
-        channels_last: bool = False,
-    ) -> None:
+    def __init__(self, images: Tensor, labels: Tensor, *, batch_size: int, mean: tuple[float, ...],
+                 std: tuple[float, ...], train: bool, seed: int = 0, rank: int = 0, world: int = 1,
+                 pad: int = 0, flip: bool = False, device: torch.device | str = "cpu",
+                 channels_last: bool = False) -> None:  # fmt: skip
         self.images, self.labels = images, labels
         self.batch_size, self.train, self.seed, self.rank, self.world = batch_size, train, seed, rank, world
         self.pad, self.flip = pad, flip
         self.device, self.channels_last = torch.device(device), channels_last
-        c = images.shape[1]
-        self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, c, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).reshape(1, c, 1, 1)
+        self.mean, self.std = _channel_stats(mean), _channel_stats(std)
 
     @property
     def num_samples(self) -> int:
@@ -168,10 +130,8 @@ class InMemoryLoader(_ShardedBatches):
 
 
 class _EpochSampler(torch.utils.data.Sampler):
-    """Yields ``(index, epoch)`` pairs of the epoch set last (:meth:`set`), so items know their epoch.
-
-    A ``DataLoader`` calls ``iter()`` on its sampler at the start of every iteration, also with persistent
-    workers, so one sampler serves every epoch."""
+    """Yields ``(index, epoch)`` of the epoch :meth:`set` last; a ``DataLoader`` calls ``iter()`` on its
+    sampler at each iteration's start (persistent workers too), so one sampler serves every epoch."""
 
     def __init__(self) -> None:
         self.indices: list[int] = []
@@ -188,13 +148,8 @@ class _EpochSampler(torch.utils.data.Sampler):
 
 
 def _die_with_parent(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the worker is killed when the process that started it dies (Linux's
-    ``PR_SET_PDEATHSIG``). Persistent workers otherwise outlive a killed trainer for up to the DataLoader's
-    5-second watchdog, holding the memory and files they inherited (not the run folder's lock: the engine
-    drops that in every forked child)."""
-    import ctypes
-    import signal
-
+    """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``); persistent workers
+    would otherwise outlive a killed trainer until the DataLoader's watchdog, holding memory and files."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the watchdog alone
@@ -206,76 +161,61 @@ def _collate_list(items: list[tuple[Any, int]]) -> tuple[list[Any], Tensor]:
     return [x for x, _ in items], torch.tensor([y for _, y in items], dtype=torch.int64)
 
 
-class _NormalizingCollate:
-    """A ``collate_fn`` that normalises the collated uint8 batch (:func:`normalize_on_device`) in the
-    worker process: on a CPU device the main process would otherwise do it alone, serially, while the
-    workers wait (measured: a third of a core at 2 workers, docs/benchmarks.md). Picklable (workers)."""
+# The GPU pipeline's batch maker: (item payloads, labels, device) -> float batch (B, C, H, W) on the device.
+OnDevice = Callable[[list[Any], Tensor, torch.device], Tensor]
 
-    def __init__(self, collate: Callable | None, mean: Tensor, std: Tensor) -> None:
-        self.collate, self.mean, self.std = collate, mean, std
+
+class _NormalizingCollate:
+    """A ``collate_fn`` that normalises in the worker (:func:`normalize_on_device`): on a CPU device the main
+    process would otherwise do it alone while the workers wait (docs/benchmarks.md). Picklable."""
+
+    def __init__(self, mean: Tensor, std: Tensor) -> None:
+        self.mean, self.std = mean, std
 
     def __call__(self, items: list[Any]) -> tuple[Tensor, Tensor]:
-        x, y = (self.collate or torch.utils.data.default_collate)(items)
+        x, y = torch.utils.data.default_collate(items)
         return normalize_on_device(x, self.mean, self.std), y
 
 
 class FolderLoader(_ShardedBatches):
-    """Batches decoded from files by a ``DataLoader`` (ImageFolder, face, segmentation); same contract.
+    """Batches decoded from files by one ``DataLoader`` (ImageFolder, face, segmentation), kept across epochs
+    with persistent workers (starting them costs seconds); items ``(index, epoch)`` are seeded per example.
 
-    One ``DataLoader`` is built on first use and kept: with ``workers > 0`` its worker processes persist
-    across epochs (``persistent_workers``), since starting them costs seconds an epoch. Items are seeded
-    per example (``(index, epoch)``), so which worker loads one does not matter.
-
-    ``mean``/``std`` given: the dataset's items are uint8 ``(C, H, W)``; a batch travels as uint8 (pinned
-    on CUDA) and is converted and normalised on the device (:func:`normalize_on_device`). Without them the
-    items are the model's float input already. ``on_device(payloads, labels, device)``, given, replaces
-    the default collation: the dataset's items are collated to lists and it makes the float batch on the
-    device (the GPU decoding pipeline of :mod:`repmlp.data`); its result is normalised as above.
+    With ``mean``/``std`` the items are uint8 ``(C, H, W)``, travel as uint8 (pinned on CUDA) and are
+    normalised on the device (:func:`normalize_on_device`); without them they are the model's input already.
+    ``on_device(payloads, labels, device)`` replaces collation: it makes the float batch on the device (the
+    GPU decoding pipeline), normalised as above.
     """
 
-    def __init__(
-        self,
-        dataset: torch.utils.data.Dataset,
-        *,
-        batch_size: int,
-        train: bool,
-        seed: int = 0,
-        rank: int = 0,
-        world: int = 1,
-        workers: int | None = None,
-        device: torch.device | str = "cpu",
-        channels_last: bool = False,
-        collate: Callable | None = None,
-        mean: Sequence[float] | None = None,
-        std: Sequence[float] | None = None,
-        on_device: Callable[[list[Any], Tensor, torch.device], Tensor] | None = None,
-    ) -> None:
+    def __init__(self, dataset: torch.utils.data.Dataset, *, batch_size: int, train: bool, seed: int = 0,
+                 rank: int = 0, world: int = 1, workers: int | None = None,
+                 device: torch.device | str = "cpu", channels_last: bool = False,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 on_device: OnDevice | None = None) -> None:  # fmt: skip
         self.dataset, self.batch_size, self.train = dataset, batch_size, train
         self.seed, self.rank, self.world = seed, rank, world
         self.workers = default_workers() if workers is None else workers
         self.device, self.channels_last = torch.device(device), channels_last
-        self.collate, self.on_device = collate, on_device
+        self.on_device = on_device
         self.mean = self.std = None
         if mean is not None and std is not None:
-            self.mean = torch.tensor(mean, dtype=torch.float32).reshape(1, -1, 1, 1).to(self.device)
-            self.std = torch.tensor(std, dtype=torch.float32).reshape(1, -1, 1, 1).to(self.device)
+            self.mean, self.std = _channel_stats(mean, self.device), _channel_stats(std, self.device)
         self._sampler = _EpochSampler()
         self._loader: torch.utils.data.DataLoader | None = None
+        # On a CPU device "on the device" would be the main process alone: the workers normalise instead.
+        self._normalizes_in_workers = (
+            self.device.type == "cpu" and self.workers > 0 and self.mean is not None and not on_device
+        )
 
     @property
     def num_samples(self) -> int:
         return len(self.dataset)
 
-    def _normalizes_in_workers(self) -> bool:
-        """Whether the workers normalise the batches: on a CPU device, where "on the device" would be the
-        main process alone (the same function, so the same bits)."""
-        return self.device.type == "cpu" and self.workers > 0 and self.mean is not None and not self.on_device
-
     def _data_loader(self) -> torch.utils.data.DataLoader:
         if self._loader is None:
-            collate = _collate_list if self.on_device is not None else self.collate
-            if self._normalizes_in_workers():
-                collate = _NormalizingCollate(collate, self.mean, self.std)
+            collate = _collate_list if self.on_device is not None else None
+            if self._normalizes_in_workers:
+                collate = _NormalizingCollate(self.mean, self.std)
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=self.batch_size,
@@ -304,7 +244,7 @@ class FolderLoader(_ShardedBatches):
                 x = self.on_device(x, y, self.device)
             else:
                 x = x.to(self.device, non_blocking=True)
-            if self.mean is not None and not self._normalizes_in_workers():
+            if self.mean is not None and not self._normalizes_in_workers:
                 x = normalize_on_device(x, self.mean, self.std)
             if self.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)

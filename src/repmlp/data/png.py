@@ -1,14 +1,12 @@
-"""Many small plain PNG files decoded at once, with Pillow's own PNG decoder.
+"""Plain PNGs decoded a batch at a time, with Pillow's own PNG decoder (``repmlp predict`` on a folder of
+Fashion-MNIST PNGs: for a 28x28 image ``Image.open`` spends most of its time in format detection and chunk
+parsing in Python, see docs/benchmarks.md).
 
-For a 28x28 image ``Image.open`` spends most of its time detecting the format and walking its chunk
-machinery in Python, about as long as a small model spends on the image (``repmlp predict`` on a folder
-of Fashion-MNIST PNGs). A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every
-chunk's CRC right, ending in IEND, a zlib stream of exactly the image's scanlines, valid row filters)
-needs none of that: :func:`png_scanlines` reads its filtered scanlines, and :func:`unfilter` decodes a
-whole batch of them in one call of Pillow's PNG decoder (``Image.frombytes(..., "zip")``, the decoder
-``Image.open`` uses, so the pixels are the same). Ancillary chunks (gamma, colour profile, text,
-transparency) change no pixel value in Pillow either. Any other file, or any doubt, gives ``None``: the
-caller opens it with ``Image.open``, which then decides, and names the reason when it cannot.
+A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every CRC right, ending in IEND, a
+zlib stream of exactly the image's scanlines, valid row filters) needs none of that: :func:`png_scanlines`
+reads its filtered scanlines and :func:`unfilter` decodes a batch of them in one call of the decoder
+``Image.open`` uses, so the pixels are the same. Any other file, or any doubt, gives ``None``: the caller
+opens it with ``Image.open``, which decides, and names the reason when it cannot.
 """
 
 from __future__ import annotations
@@ -21,20 +19,18 @@ import zlib
 from collections.abc import Sequence
 
 import numpy as np
+from PIL import Image
 
 __all__ = ["png_scanlines", "unfilter"]
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _COLOUR_TYPE = {1: 0, 3: 2}  # channels -> PNG colour type (grey, RGB)
-
-
 _CRITICAL = {1: {b"IHDR", b"IDAT", b"IEND"}, 3: {b"IHDR", b"IDAT", b"IEND", b"PLTE"}}
 
 
 @functools.cache
 def _head(channels: int, size: int) -> bytes:
-    """The file's first 29 bytes: signature, IHDR's length and name, and its fields for 8 bits, not
-    interlaced."""
+    """The file's first 29 bytes: signature, IHDR's length and name, its fields (8 bits, not interlaced)."""
     fields = struct.pack(">IIBBBBB", size, size, 8, _COLOUR_TYPE[channels], 0, 0, 0)
     return _SIGNATURE + struct.pack(">I4s", 13, b"IHDR") + fields
 
@@ -44,9 +40,9 @@ _MAX_PLAIN_BYTES = 1 << 20
 
 
 def _read(path: str) -> bytes | None:
-    """A small regular file's bytes, ``None`` for anything else (without a Python file object: for a file
-    of a few hundred bytes its set-up costs more than the reading). Opened non-blocking and checked with
-    ``fstat``: a FIFO or a device (``/dev/zero``) is never read."""
+    """A small regular file's bytes, ``None`` for anything else; opened non-blocking and checked with
+    ``fstat`` (a FIFO or ``/dev/zero`` is never read), without a Python file object (its set-up costs more
+    than reading a few hundred bytes)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         info = os.fstat(fd)
@@ -65,11 +61,8 @@ def _read(path: str) -> bytes | None:
 
 
 def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
-    """The filtered scanlines of a plain ``size x size`` PNG with ``channels`` 8-bit channels, or ``None``.
-
-    ``size`` rows of ``1 + size * channels`` bytes (a filter-type byte, then the row), as the PNG stores
-    them after inflating.
-    """
+    """The filtered scanlines of a plain ``size x size`` PNG with ``channels`` 8-bit channels, or ``None``:
+    ``size`` rows of ``1 + size * channels`` bytes (a filter-type byte, then the row), as inflated."""
     if channels not in _COLOUR_TYPE:
         return None
     data = _read(path)
@@ -113,13 +106,10 @@ def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
 def unfilter(scanlines: Sequence[bytes], channels: int, size: int) -> np.ndarray:
     """Scanlines of :func:`png_scanlines` (same ``channels`` and ``size``) -> ``(N, size, size, C)`` uint8.
 
-    One decoder call for the batch: the images' rows stacked into one tall image, each image preceded by
-    an all-zero unfiltered row, so that its first row sees a zero row above it exactly as in its own file
-    (the Up, Average and Paeth filters read the row above); the separator rows are dropped afterwards.
-    The stacked rows go to the decoder as an uncompressed (level 0) zlib stream.
+    One decoder call: the images stacked into one tall image (an uncompressed zlib stream), each preceded by
+    an all-zero unfiltered row, so its first row sees a zero row above it as in its own file (the Up, Average
+    and Paeth filters read the row above); the separator rows are dropped afterwards.
     """
-    from PIL import Image
-
     n = len(scanlines)
     separator = bytes(1 + size * channels)
     stacked = b"".join(part for raw in scanlines for part in (separator, raw))

@@ -91,23 +91,17 @@ class Conversion:
     seconds: float  # how long reparameterize_model took
 
 
-def convert_and_check(
-    model: nn.Module,
-    inputs: Tensor | Callable[[nn.Module], Tensor],
-    *,
-    file: DeployedFile | None = None,
-    device: str | torch.device | None = None,
-) -> Conversion:
+def convert_and_check(model: nn.Module, inputs: Tensor | Callable[[nn.Module], Tensor], *,
+                      file: DeployedFile | None = None,
+                      device: str | torch.device | None = None) -> Conversion:  # fmt: skip
     """Convert ``model`` (eval mode; converted as a copy), optionally write the deployed ``file`` and load
     it back onto ``device`` (default: the model's), and run both forms in ``torch.inference_mode()`` and
     full float32 on ``inputs``: a batch ``(N, C, H, W)`` on the model's device, or a function ``run(model)
     -> outputs`` (e.g. over a whole validation set: logits ``(N, K)``), called for the training-time model
     first. Of a tuple of outputs the first is compared. Every BatchNorm is folded unless the registered
     ``deploy=True`` model keeps some (timm's models know nothing of ``deploy=``): then the file is written
-    again without folding. Whether the difference is small enough is the caller's to judge.
-
-    Raises:
-        UserError: the written file does not load into ``create_model(name, deploy=True)``.
+    again without folding. Whether the difference is small enough is the caller's to judge; a written file
+    that does not load into ``create_model(name, deploy=True)`` is a :class:`UserError`.
     """
     run = inputs if not isinstance(inputs, Tensor) else (lambda m: m(inputs))
     with torch.inference_mode(), full_float32():
@@ -117,17 +111,15 @@ def convert_and_check(
     deployed = nn_convert.reparameterize_model(model)
     seconds = time.perf_counter() - start
     if file is not None:
-        deployed = _write_and_reload(
-            model, deployed, file, model_file.device_of(model) if device is None else device
-        )
+        device = model_file.device_of(model) if device is None else device
+        deployed = _write_and_reload(model, deployed, file, device)
     with torch.inference_mode(), full_float32():
         outputs = _first(run(deployed))
     return Conversion(deployed, reference, outputs, compare_outputs(reference, outputs), seconds)
 
 
-def _write_and_reload(
-    model: nn.Module, deployed: nn.Module, file: DeployedFile, device: str | torch.device
-) -> nn.Module:
+def _write_and_reload(model: nn.Module, deployed: nn.Module, file: DeployedFile,
+                      device: str | torch.device) -> nn.Module:  # fmt: skip
     """``deployed`` written to ``file`` and loaded back into ``create_model(..., deploy=True)`` on ``device``;
     converted again without folding the BatchNorms when the registered model keeps some."""
     for fuse_bn in (True, False):
@@ -140,9 +132,8 @@ def _write_and_reload(
             return model_file.load_model(file.path, device=device, form="deploy")
         except CheckpointError as exc:
             error = exc
-    raise UserError(
-        f"the deployed {file.name} does not load into create_model({file.name!r}, deploy=True): {error}"
-    )
+    raise UserError(f"the deployed {file.name} does not load into create_model({file.name!r}, deploy=True): "
+                    f"{error}")  # fmt: skip
 
 
 def _first(out: Any) -> Tensor:
@@ -157,9 +148,8 @@ def default_output(checkpoint: Path, precision: str = "fp32") -> Path:
     return checkpoint.with_name(stem + ("" if precision == "fp32" else f"-{precision}") + ".safetensors")
 
 
-def _images(
-    meta: ModelMetadata, split: str, n: int, img_size: int | None, dataset: str | None, data_dir: str | None
-) -> tuple[list[Tensor], str]:
+def _images(meta: ModelMetadata, split: str, n: int, img_size: int | None, dataset: str | None,
+            data_dir: str | None) -> tuple[list[Tensor], str]:  # fmt: skip
     """``([(<= n, C, H, W), ...], name)``: the first ``n`` images of the run's data set (``dataset``, else
     the one the file records) of ``split`` (``"val"``: one batch; ``"train"``: batches of <= 64), read for
     the file's model (``meta``) as ``repmlp eval`` reads it (its channels, input size and normalisation).
@@ -167,10 +157,8 @@ def _images(
     name = dataset or meta.extra.get("dataset")
     if not name:
         raise UserError("the checkpoint names no data set")
-    if split == "val":
-        sizes = {"need_train": False, "val_limit": n, "eval_batch_size": n}
-    else:
-        sizes = {"train_limit": n, "batch_size": min(n, 64)}
+    val = {"need_train": False, "val_limit": n, "eval_batch_size": n}
+    sizes = val if split == "val" else {"train_limit": n, "batch_size": min(n, 64)}
     # At the size the check runs at: the model's own unless --img-size (of a model that takes any size and
     # records none, its default, not the data set's).
     size = img_size or meta.input_size[1]
@@ -182,9 +170,8 @@ def _images(
     return batches, name
 
 
-def _check_inputs(
-    meta: ModelMetadata, n: int, img_size: int | None, dataset: str | None, data_dir: str | None
-) -> tuple[Tensor, str]:
+def _check_inputs(meta: ModelMetadata, n: int, img_size: int | None, dataset: str | None,
+                  data_dir: str | None) -> tuple[Tensor, str]:  # fmt: skip
     """``((n, C, H, W), where they come from)``: the run's validation images, else seeded noise. A data set
     the user named that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back
     to noise with a warning (the data may live on another machine)."""
@@ -203,9 +190,8 @@ def _check_inputs(
     return x, f"{n} random inputs ({why})"
 
 
-def _reduce_precision(
-    deployed: nn.Module, precision: str, x: Tensor, calibration: list[Tensor] | None
-) -> tuple[nn.Module, float, float]:
+def _reduce_precision(deployed: nn.Module, precision: str, x: Tensor,
+                      calibration: list[Tensor] | None) -> tuple[nn.Module, float, float]:  # fmt: skip
     """``deployed`` (float32, verified) in ``precision``, its max abs logit change and changed-argmax share."""
     reason = native_support(precision)
     if reason:
@@ -226,18 +212,10 @@ def _reduce_precision(
     return reduced, (out - ref).abs().max().item(), changed
 
 
-def convert_file(
-    checkpoint: Path,
-    output: Path,
-    *,
-    precision: str = "fp32",
-    tolerance: float = CONVERSION_RTOL,
-    num_examples: int = 64,
-    img_size: int | None = None,
-    dataset: str | None = None,
-    data_dir: str | None = None,
-    calibration_examples: int = 512,
-) -> str:
+def convert_file(checkpoint: Path, output: Path, *, precision: str = "fp32",
+                 tolerance: float = CONVERSION_RTOL, num_examples: int = 64, img_size: int | None = None,
+                 dataset: str | None = None, data_dir: str | None = None,
+                 calibration_examples: int = 512) -> str:  # fmt: skip
     """Convert the training-time ``checkpoint``, check it (:func:`convert_and_check` with a file, on the
     run's validation images or noise) and write it in ``precision`` as ``output``, atomically; returns what
     was written and measured, as ``repmlp convert`` prints it. A difference above ``tolerance * max(1, max

@@ -1,20 +1,13 @@
 """Reduced-precision deployment: a deployed model in float32, bfloat16, float16 or int8.
 
-* ``fp32`` / ``bf16`` / ``fp16``: the deployed model's parameters cast to that dtype; a forward
-  pre-hook casts the input to it, so callers keep feeding float32 images. Logits come out in that dtype.
-* ``int8``: post-training static quantization with onnxruntime (``onnxruntime.quantization``,
-  maintained by Microsoft and already a dependency of ``repmlp export``): the deployed model is
-  exported to ONNX, its activation ranges are calibrated (min/max) on batches of the run's training
-  data, and weights are quantized per output channel to int8 (activations uint8, QDQ format; FC3's
-  batched weight with one scale, so that runtimes run it with their int8 matmul kernel). The
-  result is an :class:`Int8OnnxModel`, a module that runs the quantized graph with onnxruntime on
-  the CPU and keeps the ONNX bytes in a ``uint8`` buffer, so it saves to and loads from safetensors
-  like any other model (the ONNX wrapper of ``--runtime``, :class:`repmlp.deploy.onnx_model.RuntimeModel`).
-
-Why onnxruntime and not torchao or PyTorch's PT2E quantizer: both produce graph modules whose
-quantized weights are tied to a traced program (torchao's tensor subclasses need pickling or its own
-safetensors layer; a PT2E program must be re-exported and re-calibrated on load), while the ONNX
-int8 graph is one self-contained byte string that onnxruntime runs with its VNNI/AVX-512 int8 kernels.
+``fp32``/``bf16``/``fp16``: the parameters cast to that dtype, and a forward pre-hook casting the input, so
+callers keep feeding float32 images (the logits come in that dtype). ``int8``: post-training static
+quantization with onnxruntime: the model exported to ONNX, activation ranges calibrated (min/max) on the
+run's training images, weights int8 per output channel (activations uint8, QDQ format); an
+:class:`Int8OnnxModel` runs the graph and keeps its bytes in a buffer, so it saves to and loads from
+safetensors like any model. Not torchao or PT2E: their quantized weights are tied to a traced program that
+must be pickled or re-exported, while the ONNX graph is one self-contained byte string. An int8 model file's
+graph is checked before it runs (:func:`check_int8_graph`).
 """
 
 from __future__ import annotations
@@ -27,18 +20,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from repmlp.deploy.onnx_model import RuntimeModel
+from repmlp.deploy.export import export_onnx
+from repmlp.deploy.runtimes import RuntimeModel
 from repmlp.io.model_file import PRECISION_LOADERS, PRECISIONS
 
-__all__ = [
-    "PRECISIONS",
-    "DTYPES",
-    "to_precision",
-    "precision_of",
-    "native_support",
-    "Int8OnnxModel",
-    "quantize_int8",
-]
+__all__ = ["PRECISIONS", "DTYPES", "to_precision", "precision_of", "native_support", "Int8OnnxModel",
+           "quantize_int8"]  # fmt: skip
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,12 +57,8 @@ def precision_of(model: nn.Module) -> str:
 
 
 class Int8OnnxModel(RuntimeModel):
-    """An int8 (QDQ) ONNX graph run by onnxruntime on the CPU; ``(N, C, H, W)`` -> ``(N, classes)``.
-
-    :class:`repmlp.deploy.onnx_model.RuntimeModel` with onnxruntime, marked int8: the ONNX bytes live in the
-    ``onnx`` buffer (``uint8``), so ``state_dict`` round-trips them and a model file holds the graph.
-    Inputs on any device are run on the CPU and the logits returned (float32) on the input's device.
-    """
+    """An int8 (QDQ) ONNX graph run by onnxruntime on the CPU, ``(N, C, H, W)`` -> ``(N, classes)``: a
+    :class:`repmlp.deploy.runtimes.RuntimeModel` marked int8 (its bytes in the ``onnx`` buffer)."""
 
     def __init__(self, onnx_bytes: bytes | Tensor, *, threads: int | None = None) -> None:
         super().__init__(onnx_bytes, "onnxruntime", threads=threads, int8=True)
@@ -84,17 +67,10 @@ class Int8OnnxModel(RuntimeModel):
 def quantize_int8(
     model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *, per_channel: bool = True
 ) -> Int8OnnxModel:
-    """Post-training static int8 quantization of a deployed float model with onnxruntime.
-
-    Args:
-        model: the deployed model (float32; a copy is exported, the model is not changed).
-        input_size: ``(C, H, W)``.
-        calibration: batches ``(N, C, H, W)`` of representative inputs (the run's training images).
-
-    Raises:
-        ValueError: no calibration batch.
-    """
-    from onnxruntime.quantization import (
+    """Post-training static int8 quantization of a deployed float32 ``model`` (a copy is exported) with
+    onnxruntime, calibrated on ``calibration`` batches ``(N, C, H, W)`` (the run's training images; none is
+    a ``ValueError``); ``input_size``: ``(C, H, W)``."""
+    from onnxruntime.quantization import (  # optional: the repmlp[export] extra
         CalibrationDataReader,
         CalibrationMethod,
         QuantFormat,
@@ -102,8 +78,6 @@ def quantize_int8(
         quantize_static,
     )
     from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    from repmlp.deploy.export import export_onnx
 
     batches = [np.ascontiguousarray(x.detach().float().cpu().numpy()) for x in calibration]
     if not batches:
@@ -136,12 +110,10 @@ def quantize_int8(
 
 
 def _per_tensor_batched_weights(path: Path) -> dict[str, list[dict]]:
-    """Quantization overrides: one scale for each constant 3-D ``MatMul`` weight (FC3's ``(g, P/g, Q/g)``).
-
-    Per-channel scales on a batched weight keep the runtime from fusing the ``MatMul`` into its int8 kernel
-    (``QLinearMatMul``): onnxruntime would dequantize the weight to float32 on every run instead.
-    """
-    import onnx
+    """Quantization overrides: one scale for each constant 3-D ``MatMul`` weight (FC3's ``(g, P/g, Q/g)``);
+    per-channel scales would keep onnxruntime from its int8 kernel (``QLinearMatMul``): it would dequantize
+    the weight on every run instead."""
+    import onnx  # optional: the repmlp[export] extra
     from onnxruntime.quantization import QuantType
 
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -157,14 +129,9 @@ def to_precision(
     *,
     input_size: Sequence[int] | None = None,
 ) -> nn.Module:
-    """The deployed ``model`` in ``precision`` (one of :data:`PRECISIONS`).
-
-    ``fp32``/``bf16``/``fp16`` cast ``model`` in place (and return it); ``int8`` returns a new
-    :class:`Int8OnnxModel` and needs ``calibration`` batches and ``input_size`` ``(C, H, W)``.
-
-    Raises:
-        ValueError: unknown precision, or int8 without calibration data / input size.
-    """
+    """The deployed ``model`` in ``precision`` (:data:`PRECISIONS`): ``fp32``/``bf16``/``fp16`` cast in place
+    (and returned); ``int8`` a new :class:`Int8OnnxModel`, which needs ``calibration`` batches and
+    ``input_size`` ``(C, H, W)``. ``ValueError`` for an unknown precision or int8 without them."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     if precision != "int8":
@@ -175,11 +142,8 @@ def to_precision(
 
 
 def native_support(precision: str) -> str | None:
-    """Why this CPU has no native support for ``precision`` (a reason), or ``None`` when it has.
-
-    bfloat16 matmuls are native with AVX512_BF16 or AMX, float16 with AVX512_FP16 or AMX-FP16; without
-    them PyTorch still runs the model, by converting (slower than float32).
-    """
+    """Why this CPU has no native ``precision`` (bf16: AVX512_BF16 or AMX; fp16: AVX512_FP16 or AMX-FP16;
+    without them PyTorch converts, slower than float32), or ``None`` when it has."""
     if precision in ("fp32", "int8"):
         return None
     try:
@@ -194,42 +158,29 @@ def native_support(precision: str) -> str | None:
 
 
 # ------------------------------------------------------------------------ an int8 file's graph, checked
-# The operators repmlp's int8 export writes (torch.onnx + onnxruntime's QDQ quantization of every registered
-# model, classification, face and segmentation). A model file's graph is run as it is, so it may hold only
-# these: no Loop/If/Scan (a loop of 10**15 iterations hangs), no ConstantOfShape/Expand/Tile (gigabytes from
-# a few bytes), no custom domain.
-INT8_OPS = frozenset(
-    """
-    Add AveragePool BatchNormalization Cast Concat Conv DequantizeLinear Div Erf Flatten Gather GatherND Gelu
-    Gemm GlobalAveragePool Identity LayerNormalization MatMul Max MaxPool Mul PRelu Pad QuantizeLinear Range
-    ReduceMean Relu Reshape Resize ScatterND Shape Sigmoid Slice Softmax Sqrt Squeeze Sub Transpose Unsqueeze
-    Where
-""".split()
-)
-# Ops whose output size depends on the values of their inputs (pads, sizes, a range's limit) or on attributes:
-# their outputs must have a size that shape inference tells. Any other op's output is at most the product
-# of its inputs' sizes.
+# The operators repmlp's int8 export writes (every registered model): a file's graph may hold only these, so no
+# Loop/If/Scan (a loop that never ends), no ConstantOfShape/Expand/Tile (gigabytes from a few bytes).
+INT8_OPS = frozenset("""Add AveragePool BatchNormalization Cast Concat Conv DequantizeLinear Div Erf Flatten
+    Gather GatherND Gelu Gemm GlobalAveragePool Identity LayerNormalization MatMul Max MaxPool Mul PRelu Pad
+    QuantizeLinear Range ReduceMean Relu Reshape Resize ScatterND Shape Sigmoid Slice Softmax Sqrt Squeeze Sub
+    Transpose Unsqueeze Where""".split())  # fmt: skip
+# Ops whose output size follows their inputs' values or attributes: shape inference must tell it. Any other
+# op's output is at most the product of its inputs' sizes.
 _SIZED_BY_VALUES = frozenset({"Range", "Pad", "Resize", "Conv", "AveragePool", "MaxPool"})
 # Ops whose output has at most the elements of their first input.
-_NOT_GROWING = frozenset(
-    """
-    BatchNormalization Cast DequantizeLinear Erf Flatten Gelu GlobalAveragePool Identity LayerNormalization
-    QuantizeLinear ReduceMean Relu Reshape ScatterND Sigmoid Slice Softmax Sqrt Squeeze Transpose Unsqueeze
-""".split()
-)
+_NOT_GROWING = frozenset("""BatchNormalization Cast DequantizeLinear Erf Flatten Gelu GlobalAveragePool Identity
+    LayerNormalization QuantizeLinear ReduceMean Relu Reshape ScatterND Sigmoid Slice Softmax Sqrt Squeeze
+    Transpose Unsqueeze""".split())  # fmt: skip
 MAX_GRAPH_ELEMENTS = 1 << 28  # elements of one tensor of the graph for one example (1 GiB of float32)
 _ATTRIBUTE_TYPES = {1, 2, 3, 6, 7, 8}  # FLOAT, INT, STRING, FLOATS, INTS, STRINGS: no graph, no tensor
 
 
 def check_int8_graph(raw: bytes, input_size: Sequence[int] | None = None) -> None:
-    """Refuse an ONNX graph that is not one repmlp's int8 export writes, before onnxruntime sees it.
-
-    The graph holds only :data:`INT8_OPS` of the default domain, no sub-graphs or tensor attributes, no
-    external or sparse data, one input ``(N, C, H, W)`` (``input_size`` ``(C, H, W)``, the file's, when
-    given) and one output; with the batch set to 1, shape inference bounds every tensor it computes to
-    :data:`MAX_GRAPH_ELEMENTS` elements. Raises ``ValueError`` saying what is wrong.
-    """
-    import onnx
+    """A ``ValueError`` saying why, for an ONNX graph that is not one repmlp's int8 export writes, before
+    onnxruntime sees it: only :data:`INT8_OPS` of the default domain, no sub-graphs or tensor attributes, no
+    external or sparse data, one input ``(N, C, H, W)`` (``input_size`` the file's, when given) and one
+    output, and at batch 1 every tensor at most :data:`MAX_GRAPH_ELEMENTS` elements (shape inference)."""
+    import onnx  # optional: the repmlp[export] extra
 
     try:
         model = onnx.load_from_string(raw)
@@ -269,14 +220,13 @@ def _check_graph_sizes(model) -> None:  # noqa: ANN001 - onnx.ModelProto
     """Every tensor the graph computes for one example is at most :data:`MAX_GRAPH_ELEMENTS` elements: known
     from shape inference, else bounded by the product of its inputs' sizes (an op whose size follows values,
     :data:`_SIZED_BY_VALUES`, must be inferred; a ``Range`` up to a dimension of a tensor is bounded by it)."""
-    import numpy as np
-    import onnx
+    import onnx  # optional: the repmlp[export] extra
     from onnx import shape_inference
 
     producer = {out: node for node in model.graph.node for out in node.output}
     for i, node in enumerate(model.graph.node):
-        # A Range counts up to a dimension of a tensor, never to a constant (10**11 of them, computed
-        # element by element by shape inference's data propagation below)
+        # A Range counts up to a dimension of a tensor, never to a constant (which shape inference's data
+        # propagation below would compute element by element)
         if node.op_type == "Range" and not _dimension(node, producer):
             raise ValueError(f"node {i} (Range) counts to a constant, not to a dimension of a tensor")
     model = onnx.ModelProto.FromString(model.SerializeToString())
@@ -316,8 +266,6 @@ def _dimension(node, producer: dict):  # noqa: ANN001, ANN202 - onnx.NodeProto
 
 def _bound(node, known: dict[str, int], producer: dict, shapes: dict) -> int:  # noqa: ANN001 - onnx.NodeProto
     """An upper bound of the elements of an output shape inference did not size (see :func:`_check_graph_sizes`)."""
-    import numpy as np
-
     sizes = [known.get(name, MAX_GRAPH_ELEMENTS + 1) for name in node.input if name]
     if node.op_type == "Range":
         source = _dimension(node, producer)

@@ -1,26 +1,25 @@
 """Putting a model file to use: :class:`Predictor` (what ``repmlp predict`` runs).
 
-A model file (any this project writes or imports: training-time or deployed, float32, bf16, fp16 or
-int8) carries what a prediction needs besides its weights: the model's name and options, its class names
-(``extra["classes"]``) and its evaluation preprocessing (``extra["dataset"]``, ``input_size``,
-``eval_preprocessing``). :func:`repmlp.io.model_file.load_model` (``repmlp.load_model``) returns the
-model with that as ``model.metadata`` (:class:`~repmlp.io.model_file.ModelMetadata`);
-:class:`Predictor` turns image files, PIL images or a batch tensor into the top-k
-``(label, index, probability)`` of each image, with exactly the preprocessing ``repmlp eval`` applies (the
-same functions of :mod:`repmlp.data`). Prediction is for image classifiers: a face embedding or
-segmentation model's file loads, but :class:`Predictor` refuses it.
+A model file (training-time or deployed, float32, bf16, fp16 or int8) carries what a prediction needs besides
+its weights: the model's name and options, its class names and its evaluation preprocessing, which
+:func:`repmlp.load_model` returns as ``model.metadata``. :class:`Predictor` turns image files, PIL images or
+a batch tensor into the top-k ``(label, index, probability)`` of each image, with exactly the preprocessing
+``repmlp eval`` applies (the same functions of :mod:`repmlp.data`). Face embedding and segmentation models
+load, but :class:`Predictor` refuses them.
 
-Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together, see
-:mod:`repmlp.data.png`): where the model leaves CPU cores free, in ``DataLoader`` worker processes, one
-batch per work item, while the model runs on the previous batch; where its threads use every core, in
-this process between batches (:func:`auto_workers`). A file that cannot be decoded does not stop the
-others: :meth:`Predictor.predict_files` yields it with the reason.
+Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together,
+:mod:`repmlp.data.png`): in ``DataLoader`` workers where the model leaves CPU cores free, else in this
+process between batches (:func:`auto_workers`). An undecodable file does not stop the others:
+:meth:`Predictor.predict_files` yields it with the reason.
 """
 
 from __future__ import annotations
 
 import copy
+import csv
 import glob
+import io
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,22 +28,27 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor, nn
+from tqdm import tqdm
 
+from repmlp.data import NATIVE_SIZE, PixelEvalTransform, folder_eval_transform
 from repmlp.data.folder import image_to_channels
+from repmlp.data.inputs import InputError, expand_glob, not_regular, open_image, read_text, walk_files
+from repmlp.data.loader import default_workers
+from repmlp.data.png import png_scanlines, unfilter
+from repmlp.deploy.gpu import fused_or_plain, serving_format
+from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError
-from repmlp.io.model_file import ModelMetadata, device_of, load_model, model_metadata
+from repmlp.io.model_file import ModelMetadata, atomic_write_text, device_of, load_model, model_metadata
+from repmlp.nn.convert import reparameterize_model
 from repmlp.speed import fast_inference
 
-__all__ = [
-    "printable",
-    "Prediction",
-    "Predictor",
-    "FileResult",
-    "expand_inputs",
-    "image_to_channels",
-    "read_labels",
-]
+__all__ = ["printable", "Prediction", "Predictor", "FileResult", "expand_inputs", "image_to_channels",
+           "read_labels"]  # fmt: skip
+
+# A labels file of more than this is not one (ImageNet's 1000 names take 30 kB).
+_MAX_LABELS_BYTES = 16 << 20
 
 
 class Prediction(NamedTuple):
@@ -65,14 +69,9 @@ class FileResult:
 
 
 def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tensor]:
-    """PIL image (already in the model's channels) -> the model's normalised ``(C, H, W)`` input.
-
-    An in-memory data set's models (Fashion-MNIST, CIFAR-10) take its pixels as ``repmlp eval`` does
-    (:class:`repmlp.data.PixelEvalTransform`); every other model the image folder's evaluation transform
-    (:func:`repmlp.data.folder_eval_transform`: resize, centre crop, mean/std).
-    """
-    from repmlp.data import NATIVE_SIZE, PixelEvalTransform, folder_eval_transform
-
+    """PIL image (in the model's channels) -> the model's normalised ``(C, H, W)`` input: an in-memory data
+    set's pixels (:class:`repmlp.data.PixelEvalTransform`), else the image folder's evaluation transform
+    (:func:`repmlp.data.folder_eval_transform`), as ``repmlp eval`` does."""
     c, h, _ = preprocessing["input_size"]
     if preprocessing.get("dataset") in NATIVE_SIZE:
         return PixelEvalTransform(preprocessing["dataset"], h)
@@ -92,16 +91,10 @@ def _check_classifier(metadata: ModelMetadata) -> None:
         )
 
 
-# A labels file of more than this is not one (ImageNet's 1000 names take 30 kB).
-_MAX_LABELS_BYTES = 16 << 20
-
-
 def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
-    """Class names from a text file, one a line (trailing blank lines ignored); their count must be
-    ``num_classes``. A blank line between names, or a name given twice, is refused: either would put
-    every later class under another class's name. The file must be a regular file (a FIFO would block)."""
-    from repmlp.data.inputs import InputError, read_text
-
+    """Class names from a regular text file, one a line (trailing blank lines ignored), ``num_classes`` of
+    them; a blank line between names or a name given twice is refused (every later class would get another
+    class's name)."""
     try:
         lines = read_text(path, _MAX_LABELS_BYTES, "labels file").splitlines()
     except InputError as exc:
@@ -124,43 +117,32 @@ def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
     return names
 
 
-def _image_extensions() -> set[str]:
-    from PIL import Image
-
-    return {ext.lower() for ext in Image.registered_extensions()}
-
-
 def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Image files of ``inputs``: ``(files, problems)``.
+    """The image files of ``inputs`` (each once) and ``(input, reason)`` of the problems.
 
-    A file is taken as it is (whatever its name; decoding tells whether it is an image); a folder gives
-    every file under it with an extension Pillow reads, recursively, in sorted order, each real folder
-    once (symlinks that loop are followed once); a pattern with ``*``, ``?`` or ``[`` is expanded (``**``
-    recursively, as :func:`repmlp.data.inputs.expand_glob`), sorted. ``problems`` lists ``(input, reason)``
-    for a path that does not exist, a pattern that matches nothing, and anything that is not a regular
-    file or a folder (a FIFO, a device such as ``/dev/zero``, a socket): those are named, never read.
-    Duplicates are kept once.
+    A file is taken whatever its name (decoding tells); a folder gives every file under it with an extension
+    Pillow reads, recursively, sorted (:func:`repmlp.data.inputs.walk_files`); a pattern with ``*``, ``?`` or
+    ``[`` is expanded (:func:`repmlp.data.inputs.expand_glob`). Missing paths, patterns that match nothing
+    and anything not a regular file or folder (FIFO, device, socket) are named, never read.
     """
-    from repmlp.data.inputs import expand_glob, not_regular, walk_files
-
-    exts = _image_extensions()
+    exts = sorted({ext.lower() for ext in Image.registered_extensions()})
     files: list[str] = []
     problems: list[tuple[str, str]] = []
 
     def add(item: str) -> None:
         kind = not_regular(item)
         if kind == "a folder":
-            found, skipped = walk_files(item, sorted(exts))
+            found, skipped = walk_files(item, exts)
             problems.extend(skipped)
             if not found:
                 problems.append((item, "folder holds no image files"))
             files.extend(found)
         elif kind is None:
             files.append(item)
-        elif kind == "missing":
-            problems.append((item, "no such file or folder"))
         else:
-            problems.append((item, f"{kind}, not a regular file"))
+            problems.append(
+                (item, "no such file or folder" if kind == "missing" else f"{kind}, not a regular file")
+            )
 
     for item in map(str, inputs):
         if not_regular(item) == "missing" and glob.has_magic(item):
@@ -174,12 +156,10 @@ def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[
     return list(dict.fromkeys(files)), problems
 
 
-def decode_image(path: str, channels: int, transform: Callable[[Any], Tensor]) -> Tensor:
-    """Read one image file (a GIF's first frame; a regular file of bounded size and pixel count,
-    :func:`repmlp.data.inputs.open_image`) and apply ``transform``; raises what decoding raised."""
-    from repmlp.data.inputs import open_image
-
-    with open_image(path) as im:
+def decode_image(path: str, channels: int, transform: Callable[[Any], Any]) -> Any:
+    """``transform`` of one image file in the model's ``channels``, read within bounds
+    (:func:`repmlp.data.inputs.open_image`; a GIF's first frame); raises what decoding raised."""
+    with open_image(path) as im:  # everything inside: a closed image has no pixels
         return transform(image_to_channels(im, channels))
 
 
@@ -192,14 +172,11 @@ def _reason(exc: BaseException) -> str:
 
 
 class _FileBatches(torch.utils.data.Dataset):
-    """Item ``i``: batch ``i`` of ``paths`` decoded: ``(first index, (N, C, H, W) tensor, ok mask, errors)``.
-
-    A batch per item keeps inter-process traffic to one tensor per batch. Undecodable files leave a zero
-    image and ``ok[j] = False`` with the reason in ``errors[j]``. A transform with ``pixels`` and
-    ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes each image to uint8 (plain PNGs of
-    the data set's size all at once, :func:`repmlp.data.png.unfilter`) and normalises the batch at once,
-    as the evaluation loader does.
-    """
+    """Item ``i``: batch ``i`` of ``paths`` decoded, ``(first index, (N, C, H, W), ok mask, errors)`` (one
+    tensor per batch between processes); an undecodable file leaves a zero image, ``ok[j] = False`` and its
+    reason. A transform with ``pixels`` and ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes
+    to uint8 (plain PNGs of the data set's size all at once) and normalises the batch at once, as the
+    evaluation loader does."""
 
     def __init__(self, paths: list[str], batch_size: int, channels: int, transform: Callable, size) -> None:
         self.paths, self.batch_size, self.channels, self.transform = paths, batch_size, channels, transform
@@ -209,18 +186,7 @@ class _FileBatches(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return (len(self.paths) + self.batch_size - 1) // self.batch_size
 
-    def _decode(self, path: str) -> Any:
-        """One file -> the transform's ``(C, H, W)`` tensor, or (pixel transforms) ``(H, W, C)`` uint8."""
-        from repmlp.data.inputs import open_image
-
-        # Decoded in open_image (a truncated file fails there); everything inside: a closed image has no pixels.
-        with open_image(path) as im:
-            img = image_to_channels(im, self.channels)
-            return self.transform.pixels(img) if self.batched else self.transform(img)
-
     def __getitem__(self, item: int) -> tuple[int, Tensor, Tensor, list[str]]:
-        from repmlp.data.png import png_scanlines, unfilter
-
         start = item * self.batch_size
         chunk = self.paths[start : start + self.batch_size]
         images: list[Any] = [None] * len(chunk)
@@ -229,16 +195,17 @@ class _FileBatches(torch.utils.data.Dataset):
         for j, path in enumerate(chunk):
             try:
                 raw = png_scanlines(path, self.channels, self.transform.native) if self.batched else None
-                if raw is None:
-                    images[j] = self._decode(path)
-                else:
+                if raw is not None:
                     plain[j] = raw
+                else:
+                    images[j] = decode_image(path, self.channels, self.transform.pixels if self.batched
+                                             else self.transform)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - any undecodable file is skipped with its reason
                 errors[j] = _reason(exc)
         if plain:
-            for j, pixels in zip(plain, unfilter(list(plain.values()), self.channels, self.transform.native),
-                                 strict=True):  # fmt: skip
-                images[j] = pixels
+            pixels = unfilter(list(plain.values()), self.channels, self.transform.native)
+            for j, x in zip(plain, pixels, strict=True):
+                images[j] = x
         ok = torch.tensor([x is not None for x in images], dtype=torch.bool)
         first = next((x for x in images if x is not None), None)
         if first is None:
@@ -256,41 +223,17 @@ class _FileBatches(torch.utils.data.Dataset):
         return start, out, ok, errors
 
 
-def _as_batches(paths: list[str], batch_size: int, workers: int, channels: int, transform, size):
-    dataset = _FileBatches(paths, batch_size, channels, transform, size)
-    if workers == 0 or len(dataset) == 1:  # no process to start, nothing to overlap
-        return (dataset[i] for i in range(len(dataset)))
-    return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=None,  # the dataset batches: one item is one batch
-        num_workers=min(workers, len(dataset)),
-        prefetch_factor=2,
-        persistent_workers=False,
-    )
-
-
 def auto_workers(device: str | torch.device = "cpu") -> int:
-    """Decoding processes for the CPU cores the model leaves free (``repmlp predict --workers auto``).
-
-    A model on the CPU runs ``torch.get_num_threads()`` threads; workers beyond the remaining cores
-    preempt those threads, and each preempted thread stalls the others at the next synchronisation,
-    which costs more than decoding in between batches. A GPU model leaves all but one core free.
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    """Decoding processes for the CPU cores the model leaves free (``repmlp predict --workers auto``): a CPU
+    model's ``torch.get_num_threads()`` threads would be preempted by more, and each preempted thread stalls
+    the others at the next synchronisation; a GPU model leaves all but one core free."""
     busy = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
-    return max(0, min(cores - busy, 8))
+    return max(0, min(default_workers() - busy, 8))
 
 
 def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
-    """A classifier with ``metadata`` run by ``runtime``: its deployed form, exported and checked, with the
-    same ``metadata``. A training-time model is converted first (a copy), as a deployment would be."""
-    from repmlp.deploy.onnx_model import RuntimeModel
-    from repmlp.deploy.runtimes import to_runtime
-    from repmlp.nn.convert import reparameterize_model
-
+    """A classifier run by ``runtime`` (its deployed form, exported and checked, with the same ``metadata``);
+    a training-time model is converted first (a copy), as a deployment would be."""
     if device_of(model).type != "cpu":
         raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
     metadata = model.metadata
@@ -304,24 +247,16 @@ def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
 class Predictor:
     """Top-k classes of images under a model file or a model.
 
-    ``Predictor(path_or_model, *, device=None, top_k=5)``: a path is read with :func:`load_model`; a model
-    (e.g. one :func:`load_model` returned) runs with the inference speed pass
-    (:func:`repmlp.speed.fast_inference`, on a copy), with its ``metadata`` when it has one (else
-    its timm config for preprocessing, and class indices for labels). ``device=None``: the model's own.
-    A face embedding or segmentation model (its file's ``extra["task"]``) is a :class:`UserError`.
-    ``labels`` replaces the class names. ``runtime``: ``"torch"``, or ``"onnxruntime"``/``"openvino"`` to
-    run the deployed model's ONNX graph there (:func:`repmlp.deploy.runtimes.to_runtime`; CPU).
+    A path is read with :func:`load_model`; a model (one :func:`load_model` returned, say) runs with its
+    ``metadata`` when it has one (else class indices and its timm config). ``device=None``: the model's own.
+    ``labels`` replaces the class names. ``runtime``: ``"torch"`` (with the inference speed pass,
+    :func:`repmlp.speed.fast_inference`, on a copy; on a GPU :func:`repmlp.deploy.gpu.fused_or_plain` in the
+    serving layout), or ``"onnxruntime"``/``"openvino"`` running the deployed model's ONNX graph (CPU).
+    A face embedding or segmentation model is a :class:`UserError`.
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike | nn.Module,
-        *,
-        device: str | torch.device | None = None,
-        top_k: int = 5,
-        labels: Sequence[str] | None = None,
-        runtime: str = "torch",
-    ) -> None:
+    def __init__(self, model: str | os.PathLike | nn.Module, *, device: str | torch.device | None = None,
+                 top_k: int = 5, labels: Sequence[str] | None = None, runtime: str = "torch") -> None:  # fmt: skip
         given_module = isinstance(model, nn.Module)
         if not given_module:
             model = load_model(model, device=device or "cpu")
@@ -344,19 +279,15 @@ class Predictor:
         names = labels if labels is not None else self.metadata.classes
         self.labels = list(names) if names and len(names) == n else [str(i) for i in range(n)]
         self.transform = eval_image_transform(self.metadata.preprocessing)
-        # On a GPU: every conv-bias-ReLU(-add) as one cuDNN call (repmlp.deploy.gpu; docs/gpu.md), inputs in
-        # the model's dtype and layout (the rewritten graph has no input-casting hook).
         param = next(self.model.parameters(), None)
         self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
         self._format = torch.contiguous_format
         self._run: Any = self.model
-        if runtime == "torch":  # the inference speed pass, on a copy: the caller's model stays as it is
+        if runtime == "torch":  # on a copy: the caller's model stays as it is
             self._run = fast_inference(copy.deepcopy(self.model) if given_module else self.model)
-        if self.device.type == "cuda" and runtime == "torch":
-            from repmlp.deploy.gpu import fused_or_plain, serving_format
-
-            self._format = serving_format(self.device, self._dtype)
-            self._run = fused_or_plain(self._run.to(memory_format=self._format))
+            if self.device.type == "cuda":  # inputs in the model's dtype and layout (no input-casting hook)
+                self._format = serving_format(self.device, self._dtype)
+                self._run = fused_or_plain(self._run.to(memory_format=self._format))
 
     @property
     def input_size(self) -> tuple[int, int, int]:
@@ -364,37 +295,28 @@ class Predictor:
 
     @torch.inference_mode()
     def predict_batch(self, x: Tensor) -> list[list[Prediction]]:
-        """Top-k of a preprocessed batch ``x`` ``(N, C, H, W)`` (float32: the model casts it to its own
-        precision)."""
+        """Top-k of a preprocessed float32 batch ``(N, C, H, W)`` (the model casts it to its precision)."""
         x = x.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             x = x.to(self._dtype).contiguous(memory_format=self._format)
-        logits = self._run(x).float()
-        probs = torch.softmax(logits, dim=1).cpu()
+        probs = torch.softmax(self._run(x).float(), dim=1).cpu()
         top = probs.topk(self.top_k, dim=1)
-        return [
-            [Prediction(self.labels[i], i, float(p)) for p, i in zip(ps.tolist(), idx.tolist(), strict=True)]
-            for ps, idx in zip(top.values, top.indices, strict=True)
-        ]
+        return [[Prediction(self.labels[i], i, float(p)) for p, i in zip(ps.tolist(), idx.tolist(), strict=True)]
+                for ps, idx in zip(top.values, top.indices, strict=True)]  # fmt: skip
 
     def preprocess(self, image: Any) -> Tensor:
         """A PIL image -> the model's ``(C, H, W)`` input (the evaluation preprocessing)."""
         return self.transform(image_to_channels(image, self.input_size[0]))
 
     def predict(self, inputs: Any) -> list[list[Prediction]]:
-        """Top-k ``(label, index, probability)`` per image of ``inputs``: a path, a PIL image, a list of
-        these, or a preprocessed batch tensor ``(N, C, H, W)`` (``(C, H, W)``: one image).
-
-        A file that cannot be read raises :class:`~repmlp.errors.UserError` naming it (use
-        :meth:`predict_files` to skip such files instead).
-        """
+        """Top-k ``(label, index, probability)`` per image of ``inputs``: a path, a PIL image, a list of these,
+        or a preprocessed batch ``(N, C, H, W)`` (``(C, H, W)``: one image). An unreadable file raises a
+        :class:`~repmlp.errors.UserError` naming it (:meth:`predict_files` skips it instead)."""
         if isinstance(inputs, Tensor):
             return self.predict_batch(inputs[None] if inputs.dim() == 3 else inputs)
-        items = (
-            [inputs] if isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode") else list(inputs)
-        )
+        one = isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode")
         batch = []
-        for item in items:
+        for item in [inputs] if one else list(inputs):
             if hasattr(item, "mode"):  # a PIL image
                 batch.append(self.preprocess(item))
                 continue
@@ -404,29 +326,31 @@ class Predictor:
                 raise UserError(f"cannot read image {item}: {_reason(exc)}") from None
         return self.predict_batch(torch.stack(batch)) if batch else []
 
-    def predict_files(
-        self, paths: Sequence[str], *, batch_size: int = 64, workers: int | None = None
-    ) -> Iterator[FileResult]:
+    def predict_files(self, paths: Sequence[str], *, batch_size: int = 64,
+                      workers: int | None = None) -> Iterator[FileResult]:  # fmt: skip
         """Top-k of each file of ``paths``, in order; an undecodable file comes back with ``error`` set.
 
-        ``workers`` processes decode batches ahead while the model runs (0: this process decodes each batch
-        before the model runs on it; ``None``: :func:`auto_workers`). A ``batch_size`` below 1 or negative
-        ``workers`` is a ``ValueError`` at the call, before anything is read.
+        ``workers`` processes decode batches ahead while the model runs (0: this process, before each batch;
+        ``None``: :func:`auto_workers`). A ``batch_size`` below 1 or negative ``workers`` is a ``ValueError``
+        at the call, before anything is read.
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             raise ValueError(f"workers must be an int >= 0 (or None: auto), got {workers!r}")
-        return self._predict_files(paths, batch_size, workers)
+        return self._predict_files(
+            paths, batch_size, auto_workers(self.device) if workers is None else workers
+        )
 
-    def _predict_files(
-        self, paths: Sequence[str], batch_size: int, workers: int | None
-    ) -> Iterator[FileResult]:
+    def _predict_files(self, paths: Sequence[str], batch_size: int, workers: int) -> Iterator[FileResult]:
         if not paths:
             return
-        workers = auto_workers(self.device) if workers is None else workers
-        loader = _as_batches(list(paths), batch_size, workers, self.input_size[0], self.transform,
-                             self.input_size)  # fmt: skip
+        dataset = _FileBatches(list(paths), batch_size, self.input_size[0], self.transform, self.input_size)
+        if workers == 0 or len(dataset) == 1:  # no process to start, nothing to overlap
+            loader: Iterable = (dataset[i] for i in range(len(dataset)))
+        else:  # batch_size=None: one item is one batch
+            loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=min(workers, len(dataset)),
+                                                 prefetch_factor=2, persistent_workers=False)  # fmt: skip
         for start, x, ok, errors in loader:
             decoded = ok.tolist()
             tops = iter(self.predict_batch(x if all(decoded) else x[ok]) if any(decoded) else ())
@@ -435,28 +359,15 @@ class Predictor:
                 yield FileResult(path, top_k=next(tops)) if good else FileResult(path, error=error)
 
 
-# ------------------------------------------------------------------------------ files in, results out
-def predict_paths(
-    checkpoint: str | os.PathLike,
-    inputs: Sequence[str | os.PathLike],
-    *,
-    top_k: int = 5,
-    batch_size: int = 64,
-    device: str | torch.device = "cpu",
-    workers: int | None = None,
-    labels_file: str | os.PathLike | None = None,
-    on_skip: Callable[[str, str], None] | None = None,
-    progress: bool = True,
-    runtime: str = "torch",
-) -> tuple[list[FileResult], list[tuple[str, str]]]:
-    """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``.
-
-    ``skipped`` lists ``(path, reason)`` of inputs that are missing or not decodable; ``on_skip`` is called
-    for each as it is found. :class:`~repmlp.errors.UserError` when no input names an image file, the
-    checkpoint cannot be used, or the labels file does not fit.
-    """
-    from tqdm import tqdm
-
+def predict_paths(checkpoint: str | os.PathLike, inputs: Sequence[str | os.PathLike], *, top_k: int = 5,
+                  batch_size: int = 64, device: str | torch.device = "cpu", workers: int | None = None,
+                  labels_file: str | os.PathLike | None = None, on_skip: Callable[[str, str], None] | None = None,
+                  progress: bool = True, runtime: str = "torch",
+                  ) -> tuple[list[FileResult], list[tuple[str, str]]]:  # fmt: skip
+    """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``; ``skipped``:
+    ``(path, reason)`` of missing or undecodable inputs, each also given to ``on_skip`` as found. A
+    :class:`~repmlp.errors.UserError` when no input names an image file, the checkpoint cannot be used, or
+    the labels file does not fit."""
     files, skipped = expand_inputs(inputs)
     report = on_skip or (lambda path, reason: None)
     for path, reason in skipped:
@@ -489,8 +400,8 @@ def result_record(res: FileResult) -> dict[str, Any]:
 
 
 def _utf8_safe(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode escaped: a byte of a file name that is not UTF-8 (``os.fsdecode``
-    keeps it as a lone surrogate ``U+DC80..U+DCFF``) as ``\\xNN``, any other lone surrogate as ``\\uNNNN``."""
+    """``text`` with what UTF-8 cannot encode escaped: a non-UTF-8 byte of a file name (a lone surrogate
+    ``U+DC80..U+DCFF`` after ``os.fsdecode``) as ``\\xNN``, any other lone surrogate as ``\\uNNNN``."""
     return "".join(
         f"\\x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF
         else ch.encode("unicode_escape").decode("ascii") if 0xD800 <= ord(ch) <= 0xDFFF
@@ -500,28 +411,22 @@ def _utf8_safe(text: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` safe to print on a terminal: control characters (an escape sequence, a newline that would
-    forge another line) and other unprintable ones as Python escapes (``\\x1b``, ``\\n``, ``\\u2028``), the
-    bytes of a file name that is not UTF-8 as ``\\xNN``."""
+    """``text`` safe for a terminal: control characters (an escape sequence, a newline forging a line) and
+    other unprintable ones as Python escapes, a file name's non-UTF-8 bytes as ``\\xNN``."""
     return "".join(
         ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in _utf8_safe(text)
     )
 
 
 def csv_cell(text: str) -> str:
-    """A text cell of predict's CSV: UTF-8 safe (:func:`_utf8_safe`), and a cell that a spreadsheet would take
-    for a formula (starting with ``= + - @``, a tab or a carriage return) prefixed with ``'`` (OWASP's
-    defence against CSV injection: ``=HYPERLINK(...)`` in a class or file name stays text)."""
+    """A text cell of predict's CSV: UTF-8 safe, and prefixed with ``'`` where a spreadsheet would take it
+    for a formula (``= + - @``, tab, carriage return: OWASP's defence against CSV injection)."""
     text = _utf8_safe(text)
     return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def render_csv(results: Sequence[FileResult], k: int) -> str:
-    """CSV with columns ``path,label_1,prob_1,index_1,...,label_K,prob_K,index_K`` (text cells through
-    :func:`csv_cell`)."""
-    import csv
-    import io
-
+    """CSV with columns ``path,label_1,prob_1,index_1,...,label_K,prob_K,index_K`` (cells :func:`csv_cell`)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(["path"] + [f"{c}_{i}" for i in range(1, k + 1) for c in ("label", "prob", "index")])
@@ -534,15 +439,14 @@ def render_csv(results: Sequence[FileResult], k: int) -> str:
 
 
 def render_table(results: Sequence[FileResult]) -> str:
-    """A readable table: the file, then each of its top-k labels with its probability (names through
-    :func:`printable`: a class or file name cannot move the cursor, colour the terminal or forge a line)."""
+    """A readable table: each file and its top-k labels with their probabilities (names :func:`printable`:
+    a class or file name cannot move the cursor, colour the terminal or forge a line)."""
     if not results:
         return ""
     paths = [printable(r.path) for r in results]
     width = min(60, max(len("file"), *(len(p) for p in paths)))
     k = max(len(r.top_k or []) for r in results)
-    head = f"{'file':<{width}}  " + "  ".join(f"{'top-' + str(i + 1):<24}" for i in range(k))
-    lines = [head.rstrip()]
+    lines = [(f"{'file':<{width}}  " + "  ".join(f"{'top-' + str(i + 1):<24}" for i in range(k))).rstrip()]
     for res, path in zip(results, paths, strict=True):
         path = path if len(path) <= width else "..." + path[-(width - 3) :]
         cells = [f"{printable(p.label)[:16]} {100 * p.probability:5.1f}%" for p in res.top_k or []]
@@ -552,10 +456,6 @@ def render_table(results: Sequence[FileResult]) -> str:
 
 def write_results(path: str | os.PathLike, results: Sequence[FileResult], k: int) -> None:
     """``OUT.csv`` or ``OUT.jsonl`` (by the suffix), written atomically."""
-    import json
-
-    from repmlp.io.model_file import atomic_write_text
-
     if output_format(path) == "csv":
         text = render_csv(results, k)
     else:
@@ -566,10 +466,8 @@ def write_results(path: str | os.PathLike, results: Sequence[FileResult], k: int
 def output_format(path: str | os.PathLike) -> str:
     """``"csv"`` or ``"jsonl"`` by the file name's suffix; :class:`UserError` for anything else."""
     suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return "csv"
-    if suffix in (".jsonl", ".ndjson"):
-        return "jsonl"
+    if suffix in (".csv", ".jsonl", ".ndjson"):
+        return "csv" if suffix == ".csv" else "jsonl"
     if Path(path).is_dir():
         raise UserError(f"--output {path} is a folder")
     raise UserError(f"--output {path}: expected a .csv or .jsonl file name")

@@ -1,43 +1,141 @@
 """A deployed model run by ONNX Runtime or OpenVINO instead of PyTorch: ``--runtime`` of bench and predict.
 
-:func:`to_runtime` exports the model to ONNX (:func:`repmlp.deploy.export.export_onnx`, checked with
-onnxruntime) and wraps the graph in a :class:`~repmlp.deploy.onnx_model.RuntimeModel`, a module that feeds
-float32 ``(N, C, H, W)`` batches to the runtime's CPU engine and returns its logits as a tensor, so the
-benchmark, the predictor and any user code call it like the PyTorch model. An int8 model
-(:class:`repmlp.deploy.precision.Int8OnnxModel`, a ``RuntimeModel`` itself) already is an ONNX graph: its
-QDQ graph goes to the runtime as it is, and each runtime picks its own int8 kernels.
-
-* ``onnxruntime``: one ``InferenceSession`` with all graph optimizations, ``threads`` intra-op threads;
-  the batch stays dynamic.
-* ``openvino``: the graph compiled for the CPU plugin once per input shape (OpenVINO plans memory and
-  picks kernels for static shapes), float32 inference precision unless the graph is int8: on CPUs with
-  bf16 units OpenVINO would otherwise run float32 graphs in bf16 without being asked.
+:func:`to_runtime` exports the model to ONNX (:func:`repmlp.deploy.export.export_onnx`) and wraps the graph
+in a :class:`RuntimeModel`, a module that feeds float32 ``(N, C, H, W)`` batches to the runtime's CPU engine
+and returns its output as a tensor, so callers use it like the PyTorch model. An int8 model
+(:class:`repmlp.deploy.precision.Int8OnnxModel`) is a ``RuntimeModel`` already: its QDQ graph goes to the
+runtime as it is. onnxruntime runs one ``InferenceSession`` with all graph optimizations (dynamic batch);
+OpenVINO compiles the graph for its CPU plugin once per input shape (it plans for static shapes), in float32
+unless the graph is int8 (on CPUs with bf16 units it would otherwise run float32 graphs in bf16 unasked).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from repmlp.deploy.onnx_model import ONNX_RUNTIMES, RuntimeModel
+from repmlp.deploy.export import DEFAULT_RTOL, ExportError, _check_close, _example, export_onnx
 from repmlp.errors import UserError
+from repmlp.nn.numerics import full_float32
 
-__all__ = ["RUNTIMES", "RuntimeModel", "missing_runtime", "to_runtime", "onnx_bytes_of"]
+__all__ = ["RUNTIMES", "ONNX_RUNTIMES", "RuntimeModel", "missing_runtime", "to_runtime", "onnx_bytes_of"]
 
-log = logging.getLogger(__name__)
-
+ONNX_RUNTIMES = ("onnxruntime", "openvino")
 RUNTIMES = ("torch", *ONNX_RUNTIMES)
 # runtime -> (the repmlp extra that installs it, the packages it needs: the exporter's and its own)
 _EXTRAS = {
     "onnxruntime": ("export", ("onnx", "onnxscript", "onnxruntime")),
     "openvino": ("openvino", ("onnx", "onnxscript", "openvino")),
 }
+
+
+class RuntimeModel(nn.Module):
+    """An ONNX graph run on the CPU by onnxruntime or OpenVINO: ``(N, C, H, W)`` float32 -> the graph's first
+    output (logits ``(N, K)``), on the input's device; a ``meta`` input gives a ``meta`` output of that shape
+    (shape-only passes: :func:`repmlp.profile`). Not trainable.
+
+    The graph's bytes live in the ``onnx`` buffer (``uint8``), so ``state_dict`` round-trips them (a model
+    file can hold the graph). The engine is built from them at once (bytes that are no graph fail here),
+    and again after a copy, unpickling or a ``load_state_dict`` that brought other bytes. ``threads``:
+    intra-op threads (default ``torch.get_num_threads()``); ``int8``: the graph is quantized (OpenVINO then
+    picks its own precision).
+    """
+
+    def __init__(self, onnx: bytes | Tensor, runtime: str = "onnxruntime", *, threads: int | None = None,
+                 int8: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        if runtime not in ONNX_RUNTIMES:
+            raise ValueError(f"RuntimeModel runs onnxruntime or openvino, not {runtime!r}")
+        data = onnx if isinstance(onnx, Tensor) else torch.frombuffer(bytearray(onnx), dtype=torch.uint8)
+        self.register_buffer("onnx", data.detach().clone())
+        self.runtime, self.threads, self.int8 = runtime, threads or torch.get_num_threads(), int8
+        self._drop_engines()
+        self._build_engine()
+        self.register_load_state_dict_post_hook(_graph_loaded)
+
+    def extra_repr(self) -> str:
+        return f"runtime={self.runtime}, threads={self.threads}, int8={self.int8}"
+
+    def _drop_engines(self) -> None:
+        self._built_from: bytes | None = None  # the graph bytes the engines below were built from
+        self._session = None  # onnxruntime.InferenceSession
+        self._ov_model = None  # openvino.Model, read once ...
+        self._engines: dict[tuple[int, ...], object] = {}  # ... and compiled per input shape
+
+    def _build_engine(self) -> None:
+        raw = self.onnx.cpu().numpy().tobytes()
+        if self.runtime == "onnxruntime":
+            import onnxruntime as ort  # optional: the repmlp[export] extra
+
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads, opts.inter_op_num_threads = self.threads, 1
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            self._session = ort.InferenceSession(raw, opts, providers=["CPUExecutionProvider"])
+        else:
+            import openvino as ov  # optional: the repmlp[openvino] extra
+
+            with tempfile.TemporaryDirectory(prefix="repmlp-ov-") as tmp:
+                path = Path(tmp) / "model.onnx"
+                path.write_bytes(raw)
+                self._ov_model = ov.Core().read_model(str(path))
+        self._built_from = raw
+
+    def __getstate__(self) -> dict:
+        # Engines cannot be pickled (deepcopy, DataLoader workers): rebuilt from the bytes on first use.
+        return {**self.__dict__, "_built_from": None, "_session": None, "_ov_model": None, "_engines": {}}
+
+    def _openvino_engine(self, shape: tuple[int, ...]):  # noqa: ANN202 - openvino.InferRequest
+        engine = self._engines.get(shape)
+        if engine is None:
+            import openvino as ov  # optional: the repmlp[openvino] extra
+
+            model = self._ov_model.clone()
+            model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(shape))})
+            config = {"INFERENCE_NUM_THREADS": self.threads, "PERFORMANCE_HINT": "LATENCY"}
+            if not self.int8:
+                config["INFERENCE_PRECISION_HINT"] = "f32"
+            engine = self._engines[shape] = (
+                ov.Core().compile_model(model, "CPU", config).create_infer_request()
+            )
+        return engine
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The graph's first output shape without the batch (static in the graphs repmlp exports)."""
+        if self._built_from is None:
+            self._build_engine()
+        if self._session is not None:
+            return tuple(int(d) for d in self._session.get_outputs()[0].shape[1:])
+        return tuple(d.get_length() for d in self._ov_model.outputs[0].get_partial_shape()[1:])
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """The graph's first output for a float32 batch ``x`` ``(N, C, H, W)``."""
+        if self._built_from is None:
+            self._build_engine()
+        if self._session is not None:
+            return self._session.run(None, {self._session.get_inputs()[0].name: x})[0]
+        engine = self._openvino_engine(tuple(x.shape))
+        engine.infer({0: x})
+        return engine.get_output_tensor(0).data.copy()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "meta":  # shape-only passes: no graph to run
+            return torch.empty(x.shape[0], *self.out_shape, device="meta")
+        batch = np.ascontiguousarray(x.detach().float().cpu().numpy())
+        return torch.from_numpy(np.asarray(self.run(batch))).to(x.device)
+
+
+def _graph_loaded(module: RuntimeModel, incompatible_keys: object) -> None:
+    """``load_state_dict`` post-hook: engines built from other bytes than the ``onnx`` buffer's are dropped
+    (rebuilt on first use)."""
+    if module._built_from is not None and module._built_from != module.onnx.cpu().numpy().tobytes():
+        module._drop_engines()
 
 
 def missing_runtime(runtime: str) -> str | None:
@@ -48,26 +146,20 @@ def missing_runtime(runtime: str) -> str | None:
         return None
     extra, packages = _EXTRAS[runtime]
     missing = [p for p in packages if importlib.util.find_spec(p) is None]
-    if not missing:
-        return None
-    return f"--runtime {runtime} needs {', '.join(missing)}: pip install 'repmlp[{extra}]'"
+    return (
+        f"--runtime {runtime} needs {', '.join(missing)}: pip install 'repmlp[{extra}]'" if missing else None
+    )
 
 
 def onnx_bytes_of(model: nn.Module, input_size: Sequence[int]) -> tuple[bytes, bool]:
-    """``(ONNX graph, is int8)`` of a deployed ``model``: the graph of a :class:`RuntimeModel` (an int8
-    model's) as it is, else a float32 export.
-
-    Raises:
-        UserError: a bfloat16/float16 model (ONNX runtimes get the float32 model and choose precision
-            themselves), or an export that fails its check.
-    """
-    from repmlp.deploy.export import ExportError, export_onnx
-    from repmlp.deploy.precision import precision_of
-
+    """``(ONNX graph, is int8)`` of a deployed ``model``: a :class:`RuntimeModel`'s graph as it is, else a
+    float32 export. A :class:`UserError` for a bf16/fp16 model (runtimes get the float32 model and choose
+    their precision) or an export that fails its check."""
     if isinstance(model, RuntimeModel):  # already a graph (an int8 model): as it is
         return model.onnx.cpu().numpy().tobytes(), model.int8
-    precision = precision_of(model)
-    if precision != "fp32":
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    if dtype != torch.float32:
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         raise UserError(f"a {precision} model runs in PyTorch only; export the fp32 or int8 model instead")
     with tempfile.TemporaryDirectory(prefix="repmlp-runtime-") as tmp:
         path = Path(tmp) / "model.onnx"
@@ -75,24 +167,17 @@ def onnx_bytes_of(model: nn.Module, input_size: Sequence[int]) -> tuple[bytes, b
             export_onnx(model, path, input_size)
         except ExportError as exc:
             raise UserError(f"cannot run {type(model).__name__} outside PyTorch: {exc}") from None
-        data = path.read_bytes()
-        if any(p.name != path.name for p in Path(tmp).iterdir()):
-            # External weight files (models over 2 GB) do not travel as bytes.
+        if any(p.name != path.name for p in Path(tmp).iterdir()):  # external weights (over 2 GB): no bytes
             raise UserError(f"{type(model).__name__} is too large for an in-memory ONNX graph")
-    return data, False
+        return path.read_bytes(), False
 
 
-def to_runtime(
-    model: nn.Module, runtime: str, input_size: Sequence[int], *, threads: int | None = None
-) -> nn.Module:
+def to_runtime(model: nn.Module, runtime: str, input_size: Sequence[int], *, threads: int | None = None,
+               ) -> nn.Module:  # fmt: skip
     """``model`` (deployed, eval mode) ready to run in ``runtime``: itself for ``torch``, else a
-    :class:`RuntimeModel` of its ONNX graph, checked against PyTorch on a random batch (float graphs;
-    int8 graphs differ between runtimes by their rounding, so they are only run).
-
-    Raises:
-        UserError: the runtime is not installed (naming the extra), or the model cannot be exported or
-            does not reproduce PyTorch in that runtime.
-    """
+    :class:`RuntimeModel` of its ONNX graph, checked against PyTorch on a random batch (float graphs; int8
+    graphs differ between runtimes by their rounding, so they are only run). A :class:`UserError` when the
+    runtime is not installed (naming the extra) or the model cannot be exported or reproduced there."""
     if runtime == "torch":
         return model
     reason = missing_runtime(runtime)
@@ -103,18 +188,10 @@ def to_runtime(
     if hasattr(model, "metadata"):
         wrapped.metadata = model.metadata
     if not int8 and runtime != "onnxruntime":  # export_onnx already checked onnxruntime's output
-        _check(wrapped, model, input_size)
+        x = _example(input_size, 3, seed=1)
+        with torch.inference_mode(), full_float32():
+            try:
+                _check_close(wrapped.runtime, wrapped(x), model(x), DEFAULT_RTOL)
+            except ExportError as exc:
+                raise UserError(f"{wrapped.runtime} does not reproduce PyTorch: {exc}") from None
     return wrapped
-
-
-def _check(wrapped: RuntimeModel, model: nn.Module, input_size: Sequence[int]) -> None:
-    from repmlp.deploy.export import DEFAULT_RTOL, ExportError, _check_close, _example
-    from repmlp.nn.numerics import full_float32
-
-    x = _example(input_size, 3, seed=1)
-    with torch.inference_mode(), full_float32():
-        ref = model(x)
-        try:
-            _check_close(wrapped.runtime, wrapped(x), ref, DEFAULT_RTOL)
-        except ExportError as exc:
-            raise UserError(f"{wrapped.runtime} does not reproduce PyTorch: {exc}") from None

@@ -327,18 +327,14 @@ def _curve_lines(result: TrainResult) -> list[str]:
 
 
 def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
-    """The report's speed section: the table of both forms and, if the timings call for it, their caveat
-    (:func:`repmlp.bench.throughput.timing_caveat`, the same words the run logged)."""
-    from repmlp.bench.throughput import timing_caveat
-
+    """The report's speed section: the table of both forms, with its caveat when the timings call for one
+    (:func:`repmlp.bench.throughput.render_markdown`: the same words the run logged)."""
     if not bench:
         return ["", "## Speed", "", "not measured"]
     rows, table = bench
     r = rows[0]
-    lines = ["", "## Speed", "", f"Batch {r.batch_size}, input {tuple(r.input_size)}, {r.device}; both forms timed "
-             "in interleaved rounds (one pass of each a round, the median pass reported):", "", table]  # fmt: skip
-    caveat = timing_caveat(rows)
-    return lines + ["", f"**Caveat:** {caveat}."] if caveat else lines
+    return ["", "## Speed", "", f"Batch {r.batch_size}, input {tuple(r.input_size)}, {r.device}; both forms timed "
+            "in interleaved rounds (one pass of each a round, the median pass reported):", "", table]  # fmt: skip
 
 
 def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
