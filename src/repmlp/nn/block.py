@@ -9,7 +9,7 @@ Training-time block (2-D; the 1-D block is the same on sequences)::
 
 :meth:`RepMLPBlock.reparameterize` merges the Local Perceptron and every BatchNorm into FC1 and FC3, after
 which the block computes the same function with three FC layers (FC1, FC2, FC3). The block computes one
-way; faster forms of it are explicit passes outside the paper's modules (:mod:`repmlp.speed`).
+way; faster versions of it are explicit passes outside the paper's modules (:mod:`repmlp.speed`).
 """
 
 from __future__ import annotations

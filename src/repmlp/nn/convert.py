@@ -1,4 +1,5 @@
-"""Whole-model conversion into the inference form."""
+"""Whole-model conversion into the inference form (timm's ``reparameterize_model`` shape), and BatchNorm folding
+for models this package did not build."""
 
 from __future__ import annotations
 
@@ -25,23 +26,16 @@ class ConversionReport(list):
 
 
 class _Tracer(fx.Tracer):
-    """Leaves: modules with their own ``reparameterize`` (already converted) and every BatchNorm.
-
-    BatchNorm subclasses from other libraries (timm's ``BatchNormAct2d``) must stay whole call sites,
-    or the tracer would inline them into ``F.batch_norm`` calls that cannot be folded.
-    """
+    """Leaves: modules with their own ``reparameterize`` (already converted) and every BatchNorm (timm's
+    ``BatchNormAct2d`` too, which the tracer would otherwise inline into ``F.batch_norm`` calls)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return hasattr(m, "reparameterize") or isinstance(m, _BN) or super().is_leaf_module(m, qualname)
 
 
 def _after_fold(bn: nn.Module) -> nn.Module | None:
-    """What replaces ``bn`` once its statistics are folded into the preceding layer.
-
-    ``nn.Identity`` for a plain BatchNorm; for a norm-act layer in timm's convention (``BatchNormAct2d``:
-    batch norm, then ``drop``, then ``act``) the ``drop`` and ``act`` it applies after normalising.
-    ``None`` for other BatchNorm subclasses, whose forward may do more than normalise.
-    """
+    """What replaces ``bn`` once folded into the layer before it: ``nn.Identity`` for a plain BatchNorm, the
+    ``drop`` and ``act`` of timm's ``BatchNormAct2d``, ``None`` (not folded) for other subclasses."""
     if type(bn) in _PLAIN_BN:
         return nn.Identity()
     drop, act = getattr(bn, "drop", None), getattr(bn, "act", None)
@@ -129,12 +123,9 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
 
 
 def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
-    """Fold every BatchNorm that directly follows a conv or linear layer into it (eval mode).
-
-    First inside ``nn.Sequential`` containers (keeps the model's class and attributes), then, for
-    models whose ``forward`` calls ``self.conv`` then ``self.bn`` (torchvision's ResNet, say), by
-    tracing with ``torch.fx``. Returns the fused model and the BatchNorms left unfused.
-    """
+    """Fold every BatchNorm that directly follows a conv or linear layer into it (eval mode): inside
+    ``nn.Sequential`` containers (the model keeps its class), then anywhere else through a ``torch.fx`` trace
+    (torchvision's ResNet calls ``self.conv1`` then ``self.bn1``). Returns the model and the BatchNorms left."""
     fused: set[str] = set()
     _fuse_sequential(model, "", fused)
     remaining = [n for n, m in model.named_modules() if isinstance(m, _BN)]
@@ -151,9 +142,8 @@ def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
     return model, left
 
 
-# The conversion hooks re-parameterizable blocks expose, in timm's order of preference (a module that has
-# several gets only the first): ``fuse()`` returns the module that replaces it (timm's RepViT, LeViT,
-# EfficientViT conv-BN and BN-linear pairs); ``reparameterize()`` (ours, timm's MobileOne, RepVGG, FastViT)
+# The conversion hooks of re-parameterizable blocks, in timm's order of preference: ``fuse()`` returns the
+# module's replacement (timm's RepViT, LeViT); ``reparameterize()`` (ours, timm's MobileOne, RepVGG, FastViT)
 # and ``switch_to_deploy()`` (timm's GhostNet, RepGhost) convert in place.
 _HOOKS = ("fuse", "reparameterize", "switch_to_deploy")
 
@@ -170,14 +160,9 @@ def _convert_module(module: nn.Module) -> nn.Module:
 
 
 def _reparameterize_tree(module: nn.Module) -> nn.Module:
-    """Convert ``module`` then, recursively, the children it still has; return its replacement.
-
-    Parents first (as timm's ``reparameterize_model`` does): a parent such as :class:`RepMLPBlock`
-    merges its children's unfused kernels and BN statistics itself, in float32 or better, and
-    rounds once; children converted first would each round their fused kernel to a half-precision
-    model's dtype before the merge. timm's RepViT ``RepVggDw.fuse()`` likewise reads its ``ConvNorm``
-    children unfused. Unlike timm's walk, the root itself is converted too (a bare block), and the
-    walk descends into what ``fuse()`` returned, not into the module it replaced.
+    """Convert ``module``, then the children it still has; return its replacement. Parents first, as timm
+    does: a :class:`RepMLPBlock` merges its children's unfused kernels in float32 and rounds once. Unlike
+    timm's walk, the root is converted too (a bare block), and the walk goes on into what ``fuse()`` returned.
     """
     module = _convert_module(module)
     for name, child in list(module.named_children()):
@@ -188,16 +173,14 @@ def _reparameterize_tree(module: nn.Module) -> nn.Module:
 
 
 def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bool = True) -> nn.Module:
-    """Return the inference form of ``model``.
+    """Return the inference form of ``model`` (in eval mode: BatchNorm running statistics are merged).
 
-    Runs every module's conversion hook, parents before children: ``reparameterize()`` (RepMLP blocks,
-    :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT blocks), ``switch_to_deploy()``, or ``fuse()``,
-    whose result replaces the module (timm's RepViT/LeViT conv-BN pairs). Then, with ``fuse_bn``, folds
-    every remaining BatchNorm that follows a conv or linear layer into it, also in models this package
-    did not build. The model must be in eval mode (BatchNorm running statistics are merged).
-    BatchNorms that could not be folded are logged and listed in ``model.unfused_batchnorms``. With
-    ``inplace=True`` the model is converted in place, but use the returned module: a root with
-    ``fuse()``, or BN folding by ``torch.fx``, can return a different one.
+    Runs every module's conversion hook, parents before children (``reparameterize()``: RepMLP blocks,
+    :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT; ``switch_to_deploy()``; ``fuse()``, whose result
+    replaces the module), then, with ``fuse_bn``, folds every BatchNorm left after a conv or linear layer
+    (:func:`fuse_conv_bn`); those it cannot fold are logged and listed in ``model.unfused_batchnorms``.
+    ``inplace=True`` converts in place, but use the returned module (``fuse()`` or an fx fold may replace
+    the root).
     """
     if model.training:
         raise RuntimeError(

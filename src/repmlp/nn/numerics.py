@@ -1,18 +1,11 @@
-"""Full float32 arithmetic for the checks that compare a training-time model with its converted form.
+"""Full float32 for the checks that compare a training-time model with its converted form.
 
-A conversion is exact up to float32 rounding (relative differences around 1e-7), so its check compares
-the two forms' outputs with a tolerance of about 1e-4. On a GPU, PyTorch's defaults break that
-comparison: cuDNN runs float32 convolutions in TF32 (10 mantissa bits,
-``torch.backends.cudnn.allow_tf32``), many programs also allow TF32 for matmuls, and a caller may hold
-an autocast region open. The training-time form's convolutions then round to about 5e-4 while the
-converted FC3 (a matmul) does not, and the check fails although the conversion is exact.
-:func:`full_float32` switches all of that off for the duration of a check and restores the caller's
-settings afterwards, also when the check raises.
-
-PyTorch has two interfaces for these settings: the legacy ones (``torch.backends.cudnn.allow_tf32``,
-``torch.backends.cuda.matmul.allow_tf32``, ``torch.set_float32_matmul_precision``) and, since torch 2.9,
-``fp32_precision`` per backend and operator, whose getters raise when the two disagree. This module
-keeps them consistent inside the region and puts back exactly what it found, whichever the caller used.
+A conversion is exact to float32 rounding, so its check compares outputs to about 1e-4. On a GPU, PyTorch's
+defaults break that: cuDNN runs float32 convolutions in TF32 (10 mantissa bits), programs allow TF32 for
+matmuls, a caller may hold autocast open, and the training-time form's convolutions then round to about 5e-4
+where the converted FC3 does not. :func:`full_float32` switches all of that off for a check and restores the
+caller's settings after, in either of PyTorch's two interfaces for them (the legacy flags, and since torch 2.9
+``fp32_precision`` per backend and operator, whose getters raise when the two disagree).
 """
 
 from __future__ import annotations

@@ -78,18 +78,9 @@ def _bn_scale_shift(bn: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def fuse_bn(weight: Tensor, bn: nn.Module, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Fold an eval-mode BatchNorm into the conv or FC kernel that precedes it (paper Eq. 16).
-
-    Args:
-        weight: kernel whose first dimension is the BN's channel count: ``(O, C/g, *k)`` for a
-            conv of any dimensionality, ``(O, P)`` for an FC (for FC3, ``O*h*w`` rows and a
-            ``BatchNorm1d(O*h*w)``).
-        bn: ``BatchNorm1d``/``2d``/``3d``; its running statistics are used whatever its mode.
-        bias: optional bias of the preceding layer, ``(O,)``.
-
-    Returns:
-        ``(weight', bias')`` with ``weight'`` of ``weight``'s shape and ``bias'`` of shape ``(O,)``.
-    """
+    """Fold an eval-mode BatchNorm into the conv or FC kernel before it (paper Eq. 16): ``weight`` ``(O, C/g,
+    *k)`` or ``(O, P)``, ``bias`` ``(O,)`` or ``None`` -> ``(weight', bias')`` of shapes ``weight``'s and
+    ``(O,)``. The BN's running statistics are used whatever its mode."""
     dtype = _compute_dtype(weight)
     scale, shift = _bn_scale_shift(bn, dtype, weight.device)
     if scale.numel() != weight.shape[0]:
@@ -102,11 +93,8 @@ def fuse_bn(weight: Tensor, bn: nn.Module, bias: Tensor | None = None) -> tuple[
 
 
 def _conv_geometry(kernel: Tensor, partition: int | Sequence[int], groups: int) -> tuple[int, ...]:
-    """Check a conv kernel ``(O, C/g, *k)`` against its partition; return the partition as a tuple.
-
-    The kernel's dimensionality decides the partition's: an int partition is repeated, a sequence must
-    have one size per spatial dimension of the kernel.
-    """
+    """Check a conv kernel ``(O, C/g, *k)`` against its partition (an int, or one size per spatial dimension
+    of the kernel); return the partition as a tuple."""
     dims = kernel.dim() - 2
     if not 1 <= dims <= 3:
         raise ValueError(
@@ -141,24 +129,14 @@ def conv_to_fc(
     partition: int | Sequence[int],
     groups: int = 1,
 ) -> tuple[Tensor, Tensor | None]:
-    """FC equivalent of a (groupwise) stride-1 same-padded conv on a ``(C, *partition)`` partition.
+    """The FC of a groupwise stride-1 same-padded conv on a ``(C, *partition)`` partition (paper Sec. 3.3).
 
-    Built directly: in 2-D, ``W[(o,y,x),(c,y',x')] = kernel[o, c, y'-y+kh//2, x'-x+kw//2]`` (zero
-    outside the kernel), and alike in 1-D and 3-D, by stacking shifted windows of the zero-padded
-    kernel. Memory is proportional to the output, unlike the paper's identity-matrix construction
-    (:func:`conv_to_fc_identity`), which gives the identical kernel but allocates a
-    ``(C*S/g)^2 * g`` identity and convolves it.
-
-    Args:
-        kernel: ``(O, C/g, *k)`` with 1 to 3 odd sizes ``k_i <= s_i``; 2-D: ``(O, C/g, kh, kw)``.
-        bias: ``(O,)`` or ``None``.
-        partition: ``(s_1, ..., s_d)`` (2-D: ``(h, w)``), one size per spatial dimension of the
-            kernel, or an int for all of them.
-        groups: conv groups ``g``.
-
-    Returns:
-        ``fc_weight`` of shape ``(O*S, C*S/g)``, ``S = s_1*...*s_d`` (grouped-1x1-conv layout, contiguous,
-        the kernel's dtype and device), and ``fc_bias`` of shape ``(O*S,)`` or ``None``.
+    Built directly: in 2-D, ``W[(o,y,x),(c,y',x')] = kernel[o, c, y'-y+kh//2, x'-x+kw//2]`` (zero outside
+    the kernel), alike in 1-D and 3-D, by stacking shifted windows of the zero-padded kernel: memory of one
+    FC kernel, where the paper's construction (:func:`conv_to_fc_identity`, the identical result) convolves
+    a ``(C*S/g)^2 * g`` identity. ``kernel`` ``(O, C/g, *k)`` (odd ``k_i <= s_i``), ``bias`` ``(O,)`` or
+    ``None``, ``partition`` ``(s_1, ..., s_d)`` or an int -> ``(O*S, C*S/g)`` (``S = s_1*...*s_d``; the
+    kernel's dtype and device) and ``(O*S,)`` or ``None``.
     """
     size = _conv_geometry(kernel, partition, groups)
     out_ch, cg = kernel.shape[:2]
@@ -223,20 +201,10 @@ def conv_to_fc_identity(
 
 
 def absorb_bn_into_fc(weight: Tensor, bias: Tensor | None, bn: nn.Module) -> tuple[Tensor, Tensor]:
-    """Absorb a BatchNorm that *precedes* an FC into the FC (paper Appendix C).
-
-    The FC's input is the BN's output flattened channel-major, so each of the BN's ``C`` channels
-    covers ``P / C`` consecutive inputs (in the Global Perceptron: the ``Hp*Wp`` partition means, or
-    ``Lp`` in 1-D); any dimensionality, as only that count matters.
-
-    Args:
-        weight: FC kernel ``(Q, P)``, ``P`` a multiple of the BN's channel count.
-        bias: FC bias ``(Q,)`` or ``None``.
-        bn: the BatchNorm applied before the FC.
-
-    Returns:
-        ``(weight', bias')`` of shapes ``(Q, P)`` and ``(Q,)``.
-    """
+    """Absorb a BatchNorm that *precedes* an FC into the FC (paper Appendix C): the FC's input is the BN's
+    output flattened channel-major, each of its ``C`` channels covering ``P / C`` consecutive inputs (the
+    Global Perceptron's ``Hp*Wp`` partition means). ``weight`` ``(Q, P)``, ``bias`` ``(Q,)`` or ``None`` ->
+    ``(Q, P)``, ``(Q,)``."""
     dtype = _compute_dtype(weight)
     scale, shift = _bn_scale_shift(bn, dtype, weight.device)
     if weight.shape[1] % scale.numel():
@@ -288,27 +256,13 @@ def merge_fc3(
 ) -> tuple[Tensor, Tensor]:
     """The inference FC3 (paper Sec. 3.4, "Locality Injection"): FC3, its BN and every conv branch in one.
 
-    The one conversion core of :meth:`repmlp.RepMLPBlock.merged_fc3` and RepMLPNet's block. FC3's BN is
-    fused (:func:`fuse_bn`), each Local Perceptron conv-BN branch is fused and converted to an FC
-    (:func:`conv_to_fc`), and the kernels and biases are summed. Half-precision inputs are merged in
-    float32 (the sum over many branches would lose bits otherwise) and the result is rounded once, to
-    ``weight``'s dtype. Running statistics are used: equivalent to the eval-mode block.
-
-    Args:
-        weight: FC3 kernel ``(O*h*w, C*h*w/g)`` in grouped-1x1-conv layout (see the module docstring);
-            here ``h*w`` stands for the partition's volume whatever its dimensionality (``l`` in 1-D).
-        bias: FC3 bias ``(O*h*w,)`` or ``None``.
-        bn: the BatchNorm after FC3, or ``None`` (already fused). Its ``C'`` channels each scale
-            ``O*h*w/C'`` consecutive rows: ``BatchNorm1d(O*h*w)`` in RepMLP-Res50, RepMLPNet's
-            ``BatchNorm2d(S)`` (``S`` share-sets of ``h*w`` outputs each) there.
-        branches: ``(kernel (O, C/g, *k), bias (O,) or None, bn or None)`` per Local Perceptron
-            branch, as :func:`conv_to_fc` takes them (odd sizes, no larger than the partition).
-        partition: ``(h, w)``, ``(l,)``, any partition :func:`conv_to_fc` takes, or an int.
-        groups: ``g`` of FC3 and of every branch.
-
-    Returns:
-        ``(weight', bias')`` of shapes ``(O*h*w, C*h*w/g)`` and ``(O*h*w,)``, new contiguous tensors
-        in ``weight``'s dtype and device.
+    FC3's BN is fused (:func:`fuse_bn`), each Local Perceptron conv-BN branch is fused and converted to an
+    FC (:func:`conv_to_fc`), and kernels and biases are summed, with the running statistics: the eval-mode
+    block. Half-precision inputs are merged in float32 and rounded once. ``weight`` ``(O*h*w, C*h*w/g)``
+    (``h*w``: the partition's volume), ``bias`` ``(O*h*w,)`` or ``None``; ``bn``: the BN after FC3 or
+    ``None``, whose ``C'`` channels each scale ``O*h*w/C'`` consecutive rows (``BatchNorm1d(O*h*w)``, or
+    RepMLPNet's ``BatchNorm2d(S)``); ``branches``: ``(kernel (O, C/g, *k), bias or None, bn or None)`` each.
+    Returns new contiguous ``(O*h*w, C*h*w/g)`` and ``(O*h*w,)`` in ``weight``'s dtype and device.
     """
     dtype = weight.dtype
     work = _compute_dtype(weight)
