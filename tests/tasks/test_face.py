@@ -213,9 +213,9 @@ def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
-        (["--head-weight-decay", "-1"], "--head-weight-decay: must be a number >= 0"),
-        (["--weight-decay", "-1"], "--weight-decay: must be a number >= 0"),
+        (["--momentum", "1.5"], "--momentum: must be in [0, 1), got 1.5"),
+        (["--head-weight-decay", "-1"], "--head-weight-decay: must be in [0, 1e+06], got -1"),
+        (["--weight-decay", "-1"], "--weight-decay: must be in [0, 1e+06], got -1"),
         (["--lr-steps", "30"], "--lr-steps 30 is past --iterations 24"),
     ],
 )

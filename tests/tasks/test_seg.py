@@ -255,9 +255,9 @@ def test_seg_kill_and_resume_gives_the_same_weights(city, tmp_path):
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
-        (["--aux-weight", "-1"], "--aux-weight: must be a number >= 0"),
-        (["--weight-decay", "-0.1"], "--weight-decay: must be a number >= 0"),
+        (["--momentum", "1.5"], "--momentum: must be in [0, 1), got 1.5"),
+        (["--aux-weight", "-1"], "--aux-weight: must be in [0, 1e+06], got -1"),
+        (["--weight-decay", "-0.1"], "--weight-decay: must be in [0, 1e+06], got -0.1"),
         (["--train-limit", "1"], "1 training image(s) are fewer than --batch-size 2"),
     ],
 )
