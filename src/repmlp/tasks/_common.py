@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from repmlp.data.folder import stratified_subset
 from repmlp.data.loader import FolderLoader
-from repmlp.deploy.conversion import CONVERSION_RTOL, DeployedFile, convert_and_check
+from repmlp.deploy.conversion import CONVERSION_RTOL, Conversion, DeployedFile, convert_and_check
 from repmlp.engine import (
     DistInfo,
     LoopOptions,
@@ -219,15 +219,10 @@ def finish_run(
         return RunResult(loop.history)
     out, task = Path(cfg.output), meta["task"]
     trained = trained.float().eval()
-    save_model(
-        out / "model.safetensors", trained, name=cfg.model, model_kwargs=kwargs, form="train", extra=meta
-    )
     x = torch.randn(2, *input_size, generator=torch.Generator().manual_seed(0)).to(
         next(trained.parameters()).device
     )
-    diff = convert_and_check(
-        trained, x, file=DeployedFile(out / "deploy.safetensors", cfg.model, kwargs, meta)
-    ).diff
+    diff = save_forms(out, trained, cfg.model, kwargs, meta, x).diff
     write_json(out / "train_log.json", {"task": task, "model": cfg.model, "model_kwargs": kwargs,
                                          "history": loop.history})  # fmt: skip
     log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
@@ -244,6 +239,18 @@ def finish_run(
     title = {"face": "face", "seg": "segmentation"}[task]
     write_run_report(out, f"repmlp {title} run: {cfg.model}", loop.history, lines)
     return RunResult(loop.history, ok)
+
+
+def save_forms(
+    out: Path, model: nn.Module, name: str, kwargs: dict[str, Any], extra: dict[str, Any], inputs: Any,
+    device: torch.device | None = None,
+) -> Conversion:  # fmt: skip
+    """``out/model.safetensors`` (the training form ``model``, float32, eval mode) and ``out/deploy.safetensors``
+    (converted, loaded back into ``create_model(name, deploy=True, **kwargs)``), both forms compared on
+    ``inputs`` (:func:`repmlp.deploy.conversion.convert_and_check`: the check covers the file)."""
+    save_model(out / "model.safetensors", model, name=name, model_kwargs=kwargs, form="train", extra=extra)
+    file = DeployedFile(out / "deploy.safetensors", name, kwargs, extra)
+    return convert_and_check(model, inputs, file=file, device=device)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -21,12 +21,13 @@ from torch import Tensor, nn
 from repmlp.bench.throughput import benchmark, render_markdown, timing_caveat
 from repmlp.bench.viz import find_repmlp_blocks, plot_fc3
 from repmlp.deploy import export  # looked up when called: tests replace export.missing_onnx_packages
-from repmlp.deploy.conversion import CONVERSION_RTOL, DeployedFile, convert_and_check
+from repmlp.deploy.conversion import CONVERSION_RTOL
 from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary, progress
 from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
-from repmlp.models.model_file import atomic_write_text, save_model
+from repmlp.models.model_file import atomic_write_text
 from repmlp.nn.numerics import run_precision
+from repmlp.tasks._common import save_forms
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy
 
@@ -157,8 +158,6 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     if data.eval_preprocessing:  # an image folder's own normalisation (e.g. a fine-tuned greyscale model)
         extra["eval_preprocessing"] = data.eval_preprocessing
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
-    save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
-               extra=extra)  # fmt: skip
     labels: list[Tensor] = []
 
     def logits(form: nn.Module) -> Tensor:
@@ -169,9 +168,7 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
         return out_logits
 
     log.info("evaluating the training-time and the converted model ...")
-    # The check covers the file, not the in-memory object: a deploy=True model must load it strictly.
-    check = convert_and_check(model, logits, file=DeployedFile(out / "deploy.safetensors", cfg.model,
-                                                                result.model_kwargs, extra), device=device)  # fmt: skip
+    check = save_forms(out, model, cfg.model, result.model_kwargs, extra, logits, device)
     outcome = Outcome(accuracy(check.reference, labels[0]), accuracy(check.outputs, labels[0]),
                       check.diff.as_dict(), check.seconds)  # fmt: skip
     cmp, verdict = outcome.cmp, "equivalent" if outcome.equivalent else "NOT EQUIVALENT"

@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from repmlp.deploy.conversion import compare_outputs
-
-__all__ = ["topk_correct", "accuracy", "compare_logits", "confusion_matrix", "iou_from_confusion", "mean_iou",
+__all__ = ["topk_correct", "accuracy", "confusion_matrix", "iou_from_confusion", "mean_iou",
            "best_threshold", "verification_accuracy", "rank1_identification"]  # fmt: skip
 
 
@@ -31,12 +29,6 @@ def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
     c1, c5 = topk_correct(logits, labels)
     n = max(1, len(labels))
     return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
-
-
-def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
-    """Max abs and relative difference of ``out`` from ``ref`` (both ``(N, K)``), and how many
-    predictions (argmax) differ: :func:`repmlp.deploy.conversion.compare_outputs` as a dict."""
-    return compare_outputs(ref, out).as_dict()
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
