@@ -865,7 +865,7 @@ def _state_refuses(name: str, value: object) -> bool:
     from repmlp.tasks.classification import TrainConfig
 
     try:
-        TrainConfig.from_state({**TrainConfig().to_dict(), name: value}, "ckpt.safetensors")
+        TrainConfig.from_dict({**TrainConfig().to_dict(), name: value}).validate("ckpt.safetensors")
     except CheckpointError as exc:
         assert str(exc).startswith("ckpt.safetensors: config field") and repr(name) in str(exc), str(exc)
         return True
@@ -882,15 +882,11 @@ def _argv_refuses(action, value: object) -> bool:  # noqa: ANN001 - an argparse 
     return False
 
 
-# The options the run narrows after parsing: fractions (the parsers take any number >= 0), --min-lr <= --lr.
-_NARROWED = {"momentum", "label_smoothing", "min_lr"}
-
-
-def _same_verdicts(actions: dict, ranges: dict, values: list[object]) -> None:
-    for name in ranges:
+def _same_verdicts(actions: dict, names: set[str], values: list[object]) -> None:
+    for name in names:
         for value in values:
             argv, state = _argv_refuses(actions[name], value), _state_refuses(name, value)
-            if name in _NARROWED:
+            if name == "min_lr":  # the config narrows it further: at most --lr
                 assert state or not argv, (name, value, "the command line refuses it, a state does not")
             else:
                 assert argv == state, (name, value, f"command line refuses: {argv}, state refuses: {state}")
@@ -899,26 +895,27 @@ def _same_verdicts(actions: dict, ranges: dict, values: list[object]) -> None:
 @SETTINGS
 @given(value=st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True)))
 def test_resumed_config_values_get_the_command_lines_checks(value):
-    """Every range-checked option of ``repmlp train`` refuses the same values on the command line and from
-    a resumed state's config (TrainConfig.validate's table): at and around every bound, and drawn values;
-    a choice option takes the same choices; no typed option escapes the table."""
-    from repmlp.tasks.classification import _CHOICES, OPTION_RANGES, TrainConfig
+    """Every typed option of ``repmlp train`` refuses the same values on the command line and from a resumed
+    state's config (both from the one table, repmlp.tasks.limits.OPTIONS): at and around every bound, and
+    drawn values; a choice option takes the same choices; no typed option escapes the table."""
+    from repmlp.tasks.classification import TrainConfig
+    from repmlp.tasks.config import CHOICES
+    from repmlp.tasks.limits import OPTIONS
 
     actions = _train_actions()
     fields = {f for f in TrainConfig().to_dict() if f in actions}
     # --model and --model-arg are names and options a resumed state checks by building its model.
     typed = {f for f in fields if actions[f].type is not None and f not in ("model", "model_args")}
-    assert typed == set(OPTION_RANGES), typed ^ set(OPTION_RANGES)
-    for name, (flag, choices) in _CHOICES.items():
-        if name in actions:
-            assert flag in actions[name].option_strings and set(actions[name].choices) == set(choices), name
+    assert typed <= set(OPTIONS) and len(typed) > 15, typed - set(OPTIONS)
+    for name in fields & set(CHOICES):
+        assert set(actions[name].choices) == set(CHOICES[name]), name
     if value == 0 and not isinstance(value, float):  # once: the bounds themselves
         probes: list[object] = [0.5, 0.999, 1.5, 1e-300, 1e300, 2**64, float("nan"), float("inf"), -0.0]
-        for _, rng in OPTION_RANGES.values():
-            for bound in (rng.lo, rng.hi):
+        for name in typed:
+            for bound in (OPTIONS[name].lo, OPTIONS[name].hi):
                 probes += [bound - 1, bound, bound + 1, float(bound), bound * (1 + 1e-9) + 1e-12]
-        _same_verdicts(actions, OPTION_RANGES, probes)
-    _same_verdicts(actions, OPTION_RANGES, [value])
+        _same_verdicts(actions, typed, probes)
+    _same_verdicts(actions, typed, [value])
 
 
 def _h6_edit(path: str, value: object) -> Callable[[dict], None]:
@@ -961,7 +958,7 @@ _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
     "nesterov off": (_h6_edit("optimizer.param_groups.0.nesterov", False), "nesterov is False"),
     "lr nan": (_h6_edit("optimizer.param_groups.1.lr", float("nan")), "lr is nan"),
     "unknown setting": (_h6_edit("optimizer.param_groups.0.bogus", 1), "unknown setting"),
-    "duplicated id": (_h6_edit("optimizer.param_groups.0.params.1", 0), "parameter id 0 twice"),
+    "duplicated id": (_h6_edit("optimizer.param_groups.0.params.1", 0), "params is [0, 0, 2"),
     "buffer shape": (_h6_edit("optimizer.state.0.momentum_buffer", torch.zeros(3)), "of shape (3,)"),
     "buffer dtype": (
         _h6_edit("optimizer.state.0.momentum_buffer", torch.zeros(4, 1, 1, 1, dtype=torch.int64)),

@@ -138,6 +138,21 @@ def test_compiled_steps_and_a_failed_compilation_that_falls_back_to_eager(tmp_pa
     assert state_hash(fallback) == state_hash(eager) and fallback_history == eager_history
 
 
+def test_the_training_speed_pass_runs_for_the_run_unless_turned_off(tmp_path, monkeypatch):
+    """``LoopOptions.fast`` (default on; ``repmlp train --no-fast-training`` turns it off) applies
+    repmlp.speed.fast_training to the module before its first step; repmlp.speed.plain gives every module its
+    own class back at the end either way."""
+    from repmlp.engine import loop
+
+    calls: list[tuple[str, nn.Module]] = []
+    monkeypatch.setattr(loop, "fast_training", lambda m, **kw: calls.append(("fast_training", m)))
+    monkeypatch.setattr(loop, "plain", lambda m: calls.append(("plain", m)))
+    for options, expected in (({}, ["fast_training", "plain"]), ({"fast": False}, ["plain"])):
+        calls.clear()
+        net, _ = run(tmp_path / str(len(expected)), ToyTask(), epochs=1, **options)
+        assert [name for name, _ in calls] == expected and all(m is net for _, m in calls)
+
+
 def test_keep_freed_memory_sets_glibc_malloc():
     """mallopt answers 0 for a parameter or value it refuses: both settings must be taken."""
     import platform

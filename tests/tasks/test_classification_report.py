@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from repmlp.tasks.metrics import compare_logits
+from repmlp.deploy.conversion import compare_outputs
 
 
-def test_compare_logits_reports_differences_and_flips():
+def test_compare_outputs_reports_differences_and_flips():
     ref = torch.tensor([[1.0, 1.0 + 1e-6, 0.0], [3.0, 1.0, 0.0]])
     # A near-tie may flip within float rounding: reported, but the relative error stays tiny.
     near_tie = torch.tensor([[1.0 + 2e-6, 1.0, 0.0], [3.0, 1.0, 0.0]])
-    cmp = compare_logits(ref, near_tie)
+    cmp = compare_outputs(ref, near_tie).as_dict()
     assert cmp["changed_predictions"] == 1
     assert 1e-6 < cmp["max_abs_diff"] < 3e-6 and cmp["max_rel_diff"] < 1e-6
 
     real_change = torch.tensor([[1.0, 1.0 + 1e-6, 0.0], [3.0, 3.5, 0.0]])
-    cmp = compare_logits(ref, real_change)
+    cmp = compare_outputs(ref, real_change).as_dict()
     assert cmp["changed_predictions"] == 1
     assert abs(cmp["max_rel_diff"] - 2.5 / 3.0) < 1e-6
 

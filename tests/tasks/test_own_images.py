@@ -21,10 +21,9 @@ import pytest
 import torch
 
 import repmlp
-from repmlp.cli import build_parser
-from repmlp.commands.train import resolve_config
 from repmlp.data.for_model import model_data_config
 from repmlp.io.model_file import save_model
+from repmlp.tasks.classification import resolve_config
 from repmlp_testdata import make_image_folder, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,12 +126,9 @@ def test_one_channel_model_from_the_main_job_to_predict(tmp_path):
     )
     report = (run / "report.md").read_text()
     assert "Recipe (preset `fmnist`): 1 epochs, batch 8, sgd lr 0.035355 " in report and "mixup 0," in report
-    # Options given on the command line win over the fitted batch and the init file's recipe.
-    argv = ["train", "--dataset", "imagefolder", "--data-dir", str(folder), "--init", str(init), "--batch-size",
-            "4", "--preset", "cifar", "--output", str(tmp_path / "given")]  # fmt: skip
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    cfg = resolve_config(args)
+    # Options given win over the fitted batch and the init file's recipe (the Python API resolves them too).
+    cfg = resolve_config(dataset="imagefolder", data_dir=str(folder), init=str(init), batch_size=4, preset="cifar",
+                         output=str(tmp_path / "given"))  # fmt: skip
     assert (cfg.batch_size, cfg.lr, cfg.preset, cfg.epochs, cfg.img_size, cfg.channels) == (
         4,
         0.2,

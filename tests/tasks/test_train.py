@@ -198,6 +198,33 @@ def test_train_config_defaults_are_the_fmnist_preset():
     assert {k: getattr(cfg, k) for k in recipe} == recipe
 
 
+@pytest.mark.parametrize("task", ["cls", "face", "seg"])
+def test_no_fast_training_reaches_every_tasks_loop(task, tmp_path):
+    """``repmlp train --no-fast-training`` (any task) is the config's ``fast_training``, a runtime option
+    (no change to the maths: a resumed run may change it), and every task's loop options carry it."""
+    import importlib
+
+    from repmlp.commands._parser import ArgumentParser
+    from repmlp.commands.task_options import TASK_OPTIONS
+    from repmlp.engine import DistInfo
+    from repmlp.tasks import TASK_MODULES
+    from repmlp.tasks._common import loop_options
+
+    module = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[task]}")
+    for flags, fast in (([], True), (["--no-fast-training"], False)):
+        argv = ["--data-dir", str(tmp_path), "--output", str(tmp_path / "run"), *flags]
+        if task == "cls":
+            args = cli.build_parser().parse_args(["train", *argv])
+            fields = module.TrainConfig.__dataclass_fields__  # as commands/train.py takes them
+            cfg = module.resolve_config(**{f: getattr(args, f) for f in fields if hasattr(args, f)})
+        else:
+            parser = ArgumentParser()
+            TASK_OPTIONS[task]["train"](parser)
+            cfg = module.TrainConfig.from_args(parser.parse_args(argv))
+        assert cfg.fast_training is fast and "fast_training" in cfg.RUNTIME
+        assert loop_options(cfg, DistInfo(), lambda step: [0.1], auto_graphs=False, iterations=1).fast is fast
+
+
 def test_cifar10_batches_run(data, tmp_path, capsys):
     out = tmp_path / "cifar"
     status, err = train(
@@ -460,12 +487,12 @@ def bad_data(data, tmp_path_factory) -> dict[str, Path]:
         (["--dataset", "cifar10"], ["needs --data-dir"]),
         (["--model", "no_such_model_xyz"], ["argument --model: unknown model 'no_such_model_xyz'"]),
         (["--model-arg", "widths=[4,8,8,8,8]"], ["cannot build model 'repmlp_fmnist_patch2'"]),
-        (["--epochs", "0"], ["--epochs: must be >= 1, got 0"]),
-        (["--lr", "-1"], ["--lr: must be a positive number, got -1"]),
-        (["--lr", "nan"], ["--lr: must be a positive number"]),
-        (["--batch-size", "0"], ["--batch-size: must be >= 1"]),
-        (["--momentum", "1"], ["--momentum must be in [0, 1)"]),
-        (["--label-smoothing", "1.5"], ["--label-smoothing must be in [0, 1)"]),
+        (["--epochs", "0"], ["--epochs: must be in 1..100000, got 0"]),
+        (["--lr", "-1"], ["--lr: must be in (0, 1e+06], got -1"]),
+        (["--lr", "nan"], ["--lr: must be in (0, 1e+06], got nan"]),
+        (["--batch-size", "0"], ["--batch-size: must be in 1..1048576, got 0"]),
+        (["--momentum", "1"], ["--momentum: must be in [0, 1), got 1"]),
+        (["--label-smoothing", "1.5"], ["--label-smoothing: must be in [0, 1), got 1.5"]),
         (["--train-limit", "0"], ["--train-limit: must be >= 1"]),
         (["--device", "cuda:7"], ["--device cuda:7"]),
         (["--dataset", "mnist"], ["invalid choice: 'mnist'"]),

@@ -179,8 +179,8 @@ def add_limit_argument(group, flag: str, what: str) -> None:
 
 def add_run_arguments(group, *, resume_help: str, step: str) -> None:
     """The run flags every task's training shares: ``--resume``, ``--ckpt-every``, ``--device``, ``--amp``,
-    ``--threads``, ``--compile`` (and the hidden ``--stop-after-steps``); ``step`` names a training step in the help
-    (optimizer step, iteration)."""
+    ``--threads``, ``--compile``, ``--cuda-graphs``, ``--no-fast-training`` (and the hidden
+    ``--stop-after-steps``); ``step`` names a training step in the help (optimizer step, iteration)."""
     group.add_argument("--resume", action="store_true", help=resume_help)
     group.add_argument(
         "--ckpt-every",
@@ -214,6 +214,12 @@ def add_run_arguments(group, *, resume_help: str, step: str) -> None:
         help="replay the model's forward and backward as CUDA graphs, so that the host launches two graphs "
         "a step instead of every kernel (default auto: on for classification on one CUDA device without "
         "--compile on; a failed capture falls back to eager with one logged line)",
+    )
+    group.add_argument(
+        "--no-fast-training",
+        dest="fast_training",
+        action="store_false",
+        help="train the plain modules: no speed pass (repmlp.speed.fast_training)",
     )
     # Hidden: a simulated crash after N steps (exit 3, no cleanup), for tests of --resume.
     group.add_argument("--stop-after-steps", type=int_at_least(1), default=None, help=argparse.SUPPRESS)

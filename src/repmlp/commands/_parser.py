@@ -23,7 +23,8 @@ _MODEL_FILE_ENDINGS = (".safetensors", ".pth", ".pt", ".onnx")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the descriptions' line breaks; appends ``(default: X)`` where the help does not say it."""
+    """Keeps the descriptions' line breaks; appends ``(default: X)`` where the help does not say it (not to a
+    flag such as ``--no-fast-training``: its name says what it turns off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -31,6 +32,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             "default" in text
             or action.default in (None, False, argparse.SUPPRESS)
             or not action.option_strings
+            or (action.nargs == 0 and action.const is False)  # store_false
         ):
             return text
         return f"{text} (default: %(default)s)".strip()

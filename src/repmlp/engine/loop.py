@@ -25,6 +25,7 @@ from repmlp.engine.state import (
     METRICS_FILE,
     STATE_FILE,
     check_resumable,
+    check_state,
     gather_object,
     lock_output,
     replica_hashes,
@@ -211,33 +212,6 @@ def _quiet_capture() -> Iterator[None]:
         finally:
             if mismatch is not None:
                 mismatch(True)  # PyTorch's default; it has no getter to restore another setting
-
-
-def _count(state: dict[str, Any], key: str, hi: int) -> int:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
-        raise ValueError(f"its {key} is {value!r}, expected an integer in 0..{hi}")
-    return value
-
-
-def _position(state: dict[str, Any], steps_per_epoch: int, total: int) -> Position:
-    """The :class:`Position` a training state records, checked against this run: counts in range, the
-    step where the epoch and batch put it (``ValueError`` otherwise: an edited or foreign state)."""
-    step = _count(state, "step", total)
-    batch = _count(state, "batch", steps_per_epoch)
-    epoch = _count(state, "epoch", total // max(1, steps_per_epoch) + 1)
-    if step != epoch * steps_per_epoch + batch:
-        raise ValueError(
-            f"its position (epoch {epoch}, batch {batch}, step {step}) is not one of this run's "
-            f"{steps_per_epoch} batches an epoch"
-        )
-    history, acc, window = state["history"], state["epoch_acc"], state.get("window", {})
-    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
-        raise ValueError("its history is not a list of records")
-    for name, sums in (("epoch_acc", acc), ("window", window)):
-        if not isinstance(sums, dict) or not all(isinstance(v, (int, float)) for v in sums.values()):
-            raise ValueError(f"its {name} is not a mapping of numbers")
-    return Position(step, epoch, batch, list(history), dict(acc), dict(window))
 
 
 class Diverged(UserError):
@@ -630,23 +604,25 @@ class _Loop:
         self.saved_at = self.pos.step
 
     def restore(self, state: dict[str, Any]) -> None:
-        from repmlp.engine.optim_state import check_resumed_state
+        """Continue from ``state``: checked first (:func:`check_state`; its config must agree with this run's,
+        :func:`check_resumable`), then loaded; a state that does not fit is one :class:`CheckpointError` line."""
         from repmlp.io.model_file import CheckpointError
 
         opts, procs = self.opts, self.procs
-        check_resumable(state.get("config", {}), opts.config, opts.output, runtime=opts.runtime_keys)
         try:
+            position = check_state(
+                state, self.optimizer, self.steps_per_epoch, self.total, opts.metric_fields
+            )
+            check_resumable(state["config"], opts.config, opts.output, runtime=opts.runtime_keys)
             unwrap(self.net).load_state_dict(state["model"], strict=True)
-            check_resumed_state(self.optimizer, state, opts.metric_fields)
             self.optimizer.load_state_dict(state["optimizer"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-            self.pos = _position(state, self.steps_per_epoch, self.total)
             rngs = state["rng"]
             set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
-            first = first_line(exc)
-            raise CheckpointError(f"{self.path} does not fit this run: {first}") from None
+            raise CheckpointError(f"{self.path} does not fit this run: {first_line(exc)}") from None
+        self.pos = Position(**position)
         self.saved_at = self.pos.step
         if procs.is_main:
             pos = self.pos

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from repmlp.engine.devices import resolve_device
 from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -96,14 +97,14 @@ def cleanup_distributed() -> None:
         dist.destroy_process_group()
 
 
-def run_in_processes(args, body: Callable[[Any, DistInfo], int | None]) -> int:
-    """``body(args, procs)`` with ``--threads`` applied, in the torchrun process group when there is one
-    (left again whatever happens). Returns the exit status ``body`` returns (``None``: 0)."""
+def run_in_processes(args, body: Callable[[Any, DistInfo], _R]) -> _R:
+    """``body(args, procs)`` with ``args.threads`` applied, in the torchrun process group when there is one
+    (left again whatever happens): what ``body`` returns."""
     if args.threads:
         torch.set_num_threads(args.threads)
     procs = setup_distributed(args.device)
     try:
-        return int(body(args, procs) or 0)
+        return body(args, procs)
     finally:
         cleanup_distributed()
 

@@ -1,12 +1,14 @@
-"""What makes a run resumable: its folder, the options a resume must repeat, RNG states, hashes."""
+"""What makes a run resumable: its folder, the options a resume must repeat, the check of a state read back,
+RNG states, hashes."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +272,144 @@ def replica_hashes(model: nn.Module, procs: DistInfo) -> list[str]:
     elif procs.enabled and procs.is_main:
         log.info("final weights identical on all %d processes (sha256 %s)", procs.world, hashes[0][:16])
     return hashes
+
+
+# ------------------------------------------------------------------------ the checks of a state read back
+# Settings torch fills in itself when a state saved by another version lacks them (implementation choices,
+# not the maths): a state may miss these, never the others.
+_FILLED_ON_LOAD = frozenset({"foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay"})
+# Optimizer class -> the per-parameter state it keeps (other optimizers: any names, each checked alike).
+_ADAM = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+_ENTRY_KEYS = {"SGD": frozenset({"momentum_buffer"}), "Adam": _ADAM, "AdamW": _ADAM}
+_NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq"})  # their square roots are taken
+_MAX_STEPS = 2**53  # an optimizer's step count (a float32 or float64 tensor in torch's Adam)
+
+
+def check_state(
+    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    total: int,
+    fields: Sequence[str],
+) -> dict[str, Any]:
+    """The one check of what a training state holds besides its weights, before anything of it is loaded:
+    a ``config`` mapping; the position (``step``, ``epoch``, ``batch``) in range and on one of this run's
+    ``steps_per_epoch`` batches an epoch (``total`` steps); a ``history`` of records with a number for each of
+    ``fields`` (the report reads them); the sums (``epoch_acc``, ``window``) mappings of numbers; and an
+    optimizer state that ``optimizer``, built from the run's options, could have written
+    (:func:`_check_optimizer`). Returns the position's fields; ``ValueError`` otherwise (an edited or
+    foreign state, which the loop turns into one line naming the file)."""
+    if not isinstance(state.get("config"), dict):
+        raise ValueError("its config is not a mapping")
+    step, batch = _count(state, "step", total), _count(state, "batch", steps_per_epoch)
+    epoch = _count(state, "epoch", total // max(1, steps_per_epoch) + 1)
+    if step != epoch * steps_per_epoch + batch:
+        raise ValueError(
+            f"its position (epoch {epoch}, batch {batch}, step {step}) is not one of this run's "
+            f"{steps_per_epoch} batches an epoch"
+        )
+    history = state["history"]
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        raise ValueError("its history is not a list of records")
+    for n, record in enumerate(history):
+        if bad := [f for f in fields if not _is_number(record.get(f))]:
+            raise ValueError(f"its history record {n} has no number for {', '.join(bad)}")
+    sums = {"epoch_acc": state["epoch_acc"], "window": state.get("window", {})}
+    for name, value in sums.items():
+        if not isinstance(value, dict) or not all(_is_number(v) for v in value.values()):
+            raise ValueError(f"its {name} is not a mapping of numbers")
+    _check_optimizer(optimizer, state["optimizer"])
+    return {"step": step, "epoch": epoch, "batch": batch, "history": history, **sums}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(state: dict[str, Any], key: str, hi: int) -> int:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+        raise ValueError(f"its {key} is {value!r}, expected an integer in 0..{hi}")
+    return value
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """``saved`` (an ``Optimizer.state_dict()`` read back) is one ``optimizer`` could have written in this run.
+
+    ``Optimizer.load_state_dict`` takes anything: a buffer of another shape fails at the first step, one of
+    another dtype is cast, ``maximize: true`` trains uphill without a word. So every group's settings must
+    be this run's (the scheduled ``lr`` excepted: any finite rate >= 0), its parameter ids this run's (torch
+    numbers them in order), and each parameter's state of known names, of its shape and dtype, finite."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        raise ValueError("its optimizer state is not a mapping with a list of 'param_groups'")
+    groups, ours = saved["param_groups"], optimizer.state_dict()["param_groups"]
+    if len(groups) != len(ours):
+        raise ValueError(f"its optimizer has {len(groups)} parameter groups, this run's {len(ours)}")
+    for i, (group, mine) in enumerate(zip(groups, ours, strict=True)):
+        if not isinstance(group, dict):
+            raise ValueError(f"its optimizer group {i} is not a mapping")
+        if unknown := set(group) - set(mine):
+            raise ValueError(
+                f"its optimizer group {i} has unknown setting(s) {', '.join(sorted(map(str, unknown)))}"
+            )
+        if missing := set(mine) - set(group) - _FILLED_ON_LOAD:
+            raise ValueError(f"its optimizer group {i} has no {', '.join(sorted(missing))}")
+        for key in sorted(set(mine) & set(group)):
+            value, expected = _plain(group[key]), _plain(mine[key])
+            if key == "lr":  # set by the schedule before every step
+                if not (_is_number(value) and 0 <= value < math.inf):
+                    raise ValueError(f"its optimizer group {i}'s lr is {value!r}, not a rate >= 0")
+            # type() too: True == 1 and 1 == 1.0, but momentum True is an edit, not this run's 0.9
+            elif value != expected or type(value) is not type(expected):
+                raise ValueError(
+                    f"its optimizer group {i}'s {key} is {_short(value)}, this run's is {_short(expected)}"
+                )
+    entries = saved.get("state")
+    if not isinstance(entries, dict):
+        raise ValueError("its optimizer state has no mapping of per-parameter 'state'")
+    ids = [pid for g in ours for pid in g["params"]]  # torch numbers the parameters 0..n-1 in group order
+    params = dict(zip(ids, [p for g in optimizer.param_groups for p in g["params"]], strict=True))
+    keys = _ENTRY_KEYS.get(type(optimizer).__name__)
+    for pid, entry in entries.items():
+        if pid not in params or not isinstance(entry, dict):
+            raise ValueError(f"its optimizer state of parameter id {pid!r} is not a mapping for a parameter")
+        for name, value in entry.items():
+            _check_entry(
+                f"its optimizer state {name!r} of parameter id {pid}", name, value, params[pid], keys
+            )
+
+
+def _check_entry(where: str, name: str, value: Any, param: torch.Tensor, keys: frozenset[str] | None) -> None:
+    """A parameter's saved state ``name``: a step count (a whole number >= 0), else a tensor of the
+    parameter's shape and dtype, finite (second moments >= 0)."""
+    if keys is not None and name not in keys:
+        raise ValueError(f"{where} is not one of this optimizer's ({', '.join(sorted(keys))})")
+    if name == "step":
+        count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if not (
+            _is_number(count) and math.isfinite(count) and count == int(count) and 0 <= count <= _MAX_STEPS
+        ):
+            raise ValueError(f"{where} is {_short(value)}, not a step count")
+    elif value is None and name == "momentum_buffer":  # SGD without momentum keeps None
+        return
+    elif not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is {_short(value)}, not a tensor")
+    elif value.shape != param.shape or value.dtype != param.dtype:
+        raise ValueError(
+            f"{where} is a {value.dtype} tensor of shape {tuple(value.shape)}, the parameter a "
+            f"{param.dtype} one of shape {tuple(param.shape)}"
+        )
+    elif value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{where} holds NaN/inf")
+    elif name in _NON_NEGATIVE and bool((value < 0).any()):
+        raise ValueError(f"{where} holds negative values (second moments are >= 0)")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a state file gives it back: tuples as lists."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -5,15 +5,11 @@
 - :mod:`repmlp.tasks.face`: face recognition (paper Sec. 4.3), ``--task face``.
 - :mod:`repmlp.tasks.segmentation`: semantic segmentation (paper Sec. 4.4), ``--task seg``.
 
-Every task takes typed configs (dataclasses the commands build from the parsed options) and exposes
-``evaluate(config) -> int`` (``repmlp eval``) and its training entry: ``train(FaceTrainConfig |
-SegTrainConfig) -> int``, classification's ``run_training(TrainConfig)``. The face and segmentation
-options are defined in :mod:`repmlp.commands.task_options`.
-The study (:mod:`repmlp.tasks.study`) trains classification runs; each task's report is its own module.
-The tasks' losses (:mod:`.losses`), metrics (:mod:`.metrics`), recipes (:mod:`.recipes`) and fine-tuning
-from a model file (:mod:`.finetune`) live here too.
-
-May import every room but :mod:`repmlp.commands` and the CLI.
+Every task module has the same shape: ``TrainConfig`` and ``EvalConfig`` (dataclasses of one style,
+:mod:`repmlp.tasks.config`, checked against the one table of option ranges, :mod:`repmlp.tasks.limits`),
+``train(TrainConfig) -> result`` (``result.ok``: the run's checks passed) and ``evaluate(EvalConfig) -> int``.
+The study (:mod:`repmlp.tasks.study`) trains classification runs. May import every folder but
+:mod:`repmlp.commands` and the CLI.
 """
 
 # The ``--task`` name -> the module under ``repmlp.tasks`` (short names on the command line, full ones in code).

@@ -18,79 +18,64 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from repmlp.bench.throughput import benchmark, render_markdown
+from repmlp.bench.viz import find_repmlp_blocks, plot_fc3
+from repmlp.deploy import export  # looked up when called: tests replace export.missing_onnx_packages
 from repmlp.deploy.conversion import CONVERSION_RTOL
-from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary
+from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary, progress
 from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
-from repmlp.io.model_file import atomic_write_text, save_model
+from repmlp.io.model_file import atomic_write_text
 from repmlp.nn.numerics import run_precision
+from repmlp.tasks._common import save_forms
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy
 
 if TYPE_CHECKING:
     from repmlp.tasks.classification import TrainResult
 
-__all__ = [
-    "EQUIVALENCE_RTOL",
-    "Outcome",
-    "finish_run",
-    "plot_curves",
-    "predict",
-    "render_report",
-]
+__all__ = ["Outcome", "finish_run", "predict", "render_report"]
 
 log = logging.getLogger(__name__)
-
-# Converted logits must match the training-time ones to float rounding: max |diff| relative to max |logit|.
-EQUIVALENCE_RTOL = CONVERSION_RTOL
 
 
 @torch.no_grad()
 def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False) -> tuple[Tensor, Tensor]:
     """Logits ``(N, K)`` (float32, CPU) and labels ``(N,)`` of every example of ``loader`` on this process."""
-    from tqdm import tqdm
-
     model.eval().to(device)
     logits, labels = [], []
-    for x, y in tqdm(loader.batches(0), total=len(loader), desc="predict", leave=False, disable=None):
-        with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
-            out = model(x)
-        logits.append(out.float().cpu())
-        labels.append(y.cpu())
+    with progress(loader.batches(0), len(loader), "predict", True) as bar:
+        for x, y in bar:
+            with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
+                logits.append(model(x).float().cpu())
+            labels.append(y.cpu())
     return torch.cat(logits), torch.cat(labels)
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """Loss and top-1 accuracy per epoch (train and validation) as a PNG, written atomically."""
-    import matplotlib
+    import matplotlib  # optional (repmlp[plots]); imported here, by the one step that needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    epochs = [r["epoch"] for r in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
-    ax1.plot(epochs, [r["train_loss"] for r in history], "o-", label="train (as optimised)")
-    ax1.plot(epochs, [r["val_loss"] for r in history], "s-", label="validation")
-    ax1.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax2.plot(epochs, [r["train_acc"] for r in history], "o-", label="train")
-    ax2.plot(epochs, [r["val_top1"] for r in history], "s-", label="validation top-1")
-    ax2.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (ax1, ax2):
+    epochs = [r["epoch"] for r in history]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
+    for ax, (train, val, ylabel, title_) in zip(axes, [
+        (("train_loss", "train (as optimised)"), ("val_loss", "validation"), "cross-entropy loss", "loss"),
+        (("train_acc", "train"), ("val_top1", "validation top-1"), "accuracy (%)", "accuracy"),
+    ], strict=True):  # fmt: skip
+        for (key, label), marker in ((train, "o-"), (val, "s-")):
+            ax.plot(epochs, [r[key] for r in history], marker, label=label)
+        ax.set(xlabel="epoch", ylabel=ylabel, title=title_)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-
-
-def _missing_export_packages() -> list[str]:
-    from repmlp.deploy.export import missing_onnx_packages
-
-    return missing_onnx_packages()
 
 
 def _optional(name: str, fn, outcome: Outcome):
@@ -125,37 +110,34 @@ class Outcome:
     def equivalent(self) -> bool:
         # No separate test on changed predictions: a flip moves two logits' difference by at least their
         # margin, so with every logit within max_abs_diff only pairs tied within 2 * max_abs_diff can flip.
-        return self.cmp["max_rel_diff"] <= EQUIVALENCE_RTOL
+        return self.cmp["max_rel_diff"] <= CONVERSION_RTOL
 
 
-def finish_run(
-    result: TrainResult,
-    *,
-    command: list[str],
-    started: float,
-    bench_batch_size: int = 128,
-    export: bool = True,
-    bench: bool = True,
-) -> bool:
-    """Evaluate, convert, verify, benchmark, export and report (rank 0). Returns whether all checks passed."""
+def finish_run(result: TrainResult, started: float) -> bool:
+    """Evaluate, convert, verify, benchmark, export and report (the main process; ``started``: the run's
+    ``time.perf_counter()``). Returns whether every check passed."""
     cfg = result.config
-    out = Path(cfg.output)
+    out, size = Path(cfg.output), _input_size(result)
     model, deployed, outcome = _convert_and_check(result)
-    if bench:
-        outcome.bench = _optional("benchmark", lambda: _benchmark(result, model, bench_batch_size), outcome)
-    if export:
-        outcome.onnx_diff = _export(result, deployed, outcome)
+    if not cfg.no_bench:
+        outcome.bench = _optional("benchmark", lambda: _benchmark(result, model), outcome)
+    if not cfg.no_export:
+        outcome.onnx_diff = _export(out, deployed, size, outcome)
     outcome.fc3_sample = _optional("FC3 figure", lambda: _fc3(result, model, outcome.notes), outcome)
-    _optional(
-        "training curves",
-        lambda: plot_curves(result.history, out / "curves.png", f"{cfg.model} on {cfg.dataset}"),
-        outcome,
-    )
+    curves = f"{cfg.model} on {cfg.dataset}"
+    _optional("training curves", lambda: plot_curves(result.history, out / "curves.png", curves), outcome)
     outcome.total_s = time.perf_counter() - started
-    atomic_write_text(out / "report.md", render_report(result, outcome, command))
+    atomic_write_text(
+        out / "report.md", render_report(result, outcome, cfg.run_command or ["repmlp", "train"])
+    )
     log.info("run folder: %s (report.md); total %.0f s", out, outcome.total_s)
-    replicas_ok = len(set(result.replica_hashes)) == 1
-    return outcome.equivalent and replicas_ok and not outcome.failed
+    return outcome.equivalent and len(set(result.replica_hashes)) == 1 and not outcome.failed
+
+
+def _benchmark(result: TrainResult, model: nn.Module) -> tuple[list[Any], str]:
+    rows = benchmark({result.config.model: model}, _input_size(result), result.config.bench_batch_size,
+                     device=result.dist_info.device, warmup=3, repeats=10)  # fmt: skip
+    return rows, render_markdown(rows)
 
 
 def _input_size(result: TrainResult) -> tuple[int, int, int]:
@@ -163,30 +145,19 @@ def _input_size(result: TrainResult) -> tuple[int, int, int]:
 
 
 def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outcome]:
-    """Save both forms and evaluate both on the whole validation set: ``(model, deployed, outcome)``,
-    ``deployed`` as loaded back from ``deploy.safetensors``
-    (:func:`repmlp.deploy.conversion.convert_and_check`)."""
-    from repmlp.deploy.conversion import DeployedFile, convert_and_check
-
+    """Save both forms and evaluate both on the whole validation set in full float32 (no AMP, no TF32, whatever
+    the run trained with: their rounding would hide or fake conversion errors): ``(model, deployed, outcome)``,
+    ``deployed`` as loaded back from ``deploy.safetensors`` (:func:`repmlp.deploy.conversion.convert_and_check`)."""
     cfg, data = result.config, result.data
     out, device = Path(cfg.output), result.dist_info.device
-    # Rank 0 alone finishes the run: it needs the whole validation set, not its shard.
-    val = copy.copy(data.val)
+    val = copy.copy(data.val)  # the main process alone ends the run: the whole validation set, not its shard
     val.rank, val.world = 0, 1
     # Recorded so that eval / convert of these files find the data without --data-dir.
-    extra = {
-        "dataset": cfg.dataset,
-        "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
-        "classes": data.classes,
-        "input_size": list(_input_size(result)),
-    }
+    extra = {"dataset": cfg.dataset, "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
+             "classes": data.classes, "input_size": list(_input_size(result))}  # fmt: skip
     if data.eval_preprocessing:  # an image folder's own normalisation (e.g. a fine-tuned greyscale model)
         extra["eval_preprocessing"] = data.eval_preprocessing
-    # Full float32 for the equivalence check (no AMP, no TF32, whatever the run trained with): their
-    # rounding (TF32 keeps 10 mantissa bits, ~5e-4) would hide or fake conversion errors.
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
-    save_model(out / "model.safetensors", model, name=cfg.model, model_kwargs=result.model_kwargs, form="train",
-               extra=extra)  # fmt: skip
     labels: list[Tensor] = []
 
     def logits(form: nn.Module) -> Tensor:
@@ -197,52 +168,29 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
         return out_logits
 
     log.info("evaluating the training-time and the converted model ...")
-    # The check covers the file, not the in-memory object: a deploy=True model must load it strictly.
-    deployed_file = DeployedFile(out / "deploy.safetensors", cfg.model, result.model_kwargs, extra)
-    check = convert_and_check(model, logits, file=deployed_file, device=device)
+    check = save_forms(out, model, cfg.model, result.model_kwargs, extra, logits, device)
     outcome = Outcome(accuracy(check.reference, labels[0]), accuracy(check.outputs, labels[0]),
                       check.diff.as_dict(), check.seconds)  # fmt: skip
-    log.info(
-        "top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
-        "%d predictions changed -> %s",
-        outcome.train_acc["top1"],
-        outcome.dep_acc["top1"],
-        outcome.cmp["max_abs_diff"],
-        outcome.cmp["max_rel_diff"],
-        outcome.cmp["changed_predictions"],
-        "equivalent" if outcome.equivalent else "NOT EQUIVALENT",
-    )
+    cmp, verdict = outcome.cmp, "equivalent" if outcome.equivalent else "NOT EQUIVALENT"
+    log.info("top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), %d "
+             "predictions changed -> %s", outcome.train_acc["top1"], outcome.dep_acc["top1"], cmp["max_abs_diff"],
+             cmp["max_rel_diff"], cmp["changed_predictions"], verdict)  # fmt: skip
     return model, check.deployed, outcome
 
 
-def _benchmark(result: TrainResult, model: nn.Module, batch_size: int) -> tuple[list[Any], str]:
-    from repmlp.bench.throughput import benchmark, render_markdown
-
-    device = result.dist_info.device
-    rows = benchmark({result.config.model: model}, _input_size(result), batch_size, device=device, warmup=3,
-                     repeats=10)  # fmt: skip
-    return rows, render_markdown(rows)
-
-
-def _export(result: TrainResult, deployed: nn.Module, outcome: Outcome) -> float | None:
+def _export(out: Path, deployed: nn.Module, size: tuple[int, int, int], outcome: Outcome) -> float | None:
     """``deploy.onnx`` (its onnxruntime difference relative to the output scale); skipped with a note
-    without the optional packages."""
-    missing = _missing_export_packages()
+    without the optional packages (the run itself succeeded)."""
+    missing = export.missing_onnx_packages()
     if missing:
-        # Optional packages: the run itself succeeded, so a missing one skips the export, not the job.
         msg = f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
         log.warning("%s", msg)
         outcome.notes.append(msg)
         return None
-    from repmlp.deploy.export import export_onnx
-
-    path = Path(result.config.output) / "deploy.onnx"
-    return _optional("ONNX export", lambda: export_onnx(deployed, path, _input_size(result)), outcome)
+    return _optional("ONNX export", lambda: export.export_onnx(deployed, out / "deploy.onnx", size), outcome)
 
 
 def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):
-    from repmlp.bench.viz import find_repmlp_blocks, plot_fc3
-
     if not find_repmlp_blocks(model):
         notes.append("FC3 figure skipped: the model has no RepMLP block")
         return None
@@ -304,7 +252,7 @@ def _accuracy_lines(outcome: Outcome) -> list[str]:
         f"Conversion ({outcome.convert_s:.2f} s): max |logit difference| {cmp['max_abs_diff']:.2e} "
         f"(relative {cmp['max_rel_diff']:.2e}), {cmp['changed_predictions']} of {train_acc['n']} predictions "
         f"changed: **{'equivalent' if outcome.equivalent else 'NOT equivalent'}** (tolerance "
-        f"{EQUIVALENCE_RTOL:g} relative).",
+        f"{CONVERSION_RTOL:g} relative).",
     ]
 
 

@@ -21,20 +21,11 @@ from typing import Any
 import timm
 from torch import Tensor, nn
 
-from repmlp.data.for_model import folder_preprocessing as for_file
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, ModelFileMeta, compare_state, read_model_file
 
-__all__ = [
-    "InitReport",
-    "init_from_file",
-    "init_model_options",
-    "init_preprocessing",
-    "folder_preprocessing",
-    "head_prefixes",
-    "file_sha256",
-    "report_lines",
-]
+__all__ = ["InitReport", "init_from_file", "init_model_options", "init_preprocessing", "head_prefixes",
+           "file_sha256", "report_lines"]  # fmt: skip
 
 # Options the new run's data decide, not the file: the classes, the channels and the input size.
 DATA_OPTIONS = ("num_classes", "in_chans", "img_size")
@@ -79,11 +70,10 @@ def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any]
     except CheckpointError as exc:
         raise UserError(f"{flag}: {exc}") from None
     if fm.form == "deploy":
-        run_file = Path(path).with_name("model.safetensors")
         raise UserError(
-            f"{flag} {path} holds the deployed (converted) form of {fm.model}: the converted model "
-            f"has no Local Perceptron (nor BatchNorm) left to train; use the training-time model.safetensors "
-            f"of its run instead ({run_file})"
+            f"{flag} {path} holds the deployed (converted) form of {fm.model}: the converted model has no Local "
+            "Perceptron (nor BatchNorm) left to train; use the training-time model.safetensors of its run instead "
+            f"({Path(path).with_name('model.safetensors')})"
         )
     return tensors, fm
 
@@ -96,32 +86,16 @@ def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[s
 
 
 def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[str, Any]:
-    """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name,
-    "input_size": [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
+    """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name, "input_size":
+    [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
     (``fixed_size``: the model is built for one input size, ``img_size`` among its options)."""
     _, fm = _read_model_file(path, flag)
-    extra = fm.extra
+    extra, kwargs = fm.extra, fm.model_kwargs
     size = extra.get("input_size")
-    if size is None and isinstance(fm.model_kwargs.get("img_size"), int):
-        size = [
-            int(fm.model_kwargs.get("in_chans", 3)),
-            fm.model_kwargs["img_size"],
-            fm.model_kwargs["img_size"],
-        ]
-    return {
-        "model": fm.model,
-        "input_size": list(size) if size else None,
-        "dataset": extra.get("dataset"),
-        "eval_preprocessing": extra.get("eval_preprocessing"),
-        "fixed_size": "img_size" in fm.model_kwargs,
-    }
-
-
-def folder_preprocessing(pre: dict[str, Any], channels: int) -> dict[str, Any] | None:
-    """The evaluation preprocessing (timm cfg keys, with ``mean``/``std`` of ``channels`` values) an image
-    folder gets when fine-tuning from a file with :func:`init_preprocessing` ``pre``: what ``repmlp eval``
-    reads a folder with for that file (:func:`repmlp.data.for_model.folder_preprocessing`)."""
-    return for_file(pre.get("eval_preprocessing"), pre.get("dataset"), channels)
+    if size is None and isinstance(kwargs.get("img_size"), int):
+        size = [int(kwargs.get("in_chans", 3)), kwargs["img_size"], kwargs["img_size"]]
+    return {"model": fm.model, "input_size": list(size) if size else None, "dataset": extra.get("dataset"),
+            "eval_preprocessing": extra.get("eval_preprocessing"), "fixed_size": "img_size" in kwargs}  # fmt: skip
 
 
 def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> list[str]:
@@ -172,13 +146,9 @@ def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: s
 
 
 def init_from_file(
-    model: nn.Module,
-    path: str | os.PathLike,
-    *,
-    fresh_head: bool = False,
-    head: Sequence[str] | None = None,
+    model: nn.Module, path: str | os.PathLike, *, fresh_head: bool = False, head: Sequence[str] | None = None,
     flag: str = "--init",
-) -> InitReport:
+) -> InitReport:  # fmt: skip
     """Load the weights of model file ``path`` into ``model`` (see the module docstring).
 
     ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`); with
@@ -194,12 +164,7 @@ def init_from_file(
             "fine-tune that model, or give its options)"
         ) from None
     return InitReport(
-        path=str(path),
-        sha256=file_sha256(path),
-        model=fm.model,
-        loaded=fit["loaded"],
-        reinitialised=fit["reinitialised"],
-        ignored=fit["ignored"],
+        str(path), file_sha256(path), fm.model, fit["loaded"], fit["reinitialised"], fit["ignored"]
     )
 
 

@@ -1,7 +1,6 @@
-"""The ranges of the options, in one place: the command line's parsers (:mod:`repmlp.commands._common`)
-and the checks of a configuration read back from a training state (:meth:`TrainConfig.validate
-<repmlp.tasks.classification.TrainConfig.validate>`) use the same bounds, so that a value the command line
-refuses is refused from an edited state too.
+"""The ranges of the options, in one table (:data:`OPTIONS`): the command line's parsers take their types
+from it, and every task's config checks its fields against it (:meth:`repmlp.tasks.config.TaskConfig.validate`)
+whether it comes from the command line, a Python caller or a resumed training state.
 
 The upper bounds are far beyond any real use and far below what would overflow, fork a process storm or
 exhaust memory.
@@ -12,20 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = [
-    "MAX_COUNT",
-    "MAX_SIDE",
-    "MAX_PAD",
-    "MAX_CHANNELS",
-    "MAX_BATCH",
-    "MAX_WORKERS",
-    "MAX_THREADS",
-    "MAX_REAL",
-    "MAX_SEED",
-    "MAX_LIMIT",
-    "MAX_EPOCHS",
-    "Range",
-]
+__all__ = ["MAX_COUNT", "MAX_SIDE", "MAX_PAD", "MAX_CHANNELS", "MAX_BATCH", "MAX_WORKERS", "MAX_THREADS", "MAX_REAL",
+           "MAX_SEED", "MAX_LIMIT", "MAX_EPOCHS", "Range", "OPTIONS"]  # fmt: skip
 
 MAX_COUNT = 10**9  # steps, epochs, examples, repeats, ...
 MAX_SIDE = 4096  # --img-size, --crop-size: pixels per side
@@ -65,3 +52,53 @@ class Range:
         if self.integer:
             return f"{self.lo}..{self.hi}"
         return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def _ints(lo: int, hi: int = MAX_COUNT) -> Range:
+    return Range(lo, hi, integer=True)
+
+
+_POSITIVE, _NON_NEGATIVE, _FRACTION = (
+    Range(0, MAX_REAL, lo_open=True),
+    Range(0, MAX_REAL),
+    Range(0, 1, hi_open=True),
+)
+# A config field -> its range (the option is ``--`` + the name with dashes), for every task's options.
+OPTIONS: dict[str, Range] = {
+    "epochs": _ints(1, MAX_EPOCHS),
+    "iterations": _ints(1),
+    "batch_size": _ints(1, MAX_BATCH),
+    "eval_batch_size": _ints(1, MAX_BATCH),
+    "bench_batch_size": _ints(1, MAX_BATCH),
+    "lr": _POSITIVE,
+    "min_lr": _NON_NEGATIVE,
+    "momentum": _FRACTION,
+    "weight_decay": _NON_NEGATIVE,
+    "head_weight_decay": _NON_NEGATIVE,
+    "warmup_epochs": _NON_NEGATIVE,
+    "label_smoothing": _FRACTION,
+    "mixup": _NON_NEGATIVE,
+    "pad": _ints(0, MAX_PAD),
+    "img_size": _ints(8, MAX_SIDE),
+    "crop_size": _ints(8, MAX_SIDE),
+    "train_limit": _ints(1, MAX_LIMIT),
+    "val_limit": _ints(1, MAX_LIMIT),
+    "seed": _ints(0, MAX_SEED),
+    "workers": _ints(0, MAX_WORKERS),
+    "threads": _ints(1, MAX_THREADS),
+    "ckpt_every": _ints(0),
+    "log_interval": _ints(1),
+    "stop_after_steps": _ints(1),
+    "am_scale": _POSITIVE,
+    "am_margin": _FRACTION,
+    "power": _POSITIVE,
+    "head_lr_mult": _POSITIVE,
+    # Random scales of segmentation crops, bounded so that a scaled image fits in memory.
+    "scale_min": Range(0, 16, lo_open=True),
+    "scale_max": Range(0, 16, lo_open=True),
+    "aux_weight": _NON_NEGATIVE,
+    "folds": _ints(2, 1000),
+    "seeds": _ints(1, 1000),  # repmlp study
+    "jobs": _ints(1, MAX_WORKERS),
+    "width_multiplier": Range(0, 64, lo_open=True),
+}

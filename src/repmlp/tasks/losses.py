@@ -18,18 +18,10 @@ __all__ = ["AMSoftmax", "pspnet_loss"]
 class AMSoftmax(nn.Module):
     """Additive-margin softmax: ``CE(s * (cos(theta) - m * onehot(y)))``.
 
-    Both the embeddings and the class weights are L2-normalised, so the logits are cosines; the
-    margin ``m`` is subtracted from the target class's cosine only, and everything is scaled by ``s``.
-    The class weights are the loss's own parameters (they are not part of the embedding model, which
-    is what gets deployed).
-
-    Args:
-        embedding_dim: ``D``.
-        num_classes: number of training identities.
-        scale: ``s`` (AM-Softmax paper: 30).
-        margin: ``m`` (AM-Softmax paper: 0.35).
-
-    Shapes: embeddings ``(N, D)``, labels ``(N,)`` -> scalar loss.
+    Both the embeddings and the class weights are L2-normalised, so the logits are cosines; the margin ``m``
+    (AM-Softmax paper: 0.35) is subtracted from the target class's cosine only, and everything is scaled by
+    ``s`` (paper: 30). The class weights ``(num_classes, D)`` are the loss's own parameters, not part of the
+    embedding model, which is what gets deployed. Shapes: embeddings ``(N, D)``, labels ``(N,)`` -> scalar.
     """
 
     def __init__(

@@ -1,13 +1,6 @@
-"""Evaluation metrics of the paper's tasks: pure functions on tensors.
-
-- :func:`topk_correct`, :func:`accuracy`: classification (Sec. 4.1-4.2); :func:`compare_logits`: how far a
-  converted model's logits are from the training-time model's.
-- :func:`confusion_matrix`, :func:`iou_from_confusion`, :func:`mean_iou`: semantic segmentation
-  (Cityscapes-style mIoU with an ignore label).
-- :func:`verification_accuracy`: face verification on pairs, accuracy at the best threshold chosen
-  on the other folds (the LFW protocol).
-- :func:`rank1_identification`: rank-1 identification of probes against a gallery that may hold
-  distractors (the MegaFace protocol's criterion).
+"""Evaluation metrics of the paper's tasks, pure functions on tensors: classification accuracy (Sec.
+4.1-4.2), Cityscapes-style mIoU with an ignore label (Sec. 4.4), and face verification (the LFW protocol)
+and rank-1 identification against a gallery with distractors (MegaFace's criterion) (Sec. 4.3).
 """
 
 from __future__ import annotations
@@ -18,17 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = [
-    "topk_correct",
-    "accuracy",
-    "compare_logits",
-    "confusion_matrix",
-    "iou_from_confusion",
-    "mean_iou",
-    "best_threshold",
-    "verification_accuracy",
-    "rank1_identification",
-]
+__all__ = ["topk_correct", "accuracy", "confusion_matrix", "iou_from_confusion", "mean_iou",
+           "best_threshold", "verification_accuracy", "rank1_identification"]  # fmt: skip
 
 
 def topk_correct(logits: Tensor, target: Tensor, ks: tuple[int, ...] = (1, 5)) -> list[int]:
@@ -45,14 +29,6 @@ def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
     c1, c5 = topk_correct(logits, labels)
     n = max(1, len(labels))
     return {"top1": 100 * c1 / n, "top5": 100 * c5 / n, "n": len(labels)}
-
-
-def compare_logits(ref: Tensor, out: Tensor) -> dict[str, float]:
-    """Max abs and relative difference of ``out`` from ``ref`` (both ``(N, K)``), and how many
-    predictions (argmax) differ: :func:`repmlp.deploy.conversion.compare_outputs` as a dict."""
-    from repmlp.deploy.conversion import compare_outputs
-
-    return compare_outputs(ref, out).as_dict()
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
@@ -173,13 +149,10 @@ def _ids_to_tensor(probe_ids: Tensor | Sequence, gallery_ids: Tensor | Sequence)
     if isinstance(probe_ids, Tensor) and isinstance(gallery_ids, Tensor):
         return probe_ids.reshape(-1).long(), gallery_ids.reshape(-1).long()
     codes: dict = {}
-    p = [codes.setdefault(_key(i), len(codes)) for i in probe_ids]
-    g = [codes.setdefault(_key(i), len(codes)) for i in gallery_ids]
+    key = lambda i: i.item() if isinstance(i, Tensor) else i  # noqa: E731 - a tensor's value, else the label
+    p = [codes.setdefault(key(i), len(codes)) for i in probe_ids]
+    g = [codes.setdefault(key(i), len(codes)) for i in gallery_ids]
     return torch.tensor(p, dtype=torch.long), torch.tensor(g, dtype=torch.long)
-
-
-def _key(i: object) -> object:
-    return i.item() if isinstance(i, Tensor) else i
 
 
 def rank1_identification(

@@ -12,12 +12,27 @@ line. The paper's settings (Sec. 4.1, 4.2):
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Recipe", "PRESETS", "DEFAULT_PRESET", "preset_for_model", "folder_batch_size", "folder_lr"]
+import timm
+
+from repmlp.data.folder import IMG_EXTENSIONS
+from repmlp.data.for_model import folder_preprocessing
+from repmlp.data.inputs import not_regular, walk_files
+from repmlp.errors import UserError
+from repmlp.models.registry import resolve_model
+from repmlp.tasks.finetune import init_preprocessing
+
+__all__ = ["Recipe", "PRESETS", "DEFAULT_PRESET", "preset_for_model", "folder_batch_size", "folder_lr",
+           "folder_recipe", "model_input"]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +79,6 @@ PRESETS: dict[str, Recipe] = {
         weight_decay=5e-5,
         warmup_epochs=0.5,
         label_smoothing=0.1,
-        # The stem's matmul and the 1x1 FCs run channels_last; the Local Perceptron's convs pick their own
-        # layout (layers.LayoutConv2d).
         channels_last=True,
     ),
     "cifar": Recipe(model="repmlp_cifar", epochs=100, batch_size=128, lr=0.2, pad=4),
@@ -121,8 +134,115 @@ def folder_batch_size(batch: int, n_train: int) -> int:
 
 def folder_lr(lr: float, batch: int, fitted: int) -> float:
     """The peak learning rate for a batch fitted down from the recipe's ``batch`` to ``fitted``
-    (:func:`folder_batch_size`): ``lr`` scaled by ``sqrt(fitted / batch)``, the square-root rule that keeps
+    (:func:`folder_batch_size`): ``lr`` scaled by ``sqrt(fitted / batch)``, the square-root rule, which keeps
     the gradient noise of the smaller batch in check (the linear rule slows a short fine-tuning run down:
-    on 400 Fashion-MNIST PNGs of 4 classes, batch 32, 5 epochs, 90.5% top-1 at lr 0.1 against 81.5% at the
-    recipe's 0.2 and 38% at the linear rule's 0.025 after 2 epochs; docs/using.md)."""
+    docs/using.md)."""
     return round(lr * math.sqrt(fitted / batch), 6) if fitted < batch else lr
+
+
+def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An image folder's new run: ``(preset, values)`` of its :class:`~repmlp.tasks.classification.TrainConfig`
+    not in ``options`` (those given win), said in one log line.
+
+    The input (channels, size, normalisation) is the ``init`` file's, else the model's own (:func:`model_input`:
+    ``repmlp_fmnist`` takes 1x28x28, not the ``imagenet`` preset's 224x224 RGB). Without ``preset`` the recipe
+    is that model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's
+    size (:func:`folder_batch_size`, with :func:`folder_lr`)."""
+    init, preset = options.get("init"), options.get("preset")
+    name = options.get("model") or PRESETS[preset or "imagenet"].model
+    size, whose, basis, values = _folder_input(
+        name, options.get("model_args", {}), init, options.get("img_size")
+    )
+    preset, why = (preset, "--preset") if preset else preset_for_model(*basis)
+    recipe = PRESETS[preset]
+    said = [f"recipe {preset} ({why})"]
+    if size:
+        img = options.get("img_size") or values.get("img_size") or recipe.img_size
+        said.append(
+            f"input {values['channels']}x{img}x{img}" + ("" if "img_size" in options else f" ({whose})")
+        )
+    at_most = min(options.get("train_limit") or math.inf, recipe.batch_size * FOLDER_COUNT_STEPS)
+    n = _count_images(options.get("data_dir"), at_most) if "batch_size" not in options else None
+    if n:
+        values["batch_size"] = batch = folder_batch_size(recipe.batch_size, n)
+        said.append(f"batch {batch} ({max(1, n // batch)} steps an epoch on {n} training images)")
+        if batch < recipe.batch_size and "lr" not in options:
+            values["lr"] = lr = folder_lr(recipe.lr, recipe.batch_size, batch)
+            said.append(f"lr {lr:.3g} (the recipe's {recipe.lr:g} x sqrt({batch}/{recipe.batch_size}))")
+    log.info("image folder: %s; options given on the command line win", ", ".join(said))
+    return preset, values
+
+
+# How far an image folder's training images are counted: enough batches for any preset.
+FOLDER_COUNT_STEPS = 16
+
+
+def _folder_input(
+    name: str, model_args: dict[str, Any], init: str | None, img_size: int | None
+) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:
+    """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model
+    ``name`` or of the ``init`` file: its channels (1 or 3) and, unless ``img_size`` is given, its size
+    (``values["img_size"]``); the ``init`` file's recorded normalisation and evaluation resize."""
+    if init:
+        pre = init_preprocessing(init)
+        size, whose, flag = pre["input_size"], "the --init file's", f"--init {init}"
+        basis, hint = (pre["model"], size, pre["dataset"]), "pass --model to train another model from scratch"
+    else:
+        size = model_input(name, model_args)  # None: a model without a known input (torchvision's)
+        whose, flag, basis = f"{name}'s", name, (name, size, None)
+        hint = "pass --model-arg in_chans=1 or in_chans=3"
+    values: dict[str, Any] = {}
+    if size:
+        c, h, w = size
+        if c not in (1, 3):
+            raise UserError(
+                f"{flag} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): {hint}"
+            )
+        values["channels"] = c
+        if img_size is None and h != w and init:
+            raise UserError(f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)")
+        if img_size is None and h == w:
+            values["img_size"] = h
+    # What `repmlp eval` reads a folder with for that file: its normalisation and evaluation resize.
+    evaluation = (
+        folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], values.get("channels", 3))
+        if init
+        else None
+    )
+    if evaluation:
+        values.update(eval_preprocessing=evaluation, mean=evaluation["mean"], std=evaluation["std"])
+    return size, whose, basis, values
+
+
+def model_input(name: str, model_args: dict[str, Any] | None) -> tuple[int, int, int] | None:
+    """``(C, H, W)`` model ``name`` takes with ``model_args``: their ``in_chans``/``img_size``, else its timm
+    config's input size; ``None`` when no config knows (a torchvision model)."""
+    try:
+        source, bare = resolve_model(name)
+    except ValueError:
+        return None
+    size = getattr(timm.get_pretrained_cfg(bare), "input_size", None) if source != "torchvision" else None
+    if not size:
+        return None
+    args = model_args or {}
+    c, h, w = (int(s) for s in size)
+    given = args.get("img_size")
+    h, w = (given, given) if isinstance(given, int) else given if isinstance(given, (list, tuple)) else (h, w)
+    return (args["in_chans"] if isinstance(args.get("in_chans"), int) else c), int(h), int(w)
+
+
+def _count_images(data_dir: str | None, at_most: float) -> int | None:
+    """The training images of image folder ``data_dir``, counted up to ``at_most``; ``None`` when the folder
+    cannot be read (building the data then says what is wrong)."""
+    if not data_dir:
+        return None
+    n = 0
+    try:
+        for folder in sorted((Path(os.path.expanduser(data_dir)) / "train").iterdir()):
+            if not folder.name.startswith(".") and not_regular(folder) == "a folder":
+                n += len(walk_files(folder, IMG_EXTENSIONS)[0])
+                if n >= at_most:
+                    break
+    except OSError:
+        return None
+    return int(min(n, at_most)) or None

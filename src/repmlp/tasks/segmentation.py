@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,42 +26,49 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, CityscapesSegmentation
 from repmlp.engine import (
     DistInfo,
     all_reduce_sum,
+    check_output,
     cleanup_distributed,
+    prepare_module,
     progress,
+    run_in_processes,
     setup_distributed,
+    train_loop,
     unwrap,
 )
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, compare_state, read_model_file
 from repmlp.models.pspnet import PSPNet
 from repmlp.models.registry import build_model
+from repmlp.nn.block import RepMLPBlock
 from repmlp.tasks._common import (
-    EvalOptions,
-    TrainOptions,
-    check_train_options,
+    RunResult,
     evaluate_both_forms,
+    finish_run,
     load_for_eval,
-    model_options,
+    loop_options,
     non_finite,
     per_process_batch,
     require_task_model,
     resolve_img_size,
-    save_run,
-    start_run,
     training_loader,
     write_json,
 )
-from repmlp.tasks.finetune import report_lines
+from repmlp.tasks.config import EvalOptions, TrainOptions
+from repmlp.tasks.finetune import file_sha256
+from repmlp.tasks.losses import pspnet_loss
+from repmlp.tasks.metrics import confusion_matrix, iou_from_confusion
 
 __all__ = [
+    "TrainConfig",
+    "EvalConfig",
     "train",
     "evaluate",
     "poly_lr",
     "sliding_window_logits",
-    "predict",
     "segmentation_metrics",
 ]
 
@@ -72,30 +80,42 @@ def poly_lr(base: float, iteration: int, max_iterations: int, power: float = 0.9
     return base * (1.0 - min(iteration, max_iterations) / max_iterations) ** power
 
 
-@dataclass
-class SegTrainConfig(TrainOptions):
-    """``repmlp train --task seg``: the shared training options and PSPNet's own."""
+@dataclass(kw_only=True)
+class TrainConfig(TrainOptions):
+    """``repmlp train --task seg``: the shared training options, PSPNet's recipe as defaults, and its own."""
 
-    epochs: int
-    iterations: int | None
-    power: float
-    head_lr_mult: float
-    crop_size: int | None
-    scale_min: float
-    scale_max: float
-    aux_weight: float
-    train_split: str
+    data_dir: str  # a Cityscapes root (leftImg8bit/ and gtFine/ with labelTrainIds)
+    model: str = "pspnet_repmlp_res50"
+    batch_size: int = 16
+    lr: float = 0.01
+    weight_decay: float = 1e-4
+    epochs: int = 200
+    iterations: int | None = None  # None: from epochs
+    power: float = 0.9  # of the poly learning rate
+    head_lr_mult: float = 10.0  # the PSP and auxiliary heads' learning rate, as a multiple of lr (PSPNet's)
+    crop_size: int | None = None  # the model's img_size (None: --model-arg img_size, else 713)
+    scale_min: float = 0.5
+    scale_max: float = 2.0
+    aux_weight: float = 0.4
+    train_split: str = "train"
+    log_interval: int = 20
+
+    def rules(self) -> Iterator[tuple[str, str]]:
+        if self.scale_min > self.scale_max:
+            yield "scale_min", f"--scale-min {self.scale_min} is larger than --scale-max {self.scale_max}"
 
 
-@dataclass
-class SegEvalConfig(EvalOptions):
+@dataclass(kw_only=True)
+class EvalConfig(EvalOptions):
     """``repmlp eval --task seg``: a split of a Cityscapes folder, sliding-window or whole images."""
 
     data_dir: str
-    split: str
-    mode: str
-    crop_size: int | None
-    val_limit: int | None
+    split: str = "val"
+    mode: str = "slide"
+    crop_size: int | None = None  # None: the model's img_size
+    val_limit: int | None = None
+    check_conversion: bool = False
+    output_json: str | None = None
 
 
 class SegTrainModule(nn.Module):
@@ -106,38 +126,25 @@ class SegTrainModule(nn.Module):
         self.model, self.aux_weight = model, aux_weight
 
     def forward(self, images: Tensor, labels: Tensor) -> Tensor:
-        from repmlp.data.cityscapes import IGNORE_INDEX
-        from repmlp.tasks.losses import pspnet_loss
-
         out = self.model(images)
         main, aux = out if isinstance(out, tuple) else (out, None)
         return pspnet_loss(main, aux, labels, aux_weight=self.aux_weight, ignore_index=IGNORE_INDEX)
 
 
 def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[str, Any]]:
+    """The backbone's parameters, then the heads' (their learning rate ``head_mult`` times the backbone's)."""
     backbone = getattr(model, "backbone", None)
     back_ids = {id(p) for p in backbone.parameters()} if backbone is not None else set()
     back = [p for p in model.parameters() if id(p) in back_ids]
     head = [p for p in model.parameters() if id(p) not in back_ids]
-    return [
-        {"params": back, "weight_decay": wd, "lr_mult": 1.0},
-        {"params": head, "weight_decay": wd, "lr_mult": head_mult},
-    ]
+    return [{"params": back, "weight_decay": wd, "lr_mult": 1.0}, {"params": head, "weight_decay": wd,
+                                                                     "lr_mult": head_mult}]  # fmt: skip
 
 
-def check_options(args: SegTrainConfig) -> None:
-    """Option checks of a segmentation run (one :class:`UserError` each), before anything is loaded."""
-    check_train_options(args)
-    if args.scale_min > args.scale_max:
-        raise UserError(f"--scale-min {args.scale_min} is larger than --scale-max {args.scale_max}")
-
-
-def train(args: SegTrainConfig) -> int:
-    """``repmlp train --task seg``: train PSPNet, save the training-form and converted models."""
-    from repmlp.engine import run_in_processes
-
-    check_options(args)
-    return run_in_processes(args, _train)
+def train(cfg: TrainConfig) -> RunResult:
+    """``repmlp train --task seg``: train PSPNet, then save the training-form and converted models and the report."""
+    cfg.validate()
+    return run_in_processes(cfg, _train)
 
 
 def _is_reinitialised(key: str) -> bool:
@@ -173,107 +180,75 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
 
 
 def _build(
-    args: SegTrainConfig, kwargs: dict[str, Any], procs: DistInfo
+    cfg: TrainConfig, kwargs: dict[str, Any], procs: DistInfo
 ) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The PSPNet of ``args``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
+    """The PSPNet of ``cfg``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
     it and what was loaded (``None`` without ``--init``)."""
-    from repmlp.tasks.finetune import file_sha256
-
-    model, _ = build_model(args.model, kwargs)
-    require_task_model(model, "seg", args.model)
-    if not args.init:
+    model, _ = build_model(cfg.model, kwargs)
+    require_task_model(model, "seg", cfg.model)
+    if not cfg.init:
         return model, None
-    report = load_backbone_weights(model, args.init, flag="--backbone-weights/--init")
-    init = {
-        "path": args.init,
-        "sha256": file_sha256(args.init),
-        "model": report["model"],
-        "loaded": len(report["loaded"]),
-        "reinitialised": report["reinitialised"],
-    }
+    report = load_backbone_weights(model, cfg.init, flag="--backbone-weights/--init")
+    init = {"path": cfg.init, "sha256": file_sha256(cfg.init), "model": report["model"],
+            "loaded": len(report["loaded"]), "reinitialised": report["reinitialised"]}  # fmt: skip
     if procs.is_main:
-        log.info(
-            "backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)",
-            len(report["loaded"]),
-            args.init,
-            len(report["reinitialised"]),
-        )
+        log.info("backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)", init["loaded"], cfg.init,
+                 len(init["reinitialised"]))  # fmt: skip
     return model, init
 
 
-def _check_batches(args: SegTrainConfig, procs: DistInfo, images: int) -> int:
+def _check_batches(cfg: TrainConfig, procs: DistInfo, images: int) -> int:
     """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
-    per_process = per_process_batch(args.batch_size, procs)
+    per_process = per_process_batch(cfg.batch_size, procs)
     sync_bn = procs.enabled and procs.device.type == "cuda"
-    if (args.batch_size if sync_bn else per_process) < 2:
+    if (cfg.batch_size if sync_bn else per_process) < 2:
         # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
         raise UserError(
-            f"--batch-size {args.batch_size} gives BatchNorm batches of 1 "
-            f"({'global' if sync_bn else 'per process'}); use at least 2"
-            + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
+            f"--batch-size {cfg.batch_size} gives BatchNorm batches of 1 ({'global' if sync_bn else 'per process'}); "
+            "use at least 2" + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
         )
-    if images < args.batch_size:
-        raise UserError(f"{images} training image(s) are fewer than --batch-size {args.batch_size}")
+    if images < cfg.batch_size:
+        raise UserError(f"{images} training image(s) are fewer than --batch-size {cfg.batch_size}")
     return per_process
 
 
-def _train(args: SegTrainConfig, procs: DistInfo) -> int:
-    from repmlp.data.cityscapes import CityscapesSegmentation
-    from repmlp.engine import prepare_module, train_loop, write_run_report
-
-    torch.manual_seed(args.seed)
-    kwargs = model_options(args)
+def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
+    torch.manual_seed(cfg.seed)
+    kwargs = dict(cfg.model_args)
     # The crops are the model's inputs: its RepMLPs are built for exactly that size.
-    crop = resolve_img_size(kwargs, "--crop-size", args.crop_size, 713)
-    dataset = CityscapesSegmentation(
-        args.data_dir, args.train_split, crop_size=crop, scale_range=(args.scale_min, args.scale_max)
-    )
-    per_process = _check_batches(args, procs, min(len(dataset), args.train_limit or len(dataset)))
-    model, init = _build(args, kwargs, procs)
-    loader = training_loader(dataset, args, procs, per_process)
-    max_it = args.iterations or args.epochs * len(loader)
-    mults = [1.0, args.head_lr_mult]  # the groups of _param_groups: backbone, heads
-    # Poly policy as a function of the step, each group at its multiple of --lr (head: --head-lr-mult).
-    opts, state = start_run(
-        args, procs, max_it, lambda step: [args.lr * m * poly_lr(1.0, step, max_it, args.power) for m in mults],
-        kwargs,
-    )  # fmt: skip
-    net = prepare_module(SegTrainModule(model, args.aux_weight), procs)
+    crop = resolve_img_size(kwargs, "--crop-size", cfg.crop_size, 713)
+    dataset = CityscapesSegmentation(cfg.data_dir, cfg.train_split, crop_size=crop,
+                                     scale_range=(cfg.scale_min, cfg.scale_max))  # fmt: skip
+    per_process = _check_batches(cfg, procs, min(len(dataset), cfg.train_limit or len(dataset)))
+    model, init = _build(cfg, kwargs, procs)
+    loader = training_loader(dataset, cfg, procs, per_process)
+    max_it = cfg.iterations or cfg.epochs * len(loader)
+    # Poly policy as a function of the step, the heads at --head-lr-mult times --lr.
+    opts = loop_options(cfg, procs, lambda step: [cfg.lr * m * poly_lr(1.0, step, max_it, cfg.power)
+                                                  for m in (1.0, cfg.head_lr_mult)],
+                        auto_graphs=False, iterations=max_it, log_interval=cfg.log_interval,
+                        extra_state={"model_kwargs": kwargs})  # fmt: skip
+    state = check_output(opts.output, cfg.resume, procs)
+    net = prepare_module(SegTrainModule(model, cfg.aux_weight), procs)
     model = unwrap(net).model
-    optimizer = torch.optim.SGD(_param_groups(model, args.weight_decay, args.head_lr_mult), lr=args.lr,
-                                momentum=args.momentum)  # fmt: skip
+    groups = _param_groups(model, cfg.weight_decay, cfg.head_lr_mult)
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if procs.is_main:
-        log.info(
-            "seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
-            loader.num_samples,
-            args.model,
-            sum(p.numel() for p in model.parameters()),
-            max_it,
-            len(loader),
-            procs.world,
-        )
+        log.info("seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
+                 loader.num_samples, cfg.model, sum(p.numel() for p in model.parameters()), max_it, len(loader),
+                 procs.world)  # fmt: skip
     loop = train_loop(net, optimizer, loader, opts, procs, state)
-    history = loop.history
-    if procs.is_main:
-        meta = {"task": "seg", "epochs": args.epochs, "iterations": max_it, "crop_size": crop}
-        input_size = (getattr(model, "in_chans", 3), crop, crop)
-        check = save_run(opts.output, model, args.model, kwargs, meta, history, input_size)
-        section = [
-            f"- Data: {loader.num_samples} images of {args.data_dir} ({args.train_split}), crops {crop}x{crop}, "
-            f"scale {args.scale_min:g}-{args.scale_max:g}",
-            f"- Model: `{args.model}` {kwargs}, auxiliary loss weight {args.aux_weight:g}",
-            f"- Recipe: {max_it} iterations, batch {args.batch_size}, SGD poly lr {args.lr:g} (power "
-            f"{args.power:g}, heads x{args.head_lr_mult:g}), momentum {args.momentum:g}, weight decay "
-            f"{args.weight_decay:g}, seed {args.seed}, {procs.world} process(es), "
-            f"{loop.mode} training step",
-            "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
-            "`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task seg`",
-            f"- Conversion: {check.summary()}",
-            *report_lines(init),
-        ]
-        write_run_report(opts.output, f"repmlp segmentation run: {args.model}", history, section)
-        return 0 if check.equivalent else 1
-    return 0
+    meta = {"task": "seg", "epochs": cfg.epochs, "iterations": max_it, "crop_size": crop}
+    lines = [
+        f"- Data: {loader.num_samples} images of {cfg.data_dir} ({cfg.train_split}), crops {crop}x{crop}, "
+        f"scale {cfg.scale_min:g}-{cfg.scale_max:g}",
+        f"- Model: `{cfg.model}` {kwargs}, auxiliary loss weight {cfg.aux_weight:g}",
+        f"- Recipe: {max_it} iterations, batch {cfg.batch_size}, SGD poly lr {cfg.lr:g} (power {cfg.power:g}, "
+        f"heads x{cfg.head_lr_mult:g}), momentum {cfg.momentum:g}, weight decay {cfg.weight_decay:g}, seed "
+        f"{cfg.seed}, {procs.world} process(es), {loop.mode} training step",
+    ]
+    input_size = (getattr(model, "in_chans", 3), crop, crop)
+    return finish_run(cfg, procs, loop, model, kwargs, meta, input_size, lines, init)
 
 
 @torch.no_grad()
@@ -317,31 +292,15 @@ def _logits(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int]
     return sliding_window_logits(model, image, crop, num_classes)
 
 
-@torch.no_grad()
-def predict(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
-    """Label map ``(N, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
-    return _logits(model, image, mode=mode, crop=crop, num_classes=num_classes).argmax(1)
-
-
 def segmentation_metrics(
-    model: nn.Module,
-    dataset,
-    *,
-    mode: str,
-    crop: tuple[int, int],
-    device: torch.device,
-    procs: DistInfo | None = None,
-    workers: int = 0,
-    what: str = "the model",
-) -> dict[str, Any]:
+    model: nn.Module, dataset, *, mode: str, crop: tuple[int, int], device: torch.device,
+    procs: DistInfo | None = None, workers: int = 0, what: str = "the model",
+) -> dict[str, Any]:  # fmt: skip
     """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images), summed confusion matrix.
 
     Raises :class:`NonFiniteOutput` naming ``what`` when the model's logits hold NaN/inf (on every
     process: the count is summed first, so no process is left waiting in a collective).
     """
-    from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES
-    from repmlp.tasks.metrics import confusion_matrix, iou_from_confusion
-
     procs = procs or DistInfo(device=device)
     indices = list(range(procs.rank, len(dataset), procs.world))
     subset = torch.utils.data.Subset(dataset, indices)
@@ -353,17 +312,18 @@ def segmentation_metrics(
             logits = _logits(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
             non_finite_images += (~torch.isfinite(logits)).any().long()
             confusion += confusion_matrix(logits.argmax(1), label.to(device), NUM_CLASSES, IGNORE_INDEX)
-    confusion = all_reduce_sum(confusion, procs)
+    confusion = all_reduce_sum(confusion, procs).cpu()
     if all_reduce_sum(non_finite_images, procs).item():
         raise non_finite(what)
-    miou, iou = iou_from_confusion(confusion.cpu())
+    miou, iou = iou_from_confusion(confusion)
+    per_class = {
+        name: None if math.isnan(v) else v for name, v in zip(CLASS_NAMES, iou.tolist(), strict=True)
+    }
     return {
         "miou": miou,
-        "per_class_iou": {
-            name: (None if math.isnan(v) else v) for name, v in zip(CLASS_NAMES, iou.tolist(), strict=True)
-        },
+        "per_class_iou": per_class,
         "images": len(dataset),
-        "confusion_matrix": confusion.cpu().tolist(),
+        "confusion_matrix": confusion.tolist(),
     }
 
 
@@ -374,63 +334,40 @@ def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, i
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-def _fixed_resolution(model: nn.Module) -> bool:
-    """Whether ``model`` holds RepMLPs, which take one input resolution only."""
-    from repmlp.nn.block import RepMLPBlock
-
-    return any(isinstance(m, RepMLPBlock) for m in model.modules())
-
-
-def evaluate(args: SegEvalConfig) -> int:
-    """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model."""
-    from repmlp.data.cityscapes import CityscapesSegmentation
-
-    procs = setup_distributed(args.device)
+def evaluate(cfg: EvalConfig) -> int:
+    """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model (and with
+    ``check_conversion`` the training form's), printed."""
+    cfg.validate()
+    procs = setup_distributed(cfg.device)
     try:
-        trained, deployed, meta = load_for_eval(args.checkpoint, procs.device, "seg")
-        if args.check_conversion and trained is None:
-            raise UserError(
-                "--check-conversion needs a training-form checkpoint (this one is already converted)"
-            )
-        dataset = CityscapesSegmentation(args.data_dir, args.split)
-        if args.val_limit:
-            dataset = torch.utils.data.Subset(dataset, range(min(args.val_limit, len(dataset))))
-        crop = _crop_of(meta.model_kwargs, args.crop_size)
-        if args.mode == "whole" and _fixed_resolution(deployed):  # checked before any progress bar
+        trained, deployed, meta = load_for_eval(cfg.checkpoint, procs.device, "seg")
+        dataset = CityscapesSegmentation(cfg.data_dir, cfg.split)
+        if cfg.val_limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(cfg.val_limit, len(dataset))))
+        crop = _crop_of(meta.model_kwargs, cfg.crop_size)
+        # RepMLPs take one input resolution only: checked before any progress bar.
+        if cfg.mode == "whole" and any(isinstance(m, RepMLPBlock) for m in deployed.modules()):
             h, w = _crop_of(meta.model_kwargs, None)
-            raise UserError(
-                f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
-                "use --mode slide"
-            )
-        common = dict(mode=args.mode, crop=crop, device=procs.device, procs=procs, workers=args.workers)
-        metrics: dict[str, Any] = {
-            "checkpoint": str(args.checkpoint),
-            "model": meta.name,
-            "form_evaluated": "deploy",
-            "mode": args.mode,
-            "crop": list(crop),
-        }
-        metrics.update(
-            evaluate_both_forms(
-                lambda model, what: segmentation_metrics(model, dataset, what=what, **common),
-                trained,
-                deployed,
-                args.check_conversion,
-            )
-        )
-        if procs.is_main and args.json:
+            raise UserError(f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
+                            "use --mode slide")  # fmt: skip
+        common = dict(mode=cfg.mode, crop=crop, device=procs.device, procs=procs, workers=cfg.workers)
+        metrics: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "model": meta.name,
+                                   "form_evaluated": "deploy", "mode": cfg.mode, "crop": list(crop)}  # fmt: skip
+        metrics.update(evaluate_both_forms(
+            lambda model, what: segmentation_metrics(model, dataset, what=what, **common), trained, deployed,
+            cfg.check_conversion))  # fmt: skip
+        if procs.is_main and cfg.json:
             print(json.dumps(metrics, sort_keys=True))
         elif procs.is_main:
             print(
-                f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images "
-                f"({args.mode}, crop {crop[0]})"
+                f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images ({cfg.mode}, crop {crop[0]})"
             )
             for name, v in metrics["per_class_iou"].items():
                 print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
-            if "train_form" in metrics:
-                print(f"training form mIoU: {100 * metrics['train_form']['miou']:.2f}%")
-        if procs.is_main and args.output_json:
-            write_json(Path(args.output_json), metrics)
+            if "training_time" in metrics:
+                print(f"training form mIoU: {100 * metrics['training_time']['miou']:.2f}%")
+        if procs.is_main and cfg.output_json:
+            write_json(Path(cfg.output_json), metrics)
         return 0
     finally:
         cleanup_distributed()

@@ -17,14 +17,27 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import multiprocessing
+import os
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repmlp.errors import UserError
+import torch
+from tqdm import tqdm
+
+from repmlp.bench.counts import profile_model
+from repmlp.engine import STATE_FILE, check_resumable, resolve_device
 from repmlp.io.model_file import atomic_write_text
+from repmlp.io.state import load_state
+from repmlp.tasks.classification import TrainConfig, train
+from repmlp.tasks.config import TaskConfig
+from repmlp.tasks.recipes import PRESETS
 
 __all__ = ["Row", "ROWS", "StudyOptions", "train_study", "train_config", "train_one", "start_order"]
 
@@ -71,9 +84,9 @@ CLAIMS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-@dataclass
-class StudyOptions:
-    """The command's options; :meth:`validate` raises :class:`UserError` for bad ones."""
+@dataclass(kw_only=True)
+class StudyOptions(TaskConfig):
+    """The command's options (checked by :meth:`validate`)."""
 
     output: str
     dataset: str = "fashion-mnist"
@@ -89,38 +102,13 @@ class StudyOptions:
     compile: str = "auto"  # a runtime option of every run (repmlp train --compile)
     jobs: int = 1  # runs trained at once, each in its own process (not a training option)
 
-    def validate(self) -> None:
-        checks = [
-            (
-                self.dataset in DATASETS,
-                f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}",
-            ),
-            (
-                self.preset in STUDY_PRESETS,
-                f"--preset must be one of {', '.join(STUDY_PRESETS)}, got {self.preset!r}",
-            ),
-            (self.seeds >= 1, f"--seeds must be at least 1, got {self.seeds}"),
-            (self.epochs >= 1, f"--epochs must be at least 1, got {self.epochs}"),
-            (
-                math.isfinite(self.width_multiplier) and self.width_multiplier > 0,
-                f"--width-multiplier must be positive, got {self.width_multiplier}",
-            ),
-            (
-                self.train_limit is None or self.train_limit >= 1,
-                f"--train-limit must be >= 1, got {self.train_limit}",
-            ),
-            (
-                self.val_limit is None or self.val_limit >= 1,
-                f"--val-limit must be >= 1, got {self.val_limit}",
-            ),
-            (self.bench_batch_size >= 1, f"--bench-batch-size must be >= 1, got {self.bench_batch_size}"),
-            (self.jobs >= 1, f"--jobs must be at least 1, got {self.jobs}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise UserError(msg)
+    def rules(self) -> Iterator[tuple[str, str]]:
+        if self.dataset not in DATASETS:
+            yield "dataset", f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}"
+        if self.preset not in STUDY_PRESETS:
+            yield "preset", f"--preset must be one of {', '.join(STUDY_PRESETS)}, got {self.preset!r}"
         if self.dataset == "cifar10" and self.data_dir is None:
-            raise UserError("--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)")
+            yield "data_dir", "--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)"
 
     def model_args(self) -> dict[str, Any]:
         return {"width_multiplier": self.width_multiplier} if self.width_multiplier != 1.0 else {}
@@ -135,75 +123,39 @@ def trained_rows() -> list[Row]:
 
 
 # ------------------------------------------------------------------- the one coupling to training
-def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path):
-    """The classification :class:`~repmlp.train.TrainConfig` of one run: the study's preset, scaled.
-
-    Fashion-MNIST goes through ``img_size=32`` (zero-padded to the paper's resolution, one channel).
-    The preset's own model and epochs are replaced by the row's and the study's.
-    """
-    from repmlp.engine import resolve_device
-    from repmlp.tasks.classification import TrainConfig
-    from repmlp.tasks.recipes import PRESETS
-
+def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> TrainConfig:
+    """The classification config of one run: the study's preset with the row's model and the study's epochs,
+    limits and widths; Fashion-MNIST zero-padded to the paper's 32x32 (one channel). The end of the run
+    skips the ONNX export and the benchmark (the study times all rows side by side instead)."""
     recipe = PRESETS[opts.preset].to_dict()
-    recipe.update(
-        model=model,
-        model_args=opts.model_args(),
-        epochs=opts.epochs,
-        img_size=IMG_SIZE if opts.dataset == "fashion-mnist" else None,
-        train_limit=opts.train_limit,
-        val_limit=opts.val_limit,
-    )
+    recipe.update(model=model, model_args=opts.model_args(), epochs=opts.epochs,
+                  img_size=IMG_SIZE if opts.dataset == "fashion-mnist" else None)  # fmt: skip
     return TrainConfig(
-        **recipe,
-        dataset=opts.dataset,
-        data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None,
-        preset=opts.preset,
-        seed=seed,
-        device=opts.device,
-        # Resolved as run_training saves it (AMP on CUDA), so a run killed under `repmlp train` compares equal.
-        amp=resolve_device(opts.device).type == "cuda",
-        compile=opts.compile,
-        output=str(run_dir),
-    )
+        **recipe, dataset=opts.dataset, data_dir=str(Path(opts.data_dir).resolve()) if opts.data_dir else None,
+        preset=opts.preset, seed=seed, train_limit=opts.train_limit, val_limit=opts.val_limit, device=opts.device,
+        # Resolved as train saves it (AMP on CUDA), so that a run killed under `repmlp train` compares equal.
+        amp=resolve_device(opts.device).type == "cuda", compile=opts.compile, output=str(run_dir),
+        no_export=True, no_bench=True, run_command=["repmlp", "study", "ablation"],
+    )  # fmt: skip
 
 
 def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[str, Any]:
-    """Train (or resume, or reuse) one run into ``run_dir``; returns its ``result.json`` content.
-
-    The only place that calls the training code: :func:`repmlp.train.run_training` with ``resume`` when
-    the folder holds a checkpoint (a killed run, or a finished one whose final steps did not complete),
-    then :func:`repmlp.pipeline.finish_run` (conversion, equivalence check, report) without ONNX export
-    and benchmark (the study times all rows side by side instead).
-    """
-    from repmlp.engine import STATE_FILE
-    from repmlp.io.state import load_state
-    from repmlp.tasks.classification import TrainConfig, resumed_config, run_training
-    from repmlp.tasks.classification_report import finish_run
-
+    """Train (or resume, or reuse) one run into ``run_dir`` with :func:`repmlp.tasks.classification.train`
+    (resumed when the folder holds a checkpoint: a killed run, or a finished one whose end did not
+    complete); returns its ``result.json`` content."""
     cfg = train_config(model, seed, opts, run_dir)
     result_path = run_dir / RESULT_FILE
-    if result_path.is_file():
-        # Reuse only a run of these very options: resumed_config refuses a different recipe or model.
-        resumed_config(TrainConfig.from_dict(load_state(run_dir / STATE_FILE)["config"]), cfg, None, run_dir)
+    if result_path.is_file():  # reused only if trained with these very options
+        check_resumable(
+            load_state(run_dir / STATE_FILE)["config"], cfg.to_dict(), run_dir, runtime=cfg.RUNTIME
+        )
         return json.loads(result_path.read_text())
-    started = time.perf_counter()
-    resume = (run_dir / STATE_FILE).is_file()
-    result = run_training(cfg, resume=resume, given=None, finished_ok=True)
-    equivalent = finish_run(
-        result, command=["repmlp", "study", "ablation"], started=started, export=False, bench=False
-    )
+    cfg.resume = (run_dir / STATE_FILE).is_file()
+    result = train(cfg, finished_ok=True)
     last = result.history[-1]
-    out = {
-        "model": model,
-        "seed": seed,
-        "top1": last["val_top1"],
-        "top5": last["val_top5"],
-        "train_seconds": sum(r["epoch_s"] for r in result.history),
-        "equivalent": bool(equivalent),
-        "val_examples": result.data.val.num_samples,
-        "train_examples": result.data.train.num_samples,
-    }
+    out = {"model": model, "seed": seed, "top1": last["val_top1"], "top5": last["val_top5"],
+           "train_seconds": sum(r["epoch_s"] for r in result.history), "equivalent": result.ok,
+           "val_examples": result.data.val.num_samples, "train_examples": result.data.train.num_samples}  # fmt: skip
     atomic_write_text(result_path, json.dumps(out, indent=2) + "\n")
     return out
 
@@ -218,8 +170,6 @@ def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[
 
     :func:`repmlp.tasks.study_report.write_report` then measures the rows and writes the report.
     """
-    from tqdm import tqdm
-
     opts.validate()
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,11 +183,8 @@ def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[
     for (row, _), result in zip(jobs, _run_all(args, opts.jobs, bar, order), strict=True):
         results[row.key].append(result)
     bar.close()
-    log.info(
-        "all %d runs done in %.0f s; measuring the rows' sizes and speed ...",
-        len(jobs),
-        time.perf_counter() - started,
-    )
+    log.info("all %d runs done in %.0f s; measuring the rows' sizes and speed ...", len(jobs),
+             time.perf_counter() - started)  # fmt: skip
     return results
 
 
@@ -254,8 +201,6 @@ def start_order(jobs: list[tuple[Row, int]], opts: StudyOptions) -> list[int]:
 def _training_macs(model: str, opts: StudyOptions) -> int:
     """Multiply-accumulates of one image through the training-time network: the study's estimate of a
     run's cost (the same on every machine, so the order of the runs is too)."""
-    from repmlp.bench.counts import profile_model
-
     in_chans = 1 if opts.dataset == "fashion-mnist" else 3
     size = (in_chans, IMG_SIZE, IMG_SIZE)
     kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
@@ -272,12 +217,6 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
             out[i] = train_one(*args[i])
             bar.update(1)
         return out  # type: ignore[return-value]
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    import torch
-
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("repmlp").getEffectiveLevel()
     # spawn: a forked child would inherit this process's OpenMP pool and locks.
@@ -301,10 +240,6 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
 def _worker_init(threads: int, level: int, parent: int) -> None:
     """A study worker: its share of the CPU threads, the parent's log level to stderr, and its end with the
     study process ``parent``."""
-    import sys
-
-    import torch
-
     torch.set_num_threads(threads)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -323,8 +258,6 @@ def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     so the run resumes from its last one. ``parent`` comes from the study process itself: a worker that
     starts after the study was killed already has another parent (init or a subreaper), and ends at once.
     """
-    import os
-    import threading
 
     def watch() -> None:
         while os.getppid() == parent:  # a reparented orphan sees another parent (init or a subreaper)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 import statistics
 import time
@@ -10,21 +11,18 @@ from typing import Any
 
 import torch
 
+from repmlp.bench.throughput import benchmark
+from repmlp.engine import hardware_summary, resolve_device
 from repmlp.engine.report import save_figure
 from repmlp.io.model_file import atomic_write_text
-from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, StudyOptions, trained_rows
+from repmlp.models.registry import create_model
+from repmlp.tasks.recipes import PRESETS
+from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, Row, StudyOptions, trained_rows
 
-__all__ = [
-    "write_report",
-    "describe_recipe",
-    "summarize",
-    "val_curves",
-    "check_claims",
-    "measure_rows",
-    "plot_study",
-]
+__all__ = ["write_report", "describe_recipe", "summarize", "check_claims"]
 
 log = logging.getLogger(__name__)
+_DATE = "%Y-%m-%d %H:%M:%S %Z"
 
 
 def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -32,21 +30,15 @@ def summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
     out = {}
     for key, runs in results.items():
         top1 = [float(r["top1"]) for r in runs]
-        out[key] = {
-            "top1": top1,
-            "mean": statistics.fmean(top1),
-            "std": statistics.stdev(top1) if len(top1) > 1 else 0.0,
-            "equivalent": all(r.get("equivalent", False) for r in runs),
-            "train_seconds": sum(float(r.get("train_seconds", 0.0)) for r in runs),
-        }
+        out[key] = {"top1": top1, "mean": statistics.fmean(top1), "std": statistics.stdev(top1) if len(top1) > 1
+                    else 0.0, "equivalent": all(r.get("equivalent", False) for r in runs),
+                    "train_seconds": sum(float(r.get("train_seconds", 0.0)) for r in runs)}  # fmt: skip
     return out
 
 
-def val_curves(out: Path, seeds: int) -> dict[str, list[list[float]]]:
+def _val_curves(out: Path, seeds: int) -> dict[str, list[list[float]]]:
     """Per trained row: each seed's validation top-1 (%) after every epoch, read from its run's
     ``metrics.csv`` (so finished runs of any version count)."""
-    import csv
-
     curves: dict[str, list[list[float]]] = {}
     for row in trained_rows():
         curves[row.key] = []
@@ -71,83 +63,63 @@ def check_claims(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     paper = {row.key: row.paper_top1 for row in ROWS}
     checks = []
     for claim, better, worse in CLAIMS:
-        gap = stats[better]["mean"] - stats[worse]["mean"]
-        spread = stats[better]["std"] + stats[worse]["std"]
-        checks.append(
-            {
-                "claim": claim,
-                "gap": gap,
-                "paper_gap": paper[better] - paper[worse],
-                "holds": gap > 0,
-                "clear": abs(gap) > spread
-                if min(len(stats[better]["top1"]), len(stats[worse]["top1"])) > 1
-                else None,
-            }
-        )
+        a, b = stats[better], stats[worse]
+        gap = a["mean"] - b["mean"]
+        clear = abs(gap) > a["std"] + b["std"] if min(len(a["top1"]), len(b["top1"])) > 1 else None
+        checks.append({"claim": claim, "gap": gap, "paper_gap": paper[better] - paper[worse], "holds": gap > 0,
+                       "clear": clear})  # fmt: skip
     return checks
 
 
-def measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dict[tuple[str, bool], Any]:
-    """Params, MACs and speed of every row's network, training-time and deployed, timed side by side.
-
-    Speed does not depend on the weights, so freshly built networks are timed (interleaved rounds, see
-    :func:`repmlp.bench.throughput.benchmark`); keys are ``(model name, deployed)``.
-    """
-    from repmlp.bench.throughput import benchmark
-    from repmlp.models.registry import create_model
-
+def _measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dict[tuple[str, bool], Any]:
+    """Params, MACs and speed of every row's network, training-time and deployed, timed side by side
+    (freshly built: speed does not depend on the weights); keys are ``(model name, deployed)``."""
     kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
     torch.manual_seed(0)
     models = {row.model: create_model(row.model, **kwargs) for row in trained_rows()}
-    rows = benchmark(
-        models, (in_chans, IMG_SIZE, IMG_SIZE), opts.bench_batch_size, device=device, warmup=1, repeats=5
-    )
+    size = (in_chans, IMG_SIZE, IMG_SIZE)
+    rows = benchmark(models, size, opts.bench_batch_size, device=device, warmup=1, repeats=5)
     return {(r.model, r.form == "deploy"): r for r in rows}
 
 
-def plot_study(
+def _label(row: Row) -> str:
+    return "Pure MLP (=A)" if row.key == "pure_mlp" else row.label
+
+
+def _plot(
     stats: dict[str, dict[str, Any]], curves: dict[str, list[list[float]]], path: Path, title: str
 ) -> None:
     """Left: every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10
     (x). Right: each row's validation top-1 after every epoch, mean over seeds (line) and range (band)."""
-    import matplotlib
+    import matplotlib  # optional (repmlp[plots]); imported here, by the one step that needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    from matplotlib.ticker import MaxNLocator
 
     rows = trained_rows()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": (3, 2)})
     for i, row in enumerate(rows):
-        s = stats[row.key]
+        s, first = stats[row.key], i == 0
         n = len(s["top1"])
         xs = [i - 0.12 + 0.24 * k / max(1, n - 1) for k in range(n)] if n > 1 else [i]
-        ax.scatter(xs, s["top1"], color="tab:blue", alpha=0.6, s=18, label="one run" if i == 0 else None)
-        ax.errorbar(
-            i + 0.25,
-            s["mean"],
-            yerr=s["std"],
-            fmt="o",
-            color="tab:red",
-            capsize=4,
-            label="mean ± std" if i == 0 else None,
-        )
-        ax.scatter(i, row.paper_top1, marker="x", color="black", label="paper, CIFAR-10" if i == 0 else None)
-    labels = ["Pure MLP (=A)" if r.key == "pure_mlp" else r.label for r in rows]
-    ax.set_xticks(range(len(rows)), labels, rotation=15, ha="right")
+        ax.scatter(xs, s["top1"], color="tab:blue", alpha=0.6, s=18, label="one run" if first else None)
+        ax.errorbar(i + 0.25, s["mean"], yerr=s["std"], fmt="o", color="tab:red", capsize=4,
+                    label="mean ± std" if first else None)  # fmt: skip
+        ax.scatter(i, row.paper_top1, marker="x", color="black", label="paper, CIFAR-10" if first else None)
+        runs = curves[row.key]
+        epochs = range(1, len(runs[0]) + 1)
+        (line,) = ax2.plot(epochs, _epoch_means(runs), marker="o", markersize=3, label=_label(row))
+        per_epoch = list(zip(*runs, strict=True))
+        ax2.fill_between(epochs, [min(v) for v in per_epoch], [max(v) for v in per_epoch], color=line.get_color(),
+                         alpha=0.15)  # fmt: skip
+    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], rotation=15, ha="right")
     ax.set(ylabel="top-1 accuracy (%)", title=title)
     ax.grid(alpha=0.3, axis="y")
     # Below the axes, under the row names: inside it could hide a run.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
-    for label, row in zip(labels, rows, strict=True):
-        runs = curves[row.key]
-        epochs = range(1, len(runs[0]) + 1)
-        (line,) = ax2.plot(epochs, _epoch_means(runs), marker="o", markersize=3, label=label)
-        per_epoch = list(zip(*runs, strict=True))
-        lows, highs = [min(v) for v in per_epoch], [max(v) for v in per_epoch]
-        ax2.fill_between(epochs, lows, highs, color=line.get_color(), alpha=0.15)
     ax2.set(xlabel="epoch", ylabel="validation top-1 (%)", title="learning curves (mean, range over seeds)")
-    ax2.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -156,125 +128,86 @@ def plot_study(
 
 def describe_recipe(preset: str) -> str:
     """One line naming a preset and the values a study run takes from it (epochs and model are the study's)."""
-    from repmlp.tasks.recipes import PRESETS
-
     r = PRESETS[preset]
     whose = "the paper's CIFAR recipe" if preset == "cifar" else "the main job's recipe"
-    parts = [
-        f"{r.optimizer.upper()} momentum {r.momentum:g}" + (" (Nesterov)" if r.nesterov else ""),
-        f"batch {r.batch_size}",
-        f"{r.schedule} lr {r.lr:g} -> {r.min_lr:g}"
-        + (f" after {r.warmup_epochs:g} epochs of linear warm-up" if r.warmup_epochs else ""),
-        f"weight decay {r.weight_decay:g}",
-    ]
-    if r.label_smoothing:
-        parts.append(f"label smoothing {r.label_smoothing:g}")
+    warmup = f" after {r.warmup_epochs:g} epochs of linear warm-up" if r.warmup_epochs else ""
+    parts = [f"{r.optimizer.upper()} momentum {r.momentum:g}" + (" (Nesterov)" if r.nesterov else ""),
+             f"batch {r.batch_size}", f"{r.schedule} lr {r.lr:g} -> {r.min_lr:g}{warmup}",
+             f"weight decay {r.weight_decay:g}"] + ([f"label smoothing {r.label_smoothing:g}"] if r.label_smoothing
+                                                    else [])  # fmt: skip
     augment = ([f"{r.pad}-pixel pad + random crop"] if r.pad else []) + (["flip"] if r.flip else [])
     parts.append(" + ".join(augment) if augment else "no augmentation")
     return f"{whose} (preset `{preset}`: {', '.join(parts)})"
 
 
-def _device(name: str) -> torch.device:
-    return torch.device(
-        "cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name
-    )
-
-
-def _table(stats: dict[str, dict[str, Any]], measured: dict[tuple[str, bool], Any]) -> list[str]:
-    lines = [
-        "| row | top-1 (%) mean ± std | runs' top-1 (%) | params (M) | MACs (M) | speed (examples/s) "
-        "| paper top-1 (%) | paper MACs (M) | paper params (M) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+def _tables(
+    stats: dict[str, dict[str, Any]], measured: dict, curves: dict[str, list[list[float]]]
+) -> list[str]:
+    """The report's three tables: the rows against the paper's, its orderings, the learning curves (at most
+    10 epochs, evenly spaced and always the last, so that 100 epochs stay one table)."""
+    lines = ["| row | top-1 (%) mean ± std | runs' top-1 (%) | params (M) | MACs (M) | speed (examples/s) "
+             "| paper top-1 (%) | paper MACs (M) | paper params (M) |", "|---" * 9 + "|"]  # fmt: skip
     for row in ROWS:
         s, m = stats[row.key], measured[(row.model, row.deployed)]
         runs = ", ".join(f"{a:.2f}" for a in s["top1"])
-        lines.append(
-            f"| {row.label} | {s['mean']:.2f} ± {s['std']:.2f} | {runs} | {m.params / 1e6:.3f} | "
-            f"{m.macs / 1e6:.2f} | {m.throughput:.0f} | {row.paper_top1:.2f} | {row.paper_macs_m:g} | "
-            f"{row.paper_params_m:g} |"
-        )
-    return lines
-
-
-def _curve_table(curves: dict[str, list[list[float]]], columns: int = 10) -> list[str]:
-    """At most ``columns`` epochs, evenly spaced and always the last, so that 100 epochs stay one table."""
-    epochs = len(next(iter(curves.values()))[0])
-    shown = sorted({round(epochs * (k + 1) / columns) for k in range(columns)} - {0} | {epochs})
-    lines = ["| row | " + " | ".join(f"epoch {e}" for e in shown) + " |", "|---" * (len(shown) + 1) + "|"]
-    for row in trained_rows():
-        means = _epoch_means(curves[row.key])
-        label = "Pure MLP (=A)" if row.key == "pure_mlp" else row.label
-        lines.append(f"| {label} | " + " | ".join(f"{means[e - 1]:.2f}" for e in shown) + " |")
-    return lines
-
-
-def _claims(stats: dict[str, dict[str, Any]]) -> list[str]:
-    lines = [
-        "| the paper's finding | our gap (points) | paper's gap (points) | holds here? |",
-        "|---|---|---|---|",
-    ]
+        lines.append(f"| {row.label} | {s['mean']:.2f} ± {s['std']:.2f} | {runs} | {m.params / 1e6:.3f} | "
+                     f"{m.macs / 1e6:.2f} | {m.throughput:.0f} | {row.paper_top1:.2f} | {row.paper_macs_m:g} | "
+                     f"{row.paper_params_m:g} |")  # fmt: skip
+    lines += ["", "## The paper's orderings", "", "'gap > spread': the difference of the means exceeds the sum of "
+              "the two standard deviations.", "", "| the paper's finding | our gap (points) | paper's gap (points) "
+              "| holds here? |", "|---|---|---|---|"]  # fmt: skip
+    spread = {True: " (gap > spread)", False: " (within spread)", None: " (one run: no spread)"}
     for c in check_claims(stats):
-        spread = {True: " (gap > spread)", False: " (within spread)", None: " (one run: no spread)"}
         verdict = ("yes" if c["holds"] else "no") + spread[c["clear"]]
         lines.append(f"| {c['claim']} | {c['gap']:+.2f} | {c['paper_gap']:+.2f} | {verdict} |")
+    epochs = len(next(iter(curves.values()))[0])
+    shown = sorted({round(epochs * (k + 1) / 10) for k in range(10)} - {0} | {epochs})
+    lines += ["", "## Validation top-1 (%) by epoch, mean over seeds", "",
+              "| row | " + " | ".join(f"epoch {e}" for e in shown) + " |", "|---" * (len(shown) + 1) + "|"]  # fmt: skip
+    for row in trained_rows():
+        means = _epoch_means(curves[row.key])
+        lines.append(f"| {_label(row)} | " + " | ".join(f"{means[e - 1]:.2f}" for e in shown) + " |")
     return lines
 
 
 def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
-    from repmlp.engine import hardware_summary
-
-    stats = summarize(results)
-    in_chans = 1 if opts.dataset == "fashion-mnist" else 3
-    device = _device(opts.device)
-    measured = measure_rows(opts, in_chans, device)
-    curves = val_curves(out, opts.seeds)
-    plot_study(
+    stats, device = summarize(results), resolve_device(opts.device)
+    measured = _measure_rows(opts, 1 if opts.dataset == "fashion-mnist" else 3, device)
+    curves = _val_curves(out, opts.seeds)
+    _plot(
         stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)"
     )
     first = next(iter(results.values()))[0]
-    total = sum(s["train_seconds"] for s in stats.values())
+    options = [("--data-dir", opts.data_dir), ("--seeds", opts.seeds), ("--epochs", opts.epochs),
+               ("--width-multiplier", f"{opts.width_multiplier:g}"),
+               ("--preset", opts.preset if opts.preset != "cifar" else None), ("--train-limit", opts.train_limit),
+               ("--val-limit", opts.val_limit)]  # fmt: skip
+    command = f"repmlp study ablation --output {opts.output} --dataset {opts.dataset}"
+    command += "".join(f" {flag} {value}" for flag, value in options if value)
+    padded = (
+        "; 28x28 images zero-padded to 32x32, one input channel" if opts.dataset == "fashion-mnist" else ""
+    )
+    equivalent = all(s["equivalent"] for s in stats.values())
     lines = [
         f"# Pure-MLP ablation (paper Table 1) on {opts.dataset}",
         "",
-        f"- Command: `repmlp study ablation --output {opts.output} --dataset {opts.dataset}"
-        + (f" --data-dir {opts.data_dir}" if opts.data_dir else "")
-        + f" --seeds {opts.seeds} --epochs {opts.epochs} --width-multiplier {opts.width_multiplier:g}"
-        + (f" --preset {opts.preset}" if opts.preset != "cifar" else "")
-        + (f" --train-limit {opts.train_limit}" if opts.train_limit else "")
-        + (f" --val-limit {opts.val_limit}" if opts.val_limit else "")
-        + "`",
-        f"- Recipe: {describe_recipe(opts.preset)} for {opts.epochs} epochs; "
-        f"{first['train_examples']} training / {first['val_examples']} validation examples"
-        + (
-            "; 28x28 images zero-padded to 32x32, one input channel"
-            if opts.dataset == "fashion-mnist"
-            else ""
-        ),
+        f"- Command: `{command}`",
+        f"- Recipe: {describe_recipe(opts.preset)} for {opts.epochs} epochs; {first['train_examples']} training / "
+        f"{first['val_examples']} validation examples{padded}",
         f"- Channel widths x{opts.width_multiplier:g} of the paper's (16/32/64, Wide ConvNet 32/64/128)",
         f"- Hardware: {hardware_summary(device)}",
-        f"- Training time, all {sum(len(s['top1']) for s in stats.values())} runs: {total:.0f} s "
-        f"(report written {time.strftime('%Y-%m-%d %H:%M:%S %Z')})",
+        f"- Training time, all {sum(len(s['top1']) for s in stats.values())} runs: "
+        f"{sum(s['train_seconds'] for s in stats.values()):.0f} s (report written {time.strftime(_DATE)})",
         "- Converted models equal the training-time ones (logits within 1e-4 relative) in every run: "
-        + ("yes" if all(s["equivalent"] for s in stats.values()) else "**NO** (see the runs' report.md)"),
+        + ("yes" if equivalent else "**NO** (see the runs' report.md)"),
         "",
         "Top-1 is on the validation split after the last epoch; params and MACs (one image) of the deployed "
-        "network (A: before conversion), speed of a forward pass at batch "
-        f"{opts.bench_batch_size} on {device}, all rows timed side by side in interleaved rounds (compare ratios). "
-        "Paper figures: CIFAR-10, full widths, 100 epochs.",
+        f"network (A: before conversion), speed of a forward pass at batch {opts.bench_batch_size} on {device}, all "
+        "rows timed side by side in interleaved rounds (compare ratios). Paper figures: CIFAR-10, full widths, 100 "
+        "epochs.",
         "",
-        *_table(stats, measured),
-        "",
-        "## The paper's orderings",
-        "",
-        "'gap > spread': the difference of the means exceeds the sum of the two standard deviations.",
-        "",
-        *_claims(stats),
-        "",
-        "## Validation top-1 (%) by epoch, mean over seeds",
-        "",
-        *_curve_table(curves),
+        *_tables(stats, measured, curves),
         "",
         "![accuracies and learning curves](study.png)",
         "",
