@@ -118,15 +118,25 @@ def _(rows: Tensor, weight: Tensor, bias: Tensor | None, kernel: str) -> Tensor:
 
 class TunedGroupwiseLinear(GroupwiseLinear):
     """:class:`~repmlp.nn.layers.GroupwiseLinear` by the kernel its ``kernels`` attribute names for the row
-    class of each call (``{rows class: kernel name}``, filled by the inference pass; a class not timed runs the
-    batched matmul). Evaluation mode only: training runs the batched matmul."""
+    class of each call (``{rows class: kernel name}``, filled by the inference pass; a class not timed runs
+    the batched matmul). Evaluation mode only: training runs the batched matmul."""
 
     kernels: dict[int, str]
 
     def forward(self, rows: Tensor) -> Tensor:
-        kernel = self.kernels.get(rows_class(rows.shape[1]), "bmm")
-        if kernel == "bmm" or self.training:
+        if self.training:
             return super().forward(rows)
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():  # the op has no backward
-            return torch.ops.repmlp.fc3_in_kernel(rows, self.weight, self.bias, kernel)
-        return KERNELS[kernel](rows, self.weight, self.bias)
+        return tuned_fc3(rows, self.weight, self.bias, tuple(sorted(self.kernels.items())))
+
+
+@torch.fx.wrap
+def tuned_fc3(
+    rows: Tensor, weight: Tensor, bias: Tensor | None, kernels: tuple[tuple[int, str], ...]
+) -> Tensor:
+    """FC3 by the kernel ``kernels`` (``((rows class, kernel name), ...)``) names for ``rows``' row count; a
+    ``torch.fx`` leaf, since the choice depends on the rows' shape (a dynamic one takes the top class)."""
+    n = rows.shape[1]
+    kernel = dict(kernels).get(ROW_CLASSES[-1] if isinstance(n, torch.SymInt) else rows_class(n), "bmm")
+    if kernel != "bmm" and torch.compiler.is_compiling() and not torch.is_grad_enabled():  # no backward
+        return torch.ops.repmlp.fc3_in_kernel(rows, weight, bias, kernel)
+    return KERNELS[kernel](rows, weight, bias)
