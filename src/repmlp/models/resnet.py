@@ -607,10 +607,10 @@ def repmlp_res50(
 ) -> ResNet:
     """RepMLP-Res50: torchvision's ResNet-50 with RepMLP Bottlenecks in ``stages`` (paper Sec. 4.2).
 
-    Defaults: the paper's model of Table 5 (c3+c4, ``r = 2,2,4,4`` for c2..c5, ``g = 8``, ``h = w = 7``,
-    ``K = 1,3,5``, 224x224). ``stages=()`` is torchvision's ``resnet50``. ``reduction``, ``groups``,
-    ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); further keyword arguments
-    go to :func:`repmlp_res50_stages` (``layers``, ``strides``, ...) or :class:`ResNet` (``global_pool``, ...).
+    Defaults: the paper's 78.55% model of its Table 4 (c3+c4, ``r = 2,2,4,4`` for c2..c5, ``g = 8``,
+    ``h = w = 7``, ``K = 1,3,5``, 224x224). ``stages=()`` is torchvision's ``resnet50``. ``reduction``,
+    ``groups``, ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); other keyword
+    arguments go to :func:`repmlp_res50_stages` (``layers``, ...) or :class:`ResNet` (``global_pool``, ...).
     """
     options = dict(stages=stages, block=block, reduction=reduction, groups=groups, partition=partition,
                    kernel_sizes=kernel_sizes, global_reduction=global_reduction, img_size=img_size,
