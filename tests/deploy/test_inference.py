@@ -44,7 +44,7 @@ def cudnn_ops_on_cpu(monkeypatch):
 def _expected_fusions(model: nn.Module) -> tuple[int, int]:
     """(conv-ReLU and conv-add-ReLU pairs, conv-add-ReLU alone) of a deployed ResNet: each residual block's
     convs followed by a ReLU, and its last conv with the residual addition."""
-    from repmlp.models.blocks import Bottleneck, RepMLPBottleneck, RepMLPLightBlock
+    from repmlp.models.resnet import Bottleneck, RepMLPBottleneck, RepMLPLightBlock
 
     per_block = {Bottleneck: 3, RepMLPBottleneck: 4, RepMLPLightBlock: 2}
     blocks = [type(m) for m in model.modules() if type(m) in per_block]

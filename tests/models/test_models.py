@@ -13,7 +13,7 @@ from torch import nn
 import repmlp
 from repmlp import create_model, list_models, reparameterize_model
 from repmlp.models import RepMLPBottleneck, RepMLPLightBlock, ResNet
-from repmlp.models.blocks import RepMLPSpec, StageSpec, make_stage, parse_stages
+from repmlp.models.resnet import RepMLPSpec, StageSpec, make_stage, parse_stages
 from zoo import SMALL_BUILDS, shallow
 
 # Models this helper owns, with kwargs that keep a float64 forward pass cheap while exercising the same

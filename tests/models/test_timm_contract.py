@@ -124,7 +124,7 @@ def test_fx_traced_model_matches_eager_and_keeps_its_input_check(one_thread: Non
     traced = torch.fx.symbolic_trace(model)
     x = torch.randn(2, 1, 28, 28)
     torch.testing.assert_close(traced(x), model(x))
-    with pytest.raises(ValueError, match=r"\(N, 1, 28, 28\), got \(2, 1, 32, 32\)"):
+    with pytest.raises(ValueError, match="built for 28x28 inputs, got 32x32"):
         traced(torch.randn(2, 1, 32, 32))
 
 

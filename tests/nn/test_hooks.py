@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune
 
 import repmlp
-from repmlp.models.cifar import PartitionConvBlock
+from repmlp.models.pure_mlp import PartitionConvBlock
 from repmlp.models.registry import default_input_size
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.layers import ConvBN

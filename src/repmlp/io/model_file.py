@@ -1,11 +1,10 @@
 """Model files: a model's weights in safetensors with the metadata that rebuilds it, read as untrusted input.
 
-:func:`save_model` writes ``state_dict()`` with string metadata (``format``, ``model``, ``model_kwargs``,
-``form``, ``precision``, ``extra``) atomically. :func:`load_model` reads a file from anywhere: safetensors
-validates the header (nothing is unpickled), each field is checked against :data:`FIELDS`, the model the
-metadata describes is built on the ``meta`` device within a budget of the file's size and compared with its
-tensors (:func:`check_fit`), NaN weights are refused, and only then is the model built. Every problem is
-one :class:`CheckpointError` line naming the file and the field (``repmlp: error: ...``, exit status 2).
+:func:`save_model` writes ``state_dict()`` and string metadata atomically. :func:`load_model` reads a file from
+anywhere: nothing is unpickled, each field is checked against :data:`FIELDS`, the model the metadata describes
+is built on the ``meta`` device within a budget of the file's size and compared with its tensors, NaN weights
+are refused, and only then is the model built. Every problem is one :class:`CheckpointError` line naming the
+file and the field.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ FORMS = ("train", "deploy")  # a model file holds the training-time or the deplo
 PRECISIONS = ("fp32", "bf16", "fp16", "int8")  # what a deployed file may hold (repmlp.deploy.precision)
 # Bounds of plain values in metadata: far beyond any real model, far below what could exhaust memory.
 MAX_INT, MAX_FLOAT, MAX_DEPTH = 2**31, 1e12, 8
-# A recorded input size: at most what --img-size takes per side and 64 channels (the zoo takes 3), so that
-# a few edited bytes cannot ask every command for an 8192x8192 input of thousands of channels.
+# A recorded input size: at most what --img-size takes per side and 64 channels (the zoo takes 3).
 MAX_SIDE, MAX_CHANNELS = 4096, 64
 # Options create_model sets itself, or that would load or place something: never from a file.
 RESERVED_OPTIONS = ("deploy", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path",
@@ -62,10 +60,9 @@ class CheckpointError(UserError, ValueError):
 # ------------------------------------------------------------------------------------------ writing
 @contextlib.contextmanager
 def staged(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary path in ``path``'s folder that replaces ``path`` (``os.replace``: atomic, a crash leaves the
-    old file or the new one) when the ``with`` block ends without an error, and is removed otherwise, leaving
-    ``path`` as it was. Files the writer puts beside it (ONNX external data) are moved first. A folder that
-    cannot be written, a full disk or a failed move is a :class:`UserError` naming ``path``."""
+    """A temporary path in ``path``'s folder that atomically replaces ``path`` when the ``with`` block ends without
+    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. A
+    folder that cannot be written, a full disk or a failed move is a :class:`UserError` naming ``path``."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +150,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 # ------------------------------------------------------------------- metadata: what each field may hold
 def _bad(path: object, name: str, why: str) -> CheckpointError:
-    return CheckpointError(f"{path}: metadata field {name!r} {why}")
+    """The error of a metadata field ``name`` (or of a command-line option, ``--model-arg``) of file ``path``."""
+    return CheckpointError(f"{path}: {name if name.startswith('--') else f'metadata field {name!r}'} {why}")
 
 
 def _short(value: Any, n: int = 60) -> str:
@@ -246,12 +244,16 @@ def check_json_value(value: Any, where: str, *, path: object, depth: int = 0) ->
         raise _bad(path, where, f"is a {type(value).__name__}, not a JSON value")
 
 
-def _json_object(path: object, name: str, text: str | None) -> dict[str, Any]:
-    """A metadata field holding a bounded JSON object (``{}`` when absent)."""
+def _parse(path: object, name: str, text: str | None) -> Any:
+    """The JSON value of a metadata field (``{}`` when absent)."""
     try:
-        value = json.loads(text) if text is not None else {}
+        return json.loads(text) if text is not None else {}
     except (ValueError, RecursionError):
         raise _bad(path, name, f"is not JSON ({_short(text)})") from None
+
+
+def _json_object(path: object, name: str, value: Any) -> dict[str, Any]:
+    """``value`` if it is a bounded JSON object (:func:`check_json_value`)."""
     if not isinstance(value, dict):
         raise _bad(path, name, f"must be a JSON object, got {type(value).__name__} {_short(value)}")
     check_json_value(value, name, path=path)
@@ -261,10 +263,7 @@ def _json_object(path: object, name: str, text: str | None) -> dict[str, Any]:
 def check_model_kwargs(path: object, kwargs: Any, field_name: str = "model_kwargs") -> None:
     """Model options from a file or a training state: a bounded JSON object with identifier keys, none of
     :data:`RESERVED_OPTIONS` (whether the model takes each one is checked by building it: :func:`check_fit`)."""
-    if not isinstance(kwargs, dict):
-        raise _bad(path, field_name, f"must be a JSON object, got {type(kwargs).__name__}")
-    check_json_value(kwargs, field_name, path=path)
-    for key in kwargs:
+    for key in _json_object(path, field_name, kwargs):
         if key in RESERVED_OPTIONS:
             raise _bad(path, f"{field_name}.{key}", "is not a model option a file may set")
         if not key.isidentifier():
@@ -299,9 +298,9 @@ def parse_metadata(path: object, meta: Mapping[str, str]) -> ModelFileMeta:
         check_field(path, key, value)
     if precision != "fp32" and form != "deploy":
         raise _bad(path, "precision", f"is {precision}, which only a deployed (form deploy) file can be")
-    kwargs = _json_object(path, "model_kwargs", meta.get("model_kwargs"))
+    kwargs = _parse(path, "model_kwargs", meta.get("model_kwargs"))
     check_model_kwargs(path, kwargs)
-    extra = _json_object(path, "extra", meta.get("extra"))
+    extra = _json_object(path, "extra", _parse(path, "extra", meta.get("extra")))
     check_field(path, "extra", extra)
     return ModelFileMeta(str(path), name, kwargs, form, precision, extra)
 
@@ -312,10 +311,9 @@ class ModelTooLarge(Exception):
 
 
 def meta_build(build: Callable[[], nn.Module], tensors: Mapping, floor: tuple = (0, 0)) -> nn.Module:
-    """``build()`` on the ``meta`` device (no memory), stopped with :class:`ModelTooLarge` once its parameters
-    and buffers exceed four times the elements of ``tensors`` (the file's weights) plus 2**20, or four times
-    their count plus 10,000 (never less than ``floor``): an option such as ``depths=[10**6]`` is refused in
-    milliseconds instead of building for hours."""
+    """``build()`` on the ``meta`` device, stopped with :class:`ModelTooLarge` once its parameters and buffers
+    exceed four times the elements of ``tensors`` (the file's weights) plus 2**20, or four times their count
+    plus 10,000 (never less than ``floor``): ``depths=[10**6]`` is refused in milliseconds, not hours."""
     held = sum(t.numel() for t in tensors.values())
     limit = (max(4 * held + (1 << 20), floor[0]), max(4 * len(tensors) + 10_000, floor[1]))
     count = [0, 0]
@@ -336,23 +334,30 @@ def meta_build(build: Callable[[], nn.Module], tensors: Mapping, floor: tuple = 
             handle.remove()
 
 
-def _build_error(path: object, model: str, kwargs: dict, held: int, exc: Exception, where: str) -> Exception:
-    """The error of a meta-device build of a file's model: too large, an option the model does not take, an
-    unknown model, or whatever else its builder raised; ``where`` names the field of the options."""
-    text = first_line(exc)
-    unknown = re.search(r"unexpected keyword argument '(\w+)'", text)
-    if isinstance(exc, ModelTooLarge):
-        why = f"describes a {model} far larger than the {held} weights the file holds ({_short(kwargs)})"
-        return _bad(path, where, why)
-    if isinstance(exc, TypeError) and unknown:
-        return _bad(path, f"{where}.{unknown.group(1)}", f"is not an option of {model}")
-    if isinstance(exc, ValueError) and text.startswith("unknown model"):
-        return _bad(path, "model", f"names no model this installation knows ({text[:200]})")
-    return _bad(path, where, f"does not build a {model} ({type(exc).__name__}: {text[:200]})")
+def meta_model(where: object, name: str, kwargs: dict[str, Any], tensors: Mapping[str, Tensor], *,
+               deploy: bool = False, field_name: str = "model_kwargs", floor: tuple = (0, 0)) -> nn.Module:  # fmt: skip
+    """``create_model(name, deploy=deploy, **kwargs)`` on the ``meta`` device within the budget of ``tensors``
+    (:func:`meta_build`); whatever stops it is one :class:`CheckpointError` naming ``where`` and the options'
+    ``field_name`` (a file's ``model_kwargs``, a state's ``config.model_args``, ``--model-arg``)."""
+    try:
+        return meta_build(lambda: create_model(name, deploy=deploy, **kwargs), tensors, floor)
+    except Exception as exc:  # noqa: BLE001 - whatever a builder raises on these options, they caused it
+        text = first_line(exc)
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", text)
+        if isinstance(exc, ModelTooLarge):
+            held = sum(t.numel() for t in tensors.values())
+            why = f"describes a {name} far larger than the file's {held} weights ({_short(kwargs)})"
+        elif isinstance(exc, TypeError) and unknown:
+            sep = " " if field_name.startswith("--") else "."
+            field_name, why = f"{field_name}{sep}{unknown.group(1)}", f"is not an option of {name}"
+        elif isinstance(exc, ValueError) and text.startswith("unknown model"):
+            field_name, why = "model", f"names no model this installation knows ({text[:200]})"
+        else:
+            why = f"does not build a {name} ({type(exc).__name__}: {text[:200]})"
+        raise _bad(where, field_name, why) from None
 
 
-def listed(keys: Sequence[str], n: int = 6) -> str:
-    """The first ``n`` of ``keys`` and how many more, for one-line messages."""
+def _listed(keys: Sequence[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
 
@@ -362,7 +367,7 @@ def compare_state(where: object, what: str, own: Mapping[str, Tensor], tensors: 
     shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
               if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
     missing, unexpected = [k for k in own if k not in tensors], [k for k in tensors if k not in own]
-    parts = [f"{len(keys)} {label}: {listed(keys)}" for label, keys in (("missing from the file", missing),
+    parts = [f"{len(keys)} {label}: {_listed(keys)}" for label, keys in (("missing from the file", missing),
              ("not in the model", unexpected), ("with other shapes (file vs model)", shapes)) if keys]  # fmt: skip
     if parts:
         raise CheckpointError(f"{where} does not fit {what}: {'; '.join(parts)}")
@@ -375,11 +380,7 @@ def check_fit(where: object, name: str, kwargs: dict[str, Any], tensors: Mapping
     allocated; a failure is one :class:`CheckpointError` naming ``where`` and ``field_name``."""
     if not all(isinstance(v, Tensor) for v in tensors.values()):
         raise CheckpointError(f"{where}: its model weights are not all tensors")
-    try:
-        ghost = meta_build(lambda: create_model(name, deploy=deploy, **kwargs), tensors)
-    except Exception as exc:  # noqa: BLE001 - whatever a builder raises on these options, the file caused it
-        held = sum(t.numel() for t in tensors.values())
-        raise _build_error(where, name, kwargs, held, exc, field_name) from None
+    ghost = meta_model(where, name, kwargs, tensors, deploy=deploy, field_name=field_name)
     what = what or f"{name} ({'deploy' if deploy else 'train'} form) as its metadata describes it"
     compare_state(where, what, ghost.state_dict(), tensors)
     return ghost
@@ -434,17 +435,16 @@ def read_model_file(path: str | os.PathLike, *, form: Form | None = None,
 
 
 # ------------------------------------------------------------------------------------------ loading
-# How a reduced-precision file is rebuilt, ``precision -> loader``: filled by repmlp.deploy.precision (which
-# knows how a bf16 model casts its input and how an int8 graph runs) when imported; ``import repmlp`` does.
-# A bf16/fp16 loader takes the float model; the int8 one the ONNX bytes and the recorded input size.
+# How a reduced-precision file is rebuilt, filled by repmlp.deploy.precision (``import repmlp`` imports it): a
+# bf16/fp16 loader takes the float model; the int8 one the ONNX bytes and the recorded input size.
 PRECISION_LOADERS: dict[str, Callable[..., nn.Module]] = {}
 
 
 @dataclass
 class ModelMetadata:
     """What a model file says besides its weights (``model.metadata`` of :func:`load_model`'s models):
-    ``input_size`` ``(C, H, W)``; ``preprocessing`` ``{"dataset", "input_size", "eval_preprocessing"}`` (what
-    :func:`repmlp.deploy.predict.eval_image_transform` takes); ``classes`` or ``None``; ``extra`` as it is."""
+    ``input_size`` ``(C, H, W)``; ``preprocessing`` ``{"dataset", "input_size", "eval_preprocessing"}``;
+    ``classes`` or ``None``; ``extra`` as it is."""
 
     name: str
     model_kwargs: dict[str, Any]
@@ -545,9 +545,7 @@ def _load_pretrained(name: str, path: str, kwargs: dict[str, Any]) -> nn.Module:
     if fm.model != name:
         raise CheckpointError(f"pretrained file {path} does not hold {name} ({fm.model})")
     if (fm.form == "deploy") != bool(kwargs.get("deploy", False)):
-        hint = (
-            "leave deploy out (the file is the training form)" if fm.form == "train" else "pass deploy=True"
-        )
+        hint = "leave deploy out" if fm.form == "train" else "pass deploy=True"
         raise CheckpointError(f"{path} holds the {fm.form} form of {name}: {hint}")
     classes = kwargs.pop("num_classes", None)
     model = create_model(name, **{**fm.model_kwargs, **kwargs})

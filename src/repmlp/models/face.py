@@ -18,38 +18,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.models.blocks import (
-    ConvBNReLU,
-    RepMLPSpec,
-    ResNet,
-    StageSpec,
-    check_input_size,
-    parse_stages,
-    per_stage,
-)
-from repmlp.models.head import layer_like
+from repmlp.models.layers import ConvBNReLU, check_input_size, layer_like
 from repmlp.models.registry import register_model
+from repmlp.models.resnet import RepMLPSpec, ResNet, StageSpec, parse_stages, per_stage
 from repmlp.nn.layers import ConvBN
+from repmlp.nn.reparam import absorb_bn_into_fc, fuse_bn
 
-__all__ = [
-    "MobileFaceNet",
-    "FaceResNet",
-    "DeepStem",
-    "EmbeddingHead",
-    "face_stages",
-    "mobilefacenet",
-    "face_resnet",
-    "repmlp_face_resnet",
-]
+__all__ = ["MobileFaceNet", "FaceResNet", "DeepStem", "EmbeddingHead", "face_stages", "mobilefacenet",
+           "face_resnet", "repmlp_face_resnet"]  # fmt: skip
 
 
 def _check_pool(model: str, global_pool: str, own: str) -> str:
-    """Validate a face model's ``global_pool``: ``own`` (its reduction of the last map) or ``""``.
-
-    ``""`` is timm's "no pooling": without an embedding layer (``num_classes=0``) the model then returns
-    the unreduced last map ``(N, C, k, k)``. An embedding layer takes only the reduced map, so with one
-    the model still reduces (timm's contract sets ``num_classes`` and ``global_pool`` independently).
-    """
+    """A face model's ``global_pool``: ``own`` (its reduction of the last map) or ``""``, timm's "no pooling":
+    without an embedding layer (``num_classes=0``) the model then returns the last map ``(N, C, k, k)``; an
+    embedding layer takes only the reduced map (timm sets ``num_classes`` and ``global_pool`` apart)."""
     if global_pool not in (own, ""):
         raise ValueError(
             f"{model} takes global_pool={own!r} (its own reduction of the last map) or '' (the map "
@@ -223,8 +205,6 @@ class EmbeddingHead(nn.Module):
         """Fold both BNs into the FC (equivalent in eval mode)."""
         if isinstance(self.bn_out, nn.Identity):
             return
-        from repmlp.nn.reparam import absorb_bn_into_fc, fuse_bn
-
         w, b = self.fc.weight, self.fc.bias
         # bn_in normalises each channel of a (C, k, k) map: one affine per channel, repeated k*k times.
         w, b = absorb_bn_into_fc(w, b, self.bn_in)
@@ -238,12 +218,8 @@ class DeepStem(nn.Module):
     """Deep stem (ResNet-C of He et al., "Bag of Tricks", 2019): three 3x3 conv-BN-ReLU with ``C/2``,
     ``C/2``, ``C`` channels (the first strided) + 3x3/2 max pool, in place of the 7x7/2 conv.
 
-    FaceResNet's stem. The paper does not describe it; its counts single it out: outside the
-    stages its FaceResNet has 40.35M - 30.83M = 9.52M params and 1050M - 976.7M = 73.3M MACs; the
-    flattened 3x3x1024 -> 1024 head takes 9.44M of both, leaving ~64M MACs for a stem at 48x48
-    (2304 positions), i.e. ~28k weights: this stem has 28.5k (65.7M MACs), ResNet-50's 7x7 conv
-    9.4k (21.7M MACs, leaving the total 4% below the paper's). See docs/models.md.
-    Shapes: ``(N, C_in, H, W)`` -> ``(N, C, H/4, W/4)``.
+    FaceResNet's stem: the paper does not describe it, its parameter and MAC counts single it out
+    (docs/models.md, "Deviations"). Shapes: ``(N, C_in, H, W)`` -> ``(N, C, H/4, W/4)``.
     """
 
     def __init__(self, in_chans: int, channels: int, *, deploy: bool = False) -> None:
@@ -267,11 +243,10 @@ class DeepStem(nn.Module):
 class FaceResNet(nn.Module):
     """The paper's FaceResNet, optionally with RepMLP Bottlenecks (RepMLP-FaceRes).
 
-    A :class:`~repmlp.models.blocks.ResNet` trunk (:class:`DeepStem` by default, ``stem="resnet"`` for
+    A :class:`~repmlp.models.resnet.ResNet` trunk (:class:`DeepStem` by default, ``stem="resnet"`` for
     ResNet-50's 7x7/2 conv and 3x3/2 max pool; then c2..c5 of ``layers`` bottlenecks whose three
     convs all have ``widths[i]`` channels: the 1x1 convs neither reduce nor expand), followed by
-    :class:`EmbeddingHead`. With the defaults: 40.30M params, 1052M MACs at 96x96 (paper: 40.35M,
-    1050M); with ``stem="resnet"`` 40.28M, 1008M.
+    :class:`EmbeddingHead`.
 
     In every stage of ``repmlp_stages`` the bottlenecks after the first become RepMLP Bottlenecks (paper:
     "the last two bottlenecks of c2 and the last blocks of c3, c4"; c2's first block has stride 1 in a
@@ -279,7 +254,7 @@ class FaceResNet(nn.Module):
     of Sec. 3.5 as defined there: its 1x1 conv reduces ``widths[i]`` 4x, its 3x3 conv a further ``r``x,
     then a RepMLP with partition ``h = w = partition`` and ``groups`` (no Global Perceptron in c4,
     whose 6x6 map is a single partition). This is as cheap as the text allows, yet the paper's
-    RepMLP-FaceRes counts (28.32M, 406M) cannot be reached: see docs/models.md, "Deviations".
+    RepMLP-FaceRes counts cannot be reached: see docs/models.md, "Deviations".
 
     Shapes: ``(N, in_chans, img_size, img_size)`` -> ``(N, embedding_dim)``; c2..c5 see
     ``img_size/4 .. img_size/32`` (24, 12, 6, 3 at 96).
@@ -320,15 +295,9 @@ class FaceResNet(nn.Module):
         repmlp = RepMLPSpec(
             partition=partition, reduction=reduction, groups=groups, kernel_sizes=tuple(kernel_sizes)
         )
-        self.trunk = ResNet(
-            face_stages(layers, widths, self.repmlp_stages, repmlp),
-            num_classes=0,
-            in_chans=in_chans,
-            img_size=img_size,
-            stem_channels=stem_channels,
-            deploy=deploy,
-            **stem_opts,
-        )
+        specs = face_stages(layers, widths, self.repmlp_stages, repmlp)
+        self.trunk = ResNet(specs, num_classes=0, in_chans=in_chans, img_size=img_size, stem_channels=stem_channels,
+                            deploy=deploy, **stem_opts)  # fmt: skip
         h, w = self.trunk.stage_resolutions[-1]
         self.head = EmbeddingHead(widths[-1], h, embedding_dim, deploy)
         # timm's contract: the embedding FC is the "classifier", the flattened c5 map its input.
@@ -394,7 +363,7 @@ def face_stages(
             mid_channels=widths[i],
             repmlp=replace(repmlp, mid_channels=widths[i] // 4) if i in repmlp_stages else None,
             keep_first=True,
-        )
+        )  # fmt: skip
         for i in range(n)
     )
 
@@ -417,35 +386,27 @@ _FACE_CFG: dict[str, Any] = dict(
     input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, fixed_input_size=True
 )
 _FACE_RESNET_CFG: dict[str, Any] = dict(
-    classifier="head.fc",
-    pool_size=(3, 3),
+    num_classes=1024, first_conv="trunk.stem.convs.0.conv", classifier="head.fc", pool_size=(3, 3), **_FACE_CFG,
     feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3, 4)),
-    **_FACE_CFG,
-)
+)  # fmt: skip
 
 
-@register_model(
-    num_classes=128,
-    first_conv="features.0.0.conv",
-    classifier="features.19.0.conv",
-    pool_size=(6, 6),
-    feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)),
-    **_FACE_CFG,
-)
+@register_model(num_classes=128, first_conv="features.0.0.conv", classifier="features.19.0.conv", pool_size=(6, 6),
+                feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **_FACE_CFG)  # fmt: skip
 def mobilefacenet(
     pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
 ) -> MobileFaceNet:
-    """MobileFaceNet at 96x96 (paper's Table face: 0.98M params, 162M MACs), 128-d embedding."""
+    """MobileFaceNet at 96x96 (the paper's face table), 128-d embedding."""
     return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs, 128))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_RESNET_CFG)
+@register_model(**_FACE_RESNET_CFG)
 def face_resnet(pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any) -> FaceResNet:
     """FaceResNet (paper Sec. 4.3): blocks 3,2,2,2, widths 128..1024, 1024-d embedding, 96x96."""
     return FaceResNet(**_embedding_kwargs(num_classes, kwargs, 1024))
 
 
-@register_model(num_classes=1024, first_conv="trunk.stem.convs.0.conv", **_FACE_RESNET_CFG)
+@register_model(**_FACE_RESNET_CFG)
 def repmlp_face_resnet(
     pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
 ) -> FaceResNet:

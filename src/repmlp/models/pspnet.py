@@ -9,11 +9,9 @@ Backbones as the paper sets them up for 713x713 Cityscapes crops:
   c5 dilated (2, so c5's effective stride stays continuous with c4's), so c3 and c4 both run at 90x90
   (81 partitions). Their Global Perceptron FC1 outputs / FC2 inputs are reduced 4x in c3 and 8x in c4.
 
-Head: pyramid pooling (bins 1, 2, 3, 6; each a 1x1 conv-BN-ReLU to ``C/4`` channels, upsampled and
-concatenated with the c5 map), a 3x3 conv-BN-ReLU to 512, dropout 0.1 and a 1x1 classifier; the
-auxiliary head (3x3 conv-BN-ReLU 1024 -> 256, dropout, 1x1 classifier) on c4 exists only in the
-training form, since it serves only the auxiliary loss. The converted (``deploy``) model drops it, and
-the paper's parameter counts are of that model.
+Head: pyramid pooling on c5, a 3x3 conv-BN-ReLU to 512, dropout 0.1 and a 1x1 classifier; the auxiliary
+head on c4 serves only the auxiliary loss: the converted (``deploy``) model, whose parameters the paper
+counts, has none.
 """
 
 from __future__ import annotations
@@ -24,12 +22,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models import FeatureListNet
 from torch import Tensor, nn
 
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
-from repmlp.models.blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
+from repmlp.models.layers import ConvBNReLU, check_input_size
 from repmlp.models.registry import register_model
-from repmlp.models.resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs
+from repmlp.models.resnet import (
+    ResNet,
+    StageSpec,
+    per_stage,
+    repmlp_res50_stages,
+    res50_320_options,
+    split_resnet_kwargs,
+)
 
 __all__ = ["PyramidPooling", "PSPNet", "pspnet_res50", "pspnet_repmlp_res50"]
 
@@ -71,7 +76,7 @@ class _SegHead(nn.Sequential):
 
 
 class PSPNet(nn.Module):
-    """PSPNet on a :class:`~repmlp.models.blocks.ResNet` backbone (``num_classes=0``) whose c4 and c5
+    """PSPNet on a :class:`~repmlp.models.resnet.ResNet` backbone (``num_classes=0``) whose c4 and c5
     outputs have ``c4_channels`` and ``c5_channels`` channels.
 
     The backbone is used through timm's feature interface: ``self.backbone`` is timm's
@@ -98,8 +103,6 @@ class PSPNet(nn.Module):
         deploy: bool = False,
     ) -> None:
         super().__init__()
-        from timm.models import FeatureListNet
-
         self.num_classes, self.in_chans, self.img_size = num_classes, backbone.in_chans, backbone.img_size
         # The features skip the ResNet's own forward (and its input check): PSPNet checks the input.
         self._fixed_input_size = len(backbone.repmlp_stages) > 0
@@ -128,111 +131,72 @@ class PSPNet(nn.Module):
         """Drop the auxiliary head (training-only); conv-BN pairs fuse in their own ``reparameterize``."""
         self.aux_head = None
 
-    def backbone_state_keys(self) -> list[str]:
-        """The state-dict keys that come from the backbone (prefix ``backbone.``)."""
-        return [k for k in self.state_dict() if k.startswith("backbone.")]
 
-
-def _seg_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split keyword arguments into PSPNet's own (plus the c4/c5 widths) and the backbone's."""
-    own = {
-        k: kwargs.pop(k) for k in ("bins", "head_channels", "aux_channels", "dropout", "aux") if k in kwargs
-    }
-    widths = kwargs.get("widths", (256, 512, 1024, 2048))
-    own["c4_channels"], own["c5_channels"] = widths[2], widths[3]
-    return own, kwargs
-
-
-# timm pretrained_cfg of both PSPNets: Cityscapes' 19 classes, the paper's 713x713 crops, ImageNet stats.
-_PSPNET_CFG: dict[str, Any] = dict(
-    input_size=(3, 713, 713),
-    num_classes=19,
-    classifier="head.2",
-    first_conv="backbone.stem.conv.conv",
-    mean=IMAGENET_MEAN,
-    std=IMAGENET_STD,
+# timm's pretrained_cfg of both PSPNets: Cityscapes' 19 classes, the paper's 713x713 crops (ImageNet statistics).
+_PSPNET_CFG = dict(
+    input_size=(3, 713, 713), num_classes=19, classifier="head.2", first_conv="backbone.stem.conv.conv"
 )
 
 
 @register_model(**_PSPNET_CFG)
-def pspnet_res50(
-    pretrained: bool = False,
-    *,
-    num_classes: int = 19,
-    img_size: int | Sequence[int] = 713,
-    in_chans: int = 3,
-    deploy: bool = False,
-    **kwargs: Any,
-) -> PSPNet:
+def pspnet_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     """PSPNet with a ResNet-50 backbone, c4/c5 dilated 2/4 (output stride 8), 19 Cityscapes classes.
 
-    Extra options: ``bins``, ``head_channels``, ``aux_channels``, ``dropout``, ``aux`` (PSPNet's) and
-    the stage options of :func:`~repmlp.models.resnet.repmlp_res50_stages` (``widths``, ``mid_channels``,
-    ``layers``, ``strides``, ``dilations``, ...).
+    Options: ``num_classes``, ``img_size``, ``in_chans``, ``deploy``; PSPNet's ``bins``, ``head_channels``,
+    ``aux_channels``, ``dropout``, ``aux``; the stage options of
+    :func:`~repmlp.models.resnet.repmlp_res50_stages` (``widths``, ``layers``, ``strides``, ``dilations``, ...).
     """
-
-    def stages(options: dict[str, Any]) -> Sequence[StageSpec]:
-        return repmlp_res50_stages(stages=(), **options)  # the ResNet-50: no RepMLP stage
-
-    return _pspnet(stages, (1, 1, 2, 4), num_classes, img_size, in_chans, deploy, kwargs)
+    return _pspnet(lambda options: repmlp_res50_stages(stages=(), **options), (1, 1, 2, 4), **kwargs)
 
 
 @register_model(**_PSPNET_CFG)
-def pspnet_repmlp_res50(
-    pretrained: bool = False,
-    *,
-    num_classes: int = 19,
-    img_size: int | Sequence[int] = 713,
-    in_chans: int = 3,
-    deploy: bool = False,
-    **kwargs: Any,
-) -> PSPNet:
+def pspnet_repmlp_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     """PSPNet with a RepMLP-Res50-g4/8 backbone (c4 neither strided nor dilated, c5 dilated 2).
 
-    FC1/FC2 of the Global Perceptrons are reduced 4x in c3 and 8x in c4 (``global_reduction``).
-    Extra options as :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
+    FC1/FC2 of the Global Perceptrons are reduced 4x in c3 and 8x in c4 (``global_reduction``). Options as
+    :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
     """
 
     def stages(options: dict[str, Any]) -> Sequence[StageSpec]:
         return repmlp_res50_stages(**{**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **options})
 
-    return _pspnet(stages, (1, 1, 1, 2), num_classes, img_size, in_chans, deploy, kwargs)
+    return _pspnet(stages, (1, 1, 1, 2), **kwargs)
+
+
+_HEAD_OPTIONS = ("bins", "head_channels", "aux_channels", "dropout", "aux")
 
 
 def _pspnet(
     stages: Callable[[dict[str, Any]], Sequence[StageSpec]],
     dilations: tuple[int, ...],
-    num_classes: int,
-    img_size: int | Sequence[int],
-    in_chans: int,
-    deploy: bool,
-    kwargs: dict[str, Any],
+    *,
+    num_classes: int = 19,
+    img_size: int | Sequence[int] = 713,
+    deploy: bool = False,
+    **kwargs: Any,
 ) -> PSPNet:
     """A PSPNet on the ImageNet backbone ``stages(stage_options)`` made dense for segmentation: c3 strided
-    (the default ``strides``), c4/c5 at the given default ``dilations``; PSPNet's own options and the
-    ResNet's model options split off ``kwargs`` first."""
-    own, rest = _seg_kwargs(dict(kwargs))
-    model_options, stage_options = split_resnet_kwargs(rest)
+    (the default ``strides``), c4/c5 at the given default ``dilations``. ``kwargs``: PSPNet's head options,
+    the ResNet's model options and the stage options."""
+    own = {k: kwargs.pop(k) for k in _HEAD_OPTIONS if k in kwargs}
+    model_options, stage_options = split_resnet_kwargs(kwargs)
+    widths = stage_options.get("widths", (256, 512, 1024, 2048))
     strides = stage_options.pop("strides", (1, 2, 1, 1))
-    dilations = stage_options.pop("dilations", dilations)
-    specs = _dilated(stages(stage_options), strides, dilations)
-    backbone = ResNet(
-        specs, num_classes=0, img_size=img_size, in_chans=in_chans, deploy=deploy, **model_options
-    )
-    return PSPNet(backbone, num_classes=num_classes, deploy=deploy, **own)
+    specs = _dilated(stages(stage_options), strides, stage_options.pop("dilations", dilations))
+    backbone = ResNet(specs, num_classes=0, img_size=img_size, deploy=deploy, **model_options)
+    return PSPNet(backbone, widths[2], widths[3], num_classes=num_classes, deploy=deploy, **own)
 
 
 def _dilated(
     specs: Sequence[StageSpec], strides: int | Sequence[int], dilations: int | Sequence[int]
 ) -> tuple[StageSpec, ...]:
-    """The ImageNet backbone's stages with segmentation's ``strides`` and ``dilations`` (one per stage,
-    or one for all).
+    """The ImageNet backbone's stages with segmentation's ``strides`` and ``dilations`` (one per stage, or
+    one for all); a stage's first block takes the previous stage's dilation (torchvision's
+    ``replace_stride_with_dilation``).
 
-    A stage's first block takes the previous stage's dilation (torchvision's
-    ``replace_stride_with_dilation`` convention). Every stage's first block stays the ImageNet model's
-    plain bottleneck (``keep_first``): the ImageNet RepMLP-Res50 keeps each stage's first (stride-2)
-    bottleneck, and un-striding c4 must not turn it into a RepMLP Bottleneck, or the backbone would no
-    longer be the pretrained one (and c4 would gain a sixth RepMLP).
+    Every stage's first block stays the ImageNet model's plain bottleneck (``keep_first``): the ImageNet
+    RepMLP-Res50 keeps each stage's first (stride-2) bottleneck, and un-striding c4 must not turn it into a
+    RepMLP Bottleneck, or the backbone would no longer be the pretrained one (and c4 would gain a sixth RepMLP).
     """
     strides, dilations = (
         per_stage(strides, len(specs), "strides"),

@@ -76,12 +76,11 @@ def register_model(
 
 
 def _build(fn: Callable[..., nn.Module], name: str, feature_cfg: dict, **kwargs: Any) -> nn.Module:
-    """``fn`` built by timm's ``build_model_with_cfg``, its cfg then holding its own class count and input size.
-    timm passes ``img_size=(H, W)`` to fixed-size models: ours take an int for square inputs."""
+    """``fn`` built by timm's ``build_model_with_cfg``, its cfg then holding its own class count and input size."""
     kwargs.pop("cache_dir", None)
 
     def call(**kw: Any) -> nn.Module:
-        size = kw.get("img_size")
+        size = kw.get("img_size")  # timm passes fixed-size models (H, W): ours take an int for a square
         if isinstance(size, (tuple, list)) and len(size) == 2 and size[0] == size[1]:
             kw["img_size"] = int(size[0])
         return fn(pretrained=False, **kw)

@@ -6,53 +6,30 @@ Structure (the authors' ``repmlpnet.py``)::
     stage i: (i > 0: 2x2/2 conv-BN-ReLU)  ->  depths[i] units
     unit:    x + RepMLP(BN(x));  then  y + FFN(BN(y))          FFN: 1x1 conv-BN, GELU, 1x1 conv-BN (x4)
 
-RepMLPNet's RepMLP block differs from the RepMLP-Res50 one (:class:`repmlp.RepMLPBlock`):
-
-- Global Perceptron is a channel gate: average pool -> 1x1 conv ``C -> C/4`` -> ReLU -> 1x1 conv ->
-  sigmoid, multiplied onto the block's output.
-- Partition Perceptron shares FC3 across channels: channel ``c`` uses parameter set ``c mod S`` (``S``
-  "sharesets"), so FC3 is ``S`` independent ``(h*w) -> (h*w)`` FCs (a :class:`repmlp.GroupwiseLinear`
-  with ``S`` groups) followed, during training, by ``BatchNorm2d(S)``.
-- Local Perceptron: depthwise ``k x k`` conv-BN branches on the ``S`` sets (a
-  :class:`repmlp.LocalPerceptron` with ``groups = S``), merged into FC3 by Locality Injection
-  (:meth:`RepMLPNetBlock.reparameterize`, reached through :func:`repmlp.reparameterize_model`).
-
-In every released configuration the partition is the whole feature map (``h = H``); smaller
-partitions are an option (``partitions=``) used by the tests. Key names are our own; ``repmlp import``
-maps the authors' and mmpretrain's checkpoints onto them.
+Its RepMLP block (:class:`RepMLPNetBlock`) differs from RepMLP-Res50's (:class:`repmlp.RepMLPBlock`): the
+Global Perceptron is a channel gate multiplied onto the output; FC3 is shared by channel sets (channel
+``c`` uses set ``c mod S``, ``S`` "sharesets": a :class:`repmlp.GroupwiseLinear` of ``S`` groups, then
+``BatchNorm2d(S)`` in training); the Local Perceptron's depthwise conv-BN branches on the ``S`` sets merge
+into FC3 by Locality Injection. The released models partition the whole map (``h = H``); ``partitions=``
+gives smaller ones. Key names are our own; ``repmlp import`` maps the authors' and mmpretrain's onto them.
 """
 
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
-from repmlp.models.blocks import ConvBNReLU
-from repmlp.models.head import PooledClassifierMixin
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
 from repmlp.models.registry import register_model
-from repmlp.nn import checks
 from repmlp.nn.block import LocalPerceptron
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
 from repmlp.nn.reparam import merge_fc3, ntuple
 
-__all__ = [
-    "RepMLPNet",
-    "RepMLPNetBlock",
-    "RepMLPNetUnit",
-    "ChannelGate",
-    "ConvFFN",
-    "REPMLPNET_ARCHS",
-    "repmlpnet_t224",
-    "repmlpnet_t256",
-    "repmlpnet_b224",
-    "repmlpnet_b256",
-    "repmlpnet_d256",
-    "repmlpnet_l256",
-]
+__all__ = ["RepMLPNet", "RepMLPNetBlock", "RepMLPNetUnit", "ChannelGate", "ConvFFN", "REPMLPNET_ARCHS",
+           "repmlpnet_t224", "repmlpnet_t256", "repmlpnet_b224", "repmlpnet_b256", "repmlpnet_d256",
+           "repmlpnet_l256"]  # fmt: skip
 
 # (channels, depths, sharesets) of the authors' six models; the suffix is the input resolution.
 REPMLPNET_ARCHS: dict[str, dict[str, Any]] = {
@@ -61,16 +38,6 @@ REPMLPNET_ARCHS: dict[str, dict[str, Any]] = {
     "d": dict(channels=(80, 160, 320, 640), depths=(2, 2, 18, 2), sharesets=(1, 4, 16, 128)),
     "l": dict(channels=(96, 192, 384, 768), depths=(2, 2, 18, 2), sharesets=(1, 4, 32, 256)),
 }
-
-
-def _check_input(x: Tensor, in_chans: int, img_size: tuple[int, int]) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, in_chans, *img_size)`` (see :mod:`repmlp.nn.checks`)."""
-    checks.check_input_shape(
-        x,
-        (in_chans, *img_size),
-        f"RepMLPNet built for (N, {in_chans}, {img_size[0]}, {img_size[1]}) inputs got {{shape}}; "
-        "its FC layers fix the resolution (build it with img_size= for another)",
-    )
 
 
 class ChannelGate(nn.Module):
@@ -228,15 +195,8 @@ class RepMLPNetUnit(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = nn.BatchNorm2d(channels)
-        self.repmlp = RepMLPNetBlock(
-            channels,
-            resolution,
-            partition,
-            sharesets,
-            kernel_sizes=kernel_sizes,
-            gate_reduction=gate_reduction,
-            deploy=deploy,
-        )
+        options = dict(kernel_sizes=kernel_sizes, gate_reduction=gate_reduction, deploy=deploy)
+        self.repmlp = RepMLPNetBlock(channels, resolution, partition, sharesets, **options)
         self.norm2 = nn.BatchNorm2d(channels)
         self.ffn = ConvFFN(channels, ffn_expand, deploy=deploy)
 
@@ -307,6 +267,9 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
         self.stem = ConvBNReLU(in_chans, channels[0], patch_size, patch_size, 0, deploy=deploy)
         self.feature_info: list[dict[str, Any]] = []
         stages = []
+        unit = dict(
+            kernel_sizes=kernel_sizes, gate_reduction=gate_reduction, ffn_expand=ffn_expand, deploy=deploy
+        )
         for i in range(n):
             down = None
             if i > 0:
@@ -315,19 +278,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
                 down = ConvBNReLU(channels[i - 1], channels[i], 2, 2, 0, deploy=deploy)
                 res = (res[0] // 2, res[1] // 2)
             part = res if partitions is None else ntuple(partitions[i], 2, "partitions")
-            units = [
-                RepMLPNetUnit(
-                    channels[i],
-                    res,
-                    part,
-                    sharesets[i],
-                    kernel_sizes=kernel_sizes,
-                    gate_reduction=gate_reduction,
-                    ffn_expand=ffn_expand,
-                    deploy=deploy,
-                )
-                for _ in range(depths[i])
-            ]
+            units = [RepMLPNetUnit(channels[i], res, part, sharesets[i], **unit) for _ in range(depths[i])]
             stages.append(RepMLPNetStage(down, units))
             self.feature_info.append(
                 dict(num_chs=channels[i], reduction=patch_size * 2**i, module=f"stages.{i}")
@@ -341,7 +292,7 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, H, W)`` -> normalised last-stage map ``(N, num_features, H/32, W/32)``."""
-        _check_input(x, self.in_chans, self.img_size)
+        check_input_size(x, "RepMLPNet is", self.in_chans, self.img_size, True)
         x = self.stem(x)
         return self.norm(self.stages(x))
 
@@ -357,71 +308,54 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
 
 
 # ------------------------------------------------------------------------------- registered models
-def _cfg(size: int, **kwargs: Any) -> dict[str, Any]:
-    # Evaluation as in the authors' test.py: bilinear; at 224 resize to 256x256 (a square "squash")
-    # then centre-crop 224; above 224 resize the short side to 256 * size // 224, centre-crop size.
-    # Both are crop_pct 0.875 (timm: scale = floor(size / crop_pct)); ImageNet mean/std.
-    cfg = dict(
-        url="",
-        num_classes=1000,
-        input_size=(3, size, size),
-        fixed_input_size=True,
-        pool_size=(size // 32, size // 32),
-        crop_pct=0.875,
-        crop_mode="squash" if size <= 224 else "center",
-        interpolation="bilinear",
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        first_conv="stem.conv",
-        classifier="head",
-        license="mit",
-        paper_ids="arXiv:2112.11081",
-    )
-    cfg.update(kwargs)
-    return cfg
+def _cfg(size: int) -> dict[str, Any]:
+    """timm's cfg at ``size``; the rest is the registry's default (ImageNet, bilinear, crop_pct 0.875).
 
-
-# features_only: timm's FeatureListNet over the four stages (``feature_info``), strides 4..32.
-_FEATURES = dict(feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True))
+    Evaluation as in the authors' test.py: at 224 resize to 256x256 (a square "squash") then centre-crop
+    224; above 224 resize the short side to 256 * size // 224, centre-crop ``size``. ``features_only``:
+    timm's FeatureListNet over the four stages (``feature_info``), strides 4..32.
+    """
+    return dict(input_size=(3, size, size), fixed_input_size=True, pool_size=(size // 32, size // 32),
+                crop_mode="squash" if size <= 224 else "center", first_conv="stem.conv", classifier="head",
+                paper_ids="arXiv:2112.11081",
+                feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True))  # fmt: skip
 
 
 def _build(arch: str, size: int, **kwargs: Any) -> RepMLPNet:
-    opts: dict[str, Any] = dict(REPMLPNET_ARCHS[arch], img_size=size)
-    opts.update(kwargs)
-    return RepMLPNet(**opts)
+    return RepMLPNet(**{**REPMLPNET_ARCHS[arch], "img_size": size, **kwargs})
 
 
-@register_model(**_cfg(224), **_FEATURES)
+@register_model(**_cfg(224))
 def repmlpnet_t224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 224x224: channels 64-512, depths 2,2,6,2, sharesets 1,4,16,128."""
     return _build("t", 224, **kwargs)
 
 
-@register_model(**_cfg(256), **_FEATURES)
+@register_model(**_cfg(256))
 def repmlpnet_t256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 256x256."""
     return _build("t", 256, **kwargs)
 
 
-@register_model(**_cfg(224), **_FEATURES)
+@register_model(**_cfg(224))
 def repmlpnet_b224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 224x224: channels 96-768, depths 2,2,12,2, sharesets 1,4,32,128."""
     return _build("b", 224, **kwargs)
 
 
-@register_model(**_cfg(256), **_FEATURES)
+@register_model(**_cfg(256))
 def repmlpnet_b256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 256x256."""
     return _build("b", 256, **kwargs)
 
 
-@register_model(**_cfg(256), **_FEATURES)
+@register_model(**_cfg(256))
 def repmlpnet_d256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-D at 256x256: channels 80-640, depths 2,2,18,2, sharesets 1,4,16,128."""
     return _build("d", 256, **kwargs)
 
 
-@register_model(**_cfg(256), **_FEATURES)
+@register_model(**_cfg(256))
 def repmlpnet_l256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-L at 256x256: channels 96-768, depths 2,2,18,2, sharesets 1,4,32,256."""
     return _build("l", 256, **kwargs)

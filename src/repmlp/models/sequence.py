@@ -1,6 +1,6 @@
 """The pure MLP for sequences: :class:`SequenceMLP` on ``(N, C, L)``, and Fashion-MNIST read row by row.
 
-The 1-D counterpart of :class:`repmlp.models.cifar.PureMLP`: a 1x1 "FC" stem, then stages at full, 1/2,
+The 1-D counterpart of :class:`repmlp.models.pure_mlp.PureMLP`: a 1x1 "FC" stem, then stages at full, 1/2,
 1/4 length (max pooling by 2 between them), each ``mixer, FC(C, C), mixer, FC(C, C_next)`` with a ReLU
 after every mixer and every FC (a kernel-1 conv1d-BN), then average pooling over the sequence and the
 classifier. The mixer is a :class:`repmlp.RepMLPBlock1d` (``"repmlp"``), converted exactly into FC1, FC2,
@@ -16,36 +16,29 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from repmlp.models.blocks import ConvBNReLU
-from repmlp.models.cifar import MixerSpec, fmnist_cfg, mixer_layer, pure_mlp_stages
-from repmlp.models.head import PooledClassifierMixin
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin
+from repmlp.models.pure_mlp import MixerSpec, mixer_layer, pure_mlp_cfg, pure_mlp_stages
 from repmlp.models.registry import register_model
 from repmlp.nn import checks
 
-__all__ = [
-    "SequenceMLP",
-    "RowSequenceMLP",
-    "SequenceInput",
-    "RowsAsSequence",
-    "rows_as_sequence",
-    "repmlp1d_fmnist",
-    "conv1d_fmnist",
-]
+__all__ = ["SequenceMLP", "RowSequenceMLP", "SequenceInput", "RowsAsSequence", "rows_as_sequence",
+           "repmlp1d_fmnist", "conv1d_fmnist"]  # fmt: skip
 
 
 def rows_as_sequence(x: Tensor) -> Tensor:
-    """Read images as sequences of rows: ``(N, C, H, W)`` -> ``(N, C*W, H)``.
-
-    Step ``i`` of the sequence is image row ``i``; its features are that row's pixels, channel by
-    channel (feature ``c*W + j`` is channel ``c``, column ``j``). A transpose and a flatten, so the
-    batch stays dynamic in exported graphs.
-    """
+    """Images as sequences of rows: ``(N, C, H, W)`` -> ``(N, C*W, H)``; step ``i`` is row ``i``, its feature
+    ``c*W + j`` channel ``c``, column ``j`` (a transpose and a flatten: the batch stays dynamic in exports)."""
     return x.transpose(2, 3).flatten(1, 2)
 
 
+def _check_positive(**values: Any) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 class SequenceInput(nn.Module):
-    """The first layer of a :class:`SequenceMLP`: raises ``ValueError`` unless the input is
-    ``(N, in_chans, length)``, else passes it on. Shapes: ``(N, C, L)`` -> the same tensor."""
+    """A :class:`SequenceMLP`'s first layer: ``ValueError`` unless the input is ``(N, in_chans, length)``."""
 
     def __init__(self, in_chans: int, length: int) -> None:
         super().__init__()
@@ -60,11 +53,8 @@ class SequenceInput(nn.Module):
 
 
 class RowsAsSequence(nn.Module):
-    """The adapter in front of :class:`RowSequenceMLP`: checks that the input is an
-    ``(N, in_chans, img_size, img_size)`` image and reads it as a sequence (:func:`rows_as_sequence`).
-
-    Shapes: ``(N, C, S, S)`` -> ``(N, C*S, S)``.
-    """
+    """A :class:`RowSequenceMLP`'s first layer: an ``(N, in_chans, img_size, img_size)`` image (checked) as a
+    sequence (:func:`rows_as_sequence`). Shapes: ``(N, C, S, S)`` -> ``(N, C*S, S)``."""
 
     def __init__(self, in_chans: int, img_size: int) -> None:
         super().__init__()
@@ -122,9 +112,7 @@ class SequenceMLP(PooledClassifierMixin, nn.Module):
     ) -> None:
         super().__init__()
         n = len(widths)
-        for name, value in (("in_chans", in_chans), ("length", length)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_positive(in_chans=in_chans, length=length)
         if n < 1 or length < 2 ** (n - 1):
             raise ValueError(f"length={length} is too short for {n} stages (halved between stages)")
         self.in_chans, self.length, self.num_classes = in_chans, length, num_classes
@@ -170,9 +158,7 @@ class RowSequenceMLP(SequenceMLP):
     """
 
     def __init__(self, *, img_size: int = 28, in_chans: int = 1, **kwargs: Any) -> None:
-        for name, value in (("img_size", img_size), ("in_chans", in_chans)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int (square images), got {value!r}")
+        _check_positive(img_size=img_size, in_chans=in_chans)
         adapter = RowsAsSequence(in_chans, img_size)
         super().__init__(in_chans * img_size, img_size, to_sequence=adapter, **kwargs)
         self.in_chans, self.img_size = in_chans, img_size
@@ -180,12 +166,10 @@ class RowSequenceMLP(SequenceMLP):
 
 # In timm's registry like every model, but outside its image-model contract: their feature maps are 1-D,
 # (N, C, L), where timm's forward_features and features_only give (N, C, H, W) maps (docs/models.md).
-_FMNIST_CFG = fmnist_cfg((7,), levels=3)
+_FMNIST_CFG = pure_mlp_cfg("fashion-mnist", (7,), levels=3)
 
 # Shared by both Fashion-MNIST models, so that only the mixer differs.
-_FMNIST_DEFAULTS: dict[str, Any] = dict(
-    img_size=28, in_chans=1, widths=(32, 64, 128), partition=7, groups=2, num_classes=10
-)
+_FMNIST_DEFAULTS = dict(img_size=28, in_chans=1, widths=(32, 64, 128), partition=7, groups=2, num_classes=10)
 
 
 @register_model(**_FMNIST_CFG)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.models.cifar import PartitionConvBlock
+from repmlp.models.pure_mlp import PartitionConvBlock
 from repmlp.nn.block import LocalPerceptron, RepMLPBlock, to_group_rows
 from repmlp.speed import copies
 from repmlp.speed.copies import is_channels_last
@@ -72,7 +72,7 @@ class DenseLocalPerceptron(LocalPerceptron):
 
 
 class FastPartitionConvBlock(PartitionConvBlock):
-    """Row D's block (:class:`~repmlp.models.cifar.PartitionConvBlock`) with the partition copies of
+    """Row D's block (:class:`~repmlp.models.pure_mlp.PartitionConvBlock`) with the partition copies of
     :class:`FastRepMLPBlock`."""
 
     def forward(self, x: Tensor) -> Tensor:

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from repmlp.models.blocks import ResNet
-from repmlp.models.cifar import PartitionConvBlock
+from repmlp.models.pure_mlp import PartitionConvBlock
 from repmlp.models.repmlpnet import ChannelGate, RepMLPNet, RepMLPNetBlock
+from repmlp.models.resnet import ResNet
 from repmlp.nn.block import LocalPerceptron, RepMLPBlock
 from repmlp.nn.layers import GroupwiseLinear
 from repmlp.speed.dense import fits_dense

@@ -1,4 +1,4 @@
-"""The pure MLP of paper Sec. 4.1 (CIFAR-10), its ablations, the Wide ConvNet, and Fashion-MNIST variants.
+"""The pure MLP of paper Sec. 4.1 (CIFAR-10), its ablations, the Wide ConvNet, and its Fashion-MNIST variants.
 
 One builder, :class:`PureMLP`: a 1x1 "FC" stem (or an FC on ``p x p`` patches, ``patch_size``), then stages
 at full, 1/2, 1/4 of the stem's resolution (2x2 max pool between them), each ``mixer, FC(C, C), mixer,
@@ -20,45 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.models.blocks import ConvBNReLU
-from repmlp.models.head import PooledClassifierMixin
+from repmlp.data import NATIVE_SIZE, NORMALIZATION
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
 from repmlp.models.registry import register_model
 from repmlp.nn import checks
 from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d, partition, unpartition
 from repmlp.nn.layers import ConvBN
 
-__all__ = [
-    "PureMLP",
-    "MixerSpec",
-    "mixer_layer",
-    "pure_mlp_stages",
-    "PartitionConvBlock",
-    "pure_mlp_cfg",
-    "fmnist_cfg",
-    "repmlp_cifar",
-    "repmlp_cifar_no_local",
-    "repmlp_cifar_no_global",
-    "repmlp_cifar_fc3_conv9",
-    "repmlp_cifar_conv9",
-    "wide_convnet_cifar",
-    "repmlp_fmnist",
-    "repmlp_fmnist_patch2",
-]
-
-_CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-_CIFAR_STD = (0.2470, 0.2435, 0.2616)
-_FMNIST_MEAN = (0.2860,)
-_FMNIST_STD = (0.3530,)
-
-
-def _check_fixed_input(x: Tensor, chans: int, size: int, what: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is ``(N, chans, size, size)``; ``what`` starts the message
-    (see :mod:`repmlp.nn.checks`)."""
-    checks.check_input_shape(
-        x,
-        (chans, size, size),
-        f"{what} (N, {chans}, {size}, {size}), got {{shape}}; build it with img_size/in_chans matching the data",
-    )
+__all__ = ["PureMLP", "MixerSpec", "mixer_layer", "pure_mlp_stages", "PartitionConvBlock", "pure_mlp_cfg",
+           "repmlp_cifar", "repmlp_cifar_no_local", "repmlp_cifar_no_global", "repmlp_cifar_fc3_conv9",
+           "repmlp_cifar_conv9", "wide_convnet_cifar", "repmlp_fmnist", "repmlp_fmnist_patch2"]  # fmt: skip
 
 
 class PartitionConvBlock(nn.Module):
@@ -105,7 +76,8 @@ class PartitionConvBlock(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        _check_fixed_input(x, self.in_channels, self.resolution, "block built for input")
+        c, r = self.in_channels, self.resolution
+        checks.check_input_shape(x, (c, r, r), f"block built for input (N, {c}, {r}, {r}), got {{shape}}")
         n, c = x.shape[0], self.in_channels
         h = self.partition
         parts = partition(x, h, h)
@@ -184,31 +156,16 @@ def mixer_layer(spec: MixerSpec, channels: int, size: int, dims: int = 2) -> nn.
     (:class:`~repmlp.RepMLPBlock`, :class:`PartitionConvBlock`, conv2d-BN) or 1-D on ``(N, C, L)``
     (:class:`~repmlp.RepMLPBlock1d`, conv1d-BN; Local Perceptron kernels longer than the partition are
     left out there)."""
-    partition = min(spec.partition, size)
-    if spec.kind == "repmlp":
-        one_d = dims == 1
-        block: nn.Module = (RepMLPBlock1d if one_d else RepMLPBlock)(
-            channels,
-            channels,
-            size,
-            partition,
-            groups=spec.groups,
-            kernel_sizes=[k for k in spec.kernel_sizes if k <= partition] if one_d else spec.kernel_sizes,
-            global_perceptron=spec.global_perceptron,
-            deploy=spec.deploy,
-        )
+    part = min(spec.partition, size)
+    common = dict(groups=spec.groups, global_perceptron=spec.global_perceptron, deploy=spec.deploy)
+    if spec.kind == "repmlp" and dims == 1:
+        kernels = [k for k in spec.kernel_sizes if k <= part]
+        block: nn.Module = RepMLPBlock1d(channels, channels, size, part, kernel_sizes=kernels, **common)
+    elif spec.kind == "repmlp":
+        block = RepMLPBlock(channels, channels, size, part, kernel_sizes=spec.kernel_sizes, **common)
     elif spec.kind == "fc3_conv9" and dims == 2:
-        block = PartitionConvBlock(
-            channels,
-            channels,
-            size,
-            partition,
-            kernel_size=spec.conv_kernel,
-            groups=spec.groups,
-            kernel_sizes=spec.kernel_sizes,
-            global_perceptron=spec.global_perceptron,
-            deploy=spec.deploy,
-        )
+        block = PartitionConvBlock(channels, channels, size, part, kernel_size=spec.conv_kernel,
+                                   kernel_sizes=spec.kernel_sizes, **common)  # fmt: skip
     elif spec.kind == "conv":
         block = ConvBN(
             channels, channels, spec.conv_kernel, groups=spec.groups, deploy=spec.deploy, dims=dims
@@ -298,7 +255,7 @@ class PureMLP(PooledClassifierMixin, nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         """``(N, in_chans, S, S)`` -> ``(N, widths[-1], S / 2**(n-1), ...)``."""
-        _check_fixed_input(x, self.in_chans, self.img_size, "model built for inputs")
+        check_input_size(x, "this model is", self.in_chans, (self.img_size, self.img_size), True)
         return self.stages(self.stem(x))
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
@@ -311,36 +268,18 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def pure_mlp_cfg(
-    input_size: tuple[int, int, int],
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    pool_size: tuple[int, ...],
-    levels: int,
-) -> dict[str, Any]:
-    """timm's ``pretrained_cfg`` of a pure MLP for 10 classes (head ``head``, stem ``stem.conv``, fixed
-    input size) whose last features are ``pool_size`` and which has ``levels`` feature levels (its
-    ``feature_info``: the stages, after a downsampling stem)."""
-    return dict(
-        input_size=input_size,
-        num_classes=10,
-        mean=mean,
-        std=std,
-        crop_pct=1.0,
-        classifier="head",
-        first_conv="stem.conv",
-        pool_size=pool_size,
-        fixed_input_size=True,
-        feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(levels))),
-    )
+def pure_mlp_cfg(dataset: str, pool_size: tuple[int, ...], levels: int) -> dict[str, Any]:
+    """timm's ``pretrained_cfg`` of a pure MLP for ``dataset`` (``"cifar10"`` or ``"fashion-mnist"``: its
+    size and normalisation, 10 classes) whose last features are ``pool_size`` and which has ``levels``
+    feature levels (its ``feature_info``: the stages, after a downsampling stem)."""
+    mean, std = NORMALIZATION[dataset]
+    size = NATIVE_SIZE[dataset]
+    return dict(input_size=(len(mean), size, size), num_classes=10, mean=mean, std=std, crop_pct=1.0,
+                classifier="head", first_conv="stem.conv", pool_size=pool_size, fixed_input_size=True,
+                feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(levels))))  # fmt: skip
 
 
-def fmnist_cfg(pool_size: tuple[int, ...], levels: int) -> dict[str, Any]:
-    """:func:`pure_mlp_cfg` of a Fashion-MNIST model (28x28x1)."""
-    return pure_mlp_cfg((1, 28, 28), _FMNIST_MEAN, _FMNIST_STD, pool_size, levels)
-
-
-_CIFAR_CFG = pure_mlp_cfg((3, 32, 32), _CIFAR_MEAN, _CIFAR_STD, (8, 8), levels=3)
+_CIFAR_CFG = pure_mlp_cfg("cifar10", (8, 8), levels=3)
 
 
 @register_model(**_CIFAR_CFG)
@@ -379,35 +318,22 @@ def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return PureMLP(**{"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128), **kwargs})
 
 
-@register_model(**fmnist_cfg((7, 7), levels=3))
+@register_model(**pure_mlp_cfg("fashion-mnist", (7, 7), levels=3))
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
-    """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes.
-
-    Defaults favour speed on a CPU (small widths, only the K=3 Local Perceptron branch); every
-    :class:`PureMLP` option can be overridden.
-    """
+    """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes; small
+    widths and only the K=3 Local Perceptron branch by default (every :class:`PureMLP` option can be given)."""
     defaults: dict[str, Any] = dict(
         widths=(8, 16, 32), img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10
     )
     return PureMLP(**{**defaults, **kwargs})
 
 
-@register_model(**fmnist_cfg((7, 7), levels=3))  # the patch stem and two stages
+@register_model(**pure_mlp_cfg("fashion-mnist", (7, 7), levels=3))  # the patch stem and two stages
 def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
-    """The main job's model: :func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two
-    stages run at 14 and 7 (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron,
-    at 7 one partition). Cheaper to train on a CPU than ``repmlp_fmnist``, whose first stage runs at
-    28x28 on 8 channels (a slow case for the CPU kernels), at the same accuracy in the main job's five
-    epochs (``benchmarks/bench_train.py``, case ``main job``). Its feature levels (``features_only``): the
-    stem's 14x14 map and both stages' (strides 2, 2, 4)."""
-    defaults: dict[str, Any] = dict(
-        widths=(16, 32),
-        img_size=28,
-        patch_size=2,
-        in_chans=1,
-        partition=7,
-        groups=2,
-        kernel_sizes=(3,),
-        num_classes=10,
-    )
+    """:func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two stages run at 14 and 7
+    (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron, at 7 one partition); the
+    main job's model, cheaper to train than ``repmlp_fmnist`` (docs/benchmarks.md). Its feature levels
+    (``features_only``): the stem's 14x14 map and both stages' (strides 2, 2, 4)."""
+    defaults: dict[str, Any] = dict(widths=(16, 32), img_size=28, patch_size=2, in_chans=1, partition=7, groups=2,
+                                    kernel_sizes=(3,), num_classes=10)  # fmt: skip
     return PureMLP(**{**defaults, **kwargs})
