@@ -2,7 +2,7 @@
 
 The models compute one way (:mod:`repmlp.nn`, :mod:`repmlp.models`). The passes here change, in place and
 reversibly, the class of the modules they have a faster version of: :func:`fast_training` (applied by the
-engine at a run's start unless ``--no-fast``), :func:`fast_inference` (applied by :mod:`repmlp.deploy` for
+engine at a run's start unless ``--no-fast-training``), :func:`fast_inference` (applied for
 prediction, evaluation and benchmarks) and :func:`plain` (back to the plain modules). Each pass says what
 it changes: which modules' hooks stop firing, and where bits may differ from the plain model.
 
