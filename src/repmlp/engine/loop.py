@@ -322,8 +322,7 @@ class _Loop:
             plain(unwrap(self.net))
 
     def _run(self) -> LoopResult:
-        # The signal handlers first: once the run folder exists, a signal keeps the run.
-        with self.signals:
+        with self.signals:  # first: once the run folder exists, a signal keeps the run
             lock_output(self.opts.output, self.procs)  # made and locked by rank 0: one writer per run
             self.start = time.perf_counter()
             while self.pos.step < self.total and self.epoch():
@@ -342,7 +341,14 @@ class _Loop:
         pos = self.pos
         self.net.train()
         self.mark = time.perf_counter()
-        with self.epoch_bar() as self.bar:  # closed (its line cleared) before the epoch's end logs its line
+        # An epoch-counted run's bar counts the epoch's batches, an iteration-counted one's the run's steps;
+        # closed (its line cleared) before the epoch's end logs its line.
+        main, epochs = self.procs.is_main, self.opts.epochs
+        if epochs is not None:
+            bar = progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
+        else:
+            bar = progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
+        with bar as self.bar:
             for images, labels in self.loader.batches(pos.epoch, pos.batch):
                 lr = self.step(images, labels)
                 self.after_step(lr)
@@ -352,14 +358,6 @@ class _Loop:
         self.add_seconds()
         self.end_epoch()
         return True
-
-    def epoch_bar(self) -> Any:
-        """An epoch-counted run's bar counts the epoch's batches (``epoch 2/3``), an iteration-counted one's
-        the run's iterations (``train (epoch 2)``)."""
-        pos, epochs, main = self.pos, self.opts.epochs, self.procs.is_main
-        if epochs is not None:
-            return progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
-        return progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
 
     def step(self, images: Tensor, labels: Tensor) -> float:
         """One optimizer step at ``pos.step``'s learning rates; adds up the task's statistics."""
@@ -586,10 +584,9 @@ class _Loop:
             raise  # names the file already
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
             raise CheckpointError(f"{self.path} does not fit this run: {first_line(exc)}") from None
-        self.pos = Position(**position)
-        self.saved_at = self.pos.step
+        pos = self.pos = Position(**position)
+        self.saved_at = pos.step
         if procs.is_main:
-            pos = self.pos
             log.info(
                 "resuming %s at epoch %d, batch %d (step %d)", opts.output, pos.epoch + 1, pos.batch, pos.step
             )

@@ -47,30 +47,22 @@ def check_output(
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
     if kind == "a folder":
         lock_output(out, procs, create=False)
-    state_path, finished = out / STATE_FILE, (out / REPORT_FILE).exists()
+    finished = (out / REPORT_FILE).exists()
+    if resume and finished and not finished_ok:
+        raise UserError(f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are "
+                        "left as they are (train into another --output to run it again)")  # fmt: skip
     if resume:
-        if not finished_ok and finished:
-            raise UserError(
-                f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are left "
-                "as they are (train into another --output to run it again)"
-            )
-        if not_regular(state_path) is not None:
-            raise UserError(f"nothing to resume: {state_path} does not exist or is not a regular file")
-        return load_state(state_path)
+        if not_regular(out / STATE_FILE) is not None:
+            raise UserError(f"nothing to resume: {out / STATE_FILE} does not exist or is not a regular file")
+        return load_state(out / STATE_FILE)
     if procs.is_main and kind == "a folder":
-        holds_run = (out / STATE_FILE).is_file() or (out / MODEL_FILE).is_file()  # not merely a report.md
-        if finished and holds_run:
-            raise UserError(
-                f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are left as they "
-                "are; train into another --output"
-            )
-        if holds_run:
-            raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
+        if (out / STATE_FILE).is_file() or (out / MODEL_FILE).is_file():  # a run's, not merely a report.md
+            raise UserError(f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are "
+                            "left as they are; train into another --output" if finished else
+                            f"{out} already holds a run; use --resume to continue it or another --output")  # fmt: skip
         if others := _entries(out):
-            raise UserError(
-                f"--output {out} is a folder holding other files ({others}), not a run: train into a new or "
-                "empty folder"
-            )
+            raise UserError(f"--output {out} is a folder holding other files ({others}), not a run: train into a "
+                            "new or empty folder")  # fmt: skip
     return None
 
 
@@ -143,9 +135,7 @@ def lock_output(out: Path, procs: DistInfo, *, create: bool = True) -> None:
         return
     _LOCKS[key] = fd
     if create and not existed and _entries(out):
-        raise UserError(
-            f"another process wrote into {out} while this run started: train into another --output"
-        )
+        raise UserError(f"another process wrote into {out} as this run started: train into another --output")
 
 
 def _lock_holder(info: os.stat_result) -> int | None:
@@ -153,13 +143,10 @@ def _lock_holder(info: os.stat_result) -> int | None:
     ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     try:
         with open("/proc/locks") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == ident:
-                    return int(parts[4])
+            rows = [line.split() for line in f]
+        return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident), None)
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 def option_flag(key: str) -> str:
@@ -176,11 +163,9 @@ def check_resumable(
     given: Collection[str] | None = None,
     hint: str = "repeat the run's options, or train into another --output",
 ) -> dict[str, Any]:
-    """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options.
-
-    ``given`` names the keys the user set (``None``: all of ``config``). Those outside ``runtime`` change the
-    maths and must equal the saved values (else the checkpoint is another model's or recipe's): a
-    :class:`UserError`. Given runtime keys (device, workers, data folder) replace the saved values."""
+    """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options. Of the
+    keys the user set (``given``; ``None``: all of ``config``), those outside ``runtime`` change the maths and
+    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values."""
     keys = set(config) if given is None else set(given)
     conflicts = [
         f"{option_flag(k)} {saved[k]!r}, not {config[k]!r}"
@@ -188,9 +173,9 @@ def check_resumable(
         if k not in runtime and k in saved and k in config and saved[k] != config[k]
     ]
     if conflicts:
+        more = " ..." if len(conflicts) > 4 else ""
         raise UserError(
-            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}"
-            f"{' ...' if len(conflicts) > 4 else ''} ({hint})"
+            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}{more} ({hint})"
         )
     return {**saved, **{k: config[k] for k in runtime if k in keys and k in config}}
 
