@@ -2,9 +2,8 @@
 
 Both loaders' ``batches(epoch, start)`` yield ``(x, y)`` for batches ``start, start+1, ...`` of ``epoch`` on
 this rank: ``x`` a normalised float batch ``(B, C, H, W)`` on the target device, ``y`` int64 labels ``(B,)``.
-The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s: shuffle, pad to a multiple of
-the world size, every ``world``-th index) and augmentation is seeded per batch or per sample, so skipping
-``start`` batches after a resume reproduces the uninterrupted run exactly.
+The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s) and augmentation is seeded per
+batch or per sample, so skipping ``start`` batches after a resume reproduces the uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ __all__ = ["rank_indices", "InMemoryLoader", "FolderLoader", "batch_generator", 
 
 
 def default_workers() -> int:
-    """Decoding processes when ``--workers`` is not given: one per CPU core this process may use (its
-    affinity mask, which a container or ``taskset`` narrows)."""
+    """Decoding processes when ``--workers`` is not given: one per CPU core this process may use."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -34,8 +32,8 @@ def default_workers() -> int:
 
 
 def normalize_on_device(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32, ``ToTensor`` and
-    ``Normalize``'s operations in their order (the same bits); ``mean``/``std`` ``(1, C, 1, 1)``."""
+    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32 (``ToTensor`` and
+    ``Normalize``'s operations, the same bits); ``mean``/``std`` ``(1, C, 1, 1)``."""
     return x.float().div_(255.0).sub_(mean).div_(std)
 
 
@@ -148,8 +146,8 @@ class _EpochSampler(torch.utils.data.Sampler):
 
 
 def _die_with_parent(worker_id: int) -> None:
-    """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``); persistent workers
-    would otherwise outlive a killed trainer until the DataLoader's watchdog, holding memory and files."""
+    """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``), not at the
+    DataLoader's watchdog, holding memory and files meanwhile."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the watchdog alone
@@ -166,8 +164,8 @@ OnDevice = Callable[[list[Any], Tensor, torch.device], Tensor]
 
 
 class _NormalizingCollate:
-    """A ``collate_fn`` that normalises in the worker (:func:`normalize_on_device`): on a CPU device the main
-    process would otherwise do it alone while the workers wait (docs/benchmarks.md). Picklable."""
+    """A ``collate_fn`` that normalises in the worker: on a CPU device the main process would otherwise do it
+    alone while the workers wait. Picklable."""
 
     def __init__(self, mean: Tensor, std: Tensor) -> None:
         self.mean, self.std = mean, std
@@ -178,13 +176,10 @@ class _NormalizingCollate:
 
 
 class FolderLoader(_ShardedBatches):
-    """Batches decoded from files by one ``DataLoader`` (ImageFolder, face, segmentation), kept across epochs
-    with persistent workers (starting them costs seconds); items ``(index, epoch)`` are seeded per example.
-
-    With ``mean``/``std`` the items are uint8 ``(C, H, W)``, travel as uint8 (pinned on CUDA) and are
-    normalised on the device (:func:`normalize_on_device`); without them they are the model's input already.
-    ``on_device(payloads, labels, device)`` replaces collation: it makes the float batch on the device (the
-    GPU decoding pipeline), normalised as above.
+    """Batches decoded from files by one ``DataLoader`` (image folder, face, segmentation) with persistent
+    workers; items ``(index, epoch)`` are seeded per example. With ``mean``/``std`` the items are uint8
+    ``(C, H, W)``, travel as uint8 and are normalised on the device; without them they are the model's input.
+    ``on_device(payloads, labels, device)`` replaces collation (the GPU decoding pipeline).
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset, *, batch_size: int, train: bool, seed: int = 0,

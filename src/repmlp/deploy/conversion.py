@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.data import build_data
-from repmlp.data.for_model import model_data_config
+from repmlp.data import build_data, model_data_config
 from repmlp.deploy.precision import native_support, to_precision
 from repmlp.errors import UserError, first_line
 from repmlp.io import model_file
