@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torchvision import transforms as T
 
 from repmlp.data.cifar import load_cifar10
@@ -30,7 +30,6 @@ from repmlp.data.folder import (
     stratified_subset,
 )
 from repmlp.data.loader import FolderLoader, InMemoryLoader
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
 
 if TYPE_CHECKING:
@@ -48,7 +47,7 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 NORMALIZATION = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+    "imagefolder": (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
 }
 _MAX_PADDED_BYTES = 4 << 30  # an in-memory data set zero-padded to --img-size
 

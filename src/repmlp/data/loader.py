@@ -9,6 +9,7 @@ batch or per sample, so skipping ``start`` batches after a resume reproduces the
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import signal
@@ -127,24 +128,6 @@ class InMemoryLoader(_ShardedBatches):
             yield x.to(self.device, non_blocking=True), self.labels[sel].to(self.device, non_blocking=True)
 
 
-class _EpochSampler(torch.utils.data.Sampler):
-    """Yields ``(index, epoch)`` of the epoch :meth:`set` last; a ``DataLoader`` calls ``iter()`` on its
-    sampler at each iteration's start (persistent workers too), so one sampler serves every epoch."""
-
-    def __init__(self) -> None:
-        self.indices: list[int] = []
-        self.epoch = 0
-
-    def set(self, indices: list[int], epoch: int) -> None:
-        self.indices, self.epoch = indices, epoch
-
-    def __iter__(self):
-        return iter([(i, self.epoch) for i in self.indices])
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 def _die_with_parent(worker_id: int) -> None:
     """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``), not at the
     DataLoader's watchdog, holding memory and files meanwhile."""
@@ -163,16 +146,11 @@ def _collate_list(items: list[tuple[Any, int]]) -> tuple[list[Any], Tensor]:
 OnDevice = Callable[[list[Any], Tensor, torch.device], Tensor]
 
 
-class _NormalizingCollate:
-    """A ``collate_fn`` that normalises in the worker: on a CPU device the main process would otherwise do it
-    alone while the workers wait. Picklable."""
-
-    def __init__(self, mean: Tensor, std: Tensor) -> None:
-        self.mean, self.std = mean, std
-
-    def __call__(self, items: list[Any]) -> tuple[Tensor, Tensor]:
-        x, y = torch.utils.data.default_collate(items)
-        return normalize_on_device(x, self.mean, self.std), y
+def _normalizing_collate(mean: Tensor, std: Tensor, items: list[Any]) -> tuple[Tensor, Tensor]:
+    """A ``collate_fn`` (with ``functools.partial``) that normalises in the worker: on a CPU device the main
+    process would otherwise do it alone while the workers wait."""
+    x, y = torch.utils.data.default_collate(items)
+    return normalize_on_device(x, mean, std), y
 
 
 class FolderLoader(_ShardedBatches):
@@ -195,7 +173,9 @@ class FolderLoader(_ShardedBatches):
         self.mean = self.std = None
         if mean is not None and std is not None:
             self.mean, self.std = _channel_stats(mean, self.device), _channel_stats(std, self.device)
-        self._sampler = _EpochSampler()
+        # The DataLoader's sampler: (index, epoch) items of the epoch being read, set before each iter(loader)
+        # (which reads it afresh, persistent workers too): one DataLoader serves every epoch.
+        self._order: list[tuple[int, int]] = []
         self._loader: torch.utils.data.DataLoader | None = None
         # On a CPU device "on the device" would be the main process alone: the workers normalise instead.
         self._normalizes_in_workers = (
@@ -210,11 +190,11 @@ class FolderLoader(_ShardedBatches):
         if self._loader is None:
             collate = _collate_list if self.on_device is not None else None
             if self._normalizes_in_workers:
-                collate = _NormalizingCollate(self.mean, self.std)
+                collate = functools.partial(_normalizing_collate, self.mean, self.std)
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=self.batch_size,
-                sampler=self._sampler,
+                sampler=self._order,
                 num_workers=self.workers,
                 collate_fn=collate,
                 pin_memory=self.device.type == "cuda" and self.on_device is None,
@@ -233,7 +213,7 @@ class FolderLoader(_ShardedBatches):
         if not idx:
             return
         loader = self._data_loader()
-        self._sampler.set(idx, epoch)  # read by iter(loader) below, before any worker asks for an index
+        self._order[:] = [(i, epoch) for i in idx]  # read by iter(loader) below
         for x, y in loader:
             if self.on_device is not None:
                 x = self.on_device(x, y, self.device)

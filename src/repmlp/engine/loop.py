@@ -237,32 +237,6 @@ class RunInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-class _Signals:
-    """SIGINT and SIGTERM handlers while a run trains (in the main thread, the only one Python delivers
-    signals to; the previous handlers come back on exit). The first signal is recorded (``received``): the
-    loop stops at the next step boundary with a checkpoint. Another one raises ``again(signum)`` at once (a
-    step that hangs), unless the loop is writing its interrupt checkpoint (``saving``), so the file is whole."""
-
-    def __init__(self, again: Callable[[int], BaseException]) -> None:
-        self.again, self.received, self.saving = again, None, False
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self.previous.items():  # None: not set from Python; the default is closest
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        self.previous = {}
-
-    def handle(self, signum: int, frame: object) -> None:
-        if self.received is not None and not self.saving:
-            raise self.again(signum)
-        self.received = self.received or signum
-
-
 def train_loop(
     net: nn.Module,
     optimizer,
@@ -302,7 +276,8 @@ class _Loop:
         self.path = opts.output / STATE_FILE
         self.pos = Position()
         self.saved_at = -1  # the step of the last checkpoint
-        self.signals = _Signals(self.interrupted_again)
+        self.received: int | None = None  # the first SIGINT/SIGTERM of this process (on_signal)
+        self.saving = False  # writing the interrupt checkpoint: another signal waits for it
         self.stopping = False  # a signal came (on any process): stop at the next step boundary
         self.bar: Any = None
         self.start = self.mark = 0.0  # the run's start; the start of this epoch's unrecorded time
@@ -321,8 +296,29 @@ class _Loop:
         finally:
             plain(unwrap(self.net))
 
+    @contextmanager
+    def signal_handlers(self) -> Iterator[None]:
+        """SIGINT and SIGTERM handlers (:meth:`on_signal`) while the run trains, in the main thread (the only
+        one Python delivers signals to); the previous handlers come back afterwards."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = (
+            {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        )
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():  # None: not set from Python; the default is closest
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        """The first signal is recorded: the loop stops at the next step boundary with a checkpoint. Another
+        one stops the run at once (a step that hangs), unless the interrupt checkpoint is being written."""
+        if self.received is not None and not self.saving:
+            raise self.interrupted_again(signum)
+        self.received = self.received or signum
+
     def _run(self) -> LoopResult:
-        with self.signals:  # first: once the run folder exists, a signal keeps the run
+        with self.signal_handlers():  # first: once the run folder exists, a signal keeps the run
             lock_output(self.opts.output, self.procs)  # made and locked by rank 0: one writer per run
             self.start = time.perf_counter()
             while self.pos.step < self.total and self.epoch():
@@ -449,7 +445,7 @@ class _Loop:
         """Whether a signal came, to this process or (torchrun) any other: every process then stops at the
         same step, as saving needs all of them (one small all-reduce a step; none for one process)."""
         if not self.stopping:
-            flag = self.signals.received is not None
+            flag = self.received is not None
             if self.procs.enabled:
                 sums = all_reduce_sum(torch.tensor([float(flag)], device=self.procs.device), self.procs)
                 flag = bool(sums.item() > 0)
@@ -458,10 +454,10 @@ class _Loop:
 
     def stop(self) -> NoReturn:
         """The checkpoint of this step (unless written already), then :class:`RunInterrupted`."""
-        self.signals.saving = True  # another Ctrl-C now waits for the file
+        self.saving = True  # another Ctrl-C now waits for the file
         if self.saved_at != self.pos.step:
             self.save()
-        pos, signum = self.pos, self.signals.received or signal.SIGINT
+        pos, signum = self.pos, self.received or signal.SIGINT
         where = "" if self.procs.is_main else " by process 0"
         raise RunInterrupted(
             f"interrupted by {signal.Signals(signum).name} at epoch {pos.epoch + 1}, batch {pos.batch} "

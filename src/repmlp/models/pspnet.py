@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
+from timm.data import IMAGENET_DEFAULT_STD as IMAGENET_STD
 from torch import Tensor, nn
 
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.models.blocks import ConvBNReLU, ResNet, StageSpec, check_input_size, per_stage
 from repmlp.models.registry import register_model
 from repmlp.models.resnet import repmlp_res50_stages, res50_320_options, split_resnet_kwargs

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
+from timm.data import IMAGENET_DEFAULT_STD as IMAGENET_STD
 from torch import Tensor, nn
 
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.models.blocks import ConvBNReLU
 from repmlp.models.head import PooledClassifierMixin
 from repmlp.models.registry import register_model
