@@ -243,9 +243,8 @@ class ImageFolderData(torch.utils.data.Dataset):
     equals an uninterrupted one). With ``raw_jpeg`` (the device pipeline) a JPEG comes undecoded:
     ``((bytes uint8 (N,), CropParams, index, epoch), label)``."""
 
-    def __init__(
-        self, samples: list[tuple[str, int]], transform: Callable, seed: int, train: bool, channels: int = 3
-    ) -> None:
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable, seed: int, train: bool,
+                 channels: int = 3) -> None:  # fmt: skip
         self.samples, self.transform, self.seed, self.train = samples, transform, seed, train
         self.channels = channels
         self.raw_jpeg = False

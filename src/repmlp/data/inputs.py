@@ -110,9 +110,8 @@ def _identity(path: str) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-def walk_files(
-    root: str | os.PathLike, suffixes: Sequence[str] | None = None
-) -> tuple[list[str], list[tuple[str, str]]]:
+def walk_files(root: str | os.PathLike,
+               suffixes: Sequence[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
     """``(files, skipped)``: the regular files under ``root`` with a suffix in ``suffixes`` (``None``: all),
     recursively, sorted, each real folder once (symlink loops end), hidden entries left out; ``skipped``:
     ``(path, reason)`` of special files and of folders that cannot be listed."""
@@ -209,9 +208,8 @@ def expand_glob(pattern: str) -> list[str]:
     return sorted(found)
 
 
-def open_image(
-    path: str | os.PathLike, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
-) -> Image.Image:
+def open_image(path: str | os.PathLike, *, max_bytes: int = MAX_IMAGE_BYTES,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:  # fmt: skip
     """The decoded Pillow image of a regular file (a GIF's first frame); an :class:`InputError` with the
     reason alone for a special file, one over ``max_bytes``, an image over ``max_pixels`` (from the header)
     or one Pillow cannot decode. The caller names the file and closes the image."""

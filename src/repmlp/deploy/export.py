@@ -122,9 +122,8 @@ def _onnxruntime(path: Path) -> Callable[[Tensor], Tensor]:
     return lambda x: torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
 
 
-def export_torchscript(
-    model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, rtol: float = DEFAULT_RTOL
-) -> float:
+def export_torchscript(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *,
+                       rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
     """``torch.jit.trace`` ``model`` (deprecated upstream, still the way to a Python-free file for C++) to
     ``path`` (``.pt``), checked loaded back; see :func:`_export`."""
 
@@ -135,9 +134,8 @@ def export_torchscript(
     return _export("TorchScript export", write, model, path, input_size, rtol)
 
 
-def export_program(
-    model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, rtol: float = DEFAULT_RTOL
-) -> float:
+def export_program(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *,
+                   rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
     """``torch.export.export`` ``model`` (dynamic batch; TorchScript's successor, ATen operators) to ``path``
     (``.pt2``), checked loaded back with ``torch.export.load``; see :func:`_export`."""
 

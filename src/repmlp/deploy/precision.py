@@ -62,9 +62,8 @@ class Int8OnnxModel(RuntimeModel):
         super().__init__(onnx_bytes, "onnxruntime", threads=threads, int8=True)
 
 
-def quantize_int8(
-    model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *, per_channel: bool = True
-) -> Int8OnnxModel:
+def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *,
+                  per_channel: bool = True) -> Int8OnnxModel:  # fmt: skip
     """Post-training static int8 quantization of a deployed float32 ``model`` (a copy is exported) with
     onnxruntime, calibrated on ``calibration`` batches ``(N, C, H, W)`` (the run's training images; none is
     a ``ValueError``); ``input_size``: ``(C, H, W)``."""
@@ -100,13 +99,8 @@ def quantize_int8(
         return Int8OnnxModel(q8.read_bytes())
 
 
-def to_precision(
-    model: nn.Module,
-    precision: str,
-    calibration: Iterable[Tensor] | None = None,
-    *,
-    input_size: Sequence[int] | None = None,
-) -> nn.Module:
+def to_precision(model: nn.Module, precision: str, calibration: Iterable[Tensor] | None = None, *,
+                 input_size: Sequence[int] | None = None) -> nn.Module:  # fmt: skip
     """The deployed ``model`` in ``precision`` (:data:`PRECISIONS`): ``fp32``/``bf16``/``fp16`` cast in place
     (and returned); ``int8`` a new :class:`Int8OnnxModel`, which needs ``calibration`` batches and
     ``input_size`` ``(C, H, W)``. ``ValueError`` for an unknown precision or int8 without them."""

@@ -92,9 +92,8 @@ def resolve_compile(choice: str, device: torch.device, graphs: bool = False) -> 
     return choice == "on" or (choice == "auto" and device.type == "cuda" and not graphs)
 
 
-def resolve_cuda_graphs(
-    choice: str, device: torch.device, *, world: int, compile_choice: str, scaler: bool, auto: bool = True
-) -> bool:
+def resolve_cuda_graphs(choice: str, device: torch.device, *, world: int, compile_choice: str, scaler: bool,
+                        auto: bool = True) -> bool:  # fmt: skip
     """``--cuda-graphs`` -> whether the module's forward and backward run as CUDA graphs
     (:func:`repmlp.engine.loop.graph_module`). ``auto``: on a CUDA device, in one process, without
     ``--compile on`` nor a gradient scaler (fp16 AMP), when the task supports it (``auto``); ``on`` is refused

@@ -62,9 +62,8 @@ class Position:
     window: dict[str, float] = field(default_factory=dict)
 
 
-def loss_step(
-    net: nn.Module, images: Tensor, labels: Tensor, pos: Position
-) -> tuple[Tensor, dict[str, float]]:
+def loss_step(net: nn.Module, images: Tensor, labels: Tensor,
+              pos: Position) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
     """The step of a module that computes its own loss (``net(images, labels)`` -> scalar): the loss, and
     as statistics the loss per step (``n`` counts steps)."""
     loss = net(images, labels).float()
@@ -237,15 +236,8 @@ class RunInterrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def train_loop(
-    net: nn.Module,
-    optimizer,
-    loader,
-    opts: LoopOptions,
-    procs: DistInfo,
-    state: dict[str, Any] | None = None,
-    hooks: LoopHooks | None = None,
-) -> LoopResult:
+def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
+               state: dict[str, Any] | None = None, hooks: LoopHooks | None = None) -> LoopResult:  # fmt: skip
     """Train ``net`` (prepared by :func:`~repmlp.engine.processes.prepare_module`) over ``loader``
     (``loader.batches(epoch, start)`` yields this process's ``(images, labels)`` of an epoch from batch
     ``start``; ``len(loader)`` batches an epoch) per ``opts``, with the task's ``hooks``; continue bitwise
@@ -264,9 +256,8 @@ def train_loop(
 class _Loop:
     """One run of :func:`train_loop`: the objects it trains and where it stands."""
 
-    def __init__(
-        self, net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo, hooks: LoopHooks
-    ):
+    def __init__(self, net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
+                 hooks: LoopHooks) -> None:  # fmt: skip
         self.net, self.optimizer, self.loader = net, optimizer, loader
         self.opts, self.procs, self.hooks = opts, procs, hooks
         fp16 = opts.amp and amp_dtype(procs.device) == torch.float16

@@ -33,9 +33,8 @@ REPORT_FILE = "report.md"  # the last file a run writes: a folder holding it is 
 MODEL_FILE = "model.safetensors"  # the trained model a run writes at its end
 
 
-def check_output(
-    out: Path, resume: bool, procs: DistInfo, *, finished_ok: bool = False
-) -> dict[str, Any] | None:
+def check_output(out: Path, resume: bool, procs: DistInfo, *,
+                 finished_ok: bool = False) -> dict[str, Any] | None:  # fmt: skip
     """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`).
 
     ``out`` must be missing or empty (a new run), or hold a run: without ``resume`` a run is never
@@ -154,15 +153,10 @@ def option_flag(key: str) -> str:
     return "--model-arg" if key in ("model_args", "model_arg") else "--" + key.replace("_", "-")
 
 
-def check_resumable(
-    saved: dict[str, Any],
-    config: dict[str, Any],
-    where: Path,
-    *,
-    runtime: Collection[str] = (),
-    given: Collection[str] | None = None,
-    hint: str = "repeat the run's options, or train into another --output",
-) -> dict[str, Any]:
+def check_resumable(saved: dict[str, Any], config: dict[str, Any], where: Path, *, runtime: Collection[str] = (),
+                    given: Collection[str] | None = None,
+                    hint: str = "repeat the run's options, or train into another --output",
+                    ) -> dict[str, Any]:  # fmt: skip
     """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options. Of the
     keys the user set (``given``; ``None``: all of ``config``), those outside ``runtime`` change the maths and
     must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values."""
@@ -208,14 +202,8 @@ _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq"})  # their square root
 _MAX_STEPS = 2**53  # an optimizer's step count (a float32 or float64 tensor in torch's Adam)
 
 
-def check_state(
-    state: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
-    steps_per_epoch: int,
-    total: int,
-    fields: Sequence[str],
-    where: object,
-) -> dict[str, Any]:
+def check_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, steps_per_epoch: int, total: int,
+                fields: Sequence[str], where: object) -> dict[str, Any]:  # fmt: skip
     """The one check of what a training state (the file ``where``) holds besides its weights: a ``config``
     mapping; the position (``step``, ``epoch``, ``batch``) in range and on one of this run's
     ``steps_per_epoch`` batches an epoch (``total`` steps); a ``history`` of records with a number for each
