@@ -27,10 +27,8 @@ log = logging.getLogger(__name__)
 DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
            "Ankle boot"]  # fmt: skip
-_FILES = {
-    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
+_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+          False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}  # fmt: skip
 # After a failed download, "add --download" would send the user round in a circle: the other two ways.
 HOW_TO_GET_OFFLINE = (
     "install Debian's package (sudo apt-get install dataset-fashion-mnist, or bash scripts/setup.sh) "

@@ -78,14 +78,8 @@ def _channel_stats(values: Sequence[float], device: torch.device | str = "cpu") 
 
 
 class _ShardedBatches:
-    """What both loaders share: this process's shard of ``num_samples`` examples, and its batch count."""
-
-    batch_size: int
-    train: bool
-    seed: int
-    rank: int
-    world: int
-    num_samples: int
+    """What both loaders share: this process's shard of ``num_samples`` examples, and its batch count (from
+    ``batch_size``, ``train``, ``seed``, ``rank`` and ``world``, set by the loader)."""
 
     def _indices(self, epoch: int) -> Tensor:
         return rank_indices(self.num_samples, epoch=epoch, seed=self.seed, rank=self.rank, world=self.world,

@@ -196,11 +196,8 @@ class _FileBatches(torch.utils.data.Dataset):
         first = next((x for x in images if x is not None), None)
         if first is None:
             return start, torch.zeros(len(chunk), *self.size), ok, errors
-        if self.batched:  # uint8 (H, W, C) arrays: one copy into the batch, normalised at once
-            batch = np.zeros((len(chunk), *first.shape), dtype=np.uint8)
-            for j, x in enumerate(images):
-                if x is not None:
-                    batch[j] = x
+        if self.batched:  # uint8 (H, W, C) arrays: one batch, normalised at once
+            batch = np.stack([np.zeros_like(first) if x is None else x for x in images])
             out = self.transform.normalize(torch.from_numpy(batch).permute(0, 3, 1, 2))
         else:
             out = torch.stack([torch.zeros_like(first) if x is None else x for x in images])
