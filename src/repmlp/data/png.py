@@ -1,12 +1,10 @@
-"""Plain PNGs decoded a batch at a time, with Pillow's own PNG decoder (``repmlp predict`` on a folder of
-Fashion-MNIST PNGs: for a 28x28 image ``Image.open`` spends most of its time in format detection and chunk
-parsing in Python, see docs/benchmarks.md).
+"""Plain PNGs decoded a batch at a time by Pillow's own PNG decoder (``repmlp predict``: for a 28x28 image
+``Image.open`` spends most of its time detecting the format and parsing chunks in Python).
 
-A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every CRC right, ending in IEND, a
-zlib stream of exactly the image's scanlines, valid row filters) needs none of that: :func:`png_scanlines`
-reads its filtered scanlines and :func:`unfilter` decodes a batch of them in one call of the decoder
-``Image.open`` uses, so the pixels are the same. Any other file, or any doubt, gives ``None``: the caller
-opens it with ``Image.open``, which decides, and names the reason when it cannot.
+A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every CRC right, ending in IEND, a zlib
+stream of exactly the image's scanlines, valid row filters): :func:`png_scanlines` reads its scanlines and
+:func:`unfilter` decodes a batch of them in one decoder call, the pixels ``Image.open`` gives. Any other file,
+or any doubt, gives ``None``: the caller opens it with ``Image.open``.
 """
 
 from __future__ import annotations

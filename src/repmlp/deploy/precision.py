@@ -130,8 +130,8 @@ def native_support(precision: str) -> str | None:
 
 
 # ------------------------------------------------------------------------ an int8 file's graph, checked
-# The operators repmlp's int8 export writes (every registered model): a file's graph may hold only these, so no
-# Loop/If/Scan (a loop that never ends), no ConstantOfShape/Expand/Tile (gigabytes from a few bytes).
+# The operators repmlp's int8 export writes: no Loop/If/Scan (a loop that never ends), no ConstantOfShape,
+# Expand or Tile (gigabytes from a few bytes).
 INT8_OPS = frozenset("""Add AveragePool BatchNormalization Cast Concat Conv DequantizeLinear Div Erf Flatten
     Gather GatherND Gelu Gemm GlobalAveragePool Identity LayerNormalization MatMul Max MaxPool Mul PRelu Pad
     QuantizeLinear Range ReduceMean Relu Reshape Resize ScatterND Shape Sigmoid Slice Softmax Sqrt Squeeze Sub

@@ -1,12 +1,7 @@
-"""The one training loop of every task (classification, face recognition, segmentation); it knows no task.
-
-A task hands :func:`train_loop` its module (prepared by :func:`prepare_module`), an optimizer, its loader,
-:class:`LoopOptions` and :class:`LoopHooks` (its step, its end of epoch). Modules: :mod:`.devices` (device,
-hardware line, AMP, compile choices), :mod:`.processes` (torchrun/DDP, replica hashes), :mod:`.state`
-(resumable runs: folder, options, RNG states, the check of a state read back), :mod:`.loop` (the loop, CUDA
-graphs of a step) and :mod:`.report` (metrics.csv, a loss log's curves and report).
-
-Imports :mod:`repmlp.io`, :mod:`repmlp.speed` and what they import; never :mod:`repmlp.deploy`.
+"""The one training loop of every task (:func:`train_loop`; it knows no task) and what it runs on:
+:mod:`.devices` (device, hardware line, AMP, compile choices), :mod:`.processes` (torchrun/DDP, replica
+hashes), :mod:`.state` (resumable runs), :mod:`.loop` (the loop, CUDA graphs of a step) and :mod:`.report`
+(metrics.csv, a loss log's curves and report). Never imports :mod:`repmlp.deploy`.
 """
 
 from repmlp.engine.devices import (

@@ -65,13 +65,10 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 
 def keep_freed_memory() -> bool:
-    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse.
-
-    A CPU training step frees and allocates the same activation-sized buffers every step; by default glibc
-    maps each large one afresh, so every step page-faults its activations in again. Returns whether it took
-    effect (``False`` where the C library is not glibc). The memory stays with the process: an application's
-    choice (``repmlp train`` and ``repmlp study`` make it), not the library's.
-    """
+    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse: a
+    CPU training step frees and allocates the same large buffers every step, which glibc would map afresh
+    (page faults) each time. Whether it took effect (not glibc: ``False``). An application's choice (``repmlp
+    train`` and ``study`` make it): the memory stays with the process."""
     if os.name != "posix":
         return False
     try:

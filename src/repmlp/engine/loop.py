@@ -72,16 +72,11 @@ def loss_step(net: nn.Module, images: Tensor, labels: Tensor,
 
 @dataclass
 class LoopHooks:
-    """What a task plugs into :func:`train_loop`.
-
-    - ``step(net, images, labels, pos) -> (loss, stats)``: the forward pass and loss of one batch, run
-      under autocast; ``stats`` are sums over the batch (``n``: how many things were summed) that the
-      engine adds up per epoch and per log interval and shows in the progress bar as means.
-    - ``end_epoch(pos) -> row or None``: called when an epoch's batches are used up, before the position
-      moves on (``pos.epoch_acc`` holds the epoch's sums); a returned row is appended to the history. A
-      NaN/inf number in it (a validation loss) is :class:`Diverged`, and no checkpoint of it (weights can
-      be finite and still overflow in evaluation: huge BatchNorm statistics).
-    """
+    """What a task plugs into :func:`train_loop`: ``step(net, images, labels, pos) -> (loss, stats)``, the
+    forward pass and loss of one batch under autocast, ``stats`` sums over the batch (``n``: how many) that
+    the engine adds up per epoch and log interval; ``end_epoch(pos) -> row or None`` when an epoch's batches
+    are used up (``pos.epoch_acc``: its sums), a row for the history; a NaN/inf number in it (weights can be
+    finite and still overflow) is :class:`Diverged`, with no checkpoint of it."""
 
     step: Callable[[nn.Module, Tensor, Tensor, Position], tuple[Tensor, dict[str, float]]] = loss_step
     end_epoch: Callable[[Position], dict[str, Any] | None] | None = None

@@ -35,12 +35,9 @@ MODEL_FILE = "model.safetensors"  # the trained model a run writes at its end
 
 def check_output(out: Path, resume: bool, procs: DistInfo, *,
                  finished_ok: bool = False) -> dict[str, Any] | None:  # fmt: skip
-    """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`).
-
-    ``out`` must be missing or empty (a new run), or hold a run: without ``resume`` a run is never
-    overwritten, and a folder holding other files is the user's. ``resume`` of a finished run (``report.md``
-    written) is refused before anything is read, unless ``finished_ok`` (``repmlp study`` redoes the end of a
-    run whose results it did not record)."""
+    """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`):
+    ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
+    (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end)."""
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
@@ -204,12 +201,10 @@ _MAX_STEPS = 2**53  # an optimizer's step count (a float32 or float64 tensor in 
 
 def check_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, steps_per_epoch: int, total: int,
                 fields: Sequence[str], where: object) -> dict[str, Any]:  # fmt: skip
-    """The one check of what a training state (the file ``where``) holds besides its weights: a ``config``
-    mapping; the position (``step``, ``epoch``, ``batch``) in range and on one of this run's
-    ``steps_per_epoch`` batches an epoch (``total`` steps); a ``history`` of records with a number for each
-    of ``fields``; the sums (``epoch_acc``, ``window``) mappings of numbers; an optimizer state that
-    ``optimizer`` could have written (:func:`_check_optimizer`). Returns the position's fields; raises
-    ``ValueError`` (a :class:`~repmlp.io.model_file.CheckpointError` for the counts)."""
+    """The one check of what a training state (the file ``where``) holds besides its weights, before any of it
+    is loaded: a ``config`` mapping; the position on one of this run's ``steps_per_epoch`` batches (``total``
+    steps); a ``history`` with a number for each of ``fields``; sums of numbers; an optimizer state that
+    ``optimizer`` could have written. Returns the position's fields; raises ``ValueError``."""
     if not isinstance(state.get("config"), dict):
         raise ValueError("its config is not a mapping")
     bounds = {"step": total, "batch": steps_per_epoch, "epoch": total // max(1, steps_per_epoch) + 1}
@@ -240,12 +235,10 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
-    """``saved`` (an ``Optimizer.state_dict()`` read back) is one ``optimizer`` could have written in this run.
-
-    ``Optimizer.load_state_dict`` takes anything: a buffer of another shape fails at the first step, one of
-    another dtype is cast, ``maximize: true`` trains uphill without a word. So every group's settings must be
-    this run's (the scheduled ``lr`` excepted: any finite rate >= 0), its parameter ids this run's, and each
-    parameter's state of known names, of its shape and dtype, finite."""
+    """``saved`` (an ``Optimizer.state_dict()`` read back) is one ``optimizer`` could have written in this run:
+    ``load_state_dict`` takes anything (a buffer of another shape fails later, one of another dtype is cast,
+    ``maximize: true`` trains uphill), so every group's settings (but the scheduled ``lr``), parameter ids and
+    per-parameter state (known names, the parameter's shape and dtype, finite) must be this run's."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         raise ValueError("its optimizer state is not a mapping with a list of 'param_groups'")
     groups, ours = saved["param_groups"], optimizer.state_dict()["param_groups"]
