@@ -21,8 +21,7 @@ import pytest
 
 from repmlp.data import cifar
 from repmlp.data.face import read_pairs
-from repmlp.data.fashion_mnist import load_fashion_mnist
-from repmlp.data.idx import read_idx
+from repmlp.data.fashion_mnist import load_fashion_mnist, read_idx
 from repmlp.errors import UserError
 from repmlp_testdata import make_cifar10, make_fashion_mnist, run_cli
 from test_hostile_input import assert_one_line, memory_limit, time_limit

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import repmlp
-from repmlp.data.for_model import model_data_config
+from repmlp.data import model_data_config
 from repmlp.io.model_file import save_model
 from repmlp.tasks.classification import resolve_config
 from repmlp_testdata import make_image_folder, run_cli, subprocess_env, user_error_line

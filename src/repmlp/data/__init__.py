@@ -1,21 +1,21 @@
 """Classification data: Fashion-MNIST (IDX), CIFAR-10 (torchvision's layout) and ImageNet-style folders.
 
-:func:`build_data` returns train and validation loaders with one contract (:mod:`.loader`) and what a model
-needs to know (classes, channels, resolution). The folder also holds the face and Cityscapes formats, bounded
-reading of the user's files (:mod:`.inputs`) and the normalisation constants.
+:func:`build_data` returns train and validation loaders (:mod:`.loader`) and what a model needs to know
+(classes, channels, resolution). The folder also holds the face and Cityscapes formats and the bounded
+reading of the user's files (:mod:`.inputs`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from torchvision import transforms as T
 
 from repmlp.data.cifar import load_cifar10
@@ -30,25 +30,26 @@ from repmlp.data.folder import (
     stratified_subset,
 )
 from repmlp.data.loader import FolderLoader, InMemoryLoader
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
 
+if TYPE_CHECKING:
+    from repmlp.io.model_file import ModelMetadata
+
 __all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION", "NATIVE_SIZE",
-           "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform"]  # fmt: skip
+           "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform", "folder_preprocessing",
+           "model_data_config"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 DATASETS = ("fashion-mnist", "cifar10", "imagefolder")
-# The image size of the in-memory data sets (their models may zero-pad it to a larger --img-size).
-NATIVE_SIZE = {"fashion-mnist": 28, "cifar10": 32}
+NATIVE_SIZE = {"fashion-mnist": 28, "cifar10": 32}  # the in-memory data sets' (a model may pad to more)
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 NORMALIZATION = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "imagefolder": (IMAGENET_MEAN, IMAGENET_STD),
+    "imagefolder": (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
 }
-# The most memory an in-memory data set may take once zero-padded to --img-size.
-_MAX_PADDED_BYTES = 4 << 30
+_MAX_PADDED_BYTES = 4 << 30  # an in-memory data set zero-padded to --img-size
 
 
 @dataclass
@@ -67,9 +68,8 @@ class DataConfig:
     flip: bool = False
     autoaugment: bool = False  # image folders only
     img_size: int | None = None  # image folders: train crop / eval centre crop; in memory: zero-pad to it
-    # Image folders: the evaluation preprocessing published weights were measured with (timm cfg keys
-    # crop_pct, crop_mode, interpolation, mean, std; None: size/0.875, centre crop, ImageNet mean/std), the
-    # channels images become (None: 3), the training normalisation (None: ImageNet's or the preprocessing's).
+    # Image folders: the evaluation preprocessing (timm cfg keys crop_pct, crop_mode, interpolation, mean,
+    # std; None: size/0.875, centre crop, ImageNet's), the channels (None: 3), the training normalisation.
     eval_preprocessing: dict[str, Any] | None = None
     channels: int | None = None
     mean: Sequence[float] | None = None
@@ -154,18 +154,17 @@ def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> No
 
 
 def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
-    """PIL image -> normalised ``(3, size, size)`` tensor by timm's eval transform with ``preprocessing``
-    (timm cfg keys): resize to ``floor(size / crop_pct)`` (short side; both with ``crop_mode="squash"``),
-    centre crop ``size``, ``interpolation``, ``mean``/``std``."""
+    """PIL image -> normalised ``(3, size, size)`` by timm's eval transform with ``preprocessing`` (timm cfg
+    keys): resize to ``floor(size / crop_pct)``, centre crop ``size``, ``interpolation``, ``mean``/``std``."""
     keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in preprocessing.items() if k in keys}
     return create_transform((3, size, size), is_training=False, **opts)
 
 
 def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None) -> Callable:
-    """An image folder's evaluation transform, RGB PIL image -> normalised ``(3, size, size)``, shared by
-    ``repmlp eval`` and ``repmlp predict``: :func:`eval_transform` with ``preprocessing``, else resize to
-    ``size / 0.875``, centre crop, bilinear, ImageNet mean/std."""
+    """An image folder's evaluation transform (``repmlp eval`` and ``predict``), RGB PIL image -> normalised
+    ``(3, size, size)``: :func:`eval_transform` with ``preprocessing``, else resize to ``size / 0.875``,
+    centre crop, bilinear, ImageNet mean/std."""
     if preprocessing:
         return eval_transform(size, preprocessing)
     mean, std = NORMALIZATION["imagefolder"]
@@ -178,8 +177,8 @@ _TO_TENSOR = ("ToTensor", "MaybeToTensor")  # torchvision's and timm's
 
 
 def folder_eval_pixels(size: int, preprocessing: dict[str, Any] | None = None) -> tuple[Callable, list, list]:
-    """:func:`folder_eval_transform` split in ``(PIL -> PIL resizing and cropping, mean, std)``: the loader
-    normalises on the device after ``/ 255``, as ``ToTensor`` and ``Normalize`` would."""
+    """:func:`folder_eval_transform` as ``(PIL -> PIL resize and crop, mean, std)``: the loader normalises on
+    the device, as ``ToTensor`` and ``Normalize`` would."""
     full = folder_eval_transform(size, preprocessing)
     steps = list(full.transforms)
     to_tensor, normalize = steps[-2:]
@@ -192,10 +191,9 @@ def folder_eval_pixels(size: int, preprocessing: dict[str, Any] | None = None) -
 
 
 class PixelEvalTransform:
-    """An in-memory data set's evaluation transform for PIL images, as :class:`~.loader.InMemoryLoader` does
-    it to a validation batch: resized (bilinear) to the data set's ``native`` size if it differs, zero-padded
-    to ``img_size``, ``/ 255``, ``(x - mean) / std``. In two steps, so a batch is normalised at once:
-    :meth:`pixels` (one image -> ``(H, W, C)`` uint8) and :meth:`normalize`. Picklable."""
+    """An in-memory data set's evaluation transform of a PIL image, as its loader does it: resized (bilinear)
+    to the data set's ``native`` size, zero-padded to ``img_size``, ``/ 255``, ``(x - mean) / std``. In two
+    steps, so a batch is normalised at once: :meth:`pixels` and :meth:`normalize`. Picklable."""
 
     def __init__(self, dataset: str, img_size: int | None) -> None:
         self.native, self.img_size = NATIVE_SIZE[dataset], img_size
@@ -207,7 +205,6 @@ class PixelEvalTransform:
         """A PIL image (in the model's channels) -> ``(native, native, C)`` uint8."""
         if img.size != (self.native, self.native):
             img = img.resize((self.native, self.native), Image.BILINEAR)
-        # bytearray: a writable buffer (torch.from_numpy needs one) without numpy's array-interface path
         return np.frombuffer(bytearray(img.tobytes()), dtype=np.uint8).reshape(img.size[1], img.size[0], -1)
 
     def normalize(self, batch: torch.Tensor) -> torch.Tensor:
@@ -220,7 +217,7 @@ class PixelEvalTransform:
 
 def pad_to(images: torch.Tensor, size: int | None) -> torch.Tensor:
     """Zero-pad ``(N, C, H, W)`` evenly to ``size x size`` (``None``: unchanged): a 32x32 model on 28x28
-    Fashion-MNIST, whose black (0) background makes the border add nothing."""
+    Fashion-MNIST, whose black background makes the border add nothing."""
     if size is None:
         return images
     h, w = images.shape[-2:]
@@ -246,8 +243,8 @@ def _folder_limit(samples: list[tuple[str, int]], limit: int | None, flag: str, 
 
 
 def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device | str) -> Data:
-    """An image folder's loaders: uint8 pixels decoded in ``cfg.workers`` processes, normalised on ``device``;
-    training through :class:`~.folder.TrainCrop` (CUDA with ``cfg.gpu_decode``: :class:`GpuTrainBatch`)."""
+    """An image folder's loaders: uint8 pixels decoded in ``cfg.workers`` processes, normalised on ``device``
+    (CUDA with ``cfg.gpu_decode``: JPEGs decoded and cropped there, :class:`GpuTrainBatch`)."""
     if cfg.data_dir is None:
         raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
     size, channels = cfg.img_size or 224, cfg.channels or 3
@@ -283,3 +280,57 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     for note in notes:
         log.info("%s", note)
     return Data(train, val, len(classes), channels, size, classes, notes, pre or None)
+
+
+def folder_preprocessing(
+    recorded: Mapping[str, Any] | None, dataset: str | None, channels: int
+) -> dict | None:
+    """The evaluation preprocessing (timm cfg keys; ``mean``/``std`` of ``channels`` values) of an image
+    folder for a model file whose ``extra`` records ``recorded`` (its ``eval_preprocessing``) and ``dataset``:
+    the file's own; for a model of an in-memory data set, the image resized to the input size (as ``repmlp
+    predict`` does) and that data set's normalisation; else ``None`` (:func:`folder_eval_transform`'s).
+    ``repmlp train --init`` gives an image folder the same."""
+    if recorded:
+        out = {
+            k: recorded[k] for k in ("crop_pct", "crop_mode", "interpolation", "mean", "std") if k in recorded
+        }
+    elif dataset in NATIVE_SIZE:
+        mean, std = NORMALIZATION[dataset]
+        out = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
+    else:
+        return None
+    mean, std = NORMALIZATION["imagefolder"]
+    out["mean"] = [float(v) for v in (out.get("mean") or mean)][:channels]
+    out["std"] = [float(v) for v in (out.get("std") or std)][:channels]
+    if len(out["mean"]) != channels or len(out["std"]) != channels:  # one value for three channels
+        out["mean"], out["std"] = out["mean"][:1] * channels, out["std"][:1] * channels
+    return out
+
+
+def model_data_config(meta: ModelMetadata, dataset: str, *, data_dir: str | None = None,
+                      img_size: int | None = None, **options: Any) -> DataConfig:  # fmt: skip
+    """How ``repmlp eval`` and ``repmlp convert`` (its check batch, its int8 calibration) read ``dataset`` for
+    the model of a file (``meta``), so that every command sees the pixels the model was trained on.
+
+    ``data_dir`` defaults to the folder the file records when ``dataset`` is the one it was trained on. The
+    images come in the model's channels, at ``img_size`` (default: the model's own square side), with
+    :func:`folder_preprocessing`'s resize and normalisation (at another size only its normalisation).
+    ``options``: the other :class:`DataConfig` fields (limits, batch sizes, workers).
+    """
+    extra = meta.extra
+    if data_dir is None and dataset == extra.get("dataset"):
+        data_dir = extra.get("data_dir")
+    own = meta.model_kwargs.get("img_size")
+    if own is None and isinstance(extra.get("input_size"), Sequence) and len(extra["input_size"]) == 3:
+        own = extra["input_size"][1]
+    own = own[0] if isinstance(own, (list, tuple)) else own  # a (H, W) option: square images here
+    own = int(own) if isinstance(own, int) else None
+    size = img_size or own
+    channels = meta.input_size[0] if meta.input_size[0] in (1, 3) else None
+    pre = None
+    if dataset == "imagefolder":
+        pre = folder_preprocessing(extra.get("eval_preprocessing"), extra.get("dataset"), channels or 3)
+        if pre and size != own:
+            pre = {k: pre[k] for k in ("mean", "std")}
+    return DataConfig(dataset=dataset, data_dir=data_dir, img_size=size, channels=channels,
+                      eval_preprocessing=pre, **options)  # fmt: skip

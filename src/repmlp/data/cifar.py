@@ -1,12 +1,10 @@
 """CIFAR-10 in torchvision's on-disk layout (``cifar-10-batches-py``), read without running pickled code.
 
-The batches are pickles of ``{"data": uint8 (N, 3072), "labels": [int], ...}``, the data set's own format
-(the one exception to "never unpickle"). A restricted unpickler accepts only what such a batch holds, so a
-small file can neither run code nor make the reader run for minutes or allocate gigabytes: only the opcodes a
-batch uses, at most :data:`_MAX_OPS` of them (bounding time and objects); only numpy's array reconstruction
-and a latin-1 ``_codecs.encode`` may be called, with checked arguments; dict keys are the batch's own names,
-checked before hashing; no nesting beyond a batch's and no memo reference to a container (no shared
-structure that would expand to gigabytes).
+The batches are pickles of ``{"data": uint8 (N, 3072), "labels": [int], ...}``. A restricted unpickler
+accepts only what such a batch holds, so a small file can neither run code nor run for minutes or allocate
+gigabytes: only the opcodes a batch uses, at most :data:`_MAX_OPS` of them; only numpy's array
+reconstruction and a latin-1 ``_codecs.encode`` may be called, with checked arguments; dict keys are a
+batch's names, checked before hashing; no nesting beyond a batch's and no memo reference to a container.
 """
 
 from __future__ import annotations
@@ -24,16 +22,11 @@ from repmlp.errors import UserError, first_line
 
 __all__ = ["load_cifar10", "find_cifar10"]
 
-TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
-TEST_FILES = ["test_batch"]
-FOLDER = "cifar-10-batches-py"
-NUM_CLASSES = 10
+FOLDER, NUM_CLASSES = "cifar-10-batches-py", 10
 _MAX_BATCH_BYTES = 256 << 20  # above a batch of all 50000 training images
-# Far above a batch's opcodes (a few per file name, one per label); each makes at most one object, so this
-# bounds both the time and the memory a batch's structure may take.
+# Far above a batch's opcodes (one per label); each makes at most one object: bounds time and memory.
 _MAX_OPS = 2_000_000
-# The keys of a batch (torchvision's files; "coarse_labels"/"fine_labels" are CIFAR-100's, not read).
-_KEYS = frozenset({"batch_label", "labels", "data", "filenames"})
+_KEYS = frozenset({"batch_label", "labels", "data", "filenames"})  # torchvision's files
 # numpy type strings a batch's arrays may have ('u1' pixels, integer labels; floats to name them as such).
 _DTYPES = frozenset(f"{k}{n}" for k in "iu" for n in (1, 2, 4, 8)) | {"f4", "f8", "b1"}
 
@@ -52,8 +45,8 @@ def _latin1_bytes(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-# The only globals a CIFAR batch (pickled by Python 2 numpy or by a modern numpy) refers to, as the
-# objects they name (nothing is imported by a name the file gives).
+# The only globals a CIFAR batch (pickled by Python 2 numpy or a modern numpy) refers to (nothing is imported
+# by a name the file gives).
 _GLOBALS: dict[tuple[str, str], object] = {
     **{(f"{core}.multiarray", "_reconstruct"): _reconstruct for core in ("numpy.core", "numpy._core")},
     **{(f"{core}.numeric", "_frombuffer"): _frombuffer for core in ("numpy.core", "numpy._core")},
@@ -116,58 +109,16 @@ def _target(obj: object, kind: type) -> None:
         raise pickle.UnpicklingError(f"adding items to a {type(obj).__name__}")
 
 
-def _setitem(self: _Ops) -> None:
-    _target(self.stack[-3], dict)
-    _check_pairs(self.stack[-2:])
-    _Ops.dispatch[pickle.SETITEM[0]](self)
+def _settable(obj: object) -> None:
+    """BUILD sets the state of a numpy array or dtype only."""
+    if not isinstance(obj, (np.ndarray, np.dtype)):
+        raise pickle.UnpicklingError(f"refusing to set the state of a {type(obj).__name__}")
 
 
-def _setitems(self: _Ops) -> None:
-    _target(self.metastack[-1][-1], dict)
-    _check_pairs(self.stack)  # the items since the mark
-    _Ops.dispatch[pickle.SETITEMS[0]](self)
-
-
-def _dict(self: _Ops) -> None:
-    _check_pairs(self.stack)
-    _Ops.dispatch[pickle.DICT[0]](self)
-
-
-def _into(code: bytes, inside: str, count: int | None) -> Callable[[_Ops], None]:
-    """Opcode ``code`` putting the top ``count`` items (``None``: since the mark) in a list or tuple."""
-    load = _Ops.dispatch[code[0]]
-
-    def checked(self: _Ops) -> None:
-        if code == pickle.APPEND:
-            _target(self.stack[-2], list)
-        elif code == pickle.APPENDS:
-            _target(self.metastack[-1][-1], list)
-        _check_items(self.stack if count is None else self.stack[-count:], inside)
-        load(self)
-
-    return checked
-
-
-def _get(code: bytes) -> Callable[[_Ops], None]:
-    load = _Ops.dispatch[code[0]]
-
-    def checked(self: _Ops) -> None:
-        load(self)
-        if not _scalar(self.stack[-1]):
-            raise pickle.UnpicklingError(f"a shared {type(self.stack[-1]).__name__} (memo reference)")
-
-    return checked
-
-
-def _reduce(self: _Ops) -> None:
-    _check_call(self.stack[-2], self.stack[-1])
-    _Ops.dispatch[pickle.REDUCE[0]](self)
-
-
-def _build(self: _Ops) -> None:
-    if not isinstance(self.stack[-2], (np.ndarray, np.dtype)):
-        raise pickle.UnpicklingError(f"refusing to set the state of a {type(self.stack[-2]).__name__}")
-    _Ops.dispatch[pickle.BUILD[0]](self)
+def _unshared(obj: object) -> None:
+    """A memo reference (GET) to a scalar only: a shared container could expand to gigabytes."""
+    if not _scalar(obj):
+        raise pickle.UnpicklingError(f"a shared {type(obj).__name__} (memo reference)")
 
 
 # Opcodes a batch uses that need no check (their data is read from the file; no call, no hashing).
@@ -175,34 +126,44 @@ _PLAIN = """PROTO FRAME STOP MARK NONE NEWTRUE NEWFALSE INT BININT BININT1 BININ
 BINFLOAT STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8 BINBYTES
 SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_LIST EMPTY_TUPLE EMPTY_DICT GLOBAL STACK_GLOBAL PUT BINPUT
 LONG_BINPUT MEMOIZE"""
-_CHECKED: dict[str, Callable[[_Ops], None]] = {
-    "SETITEM": _setitem, "SETITEMS": _setitems, "DICT": _dict, "REDUCE": _reduce, "BUILD": _build,
-    "APPEND": _into(pickle.APPEND, "list", 1), "APPENDS": _into(pickle.APPENDS, "list", None),
-    "LIST": _into(pickle.LIST, "list", None), "TUPLE": _into(pickle.TUPLE, "tuple", None),
-    "TUPLE1": _into(pickle.TUPLE1, "tuple", 1), "TUPLE2": _into(pickle.TUPLE2, "tuple", 2),
-    "TUPLE3": _into(pickle.TUPLE3, "tuple", 3),
-    **{name: _get(getattr(pickle, name)) for name in ("GET", "BINGET", "LONG_BINGET")},
-}  # fmt: skip
+# Checks of the unpickler's stack before an opcode runs (u.stack: the items since the last mark).
+_BEFORE: dict[str, Callable[[_Ops], object]] = {
+    "SETITEM": lambda u: (_target(u.stack[-3], dict), _check_pairs(u.stack[-2:])),
+    "SETITEMS": lambda u: (_target(u.metastack[-1][-1], dict), _check_pairs(u.stack)),
+    "DICT": lambda u: _check_pairs(u.stack),
+    "REDUCE": lambda u: _check_call(u.stack[-2], u.stack[-1]),
+    "BUILD": lambda u: _settable(u.stack[-2]),
+    "APPEND": lambda u: (_target(u.stack[-2], list), _check_items(u.stack[-1:], "list")),
+    "APPENDS": lambda u: (_target(u.metastack[-1][-1], list), _check_items(u.stack, "list")),
+    "LIST": lambda u: _check_items(u.stack, "list"),
+    "TUPLE": lambda u: _check_items(u.stack, "tuple"),
+    **{f"TUPLE{n}": lambda u, n=n: _check_items(u.stack[-n:], "tuple") for n in (1, 2, 3)},
+}
+_AFTER = {name: lambda u: _unshared(u.stack[-1]) for name in ("GET", "BINGET", "LONG_BINGET")}
 
 
-def _counted(load: Callable[[_Ops], None]) -> Callable[[_Ops], None]:
+def _op(name: str) -> Callable[[_Ops], None]:
+    """The unpickler's opcode ``name``, counted (:data:`_MAX_OPS`) and checked (:data:`_BEFORE`, :data:`_AFTER`)."""
+    load, before, after = _Ops.dispatch[getattr(pickle, name)[0]], _BEFORE.get(name), _AFTER.get(name)
+
     def op(self: _Ops) -> None:
         self.ops += 1
         if self.ops > _MAX_OPS:
             raise pickle.UnpicklingError(f"more than {_MAX_OPS} pickle opcodes")
+        if before:
+            before(self)
         load(self)
+        if after:
+            after(self)
 
     return op
 
 
 class _RestrictedUnpickler(_Ops):
-    """The pure-Python unpickler with only the opcodes in ``_PLAIN`` and ``_CHECKED`` (any other one is a
-    ``KeyError`` naming its byte), each counted, and only the globals in ``_GLOBALS``."""
+    """The pure-Python unpickler with only the opcodes in ``_PLAIN``, ``_BEFORE`` and ``_AFTER`` (any other
+    one is a ``KeyError`` naming its byte), and only the globals in ``_GLOBALS``."""
 
-    dispatch = {
-        getattr(pickle, name)[0]: _counted(_CHECKED.get(name) or _Ops.dispatch[getattr(pickle, name)[0]])
-        for name in [*_PLAIN.split(), *_CHECKED]
-    }
+    dispatch = {getattr(pickle, name)[0]: _op(name) for name in [*_PLAIN.split(), *_BEFORE, *_AFTER]}
     ops = 0
 
     def find_class(self, module: str, name: str) -> object:
@@ -212,8 +173,7 @@ class _RestrictedUnpickler(_Ops):
 
 
 def _labels(path: Path, labels: object, n: int) -> np.ndarray:
-    """A batch's ``labels`` (``n`` ints in 0..9, or a 1-D integer array) -> ``(n,)`` int64; anything else
-    (floats, nested lists, bools) is a :class:`UserError` naming the file."""
+    """A batch's ``labels`` (``n`` ints in 0..9, or a 1-D integer array) -> ``(n,)`` int64."""
     if isinstance(labels, np.ndarray):
         if labels.dtype.kind not in "iu" or labels.ndim != 1:
             raise UserError(
@@ -279,5 +239,6 @@ def find_cifar10(data_dir: str | os.PathLike) -> Path:
 def load_cifar10(data_dir: str | os.PathLike, train: bool) -> tuple[np.ndarray, np.ndarray]:
     """Images ``(N, 3, 32, 32)`` uint8 and labels ``(N,)`` int64 of the train or test split."""
     folder = find_cifar10(data_dir)
-    parts = [_load_batch(folder / name) for name in (TRAIN_FILES if train else TEST_FILES)]
+    names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+    parts = [_load_batch(folder / name) for name in names]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])

@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from repmlp.data.inputs import InputError, open_image
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError
 
-__all__ = ["NUM_CLASSES", "IGNORE_INDEX", "CLASS_NAMES", "IMAGENET_MEAN", "IMAGENET_STD",
-           "CityscapesSegmentation", "find_pairs", "random_scale_crop_flip", "normalize"]  # fmt: skip
+__all__ = ["NUM_CLASSES", "IGNORE_INDEX", "CLASS_NAMES", "CityscapesSegmentation", "find_pairs",
+           "random_scale_crop_flip", "normalize"]  # fmt: skip
 
 NUM_CLASSES = 19
 IGNORE_INDEX = 255
@@ -56,29 +56,21 @@ def find_pairs(root: str | Path, split: str) -> list[tuple[Path, Path]]:
         else:
             missing.append(label)
     if missing:
-        raise UserError(
-            f"{len(missing)} of {len(images)} images in {images_dir} have no train-id label map, "
-            f"e.g. {missing[0]} "
-            "(run cityscapesscripts' createTrainIdLabelImgs to make them)"
-        )
+        raise UserError(f"{len(missing)} of {len(images)} images in {images_dir} have no train-id label map, e.g. "
+                        f"{missing[0]} (run cityscapesscripts' createTrainIdLabelImgs to make them)")  # fmt: skip
     return pairs
 
 
 def normalize(image: Tensor) -> Tensor:
     """``(3, H, W)`` uint8 -> float, ImageNet-normalised."""
-    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
+    mean = torch.tensor(IMAGENET_DEFAULT_MEAN).view(3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_DEFAULT_STD).view(3, 1, 1) * 255
     return (image.float() - mean) / std
 
 
-def random_scale_crop_flip(
-    image: Tensor,
-    label: Tensor,
-    crop_size: tuple[int, int],
-    scale_range: tuple[float, float] = (0.5, 2.0),
-    ignore_index: int = IGNORE_INDEX,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor]:
+def random_scale_crop_flip(image: Tensor, label: Tensor, crop_size: tuple[int, int],
+                           scale_range: tuple[float, float] = (0.5, 2.0), ignore_index: int = IGNORE_INDEX,
+                           generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """PSPNet's training augmentation of a normalised image ``(3, H, W)`` and int64 labels ``(H, W)`` ->
     ``(3, ch, cw)``, ``(ch, cw)``: random scale (bilinear image, nearest labels: no label invented), padding
     to the crop (zeros, the mean colour; the ignore label), a random crop, a flip with probability 1/2."""
@@ -107,9 +99,8 @@ _LABEL_MODES = ("L", "P", "I;16", "I")
 
 
 def _read(path: Path, mode: str | None) -> np.ndarray:
-    """One image in ``mode``, or (``None``) a label map's stored values, read within bounds. A label map is
-    never converted (16 to 8 bits would clip 300 to 255, the ignore label; RGB would become luminance):
-    other modes are refused."""
+    """One image in ``mode``, or (``None``) a label map's stored values, never converted (16 to 8 bits would
+    clip 300 to 255, the ignore label; RGB would become luminance): other modes are refused."""
     try:
         with open_image(path) as img:
             if mode is not None:
@@ -125,18 +116,12 @@ class CityscapesSegmentation(Dataset):
     """Cityscapes fine annotations of one split, items ``(image (3, H, W) float, labels (H, W) int64)``:
     with ``crop_size`` (training) randomly scaled, cropped and flipped, else the whole image."""
 
-    def __init__(
-        self,
-        root: str | Path,
-        split: str = "train",
-        *,
-        crop_size: int | Sequence[int] | None = None,
-        scale_range: tuple[float, float] = (0.5, 2.0),
-    ) -> None:
+    def __init__(self, root: str | Path, split: str = "train", *, crop_size: int | Sequence[int] | None = None,
+                 scale_range: tuple[float, float] = (0.5, 2.0)) -> None:  # fmt: skip
         self.pairs = find_pairs(root, split)
-        if isinstance(crop_size, int):
-            crop_size = (crop_size, crop_size)
-        self.crop_size = tuple(crop_size) if crop_size is not None else None
+        self.crop_size = (
+            (crop_size, crop_size) if isinstance(crop_size, int) else crop_size and tuple(crop_size)
+        )
         self.scale_range = scale_range
 
     def __len__(self) -> int:

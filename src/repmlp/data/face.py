@@ -1,6 +1,6 @@
 """Aligned face crops on disk (paper Sec. 4.3: 96x96 inputs).
 
-Training data: one sub-folder per identity, as MS1M-style sets are unpacked (``root/<identity>/<image>``).
+Training data: one sub-folder per identity (``root/<identity>/<image>``, as MS1M-style sets unpack).
 Verification pairs: LFW's ``pairs.txt`` (header ``<folds> <n>``, then ``name i j`` for a same-identity pair
 and ``name1 i name2 j`` for a different one, image ``name/name_<i:04d>.<ext>``) or ``<path1> <path2> <0|1>``
 lines (1 = same; paths relative to the image root). Identification: a probe and a gallery identity folder.
@@ -27,10 +27,8 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff")
 FACE_SIZE = 96
-# LFW's pairs.txt is 100 kB; a pairs file of more than this is not one.
-_MAX_PAIRS_BYTES = 64 << 20
-# The largest number a pairs file may hold: an image number (LFW's go to 530) or a count in its header.
-_MAX_NUMBER = 10**6
+_MAX_PAIRS_BYTES = 64 << 20  # LFW's pairs.txt is 100 kB
+_MAX_NUMBER = 10**6  # an image number (LFW's go to 530) or a count in a pairs file's header
 
 
 def _is_image(path: Path) -> bool:
@@ -75,16 +73,11 @@ class ImageList(Dataset):
 
 class FaceFolder(ImageList):
     """Face crops ``root/<identity>/<image>``; labels follow the sorted folder names (``classes``). A
-    :class:`~repmlp.errors.UserError` says why ``root`` is not such a folder."""
+    :class:`~repmlp.errors.UserError` says why ``root`` is not such a folder; identity folders without images
+    are skipped, loose images and special files named in the log."""
 
-    def __init__(
-        self,
-        root: str | Path,
-        transform: Callable[[Image.Image], Tensor] | None = None,
-        *,
-        train: bool = False,
-        size: int = FACE_SIZE,
-    ) -> None:
+    def __init__(self, root: str | Path, transform: Callable[[Image.Image], Tensor] | None = None, *,
+                 train: bool = False, size: int = FACE_SIZE) -> None:  # fmt: skip
         root = Path(root)
         if not root.exists():
             raise UserError(f"face image folder {root} does not exist")
@@ -95,40 +88,34 @@ class FaceFolder(ImageList):
         )
         loose = [p.name for p in root.iterdir() if _is_image(p)]
         if not identities:
-            extra = f" (it holds {len(loose)} loose images)" if loose else ""
-            raise UserError(
-                f"{root} is not a face image folder: it has no identity sub-folders{extra}; "
-                "expected root/<identity>/<image>"
-            )
-        paths: list[Path] = []
-        labels: list[int] = []
-        classes: list[str] = []
-        empty: list[str] = []
-        special: list[tuple[Path, str]] = []  # FIFOs, devices, sockets named as images: never opened
+            raise UserError(f"{root} is not a face image folder: it has no identity sub-folders"
+                            f"{f' (it holds {len(loose)} loose images)' if loose else ''}; expected "
+                            "root/<identity>/<image>")  # fmt: skip
+        paths, labels, classes, empty = [], [], [], []
         for folder in identities:
             entries = sorted(folder.iterdir())
+            for p in entries:  # FIFOs, devices, sockets named as images: never opened
+                if p.suffix.lower() in IMAGE_EXTENSIONS and (kind := not_regular(p)) not in (
+                    None,
+                    "a folder",
+                ):
+                    log.warning("%s: skipped (%s, not a regular file)", p, kind)
             images = [p for p in entries if _is_image(p)]
-            special += [(p, k) for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS
-                        and (k := not_regular(p)) not in (None, "a folder")]  # fmt: skip
-            if not images:
+            if images:
+                labels += [len(classes)] * len(images)
+                paths += images
+                classes.append(folder.name)
+            else:
                 empty.append(folder.name)
-                continue
-            labels.extend([len(classes)] * len(images))
-            paths.extend(images)
-            classes.append(folder.name)
         if not paths:
-            raise UserError(
-                f"{root} is not a face image folder: none of its {len(identities)} sub-folders holds images "
-                f"with extension {', '.join(IMAGE_EXTENSIONS)}"
-            )
+            raise UserError(f"{root} is not a face image folder: none of its {len(identities)} sub-folders holds "
+                            f"images with extension {', '.join(IMAGE_EXTENSIONS)}")  # fmt: skip
         if empty:
             log.warning(
                 "%s: %d identity folders without images skipped (e.g. %s)", root, len(empty), empty[0]
             )
         if loose:
             log.warning("%s: %d images outside identity folders ignored", root, len(loose))
-        for path, kind in special:
-            log.warning("%s: skipped (%s, not a regular file)", path, kind)
         super().__init__(paths, labels, transform or face_transform(size, train=train))
         self.root, self.classes = root, classes
 

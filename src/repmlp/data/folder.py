@@ -1,12 +1,10 @@
 """ImageNet-style image folders: ``<root>/train/<class>/*.jpg`` and ``<root>/val/<class>/*.jpg``.
 
-The folders are the user's: each class folder is walked once even when symlinks loop, special files are
-named and left out, and an image is decoded only within bounds of file size and pixel count (:mod:`.inputs`).
-Items are uint8 pixels ``(C, H, W)``, a quarter of float32's bytes; the loader normalises them on the device.
-Baseline JPEGs are decoded by ``torchvision.io.decode_jpeg`` (Pillow's pixels: both are libjpeg-turbo),
-everything else by Pillow (docs/benchmarks.md, "The image-folder pipeline"). The training crop and flip are
-a pure function of ``(seed, epoch, index)`` and the image size, so the GPU pipeline (:class:`GpuTrainBatch`)
-applies the same boxes.
+Each class folder is walked once (symlink loops end), special files are named and left out, and an image is
+decoded only within bounds (:mod:`.inputs`). Items are uint8 ``(C, H, W)``; the loader normalises them on
+the device. JPEGs are decoded by ``torchvision.io.decode_jpeg`` (Pillow's pixels: both are libjpeg-turbo),
+everything else by Pillow. The training crop and flip are a pure function of ``(seed, epoch, index)`` and
+the image size, so the GPU pipeline (:class:`GpuTrainBatch`) applies the same boxes.
 """
 
 from __future__ import annotations
@@ -51,8 +49,8 @@ SCALE, RATIO = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)  # RandomResizedCrop's defaul
 
 
 def image_to_channels(img: Image.Image, channels: int) -> Image.Image:
-    """A PIL image of any mode as ``L`` (``channels == 1``) or ``RGB``: 16-bit greyscale scaled to 8 bits
-    (65535 -> 255), 32-bit integer and float clipped to 0..255, a palette with transparency through RGBA."""
+    """A PIL image of any mode as ``L`` (``channels == 1``) or ``RGB``: 16-bit grey scaled to 8 bits, 32-bit
+    integer and float clipped to 0..255, a palette with transparency through RGBA."""
     if img.mode in _SIXTEEN_BIT or img.mode in ("I", "F"):
         arr = np.asarray(img, dtype=np.float64)
         arr = arr / 257.0 if img.mode in _SIXTEEN_BIT else arr
@@ -64,16 +62,15 @@ def image_to_channels(img: Image.Image, channels: int) -> Image.Image:
 
 
 def stratified_subset(labels: Sequence[int], n: int, seed: int) -> list[int]:
-    """``n`` indices of ``labels`` (in order), seeded, every class keeping its share (about ``n * its size /
-    len(labels)``, at least one while ``n`` allows): the first ``n`` of a sorted folder would be one class."""
+    """``n`` indices of ``labels`` (in order), seeded, every class keeping its share (at least one while ``n``
+    allows): the first ``n`` of a sorted folder would be one class."""
     if n >= len(labels):
         return list(range(len(labels)))
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
     by_class: dict[int, list[int]] = {}
     for i, label in enumerate(labels):
         by_class.setdefault(int(label), []).append(i)
-    # An example's rank: its position in a random order of its class over the class size. Every class's first
-    # draw ranks 0 (ties broken at random), so the first picks cover the classes, then sizes decide.
+    # An example's rank: its place in a random order of its class over the class size (ties at random).
     keys: list[tuple[float, float, int]] = []
     for members in by_class.values():
         order = rng.permutation(len(members))
@@ -84,8 +81,7 @@ def stratified_subset(labels: Sequence[int], n: int, seed: int) -> list[int]:
 
 
 def scan_image_folder(root: str | os.PathLike, split: str, classes: list[str] | None = None):
-    """``(samples [(path, class_index)], classes)`` of ``root/split``; errors name what is wrong, and files
-    of the class folders that are not regular files are logged and left out."""
+    """``(samples [(path, class_index)], classes)`` of ``root/split``; special files are logged and left out."""
     folder = Path(root) / split
     if not_regular(root) != "a folder":
         raise UserError(f"data folder not found: {root}")
@@ -112,10 +108,8 @@ def scan_image_folder(root: str | os.PathLike, split: str, classes: list[str] | 
 
 
 def _jpeg_header(path: str, channels: int) -> tuple[bytes, int, int] | None:
-    """``(file bytes, height, width)`` of a JPEG that ``decode_jpeg`` decodes to Pillow's pixels, or ``None``
-    (not a JPEG; CMYK or RGB to one channel, which Pillow converts otherwise; unreadable: Pillow then names
-    the problem). Bounded as :func:`~.inputs.open_image`; a file without its end marker is left to Pillow
-    (libjpeg only warns of a truncated file)."""
+    """``(file bytes, height, width)`` of a JPEG that ``decode_jpeg`` decodes to Pillow's pixels, else ``None``
+    (not a JPEG, CMYK, RGB to one channel, no end marker, unreadable: Pillow then decodes it or says why)."""
     try:
         data = read_bytes(path, MAX_IMAGE_BYTES)
         if not data.startswith(_JPEG_MAGIC) or not data.rstrip(b"\0\r\n ").endswith(b"\xff\xd9"):
@@ -132,8 +126,7 @@ def _jpeg_header(path: str, channels: int) -> tuple[bytes, int, int] | None:
 
 
 def _fast_jpeg(path: str, channels: int) -> torch.Tensor | None:
-    """``path`` decoded by ``decode_jpeg`` as uint8 ``(channels, H, W)``, or ``None`` where that does not
-    apply or fails in any way (a libjpeg warning counts)."""
+    """``path`` decoded by ``decode_jpeg`` as uint8 ``(channels, H, W)``, or ``None`` (a warning counts)."""
     header = _jpeg_header(path, channels)
     if header is None:
         return None
@@ -150,8 +143,7 @@ def _fast_jpeg(path: str, channels: int) -> torch.Tensor | None:
 
 
 def decode_pixels(path: str, channels: int) -> torch.Tensor:
-    """The image file ``path`` as uint8 ``(channels, H, W)`` (:func:`_fast_jpeg`, else Pillow); a file that
-    cannot be read is a :class:`UserError` naming it."""
+    """The image file ``path`` as uint8 ``(channels, H, W)`` (:func:`_fast_jpeg`, else Pillow)."""
     x = _fast_jpeg(path, channels)
     if x is not None:
         return x
@@ -170,7 +162,7 @@ def pil_to_pixels(img: Image.Image) -> torch.Tensor:
 
 
 def sample_seed(seed: int, epoch: int, index: int, train: bool) -> int:
-    """The seed of one example's augmentation: a pure function of the run's seed, the epoch and the index."""
+    """The seed of one example's augmentation."""
     return int(np.random.SeedSequence([seed, epoch, index, int(train)]).generate_state(1)[0])
 
 
@@ -186,16 +178,15 @@ class CropParams:
 
 
 def draw_crop(height: int, width: int, flip: bool) -> CropParams:
-    """A crop box and flip from the global torch RNG, as ``RandomResizedCrop`` then ``RandomHorizontalFlip``
-    draw them (an expanded 1-element tensor stands for the image without allocating it)."""
+    """A crop box and flip from the global torch RNG, as ``RandomResizedCrop`` and ``RandomHorizontalFlip``
+    draw them (an expanded 1-element tensor stands for the image)."""
     shape = torch.empty(1, 1, 1).expand(1, height, width)
     top, left, h, w = T.RandomResizedCrop.get_params(shape, list(SCALE), list(RATIO))
     return CropParams(top, left, h, w, bool(torch.rand(1) < 0.5) if flip else False)
 
 
 def train_crop_params(seed: int, epoch: int, index: int, height: int, width: int, flip: bool) -> CropParams:
-    """Example ``index``'s crop box and flip in ``epoch``: what :class:`TrainCrop` applies in
-    :class:`ImageFolderData`, for the device pipeline to apply too."""
+    """Example ``index``'s crop box and flip in ``epoch``, as :class:`ImageFolderData` draws them."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sample_seed(seed, epoch, index, True))
         return draw_crop(height, width, flip)
@@ -203,8 +194,7 @@ def train_crop_params(seed: int, epoch: int, index: int, height: int, width: int
 
 class TrainCrop:
     """Training augmentation, uint8 ``(C, H, W)`` -> ``(C, size, size)``: random resized crop (bilinear,
-    antialiased), left-right flip when ``flip``, ImageNet AutoAugment when ``autoaugment``; random numbers
-    from the global torch RNG, which :class:`ImageFolderData` seeds per example. Picklable."""
+    antialiased), flip, ImageNet AutoAugment; from the torch RNG, seeded per example. Picklable."""
 
     def __init__(self, size: int, flip: bool, autoaugment: bool = False) -> None:
         self.size, self.flip, self.autoaugment = size, flip, autoaugment
@@ -220,8 +210,7 @@ class TrainCrop:
 
 
 class EvalPixels:
-    """A PIL evaluation transform (resize, centre crop) applied to uint8 ``(C, H, W)``: ``repmlp predict``'s
-    pixels before ``ToTensor``/``Normalize``, which the loader does on the device. Picklable."""
+    """A PIL evaluation transform (resize, centre crop) of uint8 ``(C, H, W)``. Picklable."""
 
     def __init__(self, pil_transform: Callable) -> None:
         self.pil_transform = pil_transform
@@ -236,8 +225,8 @@ class EvalPixels:
 def device_crop_batch(
     images: Sequence[torch.Tensor], params: Sequence[CropParams], size: int
 ) -> torch.Tensor:
-    """Uint8 ``[(C, H_i, W_i)]`` (any device) -> float ``(B, C, size, size)`` in 0..255, each cropped, resized
-    (bilinear, antialiased, in float) and flipped as :meth:`TrainCrop.apply` does in uint8 (within 1)."""
+    """Uint8 ``[(C, H_i, W_i)]`` -> float ``(B, C, size, size)`` in 0..255, each cropped, resized and flipped
+    as :meth:`TrainCrop.apply` does in uint8 (within 1)."""
     out = []
     for x, p in zip(images, params, strict=True):
         crop = x[None, :, p.top : p.top + p.height, p.left : p.left + p.width].float()
@@ -249,18 +238,13 @@ def device_crop_batch(
 
 
 class ImageFolderData(torch.utils.data.Dataset):
-    """One decoded image per item ``(index, epoch)`` -> ``(pixels, label)``.
+    """Item ``(index, epoch)`` -> ``(pixels (C, size, size) uint8, label)``: the image in ``channels``,
+    ``transform`` seeded from ``(seed, epoch, index)`` (batches do not depend on the workers; a resumed run
+    equals an uninterrupted one). With ``raw_jpeg`` (the device pipeline) a JPEG comes undecoded:
+    ``((bytes uint8 (N,), CropParams, index, epoch), label)``."""
 
-    Each transform is seeded from ``(seed, epoch, index)``, so batches do not depend on the workers and a
-    resumed run equals an uninterrupted one. Images become ``channels`` (1 or 3) uint8 ``(C, H, W)``, then
-    ``transform`` (:class:`TrainCrop`, :class:`EvalPixels`) gives ``(C, size, size)``. With ``raw_jpeg`` (the
-    device pipeline) a JPEG the fast decoder takes comes undecoded: ``((bytes uint8 (N,), CropParams, index,
-    epoch), label)``.
-    """
-
-    def __init__(
-        self, samples: list[tuple[str, int]], transform: Callable, seed: int, train: bool, channels: int = 3
-    ) -> None:
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable, seed: int, train: bool,
+                 channels: int = 3) -> None:  # fmt: skip
         self.samples, self.transform, self.seed, self.train = samples, transform, seed, train
         self.channels = channels
         self.raw_jpeg = False
@@ -290,11 +274,9 @@ class ImageFolderData(torch.utils.data.Dataset):
 
 
 class GpuTrainBatch:
-    """The GPU training pipeline (``FolderLoader``'s ``on_device``): the batch's raw JPEGs decoded together
-    by ``decode_jpeg`` on the device (nvJPEG on CUDA), cropped and flipped there with the workers' boxes
-    (:func:`device_crop_batch`); items the workers decoded are moved as they are. A batch the device refuses
-    is decoded file by file, and a refused file goes the CPU path, which names a bad file. Returns float
-    ``(B, C, size, size)`` in 0..255 (the loader normalises)."""
+    """The GPU training pipeline (``FolderLoader``'s ``on_device``): the batch's raw JPEGs decoded together on
+    the device (nvJPEG), cropped and flipped there with the workers' boxes; a batch the device refuses is
+    decoded file by file, a refused file by the CPU path. Returns float ``(B, C, size, size)`` in 0..255."""
 
     def __init__(self, dataset: ImageFolderData) -> None:
         self.dataset, self.size = dataset, dataset.transform.size

@@ -1,9 +1,8 @@
 """Reading what a user hands the program: regular files only, each folder once, bounded reads and decodes.
 
-A user's file may be anything: a FIFO that blocks a reader forever, ``/dev/zero``, a socket, a folder whose
-symlinks loop, a file of gigabytes, an image whose header claims 40000x40000 pixels (a decompression bomb).
-The readers build on these functions; problems are :class:`InputError` with a one-line reason (callers
-that skip bad files report ``str(exc)`` next to the file's name).
+A user's file may be a FIFO that blocks a reader forever, ``/dev/zero``, a socket, a folder whose symlinks
+loop, gigabytes, an image whose header claims 40000x40000 pixels. The readers build on these functions;
+problems are :class:`InputError` with a one-line reason.
 """
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ from PIL import Image
 
 from repmlp.errors import UserError
 
-__all__ = ["InputError", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "not_regular", "read_bytes", "read_text",
+__all__ = ["InputError", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "not_regular", "read_file", "read_bytes", "read_text",
            "walk_files", "expand_glob", "open_image"]  # fmt: skip
 
-# An image file larger than this is not decoded (no image format a model needs comes near it).
-MAX_IMAGE_BYTES = 256 << 20
-# Pillow's own default decompression-bomb limit (about 89.5 megapixels: 0.25 GB of RGB pixels).
-MAX_IMAGE_PIXELS = 89_478_485
+MAX_IMAGE_BYTES = 256 << 20  # an image file larger than this is not decoded
+MAX_IMAGE_PIXELS = 89_478_485  # Pillow's own decompression-bomb limit (0.25 GB of RGB pixels)
 
 
 class InputError(UserError, ValueError):
@@ -49,7 +46,7 @@ def _kind(mode: int) -> str | None:
 
 def not_regular(path: str | os.PathLike) -> str | None:
     """``None`` for a regular file (symlinks followed), else what ``path`` is (``"a FIFO (named pipe)"``,
-    ``"a folder"``, ``"missing"``, ...), from ``stat`` alone: a FIFO is not opened."""
+    ``"a folder"``, ``"missing"``, ...), from ``stat`` alone."""
     try:
         return _kind(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -62,35 +59,37 @@ def _size_text(n: int) -> str:
     return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
-def _read(path: str | os.PathLike, limit: int) -> bytes:
-    """:func:`read_bytes` with the reason alone in its :class:`InputError` (callers name the file)."""
+def read_file(path: str | os.PathLike, limit: int) -> bytes:
+    """:func:`read_bytes` with the reason alone in its :class:`InputError` (callers name the file); without a
+    Python file object, whose set-up costs more than reading a small file."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise InputError(str(exc.strerror or exc)) from None
     try:
         info = os.fstat(fd)
-        kind = _kind(info.st_mode)
-        if kind is not None:
+        if (kind := _kind(info.st_mode)) is not None:
             raise InputError(f"{kind}, not a regular file")
         if info.st_size > limit:
             raise InputError(f"{_size_text(info.st_size)}, more than the {_size_text(limit)} limit")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(limit + 1)
+        parts, total = [], 0
+        while total <= limit and (chunk := os.read(fd, min(limit + 1 - total, info.st_size + (1 << 16)))):
+            parts.append(chunk)
+            total += len(chunk)
     except OSError as exc:
         raise InputError(str(exc.strerror or exc)) from None
     finally:
         os.close(fd)
-    if len(data) > limit:  # the file grew after fstat
+    if total > limit:  # the file grew after fstat
         raise InputError(f"more than the {_size_text(limit)} limit")
-    return data
+    return b"".join(parts)
 
 
 def read_bytes(path: str | os.PathLike, limit: int, what: str = "file") -> bytes:
-    """The regular file ``path``'s contents, at most ``limit`` bytes (else :class:`InputError` naming ``what``
-    and the file); opened ``O_NONBLOCK`` (a FIFO does not block) and checked with ``fstat`` once open."""
+    """The regular file ``path``'s contents, at most ``limit`` bytes, else :class:`InputError` naming ``what``
+    and the file; opened ``O_NONBLOCK`` (a FIFO does not block) and checked with ``fstat`` once open."""
     try:
-        return _read(path, limit)
+        return read_file(path, limit)
     except InputError as exc:
         raise InputError(f"cannot read {what} {path}: {exc}") from None
 
@@ -111,13 +110,11 @@ def _identity(path: str) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-def walk_files(
-    root: str | os.PathLike, suffixes: Sequence[str] | None = None
-) -> tuple[list[str], list[tuple[str, str]]]:
-    """``(files, skipped)``: the regular files under ``root`` with a (lower-case) suffix in ``suffixes`` (all
-    for ``None``), recursively, sorted, each real folder once (symlinks followed, loops end), hidden entries
-    left out as shells do; ``skipped``: ``(path, reason)`` of wanted entries that are not regular files and
-    of folders that cannot be listed."""
+def walk_files(root: str | os.PathLike,
+               suffixes: Sequence[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:  # fmt: skip
+    """``(files, skipped)``: the regular files under ``root`` with a suffix in ``suffixes`` (``None``: all),
+    recursively, sorted, each real folder once (symlink loops end), hidden entries left out; ``skipped``:
+    ``(path, reason)`` of special files and of folders that cannot be listed."""
     wanted = None if suffixes is None else {s.lower() for s in suffixes}
     files: list[str] = []
     skipped: list[tuple[str, str]] = []
@@ -162,8 +159,8 @@ def _components(pattern: str) -> tuple[str, list[str]]:
 
 
 def expand_glob(pattern: str) -> list[str]:
-    """A glob pattern's matches, sorted, as ``glob.glob(pattern, recursive=True)`` gives them, except that
-    ``**`` follows each real folder once (a symlink loop ends); hidden names match only a ``.`` component."""
+    """A glob pattern's matches, sorted, as ``glob.glob(pattern, recursive=True)`` gives them, but ``**``
+    follows each real folder once (a symlink loop ends); hidden names match only a ``.`` component."""
     base, parts = _components(pattern)
     if not parts:
         return [pattern] if os.path.lexists(pattern) else []
@@ -211,13 +208,12 @@ def expand_glob(pattern: str) -> list[str]:
     return sorted(found)
 
 
-def open_image(
-    path: str | os.PathLike, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
-) -> Image.Image:
-    """The decoded Pillow image of a regular file (a GIF's first frame); :class:`InputError` with the reason
-    alone for a special file, one over ``max_bytes``, an image over ``max_pixels`` (from the header, before
-    decoding) or one Pillow cannot decode. The caller names the file and closes the image."""
-    data = _read(path, max_bytes)
+def open_image(path: str | os.PathLike, *, max_bytes: int = MAX_IMAGE_BYTES,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:  # fmt: skip
+    """The decoded Pillow image of a regular file (a GIF's first frame); an :class:`InputError` with the
+    reason alone for a special file, one over ``max_bytes``, an image over ``max_pixels`` (from the header)
+    or one Pillow cannot decode. The caller names the file and closes the image."""
+    data = read_file(path, max_bytes)
     if not data:  # Pillow would say "cannot identify image file": the reason is simpler
         raise InputError("the file is empty")
     try:

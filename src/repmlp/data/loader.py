@@ -2,14 +2,14 @@
 
 Both loaders' ``batches(epoch, start)`` yield ``(x, y)`` for batches ``start, start+1, ...`` of ``epoch`` on
 this rank: ``x`` a normalised float batch ``(B, C, H, W)`` on the target device, ``y`` int64 labels ``(B,)``.
-The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s: shuffle, pad to a multiple of
-the world size, every ``world``-th index) and augmentation is seeded per batch or per sample, so skipping
-``start`` batches after a resume reproduces the uninterrupted run exactly.
+The order is a pure function of ``(seed, epoch)`` (``DistributedSampler``'s) and augmentation is seeded per
+batch or per sample, so skipping ``start`` batches after a resume reproduces the uninterrupted run exactly.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 import signal
@@ -25,8 +25,7 @@ __all__ = ["rank_indices", "InMemoryLoader", "FolderLoader", "batch_generator", 
 
 
 def default_workers() -> int:
-    """Decoding processes when ``--workers`` is not given: one per CPU core this process may use (its
-    affinity mask, which a container or ``taskset`` narrows)."""
+    """Decoding processes when ``--workers`` is not given: one per CPU core this process may use."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -34,8 +33,8 @@ def default_workers() -> int:
 
 
 def normalize_on_device(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
-    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32, ``ToTensor`` and
-    ``Normalize``'s operations in their order (the same bits); ``mean``/``std`` ``(1, C, 1, 1)``."""
+    """uint8 (or 0..255 float) ``(B, C, H, W)`` -> ``(x / 255 - mean) / std`` in float32 (``ToTensor`` and
+    ``Normalize``'s operations, the same bits); ``mean``/``std`` ``(1, C, 1, 1)``."""
     return x.float().div_(255.0).sub_(mean).div_(std)
 
 
@@ -79,14 +78,8 @@ def _channel_stats(values: Sequence[float], device: torch.device | str = "cpu") 
 
 
 class _ShardedBatches:
-    """What both loaders share: this process's shard of ``num_samples`` examples, and its batch count."""
-
-    batch_size: int
-    train: bool
-    seed: int
-    rank: int
-    world: int
-    num_samples: int
+    """What both loaders share: this process's shard of ``num_samples`` examples, and its batch count (from
+    ``batch_size``, ``train``, ``seed``, ``rank`` and ``world``, set by the loader)."""
 
     def _indices(self, epoch: int) -> Tensor:
         return rank_indices(self.num_samples, epoch=epoch, seed=self.seed, rank=self.rank, world=self.world,
@@ -129,27 +122,9 @@ class InMemoryLoader(_ShardedBatches):
             yield x.to(self.device, non_blocking=True), self.labels[sel].to(self.device, non_blocking=True)
 
 
-class _EpochSampler(torch.utils.data.Sampler):
-    """Yields ``(index, epoch)`` of the epoch :meth:`set` last; a ``DataLoader`` calls ``iter()`` on its
-    sampler at each iteration's start (persistent workers too), so one sampler serves every epoch."""
-
-    def __init__(self) -> None:
-        self.indices: list[int] = []
-        self.epoch = 0
-
-    def set(self, indices: list[int], epoch: int) -> None:
-        self.indices, self.epoch = indices, epoch
-
-    def __iter__(self):
-        return iter([(i, self.epoch) for i in self.indices])
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
 def _die_with_parent(worker_id: int) -> None:
-    """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``); persistent workers
-    would otherwise outlive a killed trainer until the DataLoader's watchdog, holding memory and files."""
+    """``worker_init_fn``: the worker dies with its parent (Linux's ``PR_SET_PDEATHSIG``), not at the
+    DataLoader's watchdog, holding memory and files meanwhile."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the watchdog alone
@@ -165,26 +140,18 @@ def _collate_list(items: list[tuple[Any, int]]) -> tuple[list[Any], Tensor]:
 OnDevice = Callable[[list[Any], Tensor, torch.device], Tensor]
 
 
-class _NormalizingCollate:
-    """A ``collate_fn`` that normalises in the worker (:func:`normalize_on_device`): on a CPU device the main
-    process would otherwise do it alone while the workers wait (docs/benchmarks.md). Picklable."""
-
-    def __init__(self, mean: Tensor, std: Tensor) -> None:
-        self.mean, self.std = mean, std
-
-    def __call__(self, items: list[Any]) -> tuple[Tensor, Tensor]:
-        x, y = torch.utils.data.default_collate(items)
-        return normalize_on_device(x, self.mean, self.std), y
+def _normalizing_collate(mean: Tensor, std: Tensor, items: list[Any]) -> tuple[Tensor, Tensor]:
+    """A ``collate_fn`` (with ``functools.partial``) that normalises in the worker: on a CPU device the main
+    process would otherwise do it alone while the workers wait."""
+    x, y = torch.utils.data.default_collate(items)
+    return normalize_on_device(x, mean, std), y
 
 
 class FolderLoader(_ShardedBatches):
-    """Batches decoded from files by one ``DataLoader`` (ImageFolder, face, segmentation), kept across epochs
-    with persistent workers (starting them costs seconds); items ``(index, epoch)`` are seeded per example.
-
-    With ``mean``/``std`` the items are uint8 ``(C, H, W)``, travel as uint8 (pinned on CUDA) and are
-    normalised on the device (:func:`normalize_on_device`); without them they are the model's input already.
-    ``on_device(payloads, labels, device)`` replaces collation: it makes the float batch on the device (the
-    GPU decoding pipeline), normalised as above.
+    """Batches decoded from files by one ``DataLoader`` (image folder, face, segmentation) with persistent
+    workers; items ``(index, epoch)`` are seeded per example. With ``mean``/``std`` the items are uint8
+    ``(C, H, W)``, travel as uint8 and are normalised on the device; without them they are the model's input.
+    ``on_device(payloads, labels, device)`` replaces collation (the GPU decoding pipeline).
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset, *, batch_size: int, train: bool, seed: int = 0,
@@ -200,7 +167,9 @@ class FolderLoader(_ShardedBatches):
         self.mean = self.std = None
         if mean is not None and std is not None:
             self.mean, self.std = _channel_stats(mean, self.device), _channel_stats(std, self.device)
-        self._sampler = _EpochSampler()
+        # The DataLoader's sampler: (index, epoch) items of the epoch being read, set before each iter(loader)
+        # (which reads it afresh, persistent workers too): one DataLoader serves every epoch.
+        self._order: list[tuple[int, int]] = []
         self._loader: torch.utils.data.DataLoader | None = None
         # On a CPU device "on the device" would be the main process alone: the workers normalise instead.
         self._normalizes_in_workers = (
@@ -215,11 +184,11 @@ class FolderLoader(_ShardedBatches):
         if self._loader is None:
             collate = _collate_list if self.on_device is not None else None
             if self._normalizes_in_workers:
-                collate = _NormalizingCollate(self.mean, self.std)
+                collate = functools.partial(_normalizing_collate, self.mean, self.std)
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=self.batch_size,
-                sampler=self._sampler,
+                sampler=self._order,
                 num_workers=self.workers,
                 collate_fn=collate,
                 pin_memory=self.device.type == "cuda" and self.on_device is None,
@@ -238,7 +207,7 @@ class FolderLoader(_ShardedBatches):
         if not idx:
             return
         loader = self._data_loader()
-        self._sampler.set(idx, epoch)  # read by iter(loader) below, before any worker asks for an index
+        self._order[:] = [(i, epoch) for i in idx]  # read by iter(loader) below
         for x, y in loader:
             if self.on_device is not None:
                 x = self.on_device(x, y, self.device)

@@ -1,25 +1,23 @@
-"""Plain PNGs decoded a batch at a time, with Pillow's own PNG decoder (``repmlp predict`` on a folder of
-Fashion-MNIST PNGs: for a 28x28 image ``Image.open`` spends most of its time in format detection and chunk
-parsing in Python, see docs/benchmarks.md).
+"""Plain PNGs decoded a batch at a time by Pillow's own PNG decoder (``repmlp predict``: for a 28x28 image
+``Image.open`` spends most of its time detecting the format and parsing chunks in Python).
 
-A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every CRC right, ending in IEND, a
-zlib stream of exactly the image's scanlines, valid row filters) needs none of that: :func:`png_scanlines`
-reads its filtered scanlines and :func:`unfilter` decodes a batch of them in one call of the decoder
-``Image.open`` uses, so the pixels are the same. Any other file, or any doubt, gives ``None``: the caller
-opens it with ``Image.open``, which decides, and names the reason when it cannot.
+A *plain* PNG (8-bit grey or RGB, not interlaced, the expected size, every CRC right, ending in IEND, a zlib
+stream of exactly the image's scanlines, valid row filters): :func:`png_scanlines` reads its scanlines and
+:func:`unfilter` decodes a batch of them in one decoder call, the pixels ``Image.open`` gives. Any other file,
+or any doubt, gives ``None``: the caller opens it with ``Image.open``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import stat
 import struct
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image
+
+from repmlp.data.inputs import InputError, read_file
 
 __all__ = ["png_scanlines", "unfilter"]
 
@@ -35,29 +33,7 @@ def _head(channels: int, size: int) -> bytes:
     return _SIGNATURE + struct.pack(">I4s", 13, b"IHDR") + fields
 
 
-# A plain PNG of a data set's size is a few kB; a larger file goes the general way (Image.open, bounded).
-_MAX_PLAIN_BYTES = 1 << 20
-
-
-def _read(path: str) -> bytes | None:
-    """A small regular file's bytes, ``None`` for anything else; opened non-blocking and checked with
-    ``fstat`` (a FIFO or ``/dev/zero`` is never read), without a Python file object (its set-up costs more
-    than reading a few hundred bytes)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_PLAIN_BYTES:
-            return None
-        parts, total = [], 0
-        while total <= _MAX_PLAIN_BYTES:
-            chunk = os.read(fd, _MAX_PLAIN_BYTES + 1 - total)
-            if not chunk:
-                break
-            parts.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(parts) if total <= _MAX_PLAIN_BYTES else None
+_MAX_PLAIN_BYTES = 1 << 20  # a plain PNG of a data set's size is a few kB; a larger file goes the general way
 
 
 def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
@@ -65,8 +41,11 @@ def png_scanlines(path: str, channels: int, size: int) -> bytes | None:
     ``size`` rows of ``1 + size * channels`` bytes (a filter-type byte, then the row), as inflated."""
     if channels not in _COLOUR_TYPE:
         return None
-    data = _read(path)
-    if data is None or data[:29] != _head(channels, size):
+    try:
+        data = read_file(path, _MAX_PLAIN_BYTES)  # a regular file, small
+    except InputError:
+        return None
+    if data[:29] != _head(channels, size):
         return None
     critical = _CRITICAL[channels]
     pos, idat, idat_over, ended = 8, [], False, False

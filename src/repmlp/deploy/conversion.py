@@ -1,11 +1,9 @@
 """Convert a training-time model and check it against that model: the one check behind ``repmlp convert``
 (:func:`convert_file`), the end of every training run and the speed tables (:func:`convert_and_check`).
 
-The model is converted by :func:`repmlp.nn.convert.reparameterize_model`; with a file, the deployed form
-is written and loaded back into a freshly built ``deploy=True`` model (the check covers the file a
-deployment reads, not the object in memory). Both forms run on the same inputs in full float32
-(:func:`repmlp.nn.numerics.full_float32`: no autocast, no TF32, whose rounding would hide or fake a
-conversion error); each caller judges :func:`compare_outputs`' measure with its own tolerance.
+With a file, the deployed form is written and loaded back into a fresh ``deploy=True`` model (the check
+covers the file a deployment reads). Both forms run in full float32 (no autocast, no TF32, whose rounding
+would hide or fake a conversion error); each caller judges :func:`compare_outputs` with its own tolerance.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from repmlp.data import build_data
-from repmlp.data.for_model import model_data_config
+from repmlp.data import build_data, model_data_config
 from repmlp.deploy.precision import native_support, to_precision
 from repmlp.errors import UserError, first_line
 from repmlp.io import model_file
@@ -36,9 +33,7 @@ __all__ = ["CONVERSION_RTOL", "OutputDiff", "compare_outputs", "DeployedFile", "
 
 log = logging.getLogger(__name__)
 
-# A conversion is exact up to float32 rounding: converted outputs within this share of the largest
-# training-time output (max |diff| / max |output|) are equivalent.
-CONVERSION_RTOL = 1e-4
+CONVERSION_RTOL = 1e-4  # max |diff| / max |output| of an equivalent conversion (float32 rounding)
 
 
 @dataclass
@@ -62,8 +57,8 @@ class OutputDiff:
 
 
 def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
-    """How far ``output`` is from ``reference`` (the same shape: logits ``(N, K)``, embeddings ``(N, D)``,
-    score maps ``(N, K, H, W)``), computed in float64 so that the comparison adds no rounding of its own."""
+    """How far ``output`` is from ``reference`` (logits ``(N, K)``, embeddings ``(N, D)``, score maps
+    ``(N, K, H, W)``), in float64: the comparison adds no rounding of its own."""
     ref, out = reference.detach().double(), output.detach().double()
     changed = int((ref.argmax(1) != out.argmax(1)).sum()) if ref.dim() >= 2 else 0
     return OutputDiff((ref - out).abs().max().item(), ref.abs().max().item(), changed)
@@ -71,8 +66,7 @@ def compare_outputs(reference: Tensor, output: Tensor) -> OutputDiff:
 
 @dataclass
 class DeployedFile:
-    """Where and as what :func:`convert_and_check` writes the deployed model: the arguments of
-    :func:`repmlp.io.model_file.save_model` (``form="deploy"``)."""
+    """Where and as what :func:`convert_and_check` writes the deployed model (``save_model``'s arguments)."""
 
     path: Path
     name: str
@@ -94,14 +88,12 @@ class Conversion:
 def convert_and_check(model: nn.Module, inputs: Tensor | Callable[[nn.Module], Tensor], *,
                       file: DeployedFile | None = None,
                       device: str | torch.device | None = None) -> Conversion:  # fmt: skip
-    """Convert ``model`` (eval mode; converted as a copy), optionally write the deployed ``file`` and load
-    it back onto ``device`` (default: the model's), and run both forms in ``torch.inference_mode()`` and
-    full float32 on ``inputs``: a batch ``(N, C, H, W)`` on the model's device, or a function ``run(model)
-    -> outputs`` (e.g. over a whole validation set: logits ``(N, K)``), called for the training-time model
-    first. Of a tuple of outputs the first is compared. Every BatchNorm is folded unless the registered
-    ``deploy=True`` model keeps some (timm's models know nothing of ``deploy=``): then the file is written
-    again without folding. Whether the difference is small enough is the caller's to judge; a written file
-    that does not load into ``create_model(name, deploy=True)`` is a :class:`UserError`.
+    """Convert ``model`` (eval mode; a copy), optionally write the deployed ``file`` and load it back onto
+    ``device`` (default: the model's), and run both forms in inference mode and full float32 on ``inputs``:
+    a batch ``(N, C, H, W)`` on the model's device, or a function ``run(model) -> outputs`` (e.g. logits
+    ``(N, K)`` of a validation set), called for the training-time model first; of a tuple of outputs the
+    first is compared. A written file that does not load into ``create_model(name, deploy=True)`` is a
+    :class:`UserError`.
     """
     run = inputs if not isinstance(inputs, Tensor) else (lambda m: m(inputs))
     with torch.inference_mode(), full_float32():
@@ -120,8 +112,8 @@ def convert_and_check(model: nn.Module, inputs: Tensor | Callable[[nn.Module], T
 
 def _write_and_reload(model: nn.Module, deployed: nn.Module, file: DeployedFile,
                       device: str | torch.device) -> nn.Module:  # fmt: skip
-    """``deployed`` written to ``file`` and loaded back into ``create_model(..., deploy=True)`` on ``device``;
-    converted again without folding the BatchNorms when the registered model keeps some."""
+    """``deployed`` written to ``file`` and loaded back on ``device``; converted again without folding the
+    BatchNorms when the registered ``deploy=True`` model keeps some (timm's models know no ``deploy=``)."""
     for fuse_bn in (True, False):
         if not fuse_bn:
             log.info("deploy=True %s keeps some BatchNorms; converting without folding them", file.name)
@@ -150,17 +142,16 @@ def default_output(checkpoint: Path, precision: str = "fp32") -> Path:
 
 def _images(meta: ModelMetadata, split: str, n: int, img_size: int | None, dataset: str | None,
             data_dir: str | None) -> tuple[list[Tensor], str]:  # fmt: skip
-    """``([(<= n, C, H, W), ...], name)``: the first ``n`` images of the run's data set (``dataset``, else
-    the one the file records) of ``split`` (``"val"``: one batch; ``"train"``: batches of <= 64), read for
-    the file's model (``meta``) as ``repmlp eval`` reads it (its channels, input size and normalisation).
-    No data set known, one that cannot be loaded, or images of another size: :class:`UserError`."""
+    """``([(<= n, C, H, W), ...], name)``: the first ``n`` images of ``split`` (``"val"``: one batch;
+    ``"train"``: batches of <= 64) of ``dataset`` (else the file's), read as ``repmlp eval`` reads them for
+    the file's model (``meta``). No data set known, one that cannot be loaded, or images of another size:
+    :class:`UserError`."""
     name = dataset or meta.extra.get("dataset")
     if not name:
         raise UserError("the checkpoint names no data set")
     val = {"need_train": False, "val_limit": n, "eval_batch_size": n}
     sizes = val if split == "val" else {"train_limit": n, "batch_size": min(n, 64)}
-    # At the size the check runs at: the model's own unless --img-size (of a model that takes any size and
-    # records none, its default, not the data set's).
+    # The model's own size unless --img-size (a model that takes any size and records none: its default).
     size = img_size or meta.input_size[1]
     data = build_data(model_data_config(meta, name, data_dir=data_dir, img_size=size, workers=0, **sizes))
     batches = [x.float() for x, _ in getattr(data, split).batches(0)]
@@ -173,8 +164,8 @@ def _images(meta: ModelMetadata, split: str, n: int, img_size: int | None, datas
 def _check_inputs(meta: ModelMetadata, n: int, img_size: int | None, dataset: str | None,
                   data_dir: str | None) -> tuple[Tensor, str]:  # fmt: skip
     """``((n, C, H, W), where they come from)``: the run's validation images, else seeded noise. A data set
-    the user named that cannot be loaded is a :class:`UserError`; one only recorded in the file falls back
-    to noise with a warning (the data may live on another machine)."""
+    the user named must load; one the file records falls back to noise with a warning (it may live on
+    another machine)."""
     try:
         (x, *_), name = _images(meta, "val", n, img_size, dataset, data_dir)
         return x, f"{len(x)} {name} validation images"
@@ -216,10 +207,10 @@ def convert_file(checkpoint: Path, output: Path, *, precision: str = "fp32",
                  tolerance: float = CONVERSION_RTOL, num_examples: int = 64, img_size: int | None = None,
                  dataset: str | None = None, data_dir: str | None = None,
                  calibration_examples: int = 512) -> str:  # fmt: skip
-    """Convert the training-time ``checkpoint``, check it (:func:`convert_and_check` with a file, on the
-    run's validation images or noise) and write it in ``precision`` as ``output``, atomically; returns what
-    was written and measured, as ``repmlp convert`` prints it. A difference above ``tolerance * max(1, max
-    |output|)`` is a :class:`UserError` and nothing is written. int8 calibrates on the run's training images."""
+    """Convert the training-time ``checkpoint``, check it (:func:`convert_and_check` on the run's validation
+    images or noise) and write it in ``precision`` as ``output``, atomically; returns what ``repmlp convert``
+    prints. A difference above ``tolerance * max(1, max |output|)`` is a :class:`UserError` and nothing is
+    written. int8 calibrates on the run's training images."""
     model = model_file.load_model(checkpoint, device="cpu")
     meta = model.metadata
     if meta.form != "train":  # the training-time file of its run beside it, else the one it records

@@ -1,10 +1,8 @@
 """Export a (deployed) model to ONNX, TorchScript or a ``torch.export`` program, checked against PyTorch.
 
-Each exporter writes into a temporary file beside the destination (:func:`repmlp.io.model_file.staged`),
-loads the written file back (ONNX into onnxruntime), compares its outputs with PyTorch's in full float32,
-and only then moves it into place: the destination is never left half-written or replaced by a file that
-failed its check. The batch dimension stays dynamic: the check runs at another batch size than the trace,
-so a graph that baked the batch size in fails the check instead of failing later.
+Each exporter writes a temporary file beside the destination, loads it back (ONNX into onnxruntime),
+compares its outputs with PyTorch's in full float32 at another batch size than the trace's (a graph that
+baked the batch size in fails here), and only then moves it into place.
 """
 
 from __future__ import annotations
@@ -27,15 +25,10 @@ from repmlp.nn.numerics import full_float32
 __all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "missing_onnx_packages",
            "write_int8_onnx", "DEFAULT_RTOL"]  # fmt: skip
 
-# What ONNX export and its check import: the optional `repmlp[export]` extra.
-ONNX_PACKAGES = ("onnx", "onnxruntime", "onnxscript")
-#: Relative tolerance of the checks: max |exported - PyTorch| <= DEFAULT_RTOL * max(1, max |PyTorch|).
-DEFAULT_RTOL = 1e-4
-# Batch sizes used to trace and, different on purpose, to check.
-_TRACE_BATCH, _CHECK_BATCH = 2, 3
-
-# Writes one format: (model, example input (N, C, H, W), path) -> the written file loaded back, or None
-# (not checked).
+ONNX_PACKAGES = ("onnx", "onnxruntime", "onnxscript")  # the optional repmlp[export] extra
+DEFAULT_RTOL = 1e-4  # max |exported - PyTorch| <= DEFAULT_RTOL * max(1, max |PyTorch|)
+_TRACE_BATCH, _CHECK_BATCH = 2, 3  # different on purpose
+# Writes one format: (model, example input (N, C, H, W), path) -> the file loaded back, or None (unchecked).
 _Writer = Callable[[nn.Module, Tensor, Path], Callable[[Tensor], object] | None]
 
 
@@ -69,8 +62,8 @@ def _first_tensor(out: object) -> Tensor:
 
 
 def _check_close(name: str, got: Tensor, ref: Tensor, rtol: float) -> float:
-    """The max abs difference of ``got`` from ``ref`` relative to ``max(1, max |ref|)`` (what ``rtol``
-    bounds: an imported model's logits near 1e6 differ by 1e1 in float32 and agree to 1e-6)."""
+    """The max abs difference of ``got`` from ``ref`` relative to ``max(1, max |ref|)`` (logits near 1e6 differ
+    by 1e1 in float32 and still agree), at most ``rtol``, else an :class:`ExportError`."""
     if tuple(got.shape) != tuple(ref.shape):
         raise ExportError(f"{name} output shape {tuple(got.shape)} differs from PyTorch's {tuple(ref.shape)}")
     diff = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
@@ -89,10 +82,9 @@ def _quoted(exc: BaseException) -> str:
 @full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
 def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike, input_size: Sequence[int],
             rtol: float) -> float:  # fmt: skip
-    """``write`` an eval-mode float32 CPU copy of ``model`` (the caller's model is not changed) traced at
-    one batch size to ``path`` atomically, once the reloaded file matched PyTorch at another batch size;
-    the max abs difference relative to ``max(1, max |output|)`` (``nan`` when ``write`` returns no runner).
-    Raises :class:`ExportError` (the destination left as it was)."""
+    """``write`` an eval-mode float32 CPU copy of ``model`` to ``path``, atomically, once the file loaded back
+    matched PyTorch; returns the relative difference (``nan`` when ``write`` returns no runner). An
+    :class:`ExportError` leaves the destination as it was."""
     net = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
     example, x = _example(input_size, _TRACE_BATCH, seed=0), _example(input_size, _CHECK_BATCH, seed=1)
     with staged(path) as tmp, torch.no_grad(), warnings.catch_warnings():
@@ -109,10 +101,9 @@ def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, check: bool = True,
                 opset_version: int | None = None, rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
-    """Export ``model`` (any module taking one ``(N, *input_size)`` tensor; ``input_size`` ``(C, H, W)``) to
-    ONNX at ``path`` with the ``torch.export``-based exporter (PyTorch's default), dynamic batch, and
-    (``check``) run it in onnxruntime; see :func:`_export`. Export a deployed model
-    (:func:`repmlp.reparameterize_model`): it is the one meant for inference, and it is faster."""
+    """Export ``model`` (taking one ``(N, *input_size)`` tensor) to ONNX at ``path`` with the
+    ``torch.export``-based exporter, dynamic batch, checked in onnxruntime (``check``); see :func:`_export`.
+    Export the deployed model (:func:`repmlp.reparameterize_model`): it is the one meant for inference."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object] | None:
         batch = torch.export.Dim("batch", min=1)
@@ -131,11 +122,10 @@ def _onnxruntime(path: Path) -> Callable[[Tensor], Tensor]:
     return lambda x: torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
 
 
-def export_torchscript(
-    model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, rtol: float = DEFAULT_RTOL
-) -> float:
-    """Trace ``model`` with ``torch.jit.trace`` (deprecated upstream, but still the way to a Python-free
-    file for C++), save it to ``path`` (``.pt``) and check it loaded back; see :func:`_export`."""
+def export_torchscript(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *,
+                       rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
+    """``torch.jit.trace`` ``model`` (deprecated upstream, still the way to a Python-free file for C++) to
+    ``path`` (``.pt``), checked loaded back; see :func:`_export`."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object]:
         torch.jit.trace(net, (example,), check_trace=False).save(str(tmp))
@@ -144,12 +134,10 @@ def export_torchscript(
     return _export("TorchScript export", write, model, path, input_size, rtol)
 
 
-def export_program(
-    model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, rtol: float = DEFAULT_RTOL
-) -> float:
-    """``torch.export.export`` ``model`` (dynamic batch), save the program to ``path`` (``.pt2``) and check it
-    loaded back with ``torch.export.load``; see :func:`_export`. ``torch.export`` is TorchScript's successor
-    (and what the ONNX exporter builds on): a graph of ATen operators, compilable ahead of time."""
+def export_program(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *,
+                   rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
+    """``torch.export.export`` ``model`` (dynamic batch; TorchScript's successor, ATen operators) to ``path``
+    (``.pt2``), checked loaded back with ``torch.export.load``; see :func:`_export`."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object]:
         batch = torch.export.Dim("batch", min=1)
@@ -160,8 +148,8 @@ def export_program(
 
 
 def write_int8_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int]) -> None:
-    """An int8 model file's quantized ONNX graph (``model.onnx``, stored as bytes) written as ``path``,
-    atomically, once it has run on a batch of ``input_size`` inputs (``ExportError`` if it does not)."""
+    """An int8 model's ONNX graph (its ``onnx`` bytes) written as ``path``, atomically, once it has run on a
+    batch of ``input_size`` inputs (else an :class:`ExportError`)."""
     try:
         with torch.inference_mode():
             model(torch.zeros(2, *input_size))

@@ -1,19 +1,17 @@
 """Reduced-precision deployment: a deployed model in float32, bfloat16, float16 or int8.
 
-``fp32``/``bf16``/``fp16``: the parameters cast to that dtype, and a forward pre-hook casting the input, so
-callers keep feeding float32 images (the logits come in that dtype). ``int8``: post-training static
-quantization with onnxruntime: the model exported to ONNX, activation ranges calibrated (min/max) on the
-run's training images, weights int8 per output channel (activations uint8, QDQ format); an
-:class:`Int8OnnxModel` runs the graph and keeps its bytes in a buffer, so it saves to and loads from
-safetensors like any model. Not torchao or PT2E: their quantized weights are tied to a traced program that
-must be pickled or re-exported, while the ONNX graph is one self-contained byte string. An int8 model file's
-graph is checked before it runs (:func:`check_int8_graph`).
+``fp32``/``bf16``/``fp16``: the parameters cast, and a forward pre-hook casting the input (callers keep
+feeding float32 images; the logits come in that dtype). ``int8``: onnxruntime's post-training static
+quantization of the ONNX export, calibrated (min/max) on the run's training images, weights int8 per output
+channel, activations uint8 (QDQ); an :class:`Int8OnnxModel` runs the graph and keeps its bytes in a buffer,
+so it saves to and loads from safetensors like any model (torchao's or PT2E's weights are tied to a program
+that must be pickled). An int8 model file's graph is checked before it runs (:func:`check_int8_graph`).
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -64,26 +62,19 @@ class Int8OnnxModel(RuntimeModel):
         super().__init__(onnx_bytes, "onnxruntime", threads=threads, int8=True)
 
 
-def quantize_int8(
-    model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *, per_channel: bool = True
-) -> Int8OnnxModel:
+def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *,
+                  per_channel: bool = True) -> Int8OnnxModel:  # fmt: skip
     """Post-training static int8 quantization of a deployed float32 ``model`` (a copy is exported) with
     onnxruntime, calibrated on ``calibration`` batches ``(N, C, H, W)`` (the run's training images; none is
     a ``ValueError``); ``input_size``: ``(C, H, W)``."""
-    from onnxruntime.quantization import (  # optional: the repmlp[export] extra
-        CalibrationDataReader,
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
+    import onnx  # optional, as the two below: the repmlp[export] extra
+    from onnxruntime import quantization as q
 
     batches = [np.ascontiguousarray(x.detach().float().cpu().numpy()) for x in calibration]
     if not batches:
         raise ValueError("int8 quantization needs calibration data (at least one batch)")
 
-    class _Reader(CalibrationDataReader):
+    class _Reader(q.CalibrationDataReader):
         def __init__(self) -> None:
             self._it = iter(batches)
 
@@ -94,41 +85,22 @@ def quantize_int8(
     with tempfile.TemporaryDirectory(prefix="repmlp-int8-") as tmp:
         fp32, pre, q8 = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
         export_onnx(model, fp32, input_size, check=False)
-        quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-        quantize_static(
-            str(pre),
-            str(q8),
-            _Reader(),
-            quant_format=QuantFormat.QDQ,
-            per_channel=per_channel,
-            weight_type=QuantType.QInt8,
-            activation_type=QuantType.QUInt8,
-            calibrate_method=CalibrationMethod.MinMax,
-            extra_options={"TensorQuantOverrides": _per_tensor_batched_weights(pre)},
-        )
+        q.quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
+        # One scale for each constant 3-D MatMul weight (FC3's (g, P/g, Q/g)): per-channel scales would keep
+        # onnxruntime from its int8 kernel (QLinearMatMul), dequantizing the weight on every run instead.
+        graph = onnx.load(str(pre), load_external_data=False).graph
+        ranks = {t.name: len(t.dims) for t in graph.initializer}
+        batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}
+        overrides = {name: [{"quant_type": q.QuantType.QInt8, "symmetric": True}] for name in sorted(batched)}
+        q.quantize_static(str(pre), str(q8), _Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
+                          weight_type=q.QuantType.QInt8, activation_type=q.QuantType.QUInt8,
+                          calibrate_method=q.CalibrationMethod.MinMax,
+                          extra_options={"TensorQuantOverrides": overrides})  # fmt: skip
         return Int8OnnxModel(q8.read_bytes())
 
 
-def _per_tensor_batched_weights(path: Path) -> dict[str, list[dict]]:
-    """Quantization overrides: one scale for each constant 3-D ``MatMul`` weight (FC3's ``(g, P/g, Q/g)``);
-    per-channel scales would keep onnxruntime from its int8 kernel (``QLinearMatMul``): it would dequantize
-    the weight on every run instead."""
-    import onnx  # optional: the repmlp[export] extra
-    from onnxruntime.quantization import QuantType
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    ranks = {t.name: len(t.dims) for t in graph.initializer}
-    batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}
-    return {name: [{"quant_type": QuantType.QInt8, "symmetric": True}] for name in sorted(batched)}
-
-
-def to_precision(
-    model: nn.Module,
-    precision: str,
-    calibration: Iterable[Tensor] | None = None,
-    *,
-    input_size: Sequence[int] | None = None,
-) -> nn.Module:
+def to_precision(model: nn.Module, precision: str, calibration: Iterable[Tensor] | None = None, *,
+                 input_size: Sequence[int] | None = None) -> nn.Module:  # fmt: skip
     """The deployed ``model`` in ``precision`` (:data:`PRECISIONS`): ``fp32``/``bf16``/``fp16`` cast in place
     (and returned); ``int8`` a new :class:`Int8OnnxModel`, which needs ``calibration`` batches and
     ``input_size`` ``(C, H, W)``. ``ValueError`` for an unknown precision or int8 without them."""
@@ -158,8 +130,8 @@ def native_support(precision: str) -> str | None:
 
 
 # ------------------------------------------------------------------------ an int8 file's graph, checked
-# The operators repmlp's int8 export writes (every registered model): a file's graph may hold only these, so no
-# Loop/If/Scan (a loop that never ends), no ConstantOfShape/Expand/Tile (gigabytes from a few bytes).
+# The operators repmlp's int8 export writes: no Loop/If/Scan (a loop that never ends), no ConstantOfShape,
+# Expand or Tile (gigabytes from a few bytes).
 INT8_OPS = frozenset("""Add AveragePool BatchNormalization Cast Concat Conv DequantizeLinear Div Erf Flatten
     Gather GatherND Gelu Gemm GlobalAveragePool Identity LayerNormalization MatMul Max MaxPool Mul PRelu Pad
     QuantizeLinear Range ReduceMean Relu Reshape Resize ScatterND Shape Sigmoid Slice Softmax Sqrt Squeeze Sub
@@ -198,7 +170,7 @@ def check_int8_graph(raw: bytes, input_size: Sequence[int] | None = None) -> Non
     if any(t.data_location == onnx.TensorProto.EXTERNAL or t.external_data for t in graph.initializer):
         raise ValueError("it refers to external data files")
     _check_graph_input(graph, input_size)
-    _check_graph_sizes(model)
+    _check_graph_sizes(model, onnx.shape_inference.infer_shapes)
 
 
 def _check_graph_input(graph, input_size: Sequence[int] | None) -> None:  # noqa: ANN001 - onnx.GraphProto
@@ -216,27 +188,24 @@ def _check_graph_input(graph, input_size: Sequence[int] | None) -> None:  # noqa
         raise ValueError(f"its input is {shown}, not a batch of {want} images (the file's input size)")
 
 
-def _check_graph_sizes(model) -> None:  # noqa: ANN001 - onnx.ModelProto
+def _check_graph_sizes(model, infer_shapes: Callable) -> None:  # noqa: ANN001 - onnx.ModelProto
     """Every tensor the graph computes for one example is at most :data:`MAX_GRAPH_ELEMENTS` elements: known
-    from shape inference, else bounded by the product of its inputs' sizes (an op whose size follows values,
-    :data:`_SIZED_BY_VALUES`, must be inferred; a ``Range`` up to a dimension of a tensor is bounded by it)."""
-    import onnx  # optional: the repmlp[export] extra
-    from onnx import shape_inference
-
+    from shape inference (onnx's ``infer_shapes``), else bounded by the product of its inputs' sizes (an op
+    whose size follows values must be inferred; a ``Range`` up to a dimension of a tensor is bounded by it)."""
     producer = {out: node for node in model.graph.node for out in node.output}
     for i, node in enumerate(model.graph.node):
         # A Range counts up to a dimension of a tensor, never to a constant (which shape inference's data
         # propagation below would compute element by element)
         if node.op_type == "Range" and not _dimension(node, producer):
             raise ValueError(f"node {i} (Range) counts to a constant, not to a dimension of a tensor")
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    model = type(model).FromString(model.SerializeToString())
     del model.graph.value_info[:]
     first = model.graph.input[0].type.tensor_type.shape.dim[0]
     first.Clear()
     first.dim_value = 1
     try:
         # Data propagation computes small values (shapes, a Range up to a dimension: checked first).
-        inferred = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        inferred = infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as exc:  # noqa: BLE001 - onnx's inference errors: shapes that do not fit together
         raise ValueError(f"its shapes do not fit together ({str(exc).splitlines()[0][:120]})") from None
     shapes: dict[str, list[int]] = {t.name: list(t.dims) for t in model.graph.initializer}

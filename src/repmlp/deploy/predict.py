@@ -1,16 +1,11 @@
-"""Putting a model file to use: :class:`Predictor` (what ``repmlp predict`` runs).
+"""Putting a model file to use: :class:`Predictor` (what ``repmlp predict`` runs), and its output files.
 
-A model file (training-time or deployed, float32, bf16, fp16 or int8) carries what a prediction needs besides
-its weights: the model's name and options, its class names and its evaluation preprocessing, which
-:func:`repmlp.load_model` returns as ``model.metadata``. :class:`Predictor` turns image files, PIL images or
-a batch tensor into the top-k ``(label, index, probability)`` of each image, with exactly the preprocessing
-``repmlp eval`` applies (the same functions of :mod:`repmlp.data`). Face embedding and segmentation models
-load, but :class:`Predictor` refuses them.
-
-Files are decoded a batch at a time (the plain PNGs of a Fashion-MNIST or CIFAR-10 model together,
-:mod:`repmlp.data.png`): in ``DataLoader`` workers where the model leaves CPU cores free, else in this
-process between batches (:func:`auto_workers`). An undecodable file does not stop the others:
-:meth:`Predictor.predict_files` yields it with the reason.
+A model file carries what a prediction needs besides its weights (``model.metadata``: name, options, class
+names, evaluation preprocessing). :class:`Predictor` turns image files, PIL images or a batch into the top-k
+``(label, index, probability)`` of each image, with the preprocessing ``repmlp eval`` applies (the same
+functions of :mod:`repmlp.data`). Files are decoded a batch at a time (plain PNGs together,
+:mod:`repmlp.data.png`), in ``DataLoader`` workers where the model leaves CPU cores free
+(:func:`auto_workers`); an undecodable file is yielded with its reason and does not stop the others.
 """
 
 from __future__ import annotations
@@ -69,9 +64,9 @@ class FileResult:
 
 
 def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tensor]:
-    """PIL image (in the model's channels) -> the model's normalised ``(C, H, W)`` input: an in-memory data
-    set's pixels (:class:`repmlp.data.PixelEvalTransform`), else the image folder's evaluation transform
-    (:func:`repmlp.data.folder_eval_transform`), as ``repmlp eval`` does."""
+    """PIL image (in the model's channels) -> the model's normalised ``(C, H, W)`` input, as ``repmlp eval``
+    does: an in-memory data set's :class:`~repmlp.data.PixelEvalTransform`, else the image folder's
+    :func:`~repmlp.data.folder_eval_transform`."""
     c, h, _ = preprocessing["input_size"]
     if preprocessing.get("dataset") in NATIVE_SIZE:
         return PixelEvalTransform(preprocessing["dataset"], h)
@@ -92,39 +87,32 @@ def _check_classifier(metadata: ModelMetadata) -> None:
 
 
 def read_labels(path: str | os.PathLike, num_classes: int) -> list[str]:
-    """Class names from a regular text file, one a line (trailing blank lines ignored), ``num_classes`` of
-    them; a blank line between names or a name given twice is refused (every later class would get another
-    class's name)."""
+    """``num_classes`` class names from a regular text file, one a line (trailing blank lines ignored); a
+    blank line between names or a name given twice is refused (later classes would get others' names)."""
     try:
         lines = read_text(path, _MAX_LABELS_BYTES, "labels file").splitlines()
     except InputError as exc:
         raise UserError(str(exc)) from None
     while lines and not lines[-1].strip():
         lines.pop()
-    names = [ln.strip() for ln in lines]
-    blank = next((i for i, name in enumerate(names) if not name), None)
-    if blank is not None:
-        raise UserError(
-            f"labels file {path}: line {blank + 1} is blank (one name a line, no blank lines between them)"
-        )
-    seen: dict[str, int] = {}
+    names, first = [ln.strip() for ln in lines], {}
     for i, name in enumerate(names):
-        if name in seen:
-            raise UserError(f"labels file {path}: line {i + 1} repeats {name!r} of line {seen[name] + 1}")
-        seen[name] = i
+        if not name:
+            raise UserError(
+                f"labels file {path}: line {i + 1} is blank (one name a line, no blank lines between them)"
+            )
+        if first.setdefault(name, i) != i:
+            raise UserError(f"labels file {path}: line {i + 1} repeats {name!r} of line {first[name] + 1}")
     if len(names) != num_classes:
         raise UserError(f"labels file {path} has {len(names)} names but the model has {num_classes} classes")
     return names
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[tuple[str, str]]]:
-    """The image files of ``inputs`` (each once) and ``(input, reason)`` of the problems.
-
-    A file is taken whatever its name (decoding tells); a folder gives every file under it with an extension
-    Pillow reads, recursively, sorted (:func:`repmlp.data.inputs.walk_files`); a pattern with ``*``, ``?`` or
-    ``[`` is expanded (:func:`repmlp.data.inputs.expand_glob`). Missing paths, patterns that match nothing
-    and anything not a regular file or folder (FIFO, device, socket) are named, never read.
-    """
+    """The image files of ``inputs`` (each once) and ``(input, reason)`` of the problems: a file whatever
+    its name (decoding tells); a folder's files with an extension Pillow reads, recursively, sorted; a
+    pattern's matches (:func:`~repmlp.data.inputs.expand_glob`). Missing paths, patterns that match nothing
+    and special files (FIFO, device, socket) are named, never read."""
     exts = sorted({ext.lower() for ext in Image.registered_extensions()})
     files: list[str] = []
     problems: list[tuple[str, str]] = []
@@ -157,8 +145,7 @@ def expand_inputs(inputs: Iterable[str | os.PathLike]) -> tuple[list[str], list[
 
 
 def decode_image(path: str, channels: int, transform: Callable[[Any], Any]) -> Any:
-    """``transform`` of one image file in the model's ``channels``, read within bounds
-    (:func:`repmlp.data.inputs.open_image`; a GIF's first frame); raises what decoding raised."""
+    """``transform`` of one image file in the model's ``channels``, read within bounds (a GIF's first frame)."""
     with open_image(path) as im:  # everything inside: a closed image has no pixels
         return transform(image_to_channels(im, channels))
 
@@ -172,11 +159,10 @@ def _reason(exc: BaseException) -> str:
 
 
 class _FileBatches(torch.utils.data.Dataset):
-    """Item ``i``: batch ``i`` of ``paths`` decoded, ``(first index, (N, C, H, W), ok mask, errors)`` (one
-    tensor per batch between processes); an undecodable file leaves a zero image, ``ok[j] = False`` and its
-    reason. A transform with ``pixels`` and ``normalize`` (:class:`repmlp.data.PixelEvalTransform`) decodes
-    to uint8 (plain PNGs of the data set's size all at once) and normalises the batch at once, as the
-    evaluation loader does."""
+    """Item ``i``: batch ``i`` of ``paths`` decoded, ``(first index, (N, C, H, W), ok mask, errors)``; an
+    undecodable file leaves a zero image, ``ok[j] = False`` and its reason. A
+    :class:`~repmlp.data.PixelEvalTransform` decodes to uint8 (plain PNGs all at once) and normalises the
+    batch at once, as the evaluation loader does."""
 
     def __init__(self, paths: list[str], batch_size: int, channels: int, transform: Callable, size) -> None:
         self.paths, self.batch_size, self.channels, self.transform = paths, batch_size, channels, transform
@@ -210,11 +196,8 @@ class _FileBatches(torch.utils.data.Dataset):
         first = next((x for x in images if x is not None), None)
         if first is None:
             return start, torch.zeros(len(chunk), *self.size), ok, errors
-        if self.batched:  # uint8 (H, W, C) arrays: one copy into the batch, normalised at once
-            batch = np.zeros((len(chunk), *first.shape), dtype=np.uint8)
-            for j, x in enumerate(images):
-                if x is not None:
-                    batch[j] = x
+        if self.batched:  # uint8 (H, W, C) arrays: one batch, normalised at once
+            batch = np.stack([np.zeros_like(first) if x is None else x for x in images])
             out = self.transform.normalize(torch.from_numpy(batch).permute(0, 3, 1, 2))
         else:
             out = torch.stack([torch.zeros_like(first) if x is None else x for x in images])
@@ -224,16 +207,15 @@ class _FileBatches(torch.utils.data.Dataset):
 
 
 def auto_workers(device: str | torch.device = "cpu") -> int:
-    """Decoding processes for the CPU cores the model leaves free (``repmlp predict --workers auto``): a CPU
-    model's ``torch.get_num_threads()`` threads would be preempted by more, and each preempted thread stalls
-    the others at the next synchronisation; a GPU model leaves all but one core free."""
+    """Decoding processes for the CPU cores the model leaves free (``--workers auto``): a CPU model's threads
+    would be preempted by more, each stalling the others; a GPU model leaves all but one core free."""
     busy = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
     return max(0, min(default_workers() - busy, 8))
 
 
 def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
-    """A classifier run by ``runtime`` (its deployed form, exported and checked, with the same ``metadata``);
-    a training-time model is converted first (a copy), as a deployment would be."""
+    """A classifier run by ``runtime``: its deployed form (a training-time model is converted, as a copy),
+    exported and checked, with the same ``metadata``."""
     if device_of(model).type != "cpu":
         raise UserError(f"runtime {runtime} runs on the CPU: load the model there")
     metadata = model.metadata
@@ -245,14 +227,11 @@ def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
 
 
 class Predictor:
-    """Top-k classes of images under a model file or a model.
-
-    A path is read with :func:`load_model`; a model (one :func:`load_model` returned, say) runs with its
-    ``metadata`` when it has one (else class indices and its timm config). ``device=None``: the model's own.
-    ``labels`` replaces the class names. ``runtime``: ``"torch"`` (with the inference speed pass,
-    :func:`repmlp.speed.fast_inference`, on a copy; on a GPU :func:`repmlp.deploy.gpu.fused_or_plain` in the
-    serving layout), or ``"onnxruntime"``/``"openvino"`` running the deployed model's ONNX graph (CPU).
-    A face embedding or segmentation model is a :class:`UserError`.
+    """Top-k classes of images under a model file (read by :func:`load_model`) or a model (with its
+    ``metadata`` when it has one, else class indices and its timm config). ``device=None``: the model's own;
+    ``labels`` replaces the class names. ``runtime``: ``"torch"`` (the inference speed pass on a copy; on a
+    GPU :func:`repmlp.deploy.gpu.fused_or_plain` in the serving layout), or ``"onnxruntime"``/``"openvino"``
+    running the deployed model's ONNX graph. A face or segmentation model is a :class:`UserError`.
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module, *, device: str | torch.device | None = None,
@@ -328,12 +307,9 @@ class Predictor:
 
     def predict_files(self, paths: Sequence[str], *, batch_size: int = 64,
                       workers: int | None = None) -> Iterator[FileResult]:  # fmt: skip
-        """Top-k of each file of ``paths``, in order; an undecodable file comes back with ``error`` set.
-
-        ``workers`` processes decode batches ahead while the model runs (0: this process, before each batch;
-        ``None``: :func:`auto_workers`). A ``batch_size`` below 1 or negative ``workers`` is a ``ValueError``
-        at the call, before anything is read.
-        """
+        """Top-k of each file of ``paths``, in order (an undecodable one with ``error`` set); ``workers``
+        processes decode batches ahead (0: this process; ``None``: :func:`auto_workers`). A bad
+        ``batch_size`` or ``workers`` is a ``ValueError`` at the call, before anything is read."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
@@ -364,10 +340,9 @@ def predict_paths(checkpoint: str | os.PathLike, inputs: Sequence[str | os.PathL
                   labels_file: str | os.PathLike | None = None, on_skip: Callable[[str, str], None] | None = None,
                   progress: bool = True, runtime: str = "torch",
                   ) -> tuple[list[FileResult], list[tuple[str, str]]]:  # fmt: skip
-    """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``; ``skipped``:
-    ``(path, reason)`` of missing or undecodable inputs, each also given to ``on_skip`` as found. A
-    :class:`~repmlp.errors.UserError` when no input names an image file, the checkpoint cannot be used, or
-    the labels file does not fit."""
+    """``repmlp predict``: the top-k of every image under ``inputs`` -> ``(predicted, skipped)``, ``skipped``
+    the ``(path, reason)`` of missing or undecodable inputs, each also given to ``on_skip`` as found. A
+    :class:`UserError` when no input is an image file, or the checkpoint or labels file cannot be used."""
     files, skipped = expand_inputs(inputs)
     report = on_skip or (lambda path, reason: None)
     for path, reason in skipped:
@@ -400,8 +375,8 @@ def result_record(res: FileResult) -> dict[str, Any]:
 
 
 def _utf8_safe(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode escaped: a non-UTF-8 byte of a file name (a lone surrogate
-    ``U+DC80..U+DCFF`` after ``os.fsdecode``) as ``\\xNN``, any other lone surrogate as ``\\uNNNN``."""
+    """``text`` with a file name's non-UTF-8 bytes (lone surrogates ``U+DC80..U+DCFF`` after ``os.fsdecode``)
+    as ``\\xNN`` and any other lone surrogate as ``\\uNNNN``."""
     return "".join(
         f"\\x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF
         else ch.encode("unicode_escape").decode("ascii") if 0xD800 <= ord(ch) <= 0xDFFF
@@ -411,8 +386,8 @@ def _utf8_safe(text: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` safe for a terminal: control characters (an escape sequence, a newline forging a line) and
-    other unprintable ones as Python escapes, a file name's non-UTF-8 bytes as ``\\xNN``."""
+    """``text`` safe for a terminal: unprintable characters (escape sequences, a newline forging a line) as
+    Python escapes, a file name's non-UTF-8 bytes as ``\\xNN``."""
     return "".join(
         ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in _utf8_safe(text)
     )
@@ -439,8 +414,7 @@ def render_csv(results: Sequence[FileResult], k: int) -> str:
 
 
 def render_table(results: Sequence[FileResult]) -> str:
-    """A readable table: each file and its top-k labels with their probabilities (names :func:`printable`:
-    a class or file name cannot move the cursor, colour the terminal or forge a line)."""
+    """Each file and its top-k labels with their probabilities, names :func:`printable`."""
     if not results:
         return ""
     paths = [printable(r.path) for r in results]

@@ -1,12 +1,10 @@
 """A deployed model run by ONNX Runtime or OpenVINO instead of PyTorch: ``--runtime`` of bench and predict.
 
-:func:`to_runtime` exports the model to ONNX (:func:`repmlp.deploy.export.export_onnx`) and wraps the graph
-in a :class:`RuntimeModel`, a module that feeds float32 ``(N, C, H, W)`` batches to the runtime's CPU engine
-and returns its output as a tensor, so callers use it like the PyTorch model. An int8 model
-(:class:`repmlp.deploy.precision.Int8OnnxModel`) is a ``RuntimeModel`` already: its QDQ graph goes to the
-runtime as it is. onnxruntime runs one ``InferenceSession`` with all graph optimizations (dynamic batch);
-OpenVINO compiles the graph for its CPU plugin once per input shape (it plans for static shapes), in float32
-unless the graph is int8 (on CPUs with bf16 units it would otherwise run float32 graphs in bf16 unasked).
+:func:`to_runtime` exports the model to ONNX and wraps the graph in a :class:`RuntimeModel`, a module that
+feeds float32 ``(N, C, H, W)`` batches to the runtime's CPU engine and returns a tensor (an int8 model is a
+``RuntimeModel`` already). onnxruntime runs one session with all graph optimizations (dynamic batch);
+OpenVINO compiles the graph once per input shape, in float32 unless the graph is int8 (on CPUs with bf16
+units it would otherwise run float32 graphs in bf16 unasked).
 """
 
 from __future__ import annotations
@@ -37,14 +35,11 @@ _EXTRAS = {
 
 class RuntimeModel(nn.Module):
     """An ONNX graph run on the CPU by onnxruntime or OpenVINO: ``(N, C, H, W)`` float32 -> the graph's first
-    output (logits ``(N, K)``), on the input's device; a ``meta`` input gives a ``meta`` output of that shape
-    (shape-only passes: :func:`repmlp.profile`). Not trainable.
-
-    The graph's bytes live in the ``onnx`` buffer (``uint8``), so ``state_dict`` round-trips them (a model
-    file can hold the graph). The engine is built from them at once (bytes that are no graph fail here),
-    and again after a copy, unpickling or a ``load_state_dict`` that brought other bytes. ``threads``:
-    intra-op threads (default ``torch.get_num_threads()``); ``int8``: the graph is quantized (OpenVINO then
-    picks its own precision).
+    output (logits ``(N, K)``) on the input's device (a ``meta`` input: a ``meta`` output, for
+    :func:`repmlp.profile`). Not trainable. The graph's bytes live in the ``onnx`` buffer (``uint8``), so a
+    model file can hold them; the engine is built from them at once, and again after a copy, unpickling or
+    a ``load_state_dict`` of other bytes. ``threads``: intra-op threads (default
+    ``torch.get_num_threads()``); ``int8``: the graph is quantized (OpenVINO picks its own precision).
     """
 
     def __init__(self, onnx: bytes | Tensor, runtime: str = "onnxruntime", *, threads: int | None = None,
@@ -132,8 +127,7 @@ class RuntimeModel(nn.Module):
 
 
 def _graph_loaded(module: RuntimeModel, incompatible_keys: object) -> None:
-    """``load_state_dict`` post-hook: engines built from other bytes than the ``onnx`` buffer's are dropped
-    (rebuilt on first use)."""
+    """``load_state_dict`` post-hook: engines built from other bytes than the buffer's are dropped."""
     if module._built_from is not None and module._built_from != module.onnx.cpu().numpy().tobytes():
         module._drop_engines()
 
@@ -152,9 +146,8 @@ def missing_runtime(runtime: str) -> str | None:
 
 
 def onnx_bytes_of(model: nn.Module, input_size: Sequence[int]) -> tuple[bytes, bool]:
-    """``(ONNX graph, is int8)`` of a deployed ``model``: a :class:`RuntimeModel`'s graph as it is, else a
-    float32 export. A :class:`UserError` for a bf16/fp16 model (runtimes get the float32 model and choose
-    their precision) or an export that fails its check."""
+    """``(ONNX graph, is int8)`` of a deployed ``model``: a :class:`RuntimeModel`'s graph, else a float32
+    export. A :class:`UserError` for a bf16/fp16 model (runtimes choose their precision) or a failed export."""
     if isinstance(model, RuntimeModel):  # already a graph (an int8 model): as it is
         return model.onnx.cpu().numpy().tobytes(), model.int8
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
@@ -175,9 +168,9 @@ def onnx_bytes_of(model: nn.Module, input_size: Sequence[int]) -> tuple[bytes, b
 def to_runtime(model: nn.Module, runtime: str, input_size: Sequence[int], *, threads: int | None = None,
                ) -> nn.Module:  # fmt: skip
     """``model`` (deployed, eval mode) ready to run in ``runtime``: itself for ``torch``, else a
-    :class:`RuntimeModel` of its ONNX graph, checked against PyTorch on a random batch (float graphs; int8
-    graphs differ between runtimes by their rounding, so they are only run). A :class:`UserError` when the
-    runtime is not installed (naming the extra) or the model cannot be exported or reproduced there."""
+    :class:`RuntimeModel` of its ONNX graph, float graphs checked against PyTorch (int8 graphs round
+    differently in each runtime). A :class:`UserError` when the runtime is not installed (naming the extra)
+    or the model cannot be exported or reproduced there."""
     if runtime == "torch":
         return model
     reason = missing_runtime(runtime)

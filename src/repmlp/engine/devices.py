@@ -1,15 +1,18 @@
-"""Devices and models for a run: ``--device`` parsing, the hardware line of reports, ``build_model``."""
+"""The device of a run and how its steps run: ``--device``, the hardware line of reports, AMP's dtype,
+``--compile``, ``--cuda-graphs`` and glibc's malloc settings for CPU training."""
 
 from __future__ import annotations
 
-import logging
+import ctypes
+import ctypes.util
 import os
+import platform
 
 import torch
 
 from repmlp.errors import UserError
 
-log = logging.getLogger(__name__)
+COMPILE_CHOICES = ("auto", "on", "off")
 
 
 def resolve_device(text: str) -> torch.device:
@@ -35,8 +38,6 @@ def resolve_device(text: str) -> torch.device:
 
 def cpu_name() -> str:
     """The processor's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    import platform
-
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -49,8 +50,6 @@ def cpu_name() -> str:
 
 def hardware_summary(device: torch.device) -> str:
     """One line naming the processor (or GPU), core count, threads and library versions."""
-    import platform
-
     if device.type == "cuda":
         hw = f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
     else:
@@ -65,63 +64,39 @@ def amp_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
-_MMAP_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit systems
-_TRIM_BYTES = 1 << 30  # free memory at the heap's top kept before returning it to the OS
-
-
 def keep_freed_memory() -> bool:
-    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse.
-
-    A CPU training step allocates and frees the same activation-sized buffers every step; by default glibc
-    maps each large one afresh from the OS, so every step page-faults its activations in again (about
-    10^4 faults a step for the main job's model). Once per process; returns whether it took effect
-    (``False`` where the C library is not glibc). The memory stays with the process until it ends, so
-    this is an application's choice: ``repmlp train`` and ``repmlp study`` make it, the library does not.
-    """
-    import ctypes
-    import ctypes.util
-
+    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse: a
+    CPU training step frees and allocates the same large buffers every step, which glibc would map afresh
+    (page faults) each time. Whether it took effect (not glibc: ``False``). An application's choice (``repmlp
+    train`` and ``study`` make it): the memory stays with the process."""
     if os.name != "posix":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES))
-
-
-COMPILE_CHOICES = ("auto", "on", "off")
+    # mallopt's parameters (glibc's malloc.h): M_MMAP_THRESHOLD -3 (at most 32 MiB), M_TRIM_THRESHOLD -1
+    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 1 << 30))
 
 
 def resolve_compile(choice: str, device: torch.device, graphs: bool = False) -> bool:
-    """``--compile`` -> whether to ``torch.compile`` the training step. ``auto``: on CUDA unless the step runs
-    as CUDA graphs (``graphs``, :func:`resolve_cuda_graphs`), off elsewhere.
-
-    Off on CPU because compiling measured slower there: inductor's CPU kernels for the BatchNorm
-    reductions over RepMLP's partition layouts are slower than the eager ones (benchmarks/bench_train.py).
-    On CUDA the eager step replayed as CUDA graphs beat the compiled step for RepMLP models, whose steps
-    are bound by the host's kernel launches, and it needs no compile time (docs/gpu.md).
-    """
+    """``--compile`` -> whether to ``torch.compile`` the training step. ``auto``: on CUDA unless the step
+    runs as CUDA graphs (``graphs``), off elsewhere: inductor's CPU kernels for the BatchNorm reductions over
+    RepMLP's partitions are slower than eager ones, and CUDA graphs of the eager step beat the compiled step
+    of launch-bound RepMLP models without compile time (docs/benchmarks.md, docs/gpu.md)."""
     if choice not in COMPILE_CHOICES:
         raise UserError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
     return choice == "on" or (choice == "auto" and device.type == "cuda" and not graphs)
 
 
-def resolve_cuda_graphs(
-    choice: str, device: torch.device, *, world: int, compile_choice: str, scaler: bool, auto: bool = True
-) -> bool:
-    """``--cuda-graphs`` -> whether the training module's forward and backward run as CUDA graphs
-    (:func:`repmlp.engine.loop.graph_module`).
-
-    ``auto``: on a CUDA device, in one process, without ``--compile on`` and without a gradient scaler (fp16
-    AMP), when the task supports it (``auto``); ``on`` asks for it and is refused where it cannot work;
-    ``off`` never. A graph replays one batch shape; other shapes run eagerly.
-    """
+def resolve_cuda_graphs(choice: str, device: torch.device, *, world: int, compile_choice: str, scaler: bool,
+                        auto: bool = True) -> bool:  # fmt: skip
+    """``--cuda-graphs`` -> whether the module's forward and backward run as CUDA graphs
+    (:func:`repmlp.engine.loop.graph_module`). ``auto``: on a CUDA device, in one process, without
+    ``--compile on`` nor a gradient scaler (fp16 AMP), when the task supports it (``auto``); ``on`` is refused
+    where it cannot work. A graph replays one batch shape; other shapes run eagerly."""
     if choice not in COMPILE_CHOICES:
         raise UserError(f"--cuda-graphs must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
-    possible = device.type == "cuda" and world == 1 and not scaler
     if choice == "on":
         why = (
             "a CUDA device" if device.type != "cuda" else
@@ -132,4 +107,5 @@ def resolve_cuda_graphs(
         if why:
             raise UserError(f"--cuda-graphs on needs {why}")
         return True
+    possible = device.type == "cuda" and world == 1 and not scaler
     return choice == "auto" and auto and possible and compile_choice != "on"

@@ -1,4 +1,5 @@
-"""The one training loop of every task (:func:`train_loop`) and its options, hooks and position."""
+"""The one training loop of every task (:func:`train_loop`), its options, hooks and position, and the CUDA
+graphs of a training step (:func:`graph_module`)."""
 
 from __future__ import annotations
 
@@ -17,32 +18,31 @@ from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from repmlp.engine.devices import amp_dtype
-from repmlp.engine.processes import DistInfo, all_reduce_sum, unwrap
+from repmlp.engine.processes import DistInfo, all_reduce_sum, gather_object, replica_hashes, unwrap
 from repmlp.engine.report import LOSS_FIELDS, write_metrics_csv
 from repmlp.engine.state import (
     METRICS_FILE,
     STATE_FILE,
     check_resumable,
     check_state,
-    gather_object,
     lock_output,
-    replica_hashes,
     rng_state,
     set_rng_state,
 )
 from repmlp.errors import UserError, first_line
+from repmlp.io import state as state_file
+from repmlp.io.model_file import CheckpointError
 from repmlp.speed import fast_training, plain
 
 log = logging.getLogger(__name__)
 
 
 def progress(iterable, total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
-    """tqdm progress bar on the main process only; use it in a ``with`` so that an error clears it."""
-    from tqdm import tqdm
-
-    # disable=None: off where stderr is not a terminal (log files), as for every bar of the project.
+    """tqdm progress bar on the main process only (and where stderr is a terminal: ``disable=None``); use it
+    in a ``with`` so that an error clears it."""
     return tqdm(
         iterable, total=total, initial=initial, desc=desc, disable=None if enabled else True, leave=False
     )
@@ -62,9 +62,8 @@ class Position:
     window: dict[str, float] = field(default_factory=dict)
 
 
-def loss_step(
-    net: nn.Module, images: Tensor, labels: Tensor, pos: Position
-) -> tuple[Tensor, dict[str, float]]:
+def loss_step(net: nn.Module, images: Tensor, labels: Tensor,
+              pos: Position) -> tuple[Tensor, dict[str, float]]:  # fmt: skip
     """The step of a module that computes its own loss (``net(images, labels)`` -> scalar): the loss, and
     as statistics the loss per step (``n`` counts steps)."""
     loss = net(images, labels).float()
@@ -73,16 +72,11 @@ def loss_step(
 
 @dataclass
 class LoopHooks:
-    """What a task plugs into :func:`train_loop`.
-
-    - ``step(net, images, labels, pos) -> (loss, stats)``: the forward pass and loss of one batch, run
-      under autocast; ``stats`` are sums over the batch (``n``: how many things were summed) that the
-      engine adds up per epoch and per log interval and shows in the progress bar as means.
-    - ``end_epoch(pos) -> row or None``: called when an epoch's batches are used up, before the position
-      moves on (``pos.epoch_acc`` holds the epoch's sums); a returned row is appended to the history. A
-      row holding a NaN/inf number (a validation loss) means the model diverged: :class:`Diverged`, and
-      no checkpoint of it (weights can be finite and still overflow in evaluation: huge BatchNorm stats).
-    """
+    """What a task plugs into :func:`train_loop`: ``step(net, images, labels, pos) -> (loss, stats)``, the
+    forward pass and loss of one batch under autocast, ``stats`` sums over the batch (``n``: how many) that
+    the engine adds up per epoch and log interval; ``end_epoch(pos) -> row or None`` when an epoch's batches
+    are used up (``pos.epoch_acc``: its sums), a row for the history; a NaN/inf number in it (weights can be
+    finite and still overflow) is :class:`Diverged`, with no checkpoint of it."""
 
     step: Callable[[nn.Module, Tensor, Tensor, Position], tuple[Tensor, dict[str, float]]] = loss_step
     end_epoch: Callable[[Position], dict[str, Any] | None] | None = None
@@ -90,11 +84,9 @@ class LoopHooks:
 
 @dataclass
 class LoopOptions:
-    """What the engine needs to know of a run besides its module, optimizer, data and hooks.
-
-    A run counts either ``epochs`` (classification: a checkpoint after every epoch; the run ends with an
-    epoch) or ``iterations`` (face, segmentation: the run may end inside an epoch); give one of the two.
-    """
+    """What the engine needs to know of a run besides its module, optimizer, data and hooks. A run counts
+    either ``epochs`` (a checkpoint after every epoch; it ends with an epoch) or ``iterations`` (it may end
+    inside an epoch): exactly one of the two."""
 
     output: Path
     config: dict[str, Any]  # JSON-able; saved; a resume must repeat every key but the runtime_keys
@@ -115,6 +107,8 @@ class LoopOptions:
     def __post_init__(self) -> None:
         if (self.iterations is None) == (self.epochs is None):
             raise ValueError("LoopOptions needs exactly one of iterations and epochs")
+        if self.compile and self.cuda_graphs:
+            raise ValueError("LoopOptions takes compile or cuda_graphs, not both")
 
     def total_steps(self, steps_per_epoch: int) -> int:
         return self.iterations if self.epochs is None else self.epochs * steps_per_epoch
@@ -127,6 +121,20 @@ class LoopResult:
     replica_hashes: list[str]  # every process's state_hash of the final model, in rank order
     # how the steps ran: "eager", "compiled", "CUDA graphs" or "eager (compilation failed)" / "(capture failed)"
     mode: str = "eager"
+
+
+def _snapshot(net: nn.Module, device: torch.device) -> Callable[[], None]:
+    """A function that puts ``net``'s buffers (BatchNorm statistics) and the RNG states back as they are now:
+    a step tried and abandoned (a capture, a failed compilation) leaves the run as it would have been."""
+    rngs, buffers = rng_state(device), {k: b.clone() for k, b in net.named_buffers()}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for k, b in net.named_buffers():
+                b.copy_(buffers[k])
+        set_rng_state(rngs, device)
+
+    return restore
 
 
 class _Captured(nn.Module):
@@ -166,16 +174,15 @@ def graph_module(
     """``net`` (in training mode, on a CUDA device) with its forward and backward captured as CUDA graphs for
     inputs like ``example``: a step then costs the host two graph launches instead of one launch per kernel.
 
-    The capture runs ``net`` a few times (warm-up, then the capture itself) without touching gradients; the
-    module's buffers (BatchNorm statistics) and the RNG states are put back afterwards, so the training run
-    is the one it would have been. ``autocast_dtype``: the AMP dtype the steps run
-    under (``None``: none); the graphs keep it. Raises ``RuntimeError`` if an operation cannot be captured.
+    The capture runs ``net`` a few times (warm-up, then the capture itself) without touching gradients; its
+    buffers and the RNG states are put back afterwards (:func:`_snapshot`). ``autocast_dtype``: the AMP dtype
+    the steps run under (``None``: none); the graphs keep it. ``RuntimeError`` if an operation cannot be
+    captured.
     """
     device = example[0].device
     if device.type != "cuda":
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
-    rngs = rng_state(device)
-    buffers = {k: b.clone() for k, b in net.named_buffers()}
+    restore = _snapshot(net, device)
     wrapper = _Captured(net).train()
     static = tuple(t.detach().clone() for t in example)  # the graphs' input buffers
     amp = autocast_dtype is not None
@@ -189,10 +196,7 @@ def graph_module(
         ):
             graphed = torch.cuda.make_graphed_callables(wrapper, static, allow_unused_input=True)
     finally:
-        with torch.no_grad():
-            for k, b in net.named_buffers():
-                b.copy_(buffers[k])
-        set_rng_state(rngs, device)
+        restore()
     return GraphedModule(net, graphed, example)
 
 
@@ -219,83 +223,27 @@ class Diverged(UserError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT (Ctrl-C) or SIGTERM (``kill``, a batch system's time limit): its message
-    says at which step and where the checkpoint is; ``signum`` is the signal. The CLI prints the message
-    and exits with ``128 + signum``, the shell's convention (130 for SIGINT, 143 for SIGTERM)."""
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM (``kill``, a batch system's time limit): its message says
+    at which step and where the checkpoint is; the CLI exits with ``128 + signum`` (130, 143)."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.signum = signum
 
 
-class _Signals:
-    """SIGINT and SIGTERM handlers for the duration of a run (only where the run is in the main thread,
-    the only one Python delivers signals to); the previous handlers come back on exit.
+def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
+               state: dict[str, Any] | None = None, hooks: LoopHooks | None = None) -> LoopResult:  # fmt: skip
+    """Train ``net`` (prepared by :func:`~repmlp.engine.processes.prepare_module`) over ``loader``
+    (``loader.batches(epoch, start)`` yields this process's ``(images, labels)`` of an epoch from batch
+    ``start``; ``len(loader)`` batches an epoch) per ``opts``, with the task's ``hooks``; continue bitwise
+    from ``state`` (:func:`~repmlp.engine.state.check_output`) if given: model, optimizer, gradient scaler,
+    every process's RNG states, the position in the epoch's data order, the history and the epoch's sums.
 
-    The first signal is recorded (``received``): the loop stops at the next step boundary with a
-    checkpoint. Another one before that stops at once, by raising ``again(signum)`` (a step or an
-    evaluation that hangs); while the loop writes its interrupt checkpoint (``saving``) it is only recorded,
-    so that the file is written whole (the writes are atomic anyway: an interrupted one leaves the previous
-    file)."""
-
-    HANDLED = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, again: Callable[[int], BaseException]) -> None:
-        self.again = again
-        self.received: int | None = None
-        self.saving = False
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.HANDLED:
-                self.previous[signum] = signal.signal(signum, self.handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self.previous.items():
-            # None: a handler not installed from Python; the default is the closest to it.
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        self.previous.clear()
-
-    def handle(self, signum: int, frame: object) -> None:
-        if self.received is None or self.saving:
-            self.received = self.received or signum
-            return
-        raise self.again(signum)
-
-
-def optimizer_step(loss: torch.Tensor, optimizer, scaler: torch.amp.GradScaler, step: int) -> None:
-    """Backward and one (gradient-scaled) optimizer step at the 0-based ``step``; a non-finite loss is
-    :class:`Diverged` (a :class:`UserError`)."""
-    if not torch.isfinite(loss):
-        raise Diverged(f"the loss became {loss.item()} at step {step + 1} (try a smaller --lr)")
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-
-
-def train_loop(
-    net: nn.Module,
-    optimizer,
-    loader,
-    opts: LoopOptions,
-    procs: DistInfo,
-    state: dict[str, Any] | None = None,
-    hooks: LoopHooks | None = None,
-) -> LoopResult:
-    """Train ``net`` (prepared by :func:`prepare_module`) over ``loader`` (``loader.batches(epoch, start)``
-    yields this process's ``(images, labels)`` of an epoch from batch ``start``; ``len(loader)`` batches an
-    epoch) per ``opts``, with the task's ``hooks``; continue from ``state`` (:func:`check_output`) if given.
-
-    Every step: learning rates from ``opts.lr_at``, the task's step under autocast, :func:`optimizer_step`.
-    Checkpoints every ``ckpt_every`` steps, after every epoch of an epoch-counted run and at the end (every
-    process's RNG states included); ``metrics.csv`` holds the history.
-
-    SIGINT (Ctrl-C) or SIGTERM stops the run at the next step boundary with a checkpoint of that step, from
-    which ``resume`` continues bitwise: :class:`RunInterrupted` (a ``KeyboardInterrupt``) says where. A
-    run whose loss or weights become NaN/inf raises :class:`Diverged` and writes no checkpoint of them.
+    Every step: learning rates from ``opts.lr_at``, the task's step under autocast, backward, the optimizer
+    step. ``checkpoint.safetensors`` every ``ckpt_every`` steps, after every epoch of an epoch-counted run and
+    at the end; ``metrics.csv`` holds the history; DDP replicas are checked to end identical. SIGINT or
+    SIGTERM stops the run at the next step boundary with a checkpoint (:class:`RunInterrupted`); a run whose
+    loss or weights become NaN/inf raises :class:`Diverged` and writes no checkpoint of them.
     """
     return _Loop(net, optimizer, loader, opts, procs, hooks or LoopHooks()).run(state)
 
@@ -303,9 +251,8 @@ def train_loop(
 class _Loop:
     """One run of :func:`train_loop`: the objects it trains and where it stands."""
 
-    def __init__(
-        self, net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo, hooks: LoopHooks
-    ):
+    def __init__(self, net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
+                 hooks: LoopHooks) -> None:  # fmt: skip
         self.net, self.optimizer, self.loader = net, optimizer, loader
         self.opts, self.procs, self.hooks = opts, procs, hooks
         fp16 = opts.amp and amp_dtype(procs.device) == torch.float16
@@ -315,30 +262,49 @@ class _Loop:
         self.path = opts.output / STATE_FILE
         self.pos = Position()
         self.saved_at = -1  # the step of the last checkpoint
-        self.signals = _Signals(self.interrupted_again)
+        self.received: int | None = None  # the first SIGINT/SIGTERM of this process (on_signal)
+        self.saving = False  # writing the interrupt checkpoint: another signal waits for it
         self.stopping = False  # a signal came (on any process): stop at the next step boundary
         self.bar: Any = None
         self.start = self.mark = 0.0  # the run's start; the start of this epoch's unrecorded time
-        # The module the steps call: compiled lazily, on the first step (see first_compiled_step), or
-        # captured as CUDA graphs on the first step's shapes (see first_graphed_step).
+        # The module the steps call: compiled, or captured as CUDA graphs, by the first step.
         self.step_net = torch.compile(net) if opts.compile else net
         self.mode = "compiled" if opts.compile else "eager"
-        self.compiled_once = False
-        self.graphed_once = not opts.cuda_graphs
+        self.first = self.compiled_step if opts.compile else self.graphed_step if opts.cuda_graphs else None
 
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
-        if self.opts.fast:  # replayed as CUDA graphs, the convs measured faster than the dense form
+        if self.opts.fast:  # under CUDA graphs with the convs, not the dense form (docs/gpu.md)
             fast_training(unwrap(self.net), dense=False if self.opts.cuda_graphs else None)
         try:
             return self._run()
         finally:
             plain(unwrap(self.net))
 
+    @contextmanager
+    def signal_handlers(self) -> Iterator[None]:
+        """SIGINT and SIGTERM handlers (:meth:`on_signal`) while the run trains, in the main thread (the only
+        one Python delivers signals to); the previous handlers come back afterwards."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = (
+            {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        )
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():  # None: not set from Python; the default is closest
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        """The first signal is recorded: the loop stops at the next step boundary with a checkpoint. Another
+        one stops the run at once (a step that hangs), unless the interrupt checkpoint is being written."""
+        if self.received is not None and not self.saving:
+            raise self.interrupted_again(signum)
+        self.received = self.received or signum
+
     def _run(self) -> LoopResult:
-        # The signal handlers first: once the run folder exists, a signal keeps the run.
-        with self.signals:
+        with self.signal_handlers():  # first: once the run folder exists, a signal keeps the run
             lock_output(self.opts.output, self.procs)  # made and locked by rank 0: one writer per run
             self.start = time.perf_counter()
             while self.pos.step < self.total and self.epoch():
@@ -357,7 +323,14 @@ class _Loop:
         pos = self.pos
         self.net.train()
         self.mark = time.perf_counter()
-        with self.epoch_bar() as self.bar:  # closed (its line cleared) before the epoch's end logs its line
+        # An epoch-counted run's bar counts the epoch's batches, an iteration-counted one's the run's steps;
+        # closed (its line cleared) before the epoch's end logs its line.
+        main, epochs = self.procs.is_main, self.opts.epochs
+        if epochs is not None:
+            bar = progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
+        else:
+            bar = progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
+        with bar as self.bar:
             for images, labels in self.loader.batches(pos.epoch, pos.batch):
                 lr = self.step(images, labels)
                 self.after_step(lr)
@@ -368,26 +341,14 @@ class _Loop:
         self.end_epoch()
         return True
 
-    def epoch_bar(self) -> Any:
-        """This epoch's progress bar: an epoch-counted run counts the epoch's batches (``epoch 2/3``, as
-        Lightning does); an iteration-counted one the run's iterations (``train (epoch 2)``)."""
-        pos, epochs, main = self.pos, self.opts.epochs, self.procs.is_main
-        if epochs is not None:
-            return progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
-        return progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
-
     def step(self, images: Tensor, labels: Tensor) -> float:
         """One optimizer step at ``pos.step``'s learning rates; adds up the task's statistics."""
         pos = self.pos
         lrs = self.opts.lr_at(pos.step)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        if self.step_net is not self.net and not self.compiled_once:
-            stats = self.first_compiled_step(images, labels)
-        elif not self.graphed_once:
-            stats = self.first_graphed_step(images, labels)
-        else:
-            stats = self.forward_backward(self.step_net, images, labels)
+        first, self.first = self.first, None
+        stats = first(images, labels) if first else self.forward_backward(self.step_net, images, labels)
         pos.step, pos.batch = pos.step + 1, pos.batch + 1
         for sums in (pos.epoch_acc, pos.window):
             for k, v in stats.items():
@@ -395,59 +356,49 @@ class _Loop:
         return lrs[0]
 
     def forward_backward(self, net: nn.Module, images: Tensor, labels: Tensor) -> dict[str, float]:
-        """The task's step on ``net`` under autocast, backward and the optimizer step: its statistics."""
-        device = images.device
+        """The task's step on ``net`` under autocast, backward and the (gradient-scaled) optimizer step; a
+        non-finite loss is :class:`Diverged`. Returns the step's statistics."""
+        device, pos = images.device, self.pos
         with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
-            loss, stats = self.hooks.step(net, images, labels, self.pos)
-        try:
-            optimizer_step(loss.float(), self.optimizer, self.scaler, self.pos.step)
-        except Diverged:
-            pos = self.pos
+            loss, stats = self.hooks.step(net, images, labels, pos)
+        loss = loss.float()
+        if not torch.isfinite(loss):
             where = f"step {pos.step + 1} (epoch {pos.epoch + 1}, batch {pos.batch + 1})"
-            raise self.diverged(f"the loss became {loss.item()} at {where}") from None
+            raise self.diverged(f"the loss became {loss.item()} at {where}")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return stats
 
-    def first_compiled_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
-        """The first step through ``torch.compile``, which compiles the forward and then the backward: if
-        compilation fails (no C++ compiler, an unsupported operator), one logged line and the run goes on
-        eagerly. The RNG states and the module's buffers (BatchNorm statistics a compiled forward may have
-        updated) are put back first, and the optimizer has not stepped: the run is the eager run bitwise."""
+    def compiled_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
+        """The first step through ``torch.compile``. If compiling fails (no C++ compiler, an unsupported
+        operator): one logged line, and the run goes on eagerly, bitwise (RNG states and buffers put back)."""
+        # Imported here: torch._dynamo takes seconds to import, and only compiled runs need it.
         from torch._dynamo.exc import TorchDynamoException
         from torch._inductor.exc import InductorError
 
-        rngs = rng_state(images.device)  # the task's step may draw (dropout, mixup) before the module runs
-        buffers = {k: b.clone() for k, b in self.net.named_buffers()}
+        restore = _snapshot(self.net, images.device)  # the task's step may draw (dropout, mixup) first
         try:
-            stats = self.forward_backward(self.step_net, images, labels)
+            return self.forward_backward(self.step_net, images, labels)
         except (TorchDynamoException, InductorError) as exc:
-            reason = first_line(exc)
-            log.warning("torch.compile failed (%s): training eagerly", reason[:200])
+            log.warning("torch.compile failed (%s): training eagerly", first_line(exc)[:200])
             self.step_net, self.mode = self.net, "eager (compilation failed)"
-            set_rng_state(rngs, images.device)
-            with torch.no_grad():
-                for k, b in self.net.named_buffers():
-                    b.copy_(buffers[k])
-            stats = self.forward_backward(self.net, images, labels)
-        self.compiled_once = True
-        return stats
+            restore()
+            return self.forward_backward(self.net, images, labels)
 
-    def first_graphed_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
-        """Capture the module's forward and backward as CUDA graphs for this batch's shape (:func:`graph_module`),
-        then the step through them. If an operation cannot be captured, one logged line and the run goes on
-        eagerly (the capture changed no buffer, no RNG state and no gradient)."""
-        self.graphed_once = True
-        amp = amp_dtype(images.device) if self.opts.amp else None
+    def graphed_step(self, images: Tensor, labels: Tensor) -> dict[str, float]:
+        """Capture the module as CUDA graphs of this batch's shape (:func:`graph_module`), then the step
+        through them. If an operation cannot be captured: one logged line, and the run goes on eagerly."""
         try:
-            self.step_net = graph_module(self.net, (images,), amp)
-            self.mode = "CUDA graphs"
+            amp = amp_dtype(images.device) if self.opts.amp else None
+            self.step_net, self.mode = graph_module(self.net, (images,), amp), "CUDA graphs"
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
-            reason = first_line(exc)
-            log.warning(
-                "capturing the training step as CUDA graphs failed (%s): training eagerly", reason[:200]
-            )
-            self.step_net, self.mode = self.net, "eager (capture failed)"
+            reason = first_line(exc)[:200]
+            log.warning("capturing the training step as CUDA graphs failed (%s): training eagerly", reason)
+            self.mode = "eager (capture failed)"
         return self.forward_backward(self.step_net, images, labels)
 
     def after_step(self, lr: float) -> None:
@@ -477,10 +428,10 @@ class _Loop:
             os._exit(3)  # a simulated crash (tests of --resume): no cleanup, no final checkpoint
 
     def stop_requested(self) -> bool:
-        """Whether a signal came, to this process or (torchrun) any other: every process then stops at
-        the same step, as saving needs all of them (one small all-reduce a step; none for one process)."""
+        """Whether a signal came, to this process or (torchrun) any other: every process then stops at the
+        same step, as saving needs all of them (one small all-reduce a step; none for one process)."""
         if not self.stopping:
-            flag = self.signals.received is not None
+            flag = self.received is not None
             if self.procs.enabled:
                 sums = all_reduce_sum(torch.tensor([float(flag)], device=self.procs.device), self.procs)
                 flag = bool(sums.item() > 0)
@@ -489,10 +440,10 @@ class _Loop:
 
     def stop(self) -> NoReturn:
         """The checkpoint of this step (unless written already), then :class:`RunInterrupted`."""
-        self.signals.saving = True  # another Ctrl-C now waits for the file
+        self.saving = True  # another Ctrl-C now waits for the file
         if self.saved_at != self.pos.step:
             self.save()
-        pos, signum = self.pos, self.signals.received or signal.SIGINT
+        pos, signum = self.pos, self.received or signal.SIGINT
         where = "" if self.procs.is_main else " by process 0"
         raise RunInterrupted(
             f"interrupted by {signal.Signals(signum).name} at epoch {pos.epoch + 1}, batch {pos.batch} "
@@ -501,12 +452,10 @@ class _Loop:
         )
 
     def interrupted_again(self, signum: int) -> RunInterrupted:
-        """The stop of a second signal before the step boundary: no checkpoint of this step."""
-        return RunInterrupted(
-            f"interrupted again by {signal.Signals(signum).name} before step {self.pos.step + 1} ended: "
-            f"stopped without a checkpoint of it; {self.kept()}",
-            signum,
-        )
+        """A second signal before the step boundary: the run stops without a checkpoint of this step."""
+        name, step = signal.Signals(signum).name, self.pos.step + 1
+        text = f"interrupted again by {name} before step {step} ended: stopped without a checkpoint of it"
+        return RunInterrupted(f"{text}; {self.kept()}", signum)
 
     def kept(self) -> str:
         """What a run that stops without a checkpoint of its step leaves to resume from."""
@@ -515,24 +464,23 @@ class _Loop:
         return f"the checkpoint of step {self.saved_at} is kept in {self.path}"
 
     def diverged(self, what: str) -> Diverged:
-        """The error of a diverged run: ``what`` went NaN/inf, what is kept of the run, what to try."""
         elsewhere = " into another --output" if self.saved_at >= 0 else ""
         return Diverged(f"training diverged: {what}; {self.kept()} (try a smaller --lr{elsewhere})")
 
     def check_finite(self) -> None:
-        """:class:`Diverged` if the module's parameters or buffers hold NaN/inf, on every process alike.
-
-        Checked before every checkpoint and at each epoch's end, not each step (the loss is; this costs a
-        kernel a tensor): the weights can diverge while the loss stays finite (BatchNorm running
-        statistics, an update that overflows). No checkpoint or model file then holds them."""
+        """:class:`Diverged` (on every process alike) if the module's parameters or buffers hold NaN/inf:
+        checked before every checkpoint and at each epoch's end, as weights can diverge while the loss (checked
+        every step) stays finite (BatchNorm statistics, an update that overflows)."""
         module = unwrap(self.net)
-        tensors = [*module.named_parameters(), *module.named_buffers()]
-        named = [(k, t) for k, t in tensors if t.is_floating_point()]
+        named = [
+            (k, t) for k, t in [*module.named_parameters(), *module.named_buffers()] if t.is_floating_point()
+        ]
         if not named:
             return
         finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named])
-        bad = all_reduce_sum((~finite).sum().reshape(1), self.procs)  # every process raises, or none
-        if bad.item() == 0:
+        if (
+            all_reduce_sum((~finite).sum().reshape(1), self.procs).item() == 0
+        ):  # every process raises, or none
             return
         names = [k for (k, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
         shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on another process"
@@ -584,34 +532,28 @@ class _Loop:
 
     def save(self) -> None:
         """``checkpoint.safetensors``: everything a resume needs (rank 0 writes; every process's RNG)."""
-        from repmlp.io.state import save_state
-
         self.check_finite()  # a diverged run keeps its last finite checkpoint
         rngs = gather_object(rng_state(self.procs.device), self.procs)
-        if not self.procs.is_main:
-            self.saved_at = self.pos.step
-            return
-        state = {
-            **self.opts.extra_state,
-            "config": self.opts.config,
-            "model": unwrap(self.net).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            **vars(self.pos),
-            "rng": {str(r): s for r, s in enumerate(rngs)},
-        }
-        save_state(self.path, state)  # atomic: an interrupted write leaves the previous checkpoint
+        if self.procs.is_main:
+            state = {
+                **self.opts.extra_state,
+                "config": self.opts.config,
+                "model": unwrap(self.net).state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                **vars(self.pos),
+                "rng": {str(r): s for r, s in enumerate(rngs)},
+            }
+            state_file.save_state(self.path, state)  # atomic: an interrupted write leaves the previous one
         self.saved_at = self.pos.step
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from ``state``: checked first (:func:`check_state`; its config must agree with this run's,
         :func:`check_resumable`), then loaded; a state that does not fit is one :class:`CheckpointError` line."""
-        from repmlp.io.model_file import CheckpointError
-
         opts, procs = self.opts, self.procs
         try:
             position = check_state(
-                state, self.optimizer, self.steps_per_epoch, self.total, opts.metric_fields
+                state, self.optimizer, self.steps_per_epoch, self.total, opts.metric_fields, self.path
             )
             check_resumable(state["config"], opts.config, opts.output, runtime=opts.runtime_keys)
             unwrap(self.net).load_state_dict(state["model"], strict=True)
@@ -620,12 +562,13 @@ class _Loop:
                 self.scaler.load_state_dict(state["scaler"])
             rngs = state["rng"]
             set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
+        except CheckpointError:
+            raise  # names the file already
         except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
             raise CheckpointError(f"{self.path} does not fit this run: {first_line(exc)}") from None
-        self.pos = Position(**position)
-        self.saved_at = self.pos.step
+        pos = self.pos = Position(**position)
+        self.saved_at = pos.step
         if procs.is_main:
-            pos = self.pos
             log.info(
                 "resuming %s at epoch %d, batch %d (step %d)", opts.output, pos.epoch + 1, pos.batch, pos.step
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -17,6 +18,8 @@ from repmlp.errors import UserError
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
+_MAX_WORLD = 1 << 16  # processes of one run: far beyond any cluster
+_HINT = "start the processes with torchrun, or unset WORLD_SIZE for one process"
 
 
 @dataclass
@@ -37,13 +40,8 @@ class DistInfo:
         return self.world > 1
 
 
-_MAX_WORLD = 1 << 16  # processes of one run: far beyond any cluster a run here would use
-_HINT = "start the processes with torchrun, or unset WORLD_SIZE for one process"
-
-
 def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
-    """The environment variable ``name`` as an integer in ``lo..hi``; a :class:`UserError` naming it and
-    the allowed values when it is missing (and has no ``default``), not an integer or out of range."""
+    """The environment variable ``name`` as an integer in ``lo..hi``, else a :class:`UserError` naming it."""
     text = os.environ.get(name, default)
     if text is None:
         raise UserError(f"{name} is not set: a run of several processes needs it ({lo}..{hi}); {_HINT}")
@@ -57,10 +55,9 @@ def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
 
 
 def process_environment() -> tuple[int, int, int]:
-    """``(rank, world, local_rank)`` from torchrun's environment, each value checked where it enters:
-    ``WORLD_SIZE`` (unset: one process); with several, ``RANK`` (below ``WORLD_SIZE``), ``LOCAL_RANK``
-    (default 0), ``MASTER_ADDR`` and ``MASTER_PORT`` (the rendezvous). A bad value is one
-    :class:`UserError` naming the variable and what it may be."""
+    """``(rank, world, local_rank)`` from torchrun's environment, each variable checked: ``WORLD_SIZE``
+    (unset: one process); with several, ``RANK`` below it, ``LOCAL_RANK`` (default 0), ``MASTER_ADDR`` and
+    ``MASTER_PORT``."""
     world = _env_int("WORLD_SIZE", 1, _MAX_WORLD, default="1")
     if world == 1:
         return 0, 1, 0
@@ -73,8 +70,7 @@ def process_environment() -> tuple[int, int, int]:
 
 
 def setup_distributed(device_name: str) -> DistInfo:
-    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU.
-    The environment is checked first (:func:`process_environment`)."""
+    """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
     rank, world, local_rank = process_environment()
     device = resolve_device(device_name)
     if world <= 1:
@@ -99,7 +95,7 @@ def cleanup_distributed() -> None:
 
 def run_in_processes(args, body: Callable[[Any, DistInfo], _R]) -> _R:
     """``body(args, procs)`` with ``args.threads`` applied, in the torchrun process group when there is one
-    (left again whatever happens): what ``body`` returns."""
+    (left again whatever happens)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     procs = setup_distributed(args.device)
@@ -117,16 +113,22 @@ def all_reduce_sum(t: torch.Tensor, procs: DistInfo) -> torch.Tensor:
     return t
 
 
+def gather_object(obj: Any, procs: DistInfo) -> list[Any]:
+    """``obj`` of every process, in rank order (``[obj]`` for one process); every process must call it."""
+    if not procs.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * procs.world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def prepare_module(module: nn.Module, procs: DistInfo) -> nn.Module:
-    """``module`` on the run's device; for multi-GPU runs with ``SyncBatchNorm`` and wrapped in DDP.
-
-    SyncBatchNorm because the paper's per-GPU batches are small (2 images for PSPNet): BatchNorm needs
-    the global batch. The converted model takes it (``reparameterize_model`` folds any BatchNorm).
-    """
+    """``module`` on the run's device; for multi-GPU runs with ``SyncBatchNorm`` (the paper's per-GPU
+    batches are small: 2 images for PSPNet) and wrapped in DDP."""
     module = module.to(procs.device)
     if not procs.enabled:
         return module
@@ -134,3 +136,31 @@ def prepare_module(module: nn.Module, procs: DistInfo) -> nn.Module:
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
     ids = [procs.device.index] if procs.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def state_hash(model: nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (bitwise), to compare replicas or runs."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def broadcast_buffers(model: nn.Module, procs: DistInfo) -> None:
+    """Make every replica's BatchNorm statistics rank 0's (DDP syncs parameters, not running stats)."""
+    if procs.enabled:
+        for b in model.buffers():
+            dist.broadcast(b.data, src=0)
+
+
+def replica_hashes(model: nn.Module, procs: DistInfo) -> list[str]:
+    """Every process's :func:`state_hash` of ``model`` after :func:`broadcast_buffers`, in rank order, and
+    logged: the check that DDP kept the processes in step."""
+    broadcast_buffers(model, procs)
+    hashes = gather_object(state_hash(model), procs)
+    if len(set(hashes)) != 1:
+        log.error("replicas differ after training: %s", hashes)
+    elif procs.enabled and procs.is_main:
+        log.info("final weights identical on all %d processes (sha256 %s)", procs.world, hashes[0][:16])
+    return hashes

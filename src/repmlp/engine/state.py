@@ -1,9 +1,8 @@
-"""What makes a run resumable: its folder, the options a resume must repeat, the check of a state read back,
-RNG states, hashes."""
+"""What makes a run resumable: its folder (locked while it trains), the options a resume must repeat, the RNG
+states, and the check of a training state read back before any of it is loaded."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -14,73 +13,52 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from repmlp.data.inputs import not_regular
 from repmlp.engine.processes import DistInfo
 from repmlp.errors import UserError
+from repmlp.io.model_file import check_field
+from repmlp.io.state import load_state
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): runs are not locked
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
-
 STATE_FILE = "checkpoint.safetensors"
 METRICS_FILE = "metrics.csv"
-# The last file a run writes (every task's report): a folder holding it is a finished run.
-REPORT_FILE = "report.md"
-# The trained model a run writes at its end.
-MODEL_FILE = "model.safetensors"
+REPORT_FILE = "report.md"  # the last file a run writes: a folder holding it is a finished run
+MODEL_FILE = "model.safetensors"  # the trained model a run writes at its end
 
 
-def holds_run(folder: Path) -> bool:
-    """Whether ``folder`` holds a run of repmlp's: its training state or its model file (a user's folder
-    that merely holds a ``report.md`` is not one)."""
-    return (folder / STATE_FILE).is_file() or (folder / MODEL_FILE).is_file()
-
-
-def check_output(
-    out: Path, resume: bool, procs: DistInfo, *, finished_ok: bool = False
-) -> dict[str, Any] | None:
-    """The saved state to resume from (``None`` for a new run); refuses anything but a new run's folder.
-
-    ``out`` must be missing or an empty folder (a new run), or hold a run: without ``resume`` a run is never
-    overwritten, and a folder holding other files is not a run's (its files stay the user's). ``resume`` of
-    a finished run (its ``report.md`` written) is refused too, before anything is read or written
-    (``finished_ok``: the caller redoes the end of a finished run on purpose, as ``repmlp study`` does for a
-    run whose results it did not record). An existing ``out`` is locked first (:func:`lock_output`): a
-    second process writing the same run is refused."""
-    from repmlp.data.inputs import not_regular
-    from repmlp.io.state import load_state
-
+def check_output(out: Path, resume: bool, procs: DistInfo, *,
+                 finished_ok: bool = False) -> dict[str, Any] | None:  # fmt: skip
+    """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`):
+    ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
+    (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end)."""
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
     if kind == "a folder":
         lock_output(out, procs, create=False)
-    state_path = out / STATE_FILE
     finished = (out / REPORT_FILE).exists()
+    if resume and finished and not finished_ok:
+        raise UserError(f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are "
+                        "left as they are (train into another --output to run it again)")  # fmt: skip
     if resume:
-        if not finished_ok and finished:
-            raise UserError(
-                f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are left "
-                "as they are (train into another --output to run it again)"
-            )
-        if not_regular(state_path) is not None:
-            raise UserError(f"nothing to resume: {state_path} does not exist or is not a regular file")
-        return load_state(state_path)
+        if not_regular(out / STATE_FILE) is not None:
+            raise UserError(f"nothing to resume: {out / STATE_FILE} does not exist or is not a regular file")
+        return load_state(out / STATE_FILE)
     if procs.is_main and kind == "a folder":
-        if finished and holds_run(out):
-            raise UserError(
-                f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are left as they "
-                "are; train into another --output"
-            )
-        if holds_run(out):
-            raise UserError(f"{out} already holds a run; use --resume to continue it or another --output")
-        others = _entries(out)
-        if others:
-            raise UserError(
-                f"--output {out} is a folder holding other files ({others}), not a run: train into a new or "
-                "empty folder"
-            )
+        if (out / STATE_FILE).is_file() or (out / MODEL_FILE).is_file():  # a run's, not merely a report.md
+            raise UserError(f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are "
+                            "left as they are; train into another --output" if finished else
+                            f"{out} already holds a run; use --resume to continue it or another --output")  # fmt: skip
+        if others := _entries(out):
+            raise UserError(f"--output {out} is a folder holding other files ({others}), not a run: train into a "
+                            "new or empty folder")  # fmt: skip
     return None
 
 
@@ -94,17 +72,15 @@ def _entries(folder: Path, shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-# This process's locks on run folders: (st_dev, st_ino) -> the open folder whose flock is held. They are
-# kept until the process exits (the kernel drops a flock with its process, also on a crash or a kill), so
-# a run's folder stays locked while anything of the run may still be written.
+# This process's run locks: (st_dev, st_ino) -> the open folder whose flock is held until the process exits
+# (the kernel drops a flock with its process, also on a crash or a kill).
 _LOCKS: dict[tuple[int, int], int] = {}
 
 
 def _drop_inherited_locks() -> None:
-    """In a forked child (a DataLoader worker): close the copies of the run locks' descriptors. A flock
-    belongs to the open file, which a fork shares: a worker outliving its killed trainer by a few
-    milliseconds would otherwise still hold the run's lock, and a ``--resume`` right after the kill would be
-    refused. Closing the child's copy leaves the parent's lock as it is."""
+    """In a forked child (a DataLoader worker): close its copies of the lock descriptors. A flock belongs to
+    the open file, which a fork shares: a worker outliving its killed trainer for a moment would still hold
+    the lock and refuse a ``--resume`` right after the kill. The parent's lock stays."""
     for fd in _LOCKS.values():
         try:
             os.close(fd)
@@ -118,15 +94,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def lock_output(out: Path, procs: DistInfo, *, create: bool = True) -> None:
-    """Hold an exclusive ``flock`` on the run folder ``out`` for the rest of this process (rank 0 only):
-    a second ``repmlp train`` writing the same folder is refused with one line naming the holder's pid.
-
-    ``create``: make the folder first (the engine, when the run writes its first file). A folder this
-    process creates must still be empty once locked: else another process filled it in the meantime."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX (Windows): runs are not locked
-        fcntl = None
+    """Hold an exclusive ``flock`` on the run folder ``out`` for the rest of this process (rank 0 only): a
+    second process writing the same folder is refused with one line naming its pid. ``create``: make the
+    folder first; a folder this process creates must still be empty once locked."""
     if not procs.is_main:
         return
     existed = out.is_dir()
@@ -161,9 +131,7 @@ def lock_output(out: Path, procs: DistInfo, *, create: bool = True) -> None:
         return
     _LOCKS[key] = fd
     if create and not existed and _entries(out):
-        raise UserError(
-            f"another process wrote into {out} while this run started: train into another --output"
-        )
+        raise UserError(f"another process wrote into {out} as this run started: train into another --output")
 
 
 def _lock_holder(info: os.stat_result) -> int | None:
@@ -171,13 +139,10 @@ def _lock_holder(info: os.stat_result) -> int | None:
     ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     try:
         with open("/proc/locks") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == ident:
-                    return int(parts[4])
+            rows = [line.split() for line in f]
+        return next((int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == ident), None)
     except (OSError, ValueError):
-        pass
-    return None
+        return None
 
 
 def option_flag(key: str) -> str:
@@ -185,22 +150,13 @@ def option_flag(key: str) -> str:
     return "--model-arg" if key in ("model_args", "model_arg") else "--" + key.replace("_", "-")
 
 
-def check_resumable(
-    saved: dict[str, Any],
-    config: dict[str, Any],
-    where: Path,
-    *,
-    runtime: Collection[str] = (),
-    given: Collection[str] | None = None,
-    hint: str = "repeat the run's options, or train into another --output",
-) -> dict[str, Any]:
-    """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options.
-
-    ``given`` names the keys the user set (``None``: all of ``config``). Those outside ``runtime`` (they
-    change the maths) must equal the saved values, else the checkpoint belongs to another model or recipe
-    and resuming would silently train something else: :class:`UserError`. Given runtime keys (device,
-    workers, data folder, ...) replace the saved values; the others keep them.
-    """
+def check_resumable(saved: dict[str, Any], config: dict[str, Any], where: Path, *, runtime: Collection[str] = (),
+                    given: Collection[str] | None = None,
+                    hint: str = "repeat the run's options, or train into another --output",
+                    ) -> dict[str, Any]:  # fmt: skip
+    """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options. Of the
+    keys the user set (``given``; ``None``: all of ``config``), those outside ``runtime`` change the maths and
+    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values."""
     keys = set(config) if given is None else set(given)
     conflicts = [
         f"{option_flag(k)} {saved[k]!r}, not {config[k]!r}"
@@ -208,27 +164,23 @@ def check_resumable(
         if k not in runtime and k in saved and k in config and saved[k] != config[k]
     ]
     if conflicts:
+        more = " ..." if len(conflicts) > 4 else ""
         raise UserError(
-            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}"
-            f"{' ...' if len(conflicts) > 4 else ''} ({hint})"
+            f"cannot resume {where}: its checkpoint was trained with {'; '.join(conflicts[:4])}{more} ({hint})"
         )
     return {**saved, **{k: config[k] for k in runtime if k in keys and k in config}}
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's RNG states: python, numpy, torch (CPU) and, on a GPU, CUDA."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Inverse of :func:`rng_state` (after a round trip through a state file: tuples came back as lists)."""
+    """Inverse of :func:`rng_state` (also after a state file's round trip, which turns tuples into lists)."""
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     np.random.set_state(tuple(state["numpy"]))
@@ -237,46 +189,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def gather_object(obj: Any, procs: DistInfo) -> list[Any]:
-    """``obj`` of every process, in rank order (``[obj]`` for one process); every process must call it."""
-    if not procs.enabled:
-        return [obj]
-    gathered: list[Any] = [None] * procs.world
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
-def state_hash(model: nn.Module) -> str:
-    """SHA-256 of a model's parameters and buffers (bitwise), to compare replicas or runs."""
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def broadcast_buffers(model: nn.Module, procs: DistInfo) -> None:
-    """Make every replica's BatchNorm statistics rank 0's (DDP syncs parameters, not running stats)."""
-    if procs.enabled:
-        for b in model.buffers():
-            dist.broadcast(b.data, src=0)
-
-
-def replica_hashes(model: nn.Module, procs: DistInfo) -> list[str]:
-    """Every process's :func:`state_hash` of ``model`` (rank order), logged: the check that DDP kept the
-    processes in step (after :func:`broadcast_buffers`)."""
-    broadcast_buffers(model, procs)
-    hashes = gather_object(state_hash(model), procs)
-    if len(set(hashes)) != 1:
-        log.error("replicas differ after training: %s", hashes)
-    elif procs.enabled and procs.is_main:
-        log.info("final weights identical on all %d processes (sha256 %s)", procs.world, hashes[0][:16])
-    return hashes
-
-
 # ------------------------------------------------------------------------ the checks of a state read back
-# Settings torch fills in itself when a state saved by another version lacks them (implementation choices,
-# not the maths): a state may miss these, never the others.
+# Settings torch fills in itself when a state lacks them (implementation choices, not the maths).
 _FILLED_ON_LOAD = frozenset({"foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay"})
 # Optimizer class -> the per-parameter state it keeps (other optimizers: any names, each checked alike).
 _ADAM = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
@@ -285,24 +199,18 @@ _NON_NEGATIVE = frozenset({"exp_avg_sq", "max_exp_avg_sq"})  # their square root
 _MAX_STEPS = 2**53  # an optimizer's step count (a float32 or float64 tensor in torch's Adam)
 
 
-def check_state(
-    state: dict[str, Any],
-    optimizer: torch.optim.Optimizer,
-    steps_per_epoch: int,
-    total: int,
-    fields: Sequence[str],
-) -> dict[str, Any]:
-    """The one check of what a training state holds besides its weights, before anything of it is loaded:
-    a ``config`` mapping; the position (``step``, ``epoch``, ``batch``) in range and on one of this run's
-    ``steps_per_epoch`` batches an epoch (``total`` steps); a ``history`` of records with a number for each of
-    ``fields`` (the report reads them); the sums (``epoch_acc``, ``window``) mappings of numbers; and an
-    optimizer state that ``optimizer``, built from the run's options, could have written
-    (:func:`_check_optimizer`). Returns the position's fields; ``ValueError`` otherwise (an edited or
-    foreign state, which the loop turns into one line naming the file)."""
+def check_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, steps_per_epoch: int, total: int,
+                fields: Sequence[str], where: object) -> dict[str, Any]:  # fmt: skip
+    """The one check of what a training state (the file ``where``) holds besides its weights, before any of it
+    is loaded: a ``config`` mapping; the position on one of this run's ``steps_per_epoch`` batches (``total``
+    steps); a ``history`` with a number for each of ``fields``; sums of numbers; an optimizer state that
+    ``optimizer`` could have written. Returns the position's fields; raises ``ValueError``."""
     if not isinstance(state.get("config"), dict):
         raise ValueError("its config is not a mapping")
-    step, batch = _count(state, "step", total), _count(state, "batch", steps_per_epoch)
-    epoch = _count(state, "epoch", total // max(1, steps_per_epoch) + 1)
+    bounds = {"step": total, "batch": steps_per_epoch, "epoch": total // max(1, steps_per_epoch) + 1}
+    for key, hi in bounds.items():
+        check_field(where, key, state[key], rule=range(hi + 1))
+    step, epoch, batch = (int(state[k]) for k in ("step", "epoch", "batch"))
     if step != epoch * steps_per_epoch + batch:
         raise ValueError(
             f"its position (epoch {epoch}, batch {batch}, step {step}) is not one of this run's "
@@ -326,44 +234,32 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _count(state: dict[str, Any], key: str, hi: int) -> int:
-    value = state[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
-        raise ValueError(f"its {key} is {value!r}, expected an integer in 0..{hi}")
-    return value
-
-
 def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
-    """``saved`` (an ``Optimizer.state_dict()`` read back) is one ``optimizer`` could have written in this run.
-
-    ``Optimizer.load_state_dict`` takes anything: a buffer of another shape fails at the first step, one of
-    another dtype is cast, ``maximize: true`` trains uphill without a word. So every group's settings must
-    be this run's (the scheduled ``lr`` excepted: any finite rate >= 0), its parameter ids this run's (torch
-    numbers them in order), and each parameter's state of known names, of its shape and dtype, finite."""
+    """``saved`` (an ``Optimizer.state_dict()`` read back) is one ``optimizer`` could have written in this run:
+    ``load_state_dict`` takes anything (a buffer of another shape fails later, one of another dtype is cast,
+    ``maximize: true`` trains uphill), so every group's settings (but the scheduled ``lr``), parameter ids and
+    per-parameter state (known names, the parameter's shape and dtype, finite) must be this run's."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         raise ValueError("its optimizer state is not a mapping with a list of 'param_groups'")
     groups, ours = saved["param_groups"], optimizer.state_dict()["param_groups"]
     if len(groups) != len(ours):
         raise ValueError(f"its optimizer has {len(groups)} parameter groups, this run's {len(ours)}")
     for i, (group, mine) in enumerate(zip(groups, ours, strict=True)):
+        where = f"its optimizer group {i}"
         if not isinstance(group, dict):
-            raise ValueError(f"its optimizer group {i} is not a mapping")
+            raise ValueError(f"{where} is not a mapping")
         if unknown := set(group) - set(mine):
-            raise ValueError(
-                f"its optimizer group {i} has unknown setting(s) {', '.join(sorted(map(str, unknown)))}"
-            )
+            raise ValueError(f"{where} has unknown setting(s) {', '.join(sorted(map(str, unknown)))}")
         if missing := set(mine) - set(group) - _FILLED_ON_LOAD:
-            raise ValueError(f"its optimizer group {i} has no {', '.join(sorted(missing))}")
+            raise ValueError(f"{where} has no {', '.join(sorted(missing))}")
         for key in sorted(set(mine) & set(group)):
             value, expected = _plain(group[key]), _plain(mine[key])
             if key == "lr":  # set by the schedule before every step
                 if not (_is_number(value) and 0 <= value < math.inf):
-                    raise ValueError(f"its optimizer group {i}'s lr is {value!r}, not a rate >= 0")
-            # type() too: True == 1 and 1 == 1.0, but momentum True is an edit, not this run's 0.9
+                    raise ValueError(f"{where}'s lr is {value!r}, not a rate >= 0")
+            # type() too: True == 1 == 1.0, but momentum True is an edit, not this run's 0.9
             elif value != expected or type(value) is not type(expected):
-                raise ValueError(
-                    f"its optimizer group {i}'s {key} is {_short(value)}, this run's is {_short(expected)}"
-                )
+                raise ValueError(f"{where}'s {key} is {_short(value)}, this run's is {_short(expected)}")
     entries = saved.get("state")
     if not isinstance(entries, dict):
         raise ValueError("its optimizer state has no mapping of per-parameter 'state'")

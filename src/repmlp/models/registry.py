@@ -12,10 +12,11 @@ from typing import Any
 import timm
 import torch
 import torchvision
+from timm.data import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
+from timm.data import IMAGENET_DEFAULT_STD as IMAGENET_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs
 from torch import nn
 
-from repmlp.data.normalization import IMAGENET_MEAN, IMAGENET_STD
 from repmlp.errors import UserError, first_line
 from repmlp.nn.convert import reparameterize_model
 from repmlp.nn.numerics import full_float32

@@ -28,8 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.data import Data, DataConfig, build_data
-from repmlp.data.for_model import model_data_config
+from repmlp.data import Data, DataConfig, build_data, model_data_config
 from repmlp.data.loader import batch_generator
 from repmlp.engine import (
     STATE_FILE,

@@ -22,8 +22,8 @@ from typing import Any
 
 import timm
 
+from repmlp.data import folder_preprocessing
 from repmlp.data.folder import IMG_EXTENSIONS
-from repmlp.data.for_model import folder_preprocessing
 from repmlp.data.inputs import not_regular, walk_files
 from repmlp.errors import UserError
 from repmlp.models.registry import resolve_model
