@@ -343,7 +343,7 @@ def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
         (["viz", "--checkpoint", "{model}", "--out-channel", "8"], ["out_channel must be in 0..3"]),
         (["convert", "--checkpoint", "{model}", "--dataset", "cifar10", "--force"], ["--dataset cifar10"]),
         (["export", "--checkpoint", "{model}", "--img-size", "20"], ["does not take 1x20x20 inputs"]),
-        (["bench", "--model", NAME, "--batch-size", "0"], ["--batch-size: must be >= 1"]),
+        (["bench", "--model", NAME, "--batch-size", "0"], ["--batch-size: must be in 1..1048576, got 0"]),
         (["bench", "--checkpoint", "{model}", "--repeats", "x"], ["--repeats: expected an integer"]),
         (["bench", "--checkpoint", "{model}", "--device", "cuda:7"], ["--device cuda:7"]),
         (["export", "--checkpoint", "{model}", "--format", "tflite"], ["invalid choice"]),

@@ -1,16 +1,13 @@
-"""Image classification (paper Sec. 4.1-4.2): the task that ``repmlp train`` (``--task cls``) runs.
+"""Image classification (paper Sec. 4.1-4.2): ``repmlp train`` (``--task cls``) and ``repmlp eval``.
 
-:func:`train` trains a :class:`TrainConfig` (:func:`resolve_config` fills it from a recipe, as the command
-line does) through :func:`repmlp.engine.train_loop`, evaluating after every epoch (the ``metrics.csv``
-rows), then ends the run (convert, verify, benchmark, export, report:
-:mod:`repmlp.tasks.classification_report`). A killed run continues with ``resume=True`` from its last
-checkpoint to the weights of an uninterrupted run. :func:`evaluate` scores a model file (``repmlp eval``).
-"""
+:func:`train` trains a :class:`TrainConfig` (:func:`resolve_config` fills it from a recipe, as the command line
+does), evaluating after every epoch (the ``metrics.csv`` rows), then ends the run
+(:mod:`repmlp.tasks.classification_report`); a killed run continues with ``resume=True`` from its last
+checkpoint to the weights of an uninterrupted run. :func:`evaluate` scores a model file."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -24,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -36,12 +32,11 @@ from repmlp.engine import (
     DistInfo,
     LoopHooks,
     Position,
-    amp_dtype,
+    all_reduce_sum,
     broadcast_buffers,
     check_output,
     check_resumable,
     prepare_module,
-    progress,
     resolve_device,
     run_in_processes,
     train_loop,
@@ -50,7 +45,7 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, check_field, check_fit, check_model_kwargs, load_model
 from repmlp.models.registry import build_model, takes_img_size
 from repmlp.tasks._common import check_batchnorm_batch, loop_options, per_process_batch, require_task_model
-from repmlp.tasks.classification_report import finish_run
+from repmlp.tasks.classification_report import finish_run, logit_batches
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import init_from_file, init_model_options, init_preprocessing
 from repmlp.tasks.metrics import topk_correct
@@ -127,18 +122,15 @@ class TrainConfig(TrainOptions):
         origin = f" (from --init {self.init})" if self.init else ""
         if self.channels not in (None, 1, 3):
             yield "channels", f"the images' channels must be 1 or 3, got {self.channels}{origin}"
-        pre = self.eval_preprocessing
         own = {k: v for k, v in (("mean", self.mean), ("std", self.std)) if v is not None} or None
-        for name, value in (("mean", own), ("eval_preprocessing", pre)):
+        for name, value in (("mean", own), ("eval_preprocessing", self.eval_preprocessing)):
             if value is not None and set(value) & {"mean", "std"} != {"mean", "std"}:
                 yield name, f"the images' normalisation needs both mean and std{origin}"
             try:
                 check_field("the images' normalisation", "extra.eval_preprocessing", value or None, name)
             except CheckpointError as exc:
                 yield name, f"{exc}{origin}"
-            if any(
-                isinstance(v, list) and len(v) > 3 for k, v in (value or {}).items() if k in ("mean", "std")
-            ):
+            if any(isinstance((value or {}).get(k), list) and len(value[k]) > 3 for k in ("mean", "std")):
                 yield name, f"the images' normalisation has more values than channels{origin}"
 
 
@@ -182,9 +174,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr)
-    return torch.optim.SGD(
-        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
-    )
+    nesterov = cfg.nesterov and cfg.momentum > 0
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
 
 
 @torch.no_grad()
@@ -192,25 +183,27 @@ def evaluate_model(
     model: nn.Module, loader, device: torch.device, *, amp: bool = False, procs: DistInfo | None = None
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 accuracy (%) of ``model`` over ``loader``, summed over the processes."""
-    model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
-    with progress(loader.batches(0), len(loader), "eval", procs is None or procs.is_main) as bar:
-        for x, y in bar:
-            with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
-                logits = model(x).float()
-            loss = F.cross_entropy(logits, y, reduction="sum").item()
-            sums += torch.tensor([loss, *topk_correct(logits, y), len(y)], dtype=torch.float64)
-    if procs is not None and procs.enabled:
-        t = sums.to(device) if device.type == "cuda" else sums
-        dist.all_reduce(t)
-        sums = t.cpu()
+    for logits, y in logit_batches(model, loader, device, amp=amp, show=procs is None or procs.is_main):
+        loss = F.cross_entropy(logits, y, reduction="sum").item()
+        sums += torch.tensor([loss, *topk_correct(logits, y), len(y)], dtype=torch.float64)
+    sums = _summed(sums, procs)
     n = max(1.0, sums[3].item())
     return {"loss": sums[0].item() / n, "top1": 100 * sums[1].item() / n, "top5": 100 * sums[2].item() / n,
             "n": int(n)}  # fmt: skip
 
 
+def _summed(sums: Tensor, procs: DistInfo | None) -> Tensor:
+    """``sums`` (CPU, float64) summed over the processes (on the GPU, where NCCL needs them)."""
+    if procs is None or not procs.enabled:
+        return sums
+    return all_reduce_sum(sums.to(procs.device), procs).cpu()
+
+
 @dataclass
 class TrainResult:
+    """What :func:`train` returns."""
+
     model: nn.Module  # unwrapped, eval mode, on the training device
     model_kwargs: dict[str, Any]
     data: Data
@@ -227,11 +220,10 @@ class TrainResult:
 def train(
     cfg: TrainConfig, *, given: Collection[str] | None = None, finished_ok: bool = False
 ) -> TrainResult:
-    """Train per ``cfg`` into ``cfg.output``, then end the run on the main process (see the module docstring).
-
-    With ``cfg.resume`` the run continues from its checkpoint with the saved config; ``given`` names the
-    options the caller set (``None``: all of them; see :func:`_open_run`). A finished run (its report
-    written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing the end of one)."""
+    """Train per ``cfg`` into ``cfg.output``, then end the run on the main process. With ``cfg.resume`` the run
+    continues from its checkpoint with the saved config; ``given`` names the options the caller set
+    (``None``: all of them; see :func:`_open_run`). A finished run (its report written) is not resumed unless
+    ``finished_ok`` (``repmlp study`` redoing the end of one)."""
     started = time.perf_counter()
     cfg.validate()
     result = run_in_processes(cfg, lambda cfg, procs: _train(cfg, procs, given, finished_ok))
@@ -305,8 +297,7 @@ _DATA_FIELDS &= {f.name for f in dataclasses.fields(TrainConfig)}
 def _build_data_and_model(
     cfg: TrainConfig, procs: DistInfo, state: dict[str, Any] | None
 ) -> tuple[Data, nn.Module, dict[str, Any]]:
-    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``. A
-    resumed run's model is sized on the ``meta`` device against the state's weights first."""
+    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``."""
     device = procs.device
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
     random.seed(cfg.seed)
@@ -317,22 +308,18 @@ def _build_data_and_model(
     data = build_data(config, rank=procs.rank, world=procs.world, device=device)
     if state is None:
         _check_init_fits(cfg, data)
-    check = None if state is None else functools.partial(_check_state_fits, cfg, state["model"])
+    # A resumed run's model is built on the meta device first and must fit its state's weights: a state whose
+    # options describe a huge model is refused before anything is built.
+    state_file = Path(cfg.output) / STATE_FILE
+    check = None if state is None else lambda kwargs: check_fit(
+        state_file, cfg.model, kwargs, state["model"], field_name="config.model_args",
+        what=f"this run ({cfg.model} with {kwargs})")  # fmt: skip
     model, model_kwargs = build_model(cfg.model, cfg.model_args, num_classes=data.num_classes,
                                       in_chans=data.in_chans, img_size=data.img_size, check=check)  # fmt: skip
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
     return data, model, model_kwargs
-
-
-def _check_state_fits(cfg: TrainConfig, weights: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """A resumed run's model, built on the ``meta`` device within the budget of its state's weights, must hold
-    their keys and shapes: a state whose options describe a huge model is refused before anything is built."""
-    what = f"this run ({cfg.model} with {kwargs})"
-    check_fit(
-        Path(cfg.output) / STATE_FILE, cfg.model, kwargs, weights, field_name="config.model_args", what=what
-    )
 
 
 def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
@@ -358,9 +345,9 @@ def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
 
 def _initialise(
     cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, procs: DistInfo
-) -> dict[str, Any] | None:
-    """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed
-    run, whose weights come from its checkpoint). Returns the :class:`repmlp.tasks.finetune.InitReport` dict."""
+) -> dict | None:
+    """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed run,
+    whose weights come from its checkpoint): the :class:`repmlp.tasks.finetune.InitReport` dict."""
     if not cfg.init:
         return None
     if state is not None:
@@ -385,9 +372,8 @@ class _Hooks:
     total_steps: int
 
     def step(self, net: nn.Module, x: Tensor, y: Tensor, pos: Position) -> tuple[Tensor, dict[str, float]]:
-        """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``.
-
-        Statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
+        """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``;
+        statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
         cfg = self.cfg
         lam, y2 = 1.0, y
         if cfg.mixup > 0:
@@ -412,11 +398,9 @@ class _Hooks:
         broadcast_buffers(self.model, procs)
         val = evaluate_model(self.model, self.data.val, procs.device, amp=bool(cfg.amp), procs=procs)
         # The training sums are per process: summed, so that the row describes the whole run.
-        sums = torch.tensor(
-            [acc.get("loss", 0.0), acc.get("acc", 0.0), acc.get("n", 0.0)], dtype=torch.float64
+        sums = _summed(
+            torch.tensor([acc.get(k, 0.0) for k in ("loss", "acc", "n")], dtype=torch.float64), procs
         )
-        if procs.enabled:
-            dist.all_reduce(sums)
         n = max(1, sums[2].item())
         row = {"epoch": pos.epoch + 1, "step": pos.step, "lr": lr_at(pos.step - 1, self.total_steps, cfg,
                len(self.data.train)), "train_loss": sums[0].item() / n, "train_acc": sums[1].item() / n,
@@ -431,8 +415,7 @@ class _Hooks:
 
 @dataclass(kw_only=True)
 class EvalConfig(EvalOptions):
-    """``repmlp eval`` (``--task cls``): a model file and the data set to score it on (``dataset`` and
-    ``data_dir`` default to the ones the file was trained on)."""
+    """``repmlp eval``: a model file and the data set to score it on (by default the file's)."""
 
     dataset: str | None = None
     data_dir: str | None = None
@@ -443,8 +426,8 @@ class EvalConfig(EvalOptions):
 
 
 def evaluate(args: EvalConfig) -> int:
-    """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``). A file whose
-    classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
+    """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``); a file whose classes,
+    channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     args.validate()

@@ -25,7 +25,7 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, ModelFileMeta, compare_state, read_model_file
 
 __all__ = ["InitReport", "init_from_file", "init_model_options", "init_preprocessing", "head_prefixes",
-           "file_sha256", "report_lines"]  # fmt: skip
+           "file_sha256", "read_training_file", "report_lines"]  # fmt: skip
 
 # Options the new run's data decide, not the file: the classes, the channels and the input size.
 DATA_OPTIONS = ("num_classes", "in_chans", "img_size")
@@ -46,12 +46,9 @@ class InitReport:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line for logs and reports."""
-        fresh = ", ".join(self.reinitialised) if self.reinitialised else "none"
-        return (
-            f"initialised from `{self.path}` ({self.model}, sha256 `{self.sha256}`): {self.loaded} tensors "
-            f"loaded; re-initialised: {fresh}"
-        )
+        """One line for the log."""
+        return (f"initialised from `{self.path}` ({self.model}, sha256 `{self.sha256}`): {self.loaded} tensors "
+                f"loaded; re-initialised: {', '.join(self.reinitialised) or 'none'}")  # fmt: skip
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -62,9 +59,9 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], ModelFileMeta]:
-    """Tensors and checked metadata of a training-time repmlp model file
-    (:func:`repmlp.io.model_file.read_model_file`); one-line errors for anything else."""
+def read_training_file(path: str | os.PathLike, flag: str = "--init") -> tuple[dict[str, Any], ModelFileMeta]:
+    """Tensors and checked metadata of a training-form model file (:func:`~repmlp.io.model_file.read_model_file`);
+    anything else, a deployed file too, is a one-line :class:`UserError` naming ``flag``."""
     try:
         tensors, fm = read_model_file(path)
     except CheckpointError as exc:
@@ -81,7 +78,7 @@ def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any]
 def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[str, dict[str, Any]]:
     """``(model name, options)`` of a model file, without the options the new data decide
     (:data:`DATA_OPTIONS`): what a fine-tuning run builds when no ``--model`` is given."""
-    _, fm = _read_model_file(path, flag)
+    _, fm = read_training_file(path, flag)
     return fm.model, {k: v for k, v in fm.model_kwargs.items() if k not in DATA_OPTIONS}
 
 
@@ -89,7 +86,7 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
     """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name, "input_size":
     [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
     (``fixed_size``: the model is built for one input size, ``img_size`` among its options)."""
-    _, fm = _read_model_file(path, flag)
+    _, fm = read_training_file(path, flag)
     extra, kwargs = fm.extra, fm.model_kwargs
     size = extra.get("input_size")
     if size is None and isinstance(kwargs.get("img_size"), int):
@@ -133,12 +130,8 @@ def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: s
     file_head = prefixes + tuple(head_prefixes(file_model))
     ignored = sorted(k for k in tensors if k.startswith(file_head) and not (load_head and k in own))
     body = {k: v for k, v in own.items() if not k.startswith(prefixes)}
-    compare_state(
-        f"{what} ({file_model})",
-        "the model",
-        body,
-        {k: v for k, v in tensors.items() if not k.startswith(file_head)},
-    )
+    compare_state(f"{what} ({file_model})", "the model", body,
+                  {k: v for k, v in tensors.items() if not k.startswith(file_head)})  # fmt: skip
     loadable = {k: tensors[k] for k in [*body, *(head_own if load_head else [])]}
     model.load_state_dict(loadable, strict=False)
     reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
@@ -149,13 +142,10 @@ def init_from_file(
     model: nn.Module, path: str | os.PathLike, *, fresh_head: bool = False, head: Sequence[str] | None = None,
     flag: str = "--init",
 ) -> InitReport:  # fmt: skip
-    """Load the weights of model file ``path`` into ``model`` (see the module docstring).
-
-    ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`); with
-    ``fresh_head`` the head is never loaded, else only where it differs (another number of classes).
-    Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
-    """
-    tensors, fm = _read_model_file(path, flag)
+    """Load the weights of model file ``path`` into ``model`` (see the module docstring): what was loaded and
+    re-initialised. ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`);
+    with ``fresh_head`` the head is never loaded, else only where it fits (the same number of classes)."""
+    tensors, fm = read_training_file(path, flag)
     try:
         fit = load_matching(model, tensors, fm.model, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
     except CheckpointError as exc:

@@ -1,7 +1,6 @@
 """Training recipes (presets): the paper's CIFAR and ImageNet settings and the fast Fashion-MNIST default.
 
-A preset fills every training option the user did not give; each value stays overridable on the command
-line. The paper's settings (Sec. 4.1, 4.2):
+A preset fills every training option the user did not give. The paper's settings (Sec. 4.1, 4.2):
 
 - CIFAR-10: batch 128, cosine learning rate 0.2 -> 0 over 100 epochs, padding to 40x40 + random 32x32
   crop + left-right flip (SGD; momentum and weight decay are not stated, we use 0.9 and 1e-4).
@@ -37,12 +36,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """The training options a preset sets (each overridable on the command line); the classification
-    run's :class:`~repmlp.tasks.classification.TrainConfig` takes its defaults from ``PRESETS["fmnist"]``.
-
-    The defaults are what the paper's two recipes share (SGD with momentum 0.9 and weight decay 1e-4, a
-    cosine schedule to zero, flips, no warm-up, label smoothing, mixup or padding); a preset states the rest.
-    """
+    """The training options a preset sets (:class:`~repmlp.tasks.classification.TrainConfig`'s defaults are
+    ``PRESETS["fmnist"]``). The defaults are what the paper's two recipes share (SGD with momentum 0.9 and
+    weight decay 1e-4, a cosine schedule to zero, flips; no warm-up, label smoothing, mixup or padding)."""
 
     model: str
     epochs: int
@@ -68,9 +64,9 @@ class Recipe:
 
 
 PRESETS: dict[str, Recipe] = {
+    # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit in
+    # five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
     "fmnist": Recipe(
-        # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit
-        # in five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
         model="repmlp_fmnist_patch2",
         epochs=5,
         batch_size=256,
@@ -101,13 +97,10 @@ FOLDER_MIN_BATCH = 8
 def preset_for_model(
     model: str, input_size: Sequence[int] | None, dataset: str | None = None
 ) -> tuple[str, str]:
-    """``(preset, why)``: the recipe of a model that an image folder's run starts from without ``--preset``.
-
-    The preset built for ``model`` (``repmlp_fmnist_patch2``: ``fmnist``, ``repmlp_res50``: ``imagenet``);
-    else that of the in-memory data set it was trained on (``dataset``, an ``--init`` file's); else the
-    one for inputs like its ``input_size`` ``(C, H, W)``: small greyscale ones ``fmnist``, small ones
-    ``cifar``, others ``imagenet``. ``why`` says which, for the log.
-    """
+    """``(preset, why)``: the recipe an image folder's run of ``model`` takes without ``--preset``: the preset
+    built for it (``repmlp_res50``: ``imagenet``), else that of the in-memory data set it was trained on
+    (``dataset``, an ``--init`` file's), else the one for inputs like its ``input_size`` ``(C, H, W)``: small
+    greyscale ones ``fmnist``, small ones ``cifar``, others ``imagenet``. ``why`` says which, for the log."""
     for name, recipe in PRESETS.items():
         if recipe.model == model:
             return name, f"{model}'s recipe"
@@ -133,21 +126,18 @@ def folder_batch_size(batch: int, n_train: int) -> int:
 
 
 def folder_lr(lr: float, batch: int, fitted: int) -> float:
-    """The peak learning rate for a batch fitted down from the recipe's ``batch`` to ``fitted``
-    (:func:`folder_batch_size`): ``lr`` scaled by ``sqrt(fitted / batch)``, the square-root rule, which keeps
-    the gradient noise of the smaller batch in check (the linear rule slows a short fine-tuning run down:
+    """The peak learning rate for a batch fitted down from the recipe's ``batch`` to ``fitted``: ``lr`` scaled by
+    ``sqrt(fitted / batch)``, the square-root rule (the linear rule slows a short fine-tuning run down:
     docs/using.md)."""
     return round(lr * math.sqrt(fitted / batch), 6) if fitted < batch else lr
 
 
 def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """An image folder's new run: ``(preset, values)`` of its :class:`~repmlp.tasks.classification.TrainConfig`
-    not in ``options`` (those given win), said in one log line.
-
-    The input (channels, size, normalisation) is the ``init`` file's, else the model's own (:func:`model_input`:
-    ``repmlp_fmnist`` takes 1x28x28, not the ``imagenet`` preset's 224x224 RGB). Without ``preset`` the recipe
-    is that model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's
-    size (:func:`folder_batch_size`, with :func:`folder_lr`)."""
+    not in ``options`` (those given win), said in one log line. The input (channels, size, normalisation) is
+    the ``init`` file's, else the model's own (:func:`model_input`); without ``preset`` the recipe is the
+    model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's size
+    (:func:`folder_batch_size`, :func:`folder_lr`)."""
     init, preset = options.get("init"), options.get("preset")
     name = options.get("model") or PRESETS[preset or "imagenet"].model
     size, whose, basis, values = _folder_input(
@@ -180,9 +170,9 @@ FOLDER_COUNT_STEPS = 16
 def _folder_input(
     name: str, model_args: dict[str, Any], init: str | None, img_size: int | None
 ) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:
-    """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model
-    ``name`` or of the ``init`` file: its channels (1 or 3) and, unless ``img_size`` is given, its size
-    (``values["img_size"]``); the ``init`` file's recorded normalisation and evaluation resize."""
+    """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model ``name``
+    or of the ``init`` file: its channels (1 or 3), its size unless ``img_size`` is given, and the ``init``
+    file's recorded normalisation and evaluation resize."""
     if init:
         pre = init_preprocessing(init)
         size, whose, flag = pre["input_size"], "the --init file's", f"--init {init}"

@@ -14,12 +14,10 @@ without RepMLPs only).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,47 +28,35 @@ from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, Citys
 from repmlp.engine import (
     DistInfo,
     all_reduce_sum,
-    check_output,
     cleanup_distributed,
-    prepare_module,
     progress,
     run_in_processes,
     setup_distributed,
-    train_loop,
-    unwrap,
 )
 from repmlp.errors import UserError
-from repmlp.io.model_file import CheckpointError, compare_state, read_model_file
+from repmlp.io.model_file import compare_state
 from repmlp.models.pspnet import PSPNet
 from repmlp.models.registry import build_model
 from repmlp.nn.block import RepMLPBlock
 from repmlp.tasks._common import (
+    Run,
     RunResult,
     evaluate_both_forms,
-    finish_run,
     load_for_eval,
-    loop_options,
     non_finite,
-    per_process_batch,
+    report_metrics,
     require_task_model,
     resolve_img_size,
+    train_run,
     training_loader,
-    write_json,
 )
 from repmlp.tasks.config import EvalOptions, TrainOptions
-from repmlp.tasks.finetune import file_sha256
+from repmlp.tasks.finetune import InitReport, file_sha256, read_training_file
 from repmlp.tasks.losses import pspnet_loss
 from repmlp.tasks.metrics import confusion_matrix, iou_from_confusion
 
-__all__ = [
-    "TrainConfig",
-    "EvalConfig",
-    "train",
-    "evaluate",
-    "poly_lr",
-    "sliding_window_logits",
-    "segmentation_metrics",
-]
+__all__ = ["TrainConfig", "EvalConfig", "train", "evaluate", "poly_lr", "sliding_window_logits",
+           "segmentation_metrics"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -155,21 +141,11 @@ def _is_reinitialised(key: str) -> bool:
 def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-weights") -> dict[str, Any]:
     """Load ImageNet-trained backbone weights (a training-form model file) into ``model.backbone``.
 
-    Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh initialisation
-    (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of the ImageNet model
-    is dropped. Any other difference (a backbone tensor the file lacks, a file tensor the backbone lacks, a
-    shape) is one :class:`UserError` listing them. Returns ``{"loaded": [...], "reinitialised": [...],
-    "ignored": [...]}`` (backbone keys) and the file's ``"model"``.
-    """
-    try:  # the file's metadata and tensors checked as any model file's
-        tensors, fm = read_model_file(path)
-    except CheckpointError as exc:
-        raise UserError(f"{flag}: {exc}") from None
-    if fm.form == "deploy":
-        raise UserError(
-            f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
-            "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
-        )
+    Everything is inherited but the Global Perceptrons' FC1/FC2, which keep their fresh initialisation (their
+    shapes follow the resolution, as in the paper); the ImageNet classifier (``fc.*``) is dropped. Any other
+    difference (a tensor missing on either side, a shape) is one :class:`UserError` listing them. Returns
+    ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the file's ``"model"``."""
+    tensors, fm = read_training_file(path, flag)
     own = {k: v for k, v in model.backbone.state_dict().items() if not _is_reinitialised(k)}
     ignored = sorted(k for k in tensors if k.startswith("fc."))
     kept = {k: v for k, v in tensors.items() if k not in ignored and not _is_reinitialised(k)}
@@ -182,34 +158,18 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
 def _build(
     cfg: TrainConfig, kwargs: dict[str, Any], procs: DistInfo
 ) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The PSPNet of ``cfg``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
-    it and what was loaded (``None`` without ``--init``)."""
+    """The PSPNet of ``cfg``, and with ``--init`` (``--backbone-weights``) the weights loaded into its backbone
+    (what was loaded, as :class:`repmlp.tasks.finetune.InitReport`'s dict; else ``None``)."""
     model, _ = build_model(cfg.model, kwargs)
     require_task_model(model, "seg", cfg.model)
     if not cfg.init:
         return model, None
-    report = load_backbone_weights(model, cfg.init, flag="--backbone-weights/--init")
-    init = {"path": cfg.init, "sha256": file_sha256(cfg.init), "model": report["model"],
-            "loaded": len(report["loaded"]), "reinitialised": report["reinitialised"]}  # fmt: skip
+    loaded = load_backbone_weights(model, cfg.init, flag="--backbone-weights/--init")
+    report = InitReport(cfg.init, file_sha256(cfg.init), loaded["model"], len(loaded["loaded"]),
+                        loaded["reinitialised"], loaded["ignored"])  # fmt: skip
     if procs.is_main:
-        log.info("backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)", init["loaded"], cfg.init,
-                 len(init["reinitialised"]))  # fmt: skip
-    return model, init
-
-
-def _check_batches(cfg: TrainConfig, procs: DistInfo, images: int) -> int:
-    """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
-    per_process = per_process_batch(cfg.batch_size, procs)
-    sync_bn = procs.enabled and procs.device.type == "cuda"
-    if (cfg.batch_size if sync_bn else per_process) < 2:
-        # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
-        raise UserError(
-            f"--batch-size {cfg.batch_size} gives BatchNorm batches of 1 ({'global' if sync_bn else 'per process'}); "
-            "use at least 2" + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
-        )
-    if images < cfg.batch_size:
-        raise UserError(f"{images} training image(s) are fewer than --batch-size {cfg.batch_size}")
-    return per_process
+        log.info("%s", report.summary())
+    return model, report.to_dict()
 
 
 def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
@@ -219,36 +179,31 @@ def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
     crop = resolve_img_size(kwargs, "--crop-size", cfg.crop_size, 713)
     dataset = CityscapesSegmentation(cfg.data_dir, cfg.train_split, crop_size=crop,
                                      scale_range=(cfg.scale_min, cfg.scale_max))  # fmt: skip
-    per_process = _check_batches(cfg, procs, min(len(dataset), cfg.train_limit or len(dataset)))
+    images = min(len(dataset), cfg.train_limit or len(dataset))
+    if images < cfg.batch_size:
+        raise UserError(f"{images} training image(s) are fewer than --batch-size {cfg.batch_size}")
     model, init = _build(cfg, kwargs, procs)
-    loader = training_loader(dataset, cfg, procs, per_process)
+    # The pyramid's 1x1 bin leaves BatchNorm one value per channel and image: batches of 1 are refused.
+    loader = training_loader(dataset, cfg, procs, model)
     max_it = cfg.iterations or cfg.epochs * len(loader)
-    # Poly policy as a function of the step, the heads at --head-lr-mult times --lr.
-    opts = loop_options(cfg, procs, lambda step: [cfg.lr * m * poly_lr(1.0, step, max_it, cfg.power)
-                                                  for m in (1.0, cfg.head_lr_mult)],
-                        auto_graphs=False, iterations=max_it, log_interval=cfg.log_interval,
-                        extra_state={"model_kwargs": kwargs})  # fmt: skip
-    state = check_output(opts.output, cfg.resume, procs)
-    net = prepare_module(SegTrainModule(model, cfg.aux_weight), procs)
-    model = unwrap(net).model
-    groups = _param_groups(model, cfg.weight_decay, cfg.head_lr_mult)
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if procs.is_main:
         log.info("seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
                  loader.num_samples, cfg.model, sum(p.numel() for p in model.parameters()), max_it, len(loader),
                  procs.world)  # fmt: skip
-    loop = train_loop(net, optimizer, loader, opts, procs, state)
-    meta = {"task": "seg", "epochs": cfg.epochs, "iterations": max_it, "crop_size": crop}
     lines = [
         f"- Data: {loader.num_samples} images of {cfg.data_dir} ({cfg.train_split}), crops {crop}x{crop}, "
         f"scale {cfg.scale_min:g}-{cfg.scale_max:g}",
         f"- Model: `{cfg.model}` {kwargs}, auxiliary loss weight {cfg.aux_weight:g}",
         f"- Recipe: {max_it} iterations, batch {cfg.batch_size}, SGD poly lr {cfg.lr:g} (power {cfg.power:g}, "
         f"heads x{cfg.head_lr_mult:g}), momentum {cfg.momentum:g}, weight decay {cfg.weight_decay:g}, seed "
-        f"{cfg.seed}, {procs.world} process(es), {loop.mode} training step",
+        f"{cfg.seed}",
     ]
-    input_size = (getattr(model, "in_chans", 3), crop, crop)
-    return finish_run(cfg, procs, loop, model, kwargs, meta, input_size, lines, init)
+    meta = {"task": "seg", "epochs": cfg.epochs, "iterations": max_it, "crop_size": crop}
+    # Poly policy as a function of the step, the heads at --head-lr-mult times --lr.
+    return train_run(cfg, procs, Run(
+        SegTrainModule(model, cfg.aux_weight), lambda m: _param_groups(m.model, cfg.weight_decay, cfg.head_lr_mult),
+        loader, lambda step: [cfg.lr * m * poly_lr(1.0, step, max_it, cfg.power) for m in (1.0, cfg.head_lr_mult)],
+        max_it, kwargs, crop, meta, lines, init))  # fmt: skip
 
 
 @torch.no_grad()
@@ -351,23 +306,19 @@ def evaluate(cfg: EvalConfig) -> int:
             raise UserError(f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
                             "use --mode slide")  # fmt: skip
         common = dict(mode=cfg.mode, crop=crop, device=procs.device, procs=procs, workers=cfg.workers)
-        metrics: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "model": meta.name,
-                                   "form_evaluated": "deploy", "mode": cfg.mode, "crop": list(crop)}  # fmt: skip
-        metrics.update(evaluate_both_forms(
-            lambda model, what: segmentation_metrics(model, dataset, what=what, **common), trained, deployed,
-            cfg.check_conversion))  # fmt: skip
-        if procs.is_main and cfg.json:
-            print(json.dumps(metrics, sort_keys=True))
-        elif procs.is_main:
-            print(
-                f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images ({cfg.mode}, crop {crop[0]})"
-            )
-            for name, v in metrics["per_class_iou"].items():
-                print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
-            if "training_time" in metrics:
-                print(f"training form mIoU: {100 * metrics['training_time']['miou']:.2f}%")
-        if procs.is_main and cfg.output_json:
-            write_json(Path(cfg.output_json), metrics)
+        metrics = {"checkpoint": str(cfg.checkpoint), "model": meta.name, "form_evaluated": "deploy",
+                   "mode": cfg.mode, "crop": list(crop), **evaluate_both_forms(
+                       lambda model, what: segmentation_metrics(model, dataset, what=what, **common), trained,
+                       deployed, cfg.check_conversion)}  # fmt: skip
+        lines = [
+            f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images ({cfg.mode}, crop {crop[0]})"
+        ]
+        for name, v in metrics["per_class_iou"].items():
+            lines.append(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
+        if "training_time" in metrics:
+            lines.append(f"training form mIoU: {100 * metrics['training_time']['miou']:.2f}%")
+        if procs.is_main:
+            report_metrics(cfg, metrics, lines)
         return 0
     finally:
         cleanup_distributed()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 
 from repmlp.bench.throughput import benchmark
 from repmlp.engine import hardware_summary, resolve_device
@@ -91,14 +92,9 @@ def _plot(
 ) -> None:
     """Left: every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10
     (x). Right: each row's validation top-1 after every epoch, mean over seeds (line) and range (band)."""
-    import matplotlib  # optional (repmlp[plots]); imported here, by the one step that needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     rows = trained_rows()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": (3, 2)})
+    fig = Figure(figsize=(15, 4.8))
+    ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": (3, 2)})
     for i, row in enumerate(rows):
         s, first = stats[row.key], i == 0
         n = len(s["top1"])
@@ -119,7 +115,7 @@ def _plot(
     # Below the axes, under the row names: inside it could hide a run.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
     ax2.set(xlabel="epoch", ylabel="validation top-1 (%)", title="learning curves (mean, range over seeds)")
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.locator_params(axis="x", integer=True)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
