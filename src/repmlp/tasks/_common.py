@@ -16,21 +16,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from repmlp import engine
 from repmlp.data.folder import stratified_subset
 from repmlp.data.loader import FolderLoader
 from repmlp.deploy.conversion import CONVERSION_RTOL, Conversion, DeployedFile, convert_and_check
-from repmlp.engine import (
-    DistInfo,
-    LoopOptions,
-    amp_dtype,
-    check_output,
-    prepare_module,
-    resolve_compile,
-    resolve_cuda_graphs,
-    train_loop,
-    unwrap,
-    write_run_report,
-)
 from repmlp.errors import UserError
 from repmlp.io.model_file import ModelMetadata, atomic_write_text, load_model, save_model
 from repmlp.models.pspnet import PSPNet
@@ -42,7 +31,7 @@ from repmlp.tasks.finetune import report_lines
 log = logging.getLogger(__name__)
 
 
-def per_process_batch(global_batch: int, procs: DistInfo, flag: str = "--batch-size") -> int:
+def per_process_batch(global_batch: int, procs: engine.DistInfo, flag: str = "--batch-size") -> int:
     """The global batch size (the paper's numbers are global) split evenly over the processes."""
     if global_batch % procs.world:
         raise UserError(f"{flag} {global_batch} is not divisible by the {procs.world} processes")
@@ -92,7 +81,7 @@ def require_task_model(model: nn.Module, task: str, name: str) -> None:
         raise UserError(f"model {name!r} is not {TASK_MODELS[task]}{hint}")
 
 
-def check_batchnorm_batch(model: nn.Module, batch_size: int, examples: int, procs: DistInfo) -> None:
+def check_batchnorm_batch(model: nn.Module, batch_size: int, examples: int, procs: engine.DistInfo) -> None:
     """Refuse to train a model with BatchNorm on batches of one example, before the first step.
 
     BatchNorm in training mode normalises each channel over the batch: one example on a 1x1 feature map makes
@@ -152,22 +141,24 @@ class EpochSeeded(Dataset):
 
 
 def loop_options(
-    cfg: TrainOptions, procs: DistInfo, lr_at: Callable[[int], list[float]], *, auto_graphs: bool, **more: Any
-) -> LoopOptions:
+    cfg: TrainOptions, procs: engine.DistInfo, lr_at: Callable[[int], list[float]], *, auto_graphs: bool, **more: Any
+) -> engine.LoopOptions:  # fmt: skip
     """The engine's options of ``cfg``'s run (``more``: ``epochs`` or ``iterations`` and any other of
     :class:`~repmlp.engine.LoopOptions`). Resolves ``cfg.amp`` first: saved resolved, a resume keeps it.
     ``auto_graphs``: whether ``--cuda-graphs auto`` may capture this task's steps."""
     cfg.amp = cfg.amp if cfg.amp is not None else procs.device.type == "cuda"
-    scaler = cfg.amp and amp_dtype(procs.device) == torch.float16
-    graphs = resolve_cuda_graphs(cfg.cuda_graphs, procs.device, world=procs.world, compile_choice=cfg.compile,
-                                 scaler=scaler, auto=auto_graphs)  # fmt: skip
-    return LoopOptions(output=Path(cfg.output), config=cfg.to_dict(), lr_at=lr_at, ckpt_every=cfg.ckpt_every,
-                       amp=cfg.amp, runtime_keys=cfg.RUNTIME, stop_after_steps=cfg.stop_after_steps,
-                       cuda_graphs=graphs, compile=resolve_compile(cfg.compile, procs.device, graphs),
-                       fast=cfg.fast_training, **more)  # fmt: skip
+    scaler = cfg.amp and engine.amp_dtype(procs.device) == torch.float16
+    graphs = engine.resolve_cuda_graphs(cfg.cuda_graphs, procs.device, world=procs.world,
+                                        compile_choice=cfg.compile, scaler=scaler, auto=auto_graphs)  # fmt: skip
+    return engine.LoopOptions(output=Path(cfg.output), config=cfg.to_dict(), lr_at=lr_at, ckpt_every=cfg.ckpt_every,
+                              amp=cfg.amp, runtime_keys=cfg.RUNTIME, stop_after_steps=cfg.stop_after_steps,
+                              cuda_graphs=graphs, compile=engine.resolve_compile(cfg.compile, procs.device, graphs),
+                              fast=cfg.fast_training, **more)  # fmt: skip
 
 
-def training_loader(dataset: Dataset, cfg: TrainOptions, procs: DistInfo, model: nn.Module) -> FolderLoader:
+def training_loader(
+    dataset: Dataset, cfg: TrainOptions, procs: engine.DistInfo, model: nn.Module
+) -> FolderLoader:
     """This process's shuffled, epoch-seeded training batches of ``dataset`` for ``model`` (checked by
     :func:`check_batchnorm_batch`), of ``cfg.train_limit`` examples: of a dataset with ``labels``, a seeded
     stratified subset that keeps every identity's share."""
@@ -176,9 +167,7 @@ def training_loader(dataset: Dataset, cfg: TrainOptions, procs: DistInfo, model:
     if cfg.train_limit is not None and cfg.train_limit < len(dataset):  # type: ignore[arg-type]
         labels = getattr(dataset, "labels", None)
         keep = (
-            stratified_subset(labels, cfg.train_limit, cfg.seed)
-            if labels is not None
-            else range(cfg.train_limit)
+            range(cfg.train_limit) if labels is None else stratified_subset(labels, cfg.train_limit, cfg.seed)
         )
         dataset = torch.utils.data.Subset(dataset, list(keep))
     return FolderLoader(EpochSeeded(dataset, cfg.seed, train=True), batch_size=batch, train=True, seed=cfg.seed,
@@ -211,18 +200,18 @@ class Run:
     init: dict[str, Any] | None = None  # what --init loaded
 
 
-def train_run(cfg: Any, procs: DistInfo, run: Run) -> RunResult:
+def train_run(cfg: Any, procs: engine.DistInfo, run: Run) -> RunResult:
     """Train ``run`` for ``run.iterations`` SGD steps (momentum ``cfg.momentum``), resumed from ``cfg.output``'s
     checkpoint with ``cfg.resume``, then end it (:func:`finish_run`)."""
     opts = loop_options(cfg, procs, run.lr_at, auto_graphs=False, iterations=run.iterations,
                         log_interval=cfg.log_interval, extra_state={"model_kwargs": run.kwargs})  # fmt: skip
-    state = check_output(opts.output, cfg.resume, procs)
-    net = prepare_module(run.module, procs)
-    optimizer = torch.optim.SGD(run.param_groups(unwrap(net)), lr=cfg.lr, momentum=cfg.momentum)
-    loop = train_loop(net, optimizer, run.loader, opts, procs, state)
+    state = engine.check_output(opts.output, cfg.resume, procs)
+    net = engine.prepare_module(run.module, procs)
+    optimizer = torch.optim.SGD(run.param_groups(engine.unwrap(net)), lr=cfg.lr, momentum=cfg.momentum)
+    loop = engine.train_loop(net, optimizer, run.loader, opts, procs, state)
     if not procs.is_main:
         return RunResult(loop.history)
-    out, task, trained = Path(cfg.output), run.meta["task"], unwrap(net).model.float().eval()
+    out, task, trained = Path(cfg.output), run.meta["task"], engine.unwrap(net).model.float().eval()
     x = torch.randn(2, getattr(trained, "in_chans", 3), run.size, run.size,
                     generator=torch.Generator().manual_seed(0)).to(next(trained.parameters()).device)  # fmt: skip
     diff = save_forms(out, trained, cfg.model, run.kwargs, run.meta, x).diff
@@ -241,7 +230,7 @@ def train_run(cfg: Any, procs: DistInfo, run: Run) -> RunResult:
              f"`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task {task}`",
              f"- Conversion: {check}", *report_lines(run.init)]  # fmt: skip
     title = {"face": "face", "seg": "segmentation"}[task]
-    write_run_report(out, f"repmlp {title} run: {cfg.model}", loop.history, lines)
+    engine.write_run_report(out, f"repmlp {title} run: {cfg.model}", loop.history, lines)
     return RunResult(loop.history, ok)
 
 

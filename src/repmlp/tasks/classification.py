@@ -24,23 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp import engine
 from repmlp.data import Data, DataConfig, build_data
 from repmlp.data.for_model import model_data_config
 from repmlp.data.loader import batch_generator
-from repmlp.engine import (
-    STATE_FILE,
-    DistInfo,
-    LoopHooks,
-    Position,
-    all_reduce_sum,
-    broadcast_buffers,
-    check_output,
-    check_resumable,
-    prepare_module,
-    resolve_device,
-    run_in_processes,
-    train_loop,
-)
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, check_field, check_fit, check_model_kwargs, load_model
 from repmlp.models.registry import build_model, takes_img_size
@@ -56,17 +43,8 @@ __all__ = ["METRIC_FIELDS", "TrainConfig", "TrainResult", "EvalConfig", "resolve
 
 log = logging.getLogger(__name__)
 
-METRIC_FIELDS = [
-    "epoch",
-    "step",
-    "lr",
-    "train_loss",
-    "train_acc",
-    "val_loss",
-    "val_top1",
-    "val_top5",
-    "epoch_s",
-]
+METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5",
+                 "epoch_s"]  # fmt: skip
 _DEFAULT = PRESETS["fmnist"]  # the main job's recipe: TrainConfig's defaults
 
 
@@ -180,7 +158,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 @torch.no_grad()
 def evaluate_model(
-    model: nn.Module, loader, device: torch.device, *, amp: bool = False, procs: DistInfo | None = None
+    model: nn.Module, loader, device: torch.device, *, amp: bool = False, procs: engine.DistInfo | None = None
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 accuracy (%) of ``model`` over ``loader``, summed over the processes."""
     sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
@@ -193,11 +171,11 @@ def evaluate_model(
             "n": int(n)}  # fmt: skip
 
 
-def _summed(sums: Tensor, procs: DistInfo | None) -> Tensor:
+def _summed(sums: Tensor, procs: engine.DistInfo | None) -> Tensor:
     """``sums`` (CPU, float64) summed over the processes (on the GPU, where NCCL needs them)."""
     if procs is None or not procs.enabled:
         return sums
-    return all_reduce_sum(sums.to(procs.device), procs).cpu()
+    return engine.all_reduce_sum(sums.to(procs.device), procs).cpu()
 
 
 @dataclass
@@ -211,7 +189,7 @@ class TrainResult:
     config: TrainConfig
     train_seconds: float
     replica_hashes: list[str]
-    dist_info: DistInfo
+    dist_info: engine.DistInfo
     init: dict[str, Any] | None = None  # repmlp.tasks.finetune.InitReport of --init, as a dict
     mode: str = "eager"  # how the training steps ran (repmlp.engine.LoopResult.mode)
     ok: bool = True  # the end of the run's checks passed (repmlp.tasks.classification_report.finish_run)
@@ -226,14 +204,14 @@ def train(
     ``finished_ok`` (``repmlp study`` redoing the end of one)."""
     started = time.perf_counter()
     cfg.validate()
-    result = run_in_processes(cfg, lambda cfg, procs: _train(cfg, procs, given, finished_ok))
+    result = engine.run_in_processes(cfg, lambda cfg, procs: _train(cfg, procs, given, finished_ok))
     if result.dist_info.is_main:
         result.ok = finish_run(result, started)
     return result
 
 
 def _train(
-    cfg: TrainConfig, procs: DistInfo, given: Collection[str] | None, finished_ok: bool
+    cfg: TrainConfig, procs: engine.DistInfo, given: Collection[str] | None, finished_ok: bool
 ) -> TrainResult:
     per_process_batch(cfg.batch_size, procs)
     cfg, state = _open_run(cfg, given, procs, finished_ok)
@@ -255,25 +233,26 @@ def _train(
                         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})})  # fmt: skip
     hooks = _Hooks(cfg, procs, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
-    net = prepare_module(model, procs)
-    loop = train_loop(net, optimizer, data.train, opts, procs, state, LoopHooks(hooks.step, hooks.end_epoch))
+    net = engine.prepare_module(model, procs)
+    hooks = engine.LoopHooks(hooks.step, hooks.end_epoch)
+    loop = engine.train_loop(net, optimizer, data.train, opts, procs, state, hooks)
     model.eval()
     return TrainResult(model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, procs,
                        init, loop.mode)  # fmt: skip
 
 
 def _open_run(
-    cfg: TrainConfig, given: Collection[str] | None, procs: DistInfo, finished_ok: bool
+    cfg: TrainConfig, given: Collection[str] | None, procs: engine.DistInfo, finished_ok: bool
 ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The run's config and the state to resume (``None`` for a new run); refuses to overwrite a run and to
     resume a finished one. A resumed run continues with the saved config, validated as any other (naming
     the state file): the runtime options ``given`` replace the saved ones, another option given must equal
     the saved one (:func:`repmlp.engine.check_resumable`), the others keep the saved values."""
     out = Path(cfg.output)
-    state = check_output(out, cfg.resume, procs, finished_ok=finished_ok)
+    state = engine.check_output(out, cfg.resume, procs, finished_ok=finished_ok)
     if state is None:
         return cfg, None
-    where, saved = out / STATE_FILE, state.get("config")
+    where, saved = out / engine.STATE_FILE, state.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where} has no usable config (not a mapping)")
     old = TrainConfig.from_dict(saved)
@@ -281,7 +260,7 @@ def _open_run(
     check_model_kwargs(where, old.model_args, "config.model_args")
     if not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{where} holds no model weights")
-    merged = check_resumable(saved, cfg.to_dict(), out, runtime=TrainConfig.RUNTIME, given=given,
+    merged = engine.check_resumable(saved, cfg.to_dict(), out, runtime=TrainConfig.RUNTIME, given=given,
                              hint="leave these options out to continue it, or train into another --output")  # fmt: skip
     # This call's own: resuming, a simulated crash; the report shows each command that resumed the run.
     again = [cfg.run_command] if cfg.run_command else []
@@ -295,7 +274,7 @@ _DATA_FIELDS &= {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def _build_data_and_model(
-    cfg: TrainConfig, procs: DistInfo, state: dict[str, Any] | None
+    cfg: TrainConfig, procs: engine.DistInfo, state: dict[str, Any] | None
 ) -> tuple[Data, nn.Module, dict[str, Any]]:
     """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``."""
     device = procs.device
@@ -310,7 +289,7 @@ def _build_data_and_model(
         _check_init_fits(cfg, data)
     # A resumed run's model is built on the meta device first and must fit its state's weights: a state whose
     # options describe a huge model is refused before anything is built.
-    state_file = Path(cfg.output) / STATE_FILE
+    state_file = Path(cfg.output) / engine.STATE_FILE
     check = None if state is None else lambda kwargs: check_fit(
         state_file, cfg.model, kwargs, state["model"], field_name="config.model_args",
         what=f"this run ({cfg.model} with {kwargs})")  # fmt: skip
@@ -344,7 +323,7 @@ def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
 
 
 def _initialise(
-    cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, procs: DistInfo
+    cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, procs: engine.DistInfo
 ) -> dict | None:
     """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed run,
     whose weights come from its checkpoint): the :class:`repmlp.tasks.finetune.InitReport` dict."""
@@ -366,12 +345,14 @@ class _Hooks:
     """Classification's part of the engine's loop (:class:`repmlp.engine.LoopHooks`)."""
 
     cfg: TrainConfig
-    procs: DistInfo
+    procs: engine.DistInfo
     model: nn.Module  # unwrapped: evaluated without DDP
     data: Data
     total_steps: int
 
-    def step(self, net: nn.Module, x: Tensor, y: Tensor, pos: Position) -> tuple[Tensor, dict[str, float]]:
+    def step(
+        self, net: nn.Module, x: Tensor, y: Tensor, pos: engine.Position
+    ) -> tuple[Tensor, dict[str, float]]:
         """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``;
         statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
         cfg = self.cfg
@@ -392,10 +373,10 @@ class _Hooks:
         correct = (logits.argmax(1) == y).sum().item()
         return loss, {"loss": loss.item() * len(y), "acc": 100.0 * correct, "n": float(len(y))}
 
-    def end_epoch(self, pos: Position) -> dict[str, Any]:
+    def end_epoch(self, pos: engine.Position) -> dict[str, Any]:
         """Evaluate on the validation set: the epoch's ``metrics.csv`` row (logged by the main process)."""
         cfg, procs, acc = self.cfg, self.procs, pos.epoch_acc
-        broadcast_buffers(self.model, procs)
+        engine.broadcast_buffers(self.model, procs)
         val = evaluate_model(self.model, self.data.val, procs.device, amp=bool(cfg.amp), procs=procs)
         # The training sums are per process: summed, so that the row describes the whole run.
         sums = _summed(
@@ -431,32 +412,26 @@ def evaluate(args: EvalConfig) -> int:
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     args.validate()
-    device = resolve_device(args.device)
+    device = engine.resolve_device(args.device)
     model = load_model(args.checkpoint, device=device)
     meta = model.metadata
     dataset, kwargs = args.dataset or meta.extra.get("dataset") or "fashion-mnist", meta.model_kwargs
-    # The file's channels, input size and normalisation, as convert reads the data for it too (the
-    # training run's data folder, recorded in the file, unless another is given).
+    # The file's channels, input size and normalisation, as convert reads the data for it too (the training
+    # run's data folder, recorded in the file, unless another is given).
     config = model_data_config(meta, dataset, data_dir=args.data_dir, img_size=args.img_size,
                                download=args.download, eval_batch_size=args.batch_size,
                                val_limit=args.val_limit, workers=args.workers, need_train=False)  # fmt: skip
     data = build_data(config, device=device)
-    if kwargs.get("num_classes") not in (None, data.num_classes):
-        raise CheckpointError(f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has "
-                              f"{data.num_classes}")  # fmt: skip
     # The model's own channels (a foreign file may not record in_chans).
-    if meta.input_size[0] != data.in_chans:
-        raise CheckpointError(f"{args.checkpoint} takes {meta.input_size[0]}-channel images but {dataset} has "
-                              f"{data.in_chans}")  # fmt: skip
-    if kwargs.get("img_size") not in (None, data.img_size):
-        raise CheckpointError(f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has "
-                              f"{data.img_size}px")  # fmt: skip
+    for what, own, theirs, unit in [("predicts {} classes", kwargs.get("num_classes"), data.num_classes, ""),
+                                    ("takes {}-channel images", meta.input_size[0], data.in_chans, ""),
+                                    ("takes {}px images", kwargs.get("img_size"), data.img_size, "px")]:  # fmt: skip
+        if own not in (None, theirs):
+            raise CheckpointError(f"{args.checkpoint} {what.format(own)} but {dataset} has {theirs}{unit}")
     res = evaluate_model(model, data.val, device)
     res.update(model=meta.name, form=meta.form, precision=meta.precision, dataset=dataset,
                checkpoint=str(args.checkpoint))  # fmt: skip
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(f"{meta.name} ({meta.form} form, {res['precision']}) on {dataset}, {res['n']} examples: "
-              f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}")  # fmt: skip
+    print(json.dumps(res, sort_keys=True) if args.json else
+          f"{meta.name} ({meta.form} form, {res['precision']}) on {dataset}, {res['n']} examples: "
+          f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}")  # fmt: skip
     return 0

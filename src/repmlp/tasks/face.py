@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +25,7 @@ from repmlp.data.face import FaceFolder, ImageList, face_transform, read_pairs
 from repmlp.engine import DistInfo, progress, resolve_device, run_in_processes
 from repmlp.errors import UserError
 from repmlp.models.registry import build_model
-from repmlp.tasks._common import (
-    Run,
-    RunResult,
-    check_finite,
-    evaluate_both_forms,
-    load_for_eval,
-    report_metrics,
-    require_task_model,
-    resolve_img_size,
-    train_run,
-    training_loader,
-)
+from repmlp.tasks import _common
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import head_prefixes, init_from_file
 from repmlp.tasks.losses import AMSoftmax
@@ -118,25 +108,25 @@ def lr_steps(cfg: TrainConfig) -> list[int]:
     return [max(1, round(s * cfg.iterations / PAPER_ITERATIONS)) for s in PAPER_LR_STEPS]
 
 
-def train(cfg: TrainConfig) -> RunResult:
+def train(cfg: TrainConfig) -> _common.RunResult:
     """``repmlp train --task face``: train, then save the training-form and converted models and the report."""
     cfg.validate()
     return run_in_processes(cfg, _train)
 
 
-def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
+def _train(cfg: TrainConfig, procs: DistInfo) -> _common.RunResult:
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_args)
-    size = resolve_img_size(kwargs, "--img-size", cfg.img_size, 96)
+    size = _common.resolve_img_size(kwargs, "--img-size", cfg.img_size, 96)
     dataset = FaceFolder(cfg.data_dir, train=True, size=size)
     identities = len(dataset.classes)
     if identities < 2:  # one class makes the AM-Softmax loss 0 whatever the embedding: nothing to learn
         raise UserError(f"{cfg.data_dir} holds {identities} identity; face training needs at least 2")
     model, _ = build_model(cfg.model, kwargs)
-    require_task_model(model, "face", cfg.model)
+    _common.require_task_model(model, "face", cfg.model)
     init = _init_trunk(model, cfg.init, procs)
     loss = AMSoftmax(model.embedding_dim, identities, scale=cfg.am_scale, margin=cfg.am_margin)
-    loader = training_loader(dataset, cfg, procs, model)
+    loader = _common.training_loader(dataset, cfg, procs, model)
     steps = lr_steps(cfg)
     if procs.is_main:
         log.info("face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
@@ -150,7 +140,7 @@ def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
         f"{cfg.seed}",
     ]
     meta = {"task": "face", "identities": str(identities), "iterations": str(cfg.iterations)}
-    return train_run(cfg, procs, Run(
+    return _common.train_run(cfg, procs, _common.Run(
         FaceTrainModule(model, loss), lambda m: _param_groups(m, cfg.weight_decay, cfg.head_weight_decay), loader,
         lambda step: [cfg.lr * 0.1 ** sum(step >= s for s in steps)] * 2, cfg.iterations, kwargs, size, meta, lines,
         init))  # fmt: skip
@@ -180,14 +170,14 @@ def embed_images(
     with progress(loader, len(loader), "embed", True) as bar:  # closed (line cleared) on errors too
         for images, _ in bar:
             out = model(images.to(device)).float()
-            check_finite(out, what)
+            _common.check_finite(out, what)
             chunks.append(F.normalize(out, dim=1).cpu())
     return torch.cat(chunks) if chunks else torch.empty(0)
 
 
 def face_metrics(
-    model: nn.Module, sets: tuple[Any, int, Any, Any], cfg: EvalConfig, img_size: int, device: torch.device,
-    what: str = "the model",
+    model: nn.Module, what: str, *, sets: tuple[Any, int, Any, Any], cfg: EvalConfig, img_size: int,
+    device: torch.device,
 ) -> dict[str, Any]:  # fmt: skip
     """Verification accuracy and/or rank-1 identification of ``model`` on ``sets`` (:func:`read_face_sets`)."""
     pairs, folds, probe, gallery = sets
@@ -197,9 +187,8 @@ def face_metrics(
         unique = sorted(set(pairs.first) | set(pairs.second))
         index = {p: i for i, p in enumerate(unique)}
         emb = embed_images(model, unique, **common)
-        a = emb[[index[p] for p in pairs.first]]
-        b = emb[[index[p] for p in pairs.second]]
-        scores = (a * b).sum(1)  # cosine: embeddings are unit vectors
+        # cosines: the embeddings are unit vectors
+        scores = (emb[[index[p] for p in pairs.first]] * emb[[index[p] for p in pairs.second]]).sum(1)
         result["verification_accuracy"] = verification_accuracy(scores, torch.tensor(pairs.same), folds=folds)
         result.update(verification_pairs=len(scores), verification_folds=folds)
     if probe is not None and gallery is not None:
@@ -241,20 +230,13 @@ def evaluate(cfg: EvalConfig) -> int:
     cfg.validate()
     sets = read_face_sets(cfg)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(cfg.device)
-    trained, deployed, meta = load_for_eval(cfg.checkpoint, device, "face")
+    trained, deployed, meta = _common.load_for_eval(cfg.checkpoint, device, "face")
     img_size = int(meta.model_kwargs.get("img_size", 96))
+    evaluate = partial(face_metrics, sets=sets, cfg=cfg, img_size=img_size, device=device)
     metrics = {"checkpoint": str(cfg.checkpoint), "model": meta.name, "form_evaluated": "deploy",
-               **evaluate_both_forms(lambda model, what: face_metrics(model, sets, cfg, img_size, device, what),
-                                     trained, deployed, cfg.check_conversion)}  # fmt: skip
-    lines = [
-        f"{key}: {100 * metrics[key]:.2f}%"
-        + (
-            f" (training form: {100 * metrics['training_time'][key]:.2f}%)"
-            if "training_time" in metrics
-            else ""
-        )
-        for key in ("verification_accuracy", "rank1_identification")
-        if key in metrics
-    ]
-    report_metrics(cfg, metrics, lines)
+               **_common.evaluate_both_forms(evaluate, trained, deployed, cfg.check_conversion)}  # fmt: skip
+    ref = metrics.get("training_time", {})
+    lines = [f"{k}: {100 * metrics[k]:.2f}%" + (f" (training form: {100 * ref[k]:.2f}%)" if ref else "")
+             for k in ("verification_accuracy", "rank1_identification") if k in metrics]  # fmt: skip
+    _common.report_metrics(cfg, metrics, lines)
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

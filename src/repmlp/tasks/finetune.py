@@ -1,12 +1,10 @@
 """Starting a run from the weights of a model file (``repmlp train --init FILE``), as timm's
 ``--initial-checkpoint`` / mmpretrain's ``load_from`` do.
 
-Every weight of the file whose name and shape fit the new model is loaded. The head (the classifier, or
-a face model's embedding head) is the one part allowed to differ: a classifier with another number of
-classes keeps the new model's fresh initialisation (timm's ``load_pretrained`` drops it the same way);
-a face run always starts its embedding head fresh. Any other missing, unexpected or mis-shaped key is a
-one-line :class:`~repmlp.errors.UserError` naming the keys. A deployed (converted) file is refused: the
-converted model has no Local Perceptron (nor BatchNorm) left to train.
+Every weight of the file is loaded into the new model but its head, the one part allowed to differ: a
+classifier for another number of classes keeps its fresh initialisation (as timm's ``load_pretrained`` does),
+a face run's embedding head always. Any other missing, unexpected or mis-shaped key is one
+:class:`~repmlp.errors.UserError` naming the keys. A deployed file is refused: it has nothing left to train.
 """
 
 from __future__ import annotations
@@ -76,8 +74,8 @@ def read_training_file(path: str | os.PathLike, flag: str = "--init") -> tuple[d
 
 
 def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[str, dict[str, Any]]:
-    """``(model name, options)`` of a model file, without the options the new data decide
-    (:data:`DATA_OPTIONS`): what a fine-tuning run builds when no ``--model`` is given."""
+    """``(model name, options)`` of a model file but the options the new data decide (:data:`DATA_OPTIONS`):
+    what a fine-tuning run builds when no ``--model`` is given."""
     _, fm = read_training_file(path, flag)
     return fm.model, {k: v for k, v in fm.model_kwargs.items() if k not in DATA_OPTIONS}
 
@@ -97,8 +95,7 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
 
 def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> list[str]:
     """State-dict prefixes of a model's head: its classifier (``get_classifier()``, else its timm config's
-    ``classifier``; a registered model's name: its config's); with ``embedding_head``, a face model's whole
-    ``head`` module (BN-FC-BN)."""
+    ``classifier``; of a model's name, its config's); with ``embedding_head``, a face model's ``head`` module."""
     if isinstance(model, str):
         names = getattr(timm.get_pretrained_cfg(model), "classifier", None)
         return [n + "." for n in ([names] if isinstance(names, str) else names or []) if n]
@@ -114,14 +111,10 @@ def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> li
 def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: str, *,
                   head: Sequence[str] | None = None, fresh_head: bool = False,
                   what: str = "checkpoint") -> dict[str, Any]:  # fmt: skip
-    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, except its head.
-
-    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
-    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
-    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
-    file's head tensors (also those of ``file_model``'s head) are ignored. Any other missing, unexpected or
-    mis-shaped key is a :class:`CheckpointError` naming them. Returns ``{"loaded": count, "reinitialised":
-    [model keys], "ignored": [file keys]}``."""
+    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, but its head (the
+    state-dict prefixes ``head``, default :func:`head_prefixes`), loaded only when all of it fits and not
+    ``fresh_head`` (else the file's head tensors are ignored). A missing, unexpected or mis-shaped key is a
+    :class:`CheckpointError`. Returns ``{"loaded": count, "reinitialised": [keys], "ignored": [file keys]}``."""
     own = model.state_dict()
     prefixes = tuple(head if head is not None else head_prefixes(model))
     head_own = [k for k in own if k.startswith(prefixes)]

@@ -66,32 +66,21 @@ class Recipe:
 PRESETS: dict[str, Recipe] = {
     # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit in
     # five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
-    "fmnist": Recipe(
-        model="repmlp_fmnist_patch2",
-        epochs=5,
-        batch_size=256,
-        lr=0.2,
-        nesterov=True,
-        weight_decay=5e-5,
-        warmup_epochs=0.5,
-        label_smoothing=0.1,
-        channels_last=True,
-    ),
+    "fmnist": Recipe(model="repmlp_fmnist_patch2", epochs=5, batch_size=256, lr=0.2, nesterov=True,
+                     weight_decay=5e-5, warmup_epochs=0.5, label_smoothing=0.1, channels_last=True),
     "cifar": Recipe(model="repmlp_cifar", epochs=100, batch_size=128, lr=0.2, pad=4),
-    "imagenet": Recipe(
-        model="repmlp_res50", epochs=100, batch_size=256, lr=0.1, mixup=0.2, autoaugment=True, img_size=224
-    ),
-}
+    "imagenet": Recipe(model="repmlp_res50", epochs=100, batch_size=256, lr=0.1, mixup=0.2, autoaugment=True,
+                       img_size=224),
+}  # fmt: skip
 
 # The preset a data set gets when --preset is not given (an image folder's run of a known model, or with
 # --init, takes that model's own instead: preset_for_model).
 DEFAULT_PRESET = {"fashion-mnist": "fmnist", "cifar10": "cifar", "imagefolder": "imagenet"}
 
 # An image folder's run without --batch-size: the preset's batch, halved until an epoch has at least this
-# many steps (a small folder would otherwise get one or two steps an epoch: no training to speak of) ...
-FOLDER_MIN_STEPS = 10
-# ... but not below this (BatchNorm's statistics need a few images).
-FOLDER_MIN_BATCH = 8
+# many steps (else a small folder gets one or two steps an epoch), but not below FOLDER_MIN_BATCH (BatchNorm's
+# statistics need a few images); the training images are counted up to FOLDER_COUNT_STEPS batches.
+FOLDER_MIN_STEPS, FOLDER_MIN_BATCH, FOLDER_COUNT_STEPS = 10, 8, 16
 
 
 def preset_for_model(
@@ -163,13 +152,9 @@ def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return preset, values
 
 
-# How far an image folder's training images are counted: enough batches for any preset.
-FOLDER_COUNT_STEPS = 16
-
-
 def _folder_input(
     name: str, model_args: dict[str, Any], init: str | None, img_size: int | None
-) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:
+) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:  # fmt: skip
     """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model ``name``
     or of the ``init`` file: its channels (1 or 3), its size unless ``img_size`` is given, and the ``init``
     file's recorded normalisation and evaluation resize."""
@@ -185,21 +170,16 @@ def _folder_input(
     if size:
         c, h, w = size
         if c not in (1, 3):
-            raise UserError(
-                f"{flag} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): {hint}"
-            )
+            raise UserError(f"{flag} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): "
+                            f"{hint}")  # fmt: skip
         values["channels"] = c
         if img_size is None and h != w and init:
             raise UserError(f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)")
         if img_size is None and h == w:
             values["img_size"] = h
-    # What `repmlp eval` reads a folder with for that file: its normalisation and evaluation resize.
-    evaluation = (
-        folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], values.get("channels", 3))
-        if init
-        else None
-    )
-    if evaluation:
+    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize.
+    channels = values.get("channels", 3)
+    if init and (evaluation := folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], channels)):
         values.update(eval_preprocessing=evaluation, mean=evaluation["mean"], std=evaluation["std"])
     return size, whose, basis, values
 

@@ -107,13 +107,17 @@ class StudyOptions(TaskConfig):
     def model_args(self) -> dict[str, Any]:
         return {"width_multiplier": self.width_multiplier} if self.width_multiplier != 1.0 else {}
 
+    def model_kwargs(self) -> dict[str, Any]:
+        """What every row's network is built with: the data's classes, channels and (padded) size."""
+        in_chans = 1 if self.dataset == "fashion-mnist" else 3
+        return dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **self.model_args())
+
 
 def trained_rows() -> list[Row]:
     """One row per trained network: "A) before conversion" is the Pure MLP's network, in training form."""
     return [row for row in ROWS if row.deployed]
 
 
-# ------------------------------------------------------------------- the one coupling to training
 def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> TrainConfig:
     """The classification config of one run: the study's preset with the row's model and the study's epochs,
     limits and widths; Fashion-MNIST zero-padded to the paper's 32x32. No ONNX export nor benchmark at the end
@@ -136,9 +140,8 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     cfg = train_config(model, seed, opts, run_dir)
     result_path = run_dir / RESULT_FILE
     if result_path.is_file():  # reused only if trained with these very options
-        check_resumable(
-            load_state(run_dir / STATE_FILE)["config"], cfg.to_dict(), run_dir, runtime=cfg.RUNTIME
-        )
+        saved = load_state(run_dir / STATE_FILE)["config"]
+        check_resumable(saved, cfg.to_dict(), run_dir, runtime=cfg.RUNTIME)
         return json.loads(result_path.read_text())
     cfg.resume = (run_dir / STATE_FILE).is_file()
     result = train(cfg, finished_ok=True)
@@ -150,7 +153,6 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     return out
 
 
-# ---------------------------------------------------------------------------------------- the study
 def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[dict[str, Any]]]:
     """Train every row for every seed (reusing finished runs): row key -> one result per seed.
 
@@ -188,10 +190,8 @@ def start_order(jobs: list[tuple[Row, int]], opts: StudyOptions) -> list[int]:
 def _training_macs(model: str, opts: StudyOptions) -> int:
     """Multiply-accumulates of one image through the training-time network: a run's cost, the same on every
     machine (so is the order of the runs)."""
-    in_chans = 1 if opts.dataset == "fashion-mnist" else 3
-    size = (in_chans, IMG_SIZE, IMG_SIZE)
-    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
-    return profile_model(model, size, deploy=False, **kwargs)[1]
+    kwargs = opts.model_kwargs()
+    return profile_model(model, (kwargs["in_chans"], IMG_SIZE, IMG_SIZE), deploy=False, **kwargs)[1]
 
 
 def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[str, Any]]:
@@ -207,10 +207,8 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("repmlp").getEffectiveLevel()
     # spawn: a forked child would inherit this process's OpenMP pool and locks.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, level, os.getpid())
-    ) as pool:
+    ctx, init_args = multiprocessing.get_context("spawn"), (threads, level, os.getpid())
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init_args) as pool:
         futures = {pool.submit(train_one, *args[i]): i for i in order}
         try:
             for future in as_completed(futures):

@@ -72,13 +72,13 @@ def check_claims(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
-def _measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dict[tuple[str, bool], Any]:
+def _measure_rows(opts: StudyOptions, device: torch.device) -> dict[tuple[str, bool], Any]:
     """Params, MACs and speed of every row's network, training-time and deployed, timed side by side
     (freshly built: speed does not depend on the weights); keys are ``(model name, deployed)``."""
-    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
+    kwargs = opts.model_kwargs()
     torch.manual_seed(0)
     models = {row.model: create_model(row.model, **kwargs) for row in trained_rows()}
-    size = (in_chans, IMG_SIZE, IMG_SIZE)
+    size = (kwargs["in_chans"], IMG_SIZE, IMG_SIZE)
     rows = benchmark(models, size, opts.bench_batch_size, device=device, warmup=1, repeats=5)
     return {(r.model, r.form == "deploy"): r for r in rows}
 
@@ -169,11 +169,8 @@ def _tables(
 def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
     stats, device = summarize(results), resolve_device(opts.device)
-    measured = _measure_rows(opts, 1 if opts.dataset == "fashion-mnist" else 3, device)
-    curves = _val_curves(out, opts.seeds)
-    _plot(
-        stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)"
-    )
+    measured, curves = _measure_rows(opts, device), _val_curves(out, opts.seeds)
+    _plot(stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds a row)")
     first = next(iter(results.values()))[0]
     options = [("--data-dir", opts.data_dir), ("--seeds", opts.seeds), ("--epochs", opts.epochs),
                ("--width-multiplier", f"{opts.width_multiplier:g}"),
