@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from repmlp.commands._common import add_options
+from repmlp.commands._common import add_option, add_options
 from repmlp.commands.train import add_task_option, print_help_if_asked, run_task
 from repmlp.tasks.classification import EvalConfig, evaluate
 
@@ -23,10 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dataset": "(default: the one the checkpoint was trained on, else fashion-mnist)",
         "--data-dir": "as for repmlp train (default: the folder the checkpoint was trained on)",
         "--download": "fetch Fashion-MNIST with torchvision if missing",
-        "--val-limit": "first N examples only", "--img-size": "centre-crop size (imagefolder)", "--batch-size": None,
+        "--img-size": "centre-crop size (imagefolder)", "--batch-size": None,
         "--workers": None, "--device": "auto (CUDA if available), cpu, cuda, cuda:N",
         "--json": "print the result as JSON",
     })  # fmt: skip
+    add_option(p, "--val-limit", "first N examples only", EvalConfig, metavar="N")
     p.set_defaults(accepts_extra=lambda a: a.task != "cls")
 
 

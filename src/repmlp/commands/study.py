@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from repmlp.commands._common import add_device_argument, add_limit_argument, add_options
+from repmlp.commands._common import add_device_argument, add_limit_argument, add_option, add_options
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
 from repmlp.engine import keep_freed_memory
 from repmlp.tasks.study import StudyOptions, train_study
@@ -33,10 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data-dir": "fashion-mnist: folder of the IDX files (default: Debian's); cifar10: folder holding "
         "cifar-10-batches-py",
         "--seeds": "runs per row, seeds 0..N-1", "--epochs": "epochs per run (the paper: 100)",
-        "--width-multiplier": "scale every row's channel widths (rounded to a multiple of the groups)",
         "--preset": "every run's recipe: cifar (the paper's CIFAR-10 recipe) or fmnist (the main job's: warm-up, "
         "label smoothing, no crop; learns in a few epochs)",
     })  # fmt: skip
+    add_option(a, "--width-multiplier", "scale every row's channel widths (rounded to a multiple of the groups)",
+               StudyOptions, metavar="W")  # fmt: skip
     add_limit_argument(a, "--train-limit", "training examples")
     add_limit_argument(a, "--val-limit", "validation examples")
     add_device_argument(a, default="auto")

@@ -202,7 +202,9 @@ class Run:
 
 def train_run(cfg: Any, procs: engine.DistInfo, run: Run) -> RunResult:
     """Train ``run`` for ``run.iterations`` SGD steps (momentum ``cfg.momentum``), resumed from ``cfg.output``'s
-    checkpoint with ``cfg.resume``, then end it (:func:`finish_run`)."""
+    checkpoint with ``cfg.resume``; then (main process) ``model.safetensors`` (training form),
+    ``deploy.safetensors`` (converted, checked on two seeded random inputs ``(2, C, size, size)`` within
+    :data:`repmlp.deploy.conversion.CONVERSION_RTOL` of the outputs' scale), ``train_log.json`` and ``report.md``."""
     opts = loop_options(cfg, procs, run.lr_at, auto_graphs=False, iterations=run.iterations,
                         log_interval=cfg.log_interval, extra_state={"model_kwargs": run.kwargs})  # fmt: skip
     state = engine.check_output(opts.output, cfg.resume, procs)
