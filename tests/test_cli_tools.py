@@ -295,6 +295,29 @@ def test_tables_command():
     assert res.stdout.strip() in docs, "docs/models.md is stale: paste the output of `repmlp -q tables`"
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_version_and_help_import_no_torch(args):
+    """``repmlp --version`` and ``repmlp --help`` start without torch, timm or torchvision (seconds of start-up):
+    the package's names are imported on first use, and the CLI imports only the command it runs."""
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "repmlp", *args], capture_output=True,
+                         text=True, timeout=120, env=subprocess_env())  # fmt: skip
+    assert res.returncode == 0 and res.stdout, res.stderr
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in res.stderr.splitlines() if "|" in line}
+    assert "repmlp" in imported and not imported & {"torch", "timm", "torchvision"}, imported
+
+
+def test_the_first_public_name_imports_them_all():
+    """``import repmlp`` imports no torch; the first public name used imports every one, and with them what their
+    modules register: the models with timm, the loaders of reduced-precision model files."""
+    code = ("import sys, repmlp; assert 'torch' not in sys.modules; repmlp.create_model; import timm; "
+            "from repmlp.io.model_file import PRECISION_LOADERS; timm.create_model('repmlp_fmnist'); "
+            "assert set(PRECISION_LOADERS) == {'bf16', 'fp16', 'int8'}; "
+            "assert set(repmlp.__all__) <= set(dir(repmlp))")  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=subprocess_env())  # fmt: skip
+    assert res.returncode == 0, res.stderr
+
+
 def test_help_of_each_command(capsys):
     for command in ("convert", "export", "bench", "viz", "tables", "predict", "import"):
         with pytest.raises(SystemExit) as exc:
@@ -343,7 +366,7 @@ def test_truncated_checkpoint_leaves_existing_output_alone(bad_files, tmp_path):
         (["viz", "--checkpoint", "{model}", "--out-channel", "8"], ["out_channel must be in 0..3"]),
         (["convert", "--checkpoint", "{model}", "--dataset", "cifar10", "--force"], ["--dataset cifar10"]),
         (["export", "--checkpoint", "{model}", "--img-size", "20"], ["does not take 1x20x20 inputs"]),
-        (["bench", "--model", NAME, "--batch-size", "0"], ["--batch-size: must be >= 1"]),
+        (["bench", "--model", NAME, "--batch-size", "0"], ["--batch-size: must be in 1..1048576, got 0"]),
         (["bench", "--checkpoint", "{model}", "--repeats", "x"], ["--repeats: expected an integer"]),
         (["bench", "--checkpoint", "{model}", "--device", "cuda:7"], ["--device cuda:7"]),
         (["export", "--checkpoint", "{model}", "--format", "tflite"], ["invalid choice"]),

@@ -1,8 +1,8 @@
 """The ``repmlp`` command line: ``repmlp <command> [options]`` (``python -m repmlp`` is the same program).
 
-Each command lives in its own module under :mod:`repmlp.commands` exposing ``add_parser(subparsers)``
-(which calls ``set_defaults(func=run)``) and ``run(args) -> int``; this module only collects them. A
-:class:`repmlp.errors.UserError` raised anywhere becomes one line on stderr and exit status 2.
+Each command is a module under :mod:`repmlp.commands` with ``add_arguments(parser)`` and ``run(args) -> int``;
+this module builds the parser and runs the command asked for. A :class:`repmlp.errors.UserError` raised
+anywhere becomes one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -13,43 +13,60 @@ import logging
 import signal
 import sys
 
-from repmlp.commands._parser import ArgumentParser
+from repmlp._version import __version__
+from repmlp.commands._parser import ArgumentParser, HelpFormatter
 from repmlp.errors import UserError
 
-# Command modules under repmlp.commands, in --help order. Add a command by adding its module name here.
-COMMANDS: list[str] = [
-    "train",
-    "eval",
-    "predict",
-    "convert",
-    "import_",
-    "export",
-    "bench",
-    "viz",
-    "tables",
-    "study",
-    "selfcheck",
-]
+# The commands in --help order: name -> (its module under repmlp.commands, its help line). The help lines are
+# here, not in the modules, so that `repmlp --help` and `repmlp --version` import no command module: the
+# commands import torch, which alone takes seconds (start-up time). A run imports the one command it runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train a model (default: the 5-minute Fashion-MNIST job)"),
+    "eval": ("eval", "top-1/top-5 accuracy of a checkpoint"),
+    "predict": ("predict", "classify your own images with a model file"),
+    "convert": ("convert", "convert a training-time checkpoint into the deployed (inference) form, verified"),
+    "import": (
+        "import_",
+        "import a released RepMLP-Res50 / RepMLPNet checkpoint (.pth) as a repmlp model file",
+    ),
+    "export": (
+        "export",
+        "export a checkpoint's deployed model to ONNX / TorchScript / .pt2, checked against PyTorch",
+    ),
+    "bench": (
+        "bench",
+        "throughput, params and FLOPs of training-time vs deployed models, as a Markdown table",
+    ),
+    "viz": ("viz", "plot the paper's FC3 weight figure (before / after merging the Local Perceptron)"),
+    "tables": ("tables", "print the paper's model tables (params, FLOPs), or with --speed its speed tables"),
+    "study": ("study", "reproduce the paper's studies (ablation: Table 1)"),
+    "selfcheck": ("selfcheck", "build a RepMLP block, convert it, print the error and speed-up"),
+}
 
 log = logging.getLogger("repmlp")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser: global options plus one sub-parser per module in :data:`COMMANDS`."""
-    from repmlp._version import __version__
-
-    parser = ArgumentParser(
-        prog="repmlp",
-        description="RepMLP: train, evaluate, convert, export, benchmark and visualise RepMLP models.",
-    )
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser: the global options and a sub-parser per command, with the options of ``command`` (of every
+    command when ``None``); the others' modules are not imported (start-up time, see :data:`COMMANDS`)."""
+    parser = ArgumentParser(prog="repmlp", description="RepMLP: train, evaluate, convert, export, benchmark and "
+                            "visualise RepMLP models.")  # fmt: skip
     parser.add_argument("--version", action="version", version=f"repmlp {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="<command>", parser_class=ArgumentParser
     )
-    for name in COMMANDS:
-        importlib.import_module(f".commands.{name}", __package__).add_parser(sub)
+    for name, (module_name, help) in COMMANDS.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=help)
+            continue
+        module = importlib.import_module(f"repmlp.commands.{module_name}")
+        # train and eval print the help of the --task given: their own -h.
+        p = sub.add_parser(name, help=help, description=module.__doc__, formatter_class=HelpFormatter,
+                           add_help=not getattr(module, "OWN_HELP", False))  # fmt: skip
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status (0 success, 2 user error, 128 + N stopped by
     signal N: 130 Ctrl-C, 143 SIGTERM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    # The command is the first word that is no option (the global options take no value).
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     try:
         args, extra = parser.parse_known_args(argv)
         # Only commands that hand options on to another parser (train/eval --task face|seg) take extras.

@@ -493,7 +493,7 @@ def bad_data(data, tmp_path_factory) -> dict[str, Path]:
         (["--batch-size", "0"], ["--batch-size: must be in 1..1048576, got 0"]),
         (["--momentum", "1"], ["--momentum: must be in [0, 1), got 1"]),
         (["--label-smoothing", "1.5"], ["--label-smoothing: must be in [0, 1), got 1.5"]),
-        (["--train-limit", "0"], ["--train-limit: must be >= 1"]),
+        (["--train-limit", "0"], ["--train-limit: must be in 1..2147483647, got 0"]),
         (["--device", "cuda:7"], ["--device cuda:7"]),
         (["--dataset", "mnist"], ["invalid choice: 'mnist'"]),
         (["--resume"], ["nothing to resume"]),

@@ -13,122 +13,79 @@ import logging
 from importlib.metadata import version
 from pathlib import Path
 
+from repmlp.bench.throughput import benchmark, in_precision, models_to_bench, render_markdown
 from repmlp.commands._common import (
-    MAX_BATCH,
-    MAX_CHANNELS,
-    MAX_SIDE,
     add_device_argument,
     add_force_argument,
     add_runtime_argument,
     check_output_file,
     check_runtime,
-    int_at_least,
     model_name,
+    number_in,
 )
+from repmlp.deploy.precision import PRECISIONS, precision_of
 from repmlp.engine import hardware_summary, resolve_device
+from repmlp.io.model_file import atomic_write_text
+from repmlp.tasks.limits import MAX_CHANNELS, MAX_SIDE, ints
 
 log = logging.getLogger(__name__)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._parser import HelpFormatter
-    from repmlp.deploy.precision import PRECISIONS
-
-    p = subparsers.add_parser(
-        "bench",
-        help="throughput, params and FLOPs of training-time vs deployed models, as a Markdown table",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--model",
-        nargs="+",
-        type=model_name,
-        metavar="NAME",
-        help="registered model name(s) (see repmlp tables)",
-    )
+    src.add_argument("--model", nargs="+", type=model_name, metavar="NAME",
+                     help="registered model name(s) (see repmlp tables)")  # fmt: skip
     src.add_argument("--checkpoint", nargs="+", type=Path, metavar="PATH", help="model checkpoint(s)")
+    p.add_argument("--batch-size", type=number_in("batch_size"), default=32, help="examples per forward pass")
+    p.add_argument("--img-size", type=number_in(ints(1, MAX_SIDE)), default=None,
+                   help="input height = width (default: the model's)")  # fmt: skip
     p.add_argument(
-        "--batch-size", type=int_at_least(1, MAX_BATCH), default=32, help="examples per forward pass"
-    )
-    p.add_argument(
-        "--img-size",
-        type=int_at_least(1, MAX_SIDE),
+        "--in-chans",
+        type=number_in(ints(1, MAX_CHANNELS)),
         default=None,
-        help="input height = width (default: the model's)",
+        help="input channels (--model only)",
     )
     p.add_argument(
-        "--in-chans", type=int_at_least(1, MAX_CHANNELS), default=None, help="input channels (--model only)"
-    )
-    p.add_argument(
-        "--num-classes", type=int_at_least(1, 1_000_000), default=None, help="classes (--model only)"
+        "--num-classes", type=number_in(ints(1, 10**6)), default=None, help="classes (--model only)"
     )
     add_device_argument(p)
-    p.add_argument("--warmup", type=int_at_least(0, 1_000_000), default=3, help="untimed passes first")
+    p.add_argument("--warmup", type=number_in(ints(0, 10**6)), default=3, help="untimed passes first")
     p.add_argument(
-        "--repeats", type=int_at_least(1, 1_000_000), default=10, help="timed passes (median reported)"
+        "--repeats", type=number_in(ints(1, 10**6)), default=10, help="timed passes (median reported)"
     )
     p.add_argument(
         "--forms", nargs="+", choices=("train", "deploy"), default=["train", "deploy"], help="forms to time"
     )
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="time the deployed form in this precision (int8: onnxruntime, calibrated on random inputs, "
-        "which is enough for speed); reduced-precision checkpoints are timed as stored",
-    )
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help="time the deployed form in this precision "
+                   "(int8: onnxruntime, calibrated on random inputs, which is enough for speed); reduced-precision "
+                   "checkpoints are timed as stored")  # fmt: skip
     add_runtime_argument(p, "the forms")
-    p.add_argument(
-        "--path",
-        choices=("auto", "eager", "graph", "fused", "fused+graph", "compile", "compile+graph"),
-        default="auto",
-        help="how PyTorch runs the forms on a GPU (auto: the fastest measured for the precision, "
-        "docs/gpu.md: compile+graph in fp16/bf16, fused+graph in fp32); CPUs run the models as they are",
-    )
+    p.add_argument("--path", choices=("auto", "eager", "graph", "fused", "fused+graph", "compile", "compile+graph"),
+                   default="auto", help="how PyTorch runs the forms on a GPU (auto: the fastest measured for the "
+                   "precision, docs/gpu.md: compile+graph in fp16/bf16, fused+graph in fp32); CPUs run the models "
+                   "as they are")  # fmt: skip
     p.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     add_force_argument(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.bench.throughput import benchmark, in_precision, models_to_bench, render_markdown
-    from repmlp.deploy.precision import precision_of
-    from repmlp.io.model_file import atomic_write_text
-
     check_output_file(args.output, args.checkpoint or [], force=args.force)
     device = resolve_device(args.device)
     check_runtime(args.runtime, device)
-    models, input_size, forms = models_to_bench(
-        args.model,
-        args.checkpoint,
-        num_classes=args.num_classes,
-        in_chans=args.in_chans,
-        img_size=args.img_size,
-    )
-    rows = []
+    models, input_size, forms = models_to_bench(args.model, args.checkpoint, num_classes=args.num_classes,
+                                                in_chans=args.in_chans, img_size=args.img_size)  # fmt: skip
     if args.precision != "fp32":
         models = {n: in_precision(m, args.precision, input_size) for n, m in models.items()}
         forms = dict.fromkeys(models, "deploy")
+    rows = []
     for name, model in models.items():
         # A deployed checkpoint has no training-time form left to time.
         wanted = [f for f in args.forms if forms[name] == "train" or f == "deploy"]
         if not wanted:
             log.warning("%s is a deployed checkpoint: nothing to time for --forms train", name)
             continue
-        rows += benchmark(
-            {name: model},
-            input_size,
-            args.batch_size,
-            device=device,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            forms=wanted,
-            runtime=args.runtime,
-            path=args.path,
-        )
+        rows += benchmark({name: model}, input_size, args.batch_size, device=device, warmup=args.warmup,
+                          repeats=args.repeats, forms=wanted, runtime=args.runtime, path=args.path)  # fmt: skip
     size = "x".join(str(s) for s in input_size)
     runtime = "" if args.runtime == "torch" else f", run by {args.runtime} {version(args.runtime)}"
     precisions = "/".join(sorted({precision_of(m) for m in models.values()}))

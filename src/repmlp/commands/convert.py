@@ -13,25 +13,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from repmlp.commands._common import (
-    MAX_SIDE,
-    add_force_argument,
-    check_output_file,
-    int_at_least,
-    positive_float,
-)
-from repmlp.commands._parser import HelpFormatter
+from repmlp.commands._common import add_force_argument, check_output_file, number_in
 from repmlp.deploy.conversion import CONVERSION_RTOL, convert_file, default_output
 from repmlp.deploy.precision import PRECISIONS
+from repmlp.tasks.limits import MAX_SIDE, POSITIVE, ints
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "convert",
-        help="convert a training-time checkpoint into the deployed (inference) form, verified",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=Path, help="training-time checkpoint (.safetensors)")
     p.add_argument("--output", type=Path, default=None,
                    help="deployed checkpoint to write (default: deploy.safetensors next to model.safetensors, "
@@ -39,17 +27,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_force_argument(p)
     p.add_argument("--dataset", default=None, help="data set of the check inputs (default: the run's)")
     p.add_argument("--data-dir", default=None, help="its folder (default: the one the run recorded)")
-    p.add_argument("--num-examples", type=int_at_least(1, 100_000), default=64, help="examples checked")
-    p.add_argument("--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="(default: the run's)")
-    p.add_argument("--tolerance", type=positive_float, default=CONVERSION_RTOL,
+    p.add_argument("--num-examples", type=number_in(ints(1, 100_000)), default=64, help="examples checked")
+    p.add_argument("--img-size", type=number_in(ints(1, MAX_SIDE)), default=None, help="(default: the run's)")
+    p.add_argument("--tolerance", type=number_in(POSITIVE), default=CONVERSION_RTOL,
                    help="max allowed |deployed - training-time| relative to max(1, max |output|)")  # fmt: skip
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="of the deployed file; int8 is post-training static quantization with onnxruntime, "
                    "calibrated on the run's training images (see repmlp.deploy.precision)")  # fmt: skip
-    p.add_argument("--calibration-examples", type=int_at_least(1, 100_000), default=512,
+    p.add_argument("--calibration-examples", type=number_in(ints(1, 100_000)), default=512,
                    help="training images that calibrate int8 activation ranges")  # fmt: skip
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,8 +12,7 @@ import logging
 import math
 from pathlib import Path
 
-from repmlp.commands._common import MAX_SIDE, add_force_argument, check_output_file, int_at_least
-from repmlp.commands._parser import HelpFormatter
+from repmlp.commands._common import add_force_argument, check_output_file, number_in
 from repmlp.deploy.export import (
     ExportError,
     export_onnx,
@@ -26,6 +25,7 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import load_model
 from repmlp.models.registry import check_forward
 from repmlp.nn.convert import reparameterize_model
+from repmlp.tasks.limits import MAX_SIDE, ints
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +34,21 @@ _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt", "exported-program": ".pt2"}
 _CHECKED_BY = {"onnx": "onnxruntime", "torchscript": "TorchScript", "exported-program": "torch.export.load"}
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "export",
-        help="export a checkpoint's deployed model to ONNX / TorchScript / .pt2, checked against PyTorch",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint", required=True, type=Path, help="model checkpoint (.safetensors), either form"
     )
-    p.add_argument(
-        "--format",
-        choices=("onnx", "torchscript", "exported-program", "both"),
-        default="onnx",
-        help="what to write (both: onnx and torchscript; exported-program: torch.export's .pt2)",
-    )
-    p.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="output file (its suffix is replaced per format with --format both); "
-        "default: the checkpoint's path with .onnx / .pt / .pt2",
-    )
+    p.add_argument("--format", choices=("onnx", "torchscript", "exported-program", "both"), default="onnx",
+                   help="what to write (both: onnx and torchscript; exported-program: torch.export's "
+                   ".pt2)")  # fmt: skip
+    p.add_argument("--output", type=Path, default=None, help="output file (its suffix is replaced per format with "
+                   "--format both); default: the checkpoint's path with .onnx / .pt / .pt2")  # fmt: skip
     add_force_argument(p)
-    p.add_argument("--img-size", type=int_at_least(1, MAX_SIDE), default=None, help="(default: the run's)")
+    p.add_argument("--img-size", type=number_in(ints(1, MAX_SIDE)), default=None, help="(default: the run's)")
     p.add_argument(
-        "--opset", type=int_at_least(7, 100), default=None, help="ONNX opset (default: the exporter's)"
+        "--opset", type=number_in(ints(7, 100)), default=None, help="ONNX opset (default: the exporter's)"
     )
     p.add_argument("--no-check", action="store_true", help="skip the onnxruntime comparison")
-    p.set_defaults(func=run)
-    return p
 
 
 def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, Path]:

@@ -13,56 +13,31 @@ weights were published with (resize, crop, interpolation, mean/std).
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
 from repmlp.commands._common import add_force_argument, check_output_file, model_arg, model_name
 from repmlp.errors import UserError
+from repmlp.io.importer import import_to_file
 
-log = logging.getLogger(__name__)
 
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._parser import HelpFormatter
-
-    p = subparsers.add_parser(
-        "import",
-        help="import a released RepMLP-Res50 / RepMLPNet checkpoint (.pth) as a repmlp model file",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=Path, help="the .pth file (authors' or mmpretrain's)")
-    p.add_argument(
-        "--model",
-        required=True,
-        type=model_name,
-        help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ...",
-    )
+    p.add_argument("--model", required=True, type=model_name,
+                   help="registered model it holds: repmlpnet_b256, repmlp_res50_light, ...")  # fmt: skip
     p.add_argument("--output", required=True, type=Path, help="model file to write (.safetensors)")
     add_force_argument(p)
-    p.add_argument(
-        "--model-arg",
-        type=model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model option the file was built with, VALUE as JSON (e.g. --model-arg img_size=320); repeatable",
-    )
-    p.set_defaults(func=run)
-    return p
+    p.add_argument("--model-arg", type=model_arg, action="append", default=[], metavar="KEY=VALUE",
+                   help="model option the file was built with, VALUE as JSON (e.g. --model-arg img_size=320); "
+                   "repeatable")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.io.importer import import_to_file
-
     out: Path = args.output
     if out.suffix != ".safetensors":
         raise UserError(f"--output {out}: repmlp model files end in .safetensors")
     check_output_file(out, [args.checkpoint], force=args.force)
     result = import_to_file(args.checkpoint, args.model, dict(args.model_arg), out)
     params = sum(p.numel() for p in result["model"].parameters())
-    print(
-        f"imported {args.checkpoint.name} ({result['layout']} layout, {result['form']} form) as "
-        f"{args.model}: {params / 1e6:.2f}M parameters -> {out}"
-    )
+    print(f"imported {args.checkpoint.name} ({result['layout']} layout, {result['form']} form) as {args.model}: "
+          f"{params / 1e6:.2f}M parameters -> {out}")  # fmt: skip
     return 0

@@ -18,80 +18,58 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from repmlp.commands._common import (
-    MAX_BATCH,
-    MAX_THREADS,
-    MAX_WORKERS,
     add_force_argument,
     add_runtime_argument,
     check_output_file,
     check_runtime,
-    int_at_least,
+    number_in,
 )
+from repmlp.deploy.predict import (
+    output_format,
+    predict_paths,
+    printable,
+    render_table,
+    result_record,
+    write_results,
+)
+from repmlp.engine import resolve_device
+from repmlp.tasks.limits import ints
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._parser import HelpFormatter
-
-    p = subparsers.add_parser(
-        "predict",
-        help="classify your own images with a model file",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
     p.add_argument(
         "--checkpoint", required=True, help="model file (model.safetensors, deploy.safetensors, ...)"
     )
     p.add_argument(
-        "--top-k", type=int_at_least(1, 1_000_000), default=5, metavar="K", help="classes per image"
+        "--top-k", type=number_in(ints(1, 10**6)), default=5, metavar="K", help="classes per image"
     )
-    p.add_argument("--batch-size", type=int_at_least(1, MAX_BATCH), default=64)
+    p.add_argument("--batch-size", type=number_in("batch_size"), default=64)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     p.add_argument(
-        "--threads", type=int_at_least(1, MAX_THREADS), default=None, help="CPU threads (default: torch's)"
+        "--threads", type=number_in("threads"), default=None, help="CPU threads (default: torch's)"
     )
-    p.add_argument(
-        "--workers",
-        type=_workers,
-        default=None,
-        metavar="N|auto",
-        help="image decoding processes that work ahead of the model (0: decode in this process between "
-        "batches). Default auto: one per CPU core the model leaves free, 0 when its threads use them all",
-    )
+    p.add_argument("--workers", type=_workers, default=None, metavar="N|auto", help="image decoding processes that "
+                   "work ahead of the model (0: decode in this process between batches). Default auto: one per CPU "
+                   "core the model leaves free, 0 when its threads use them all")  # fmt: skip
     p.add_argument(
         "--labels", default=None, metavar="FILE", help="class names, one a line (overrides the file's)"
     )
     add_runtime_argument(p, "the model")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument(
-        "--output",
-        default=None,
-        metavar="OUT",
-        help="also write OUT.csv (path,label_1,prob_1,index_1,...) or OUT.jsonl, atomically",
-    )
+    p.add_argument("--output", default=None, metavar="OUT",
+                   help="also write OUT.csv (path,label_1,prob_1,index_1,...) or OUT.jsonl, atomically")  # fmt: skip
     add_force_argument(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def _workers(text: str) -> int | None:
-    return None if text == "auto" else int_at_least(0, MAX_WORKERS)(text)
+    return None if text == "auto" else number_in("workers")(text)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from repmlp.deploy.predict import (
-        output_format,
-        predict_paths,
-        printable,
-        render_table,
-        result_record,
-        write_results,
-    )
-    from repmlp.engine import resolve_device
-
     if args.output:
         output_format(args.output)  # a bad name is an error before any work
         inputs = [args.checkpoint, *([args.labels] if args.labels else []), *args.inputs]
@@ -104,17 +82,9 @@ def run(args: argparse.Namespace) -> int:
     def skip(path: str, reason: str) -> None:  # a name cannot forge a line or move the cursor
         print(f"repmlp: skipped {printable(path)}: {printable(reason)}", file=sys.stderr, flush=True)
 
-    done, skipped = predict_paths(
-        args.checkpoint,
-        args.inputs,
-        top_k=args.top_k,
-        batch_size=args.batch_size,
-        device=device,
-        workers=args.workers,
-        labels_file=args.labels,
-        on_skip=skip,
-        runtime=args.runtime,
-    )
+    done, skipped = predict_paths(args.checkpoint, args.inputs, top_k=args.top_k, batch_size=args.batch_size,
+                                  device=device, workers=args.workers, labels_file=args.labels, on_skip=skip,
+                                  runtime=args.runtime)  # fmt: skip
     if args.output:
         write_results(args.output, done, args.top_k)
     if args.json:

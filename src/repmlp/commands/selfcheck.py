@@ -7,22 +7,16 @@ import time
 
 import torch
 
+from repmlp.nn.block import RepMLPBlock
+from repmlp.nn.convert import reparameterize_model
+from repmlp.nn.numerics import full_float32
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "selfcheck",
-        help="build a RepMLP block, convert it, print the error and speed-up",
-        description=__doc__,
-    )
-    p.set_defaults(func=run)
-    return p
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """No options."""
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.nn.block import RepMLPBlock
-    from repmlp.nn.convert import reparameterize_model
-    from repmlp.nn.numerics import full_float32
-
     torch.manual_seed(0)
     block = RepMLPBlock(16, 16, 32, 8, groups=2).eval()
     # Non-trivial BN statistics, so the check covers the BN folding too.

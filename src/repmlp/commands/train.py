@@ -36,7 +36,7 @@ TASKS = ("cls", "face", "seg")
 
 
 def add_task_option(p: argparse.ArgumentParser) -> None:
-    """``--task`` and a ``--help`` that shows the chosen task's options (``p`` has ``add_help=False``)."""
+    """``--task`` and a ``--help`` that shows the chosen task's options (``p`` has no ``-h`` of its own)."""
     p.add_argument("-h", "--help", action="store_true", dest="show_help",
                    help="show this help message and exit (with --task face|seg: that task's options)")  # fmt: skip
     p.add_argument("--task", choices=TASKS, default="cls", help="cls: image classification (this command's "
@@ -91,13 +91,13 @@ def run_task(args: argparse.Namespace, command: str, phase: str) -> int:
     return module.evaluate(config)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("train", add_help=False, help="train a model (default: the 5-minute Fashion-MNIST job)",
-                              description=__doc__, formatter_class=HelpFormatter)  # fmt: skip
+OWN_HELP = True  # --help shows the options of the --task given (repmlp.cli builds the parser without -h)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_task_option(p)
     classification_arguments(p)
-    p.set_defaults(func=run, accepts_extra=lambda a: a.task != "cls")
-    return p
+    p.set_defaults(accepts_extra=lambda a: a.task != "cls")
 
 
 def given_options(args: argparse.Namespace) -> set[str]:

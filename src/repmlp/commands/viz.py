@@ -9,56 +9,32 @@ blue square (paper Sec. 4.2).
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 
-from repmlp.commands._common import add_force_argument, check_output_file, int_at_least
+from repmlp.bench.viz import describe, find_repmlp_blocks, plot_fc3
+from repmlp.commands._common import add_force_argument, check_output_file, number_in
 from repmlp.errors import UserError
 from repmlp.io.model_file import load_model
+from repmlp.tasks.limits import ints
 
-log = logging.getLogger(__name__)
 
-
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from repmlp.commands._parser import HelpFormatter
-
-    p = subparsers.add_parser(
-        "viz",
-        help="plot the paper's FC3 weight figure (before / after merging the Local Perceptron)",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    index = number_in(ints(0))
     p.add_argument("--checkpoint", required=True, type=Path, help="training-time checkpoint (.safetensors)")
     p.add_argument(
         "--block", default=None, help="qualified name of the RepMLP block (default: the first with convs)"
     )
     p.add_argument("--list-blocks", action="store_true", help="print the model's RepMLP blocks and exit")
-    p.add_argument("--out-channel", type=int_at_least(0), default=0, help="output channel o")
-    p.add_argument(
-        "--in-channel", type=int_at_least(0), default=0, help="input channel inside o's group (0 .. C/g-1)"
-    )
-    p.add_argument(
-        "--point",
-        nargs=2,
-        type=int_at_least(0),
-        metavar=("Y", "X"),
-        default=None,
-        help="output point in the partition, zero-based (default: the centre (h//2, w//2))",
-    )
-    p.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="PNG to write (default: fc3_weights.png in the current folder)",
-    )
+    p.add_argument("--out-channel", type=index, default=0, help="output channel o")
+    p.add_argument("--in-channel", type=index, default=0, help="input channel inside o's group (0 .. C/g-1)")
+    p.add_argument("--point", nargs=2, type=index, metavar=("Y", "X"), default=None,
+                   help="output point in the partition, zero-based (default: the centre (h//2, w//2))")  # fmt: skip
+    p.add_argument("--output", type=Path, default=None, help="PNG to write (default: fc3_weights.png in the current "
+                   "folder)")  # fmt: skip
     add_force_argument(p)
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from repmlp.bench.viz import describe, find_repmlp_blocks, plot_fc3
-
     # In the current folder by default: the checkpoint's folder is mostly a finished run's, left as it is.
     output = args.output or Path("fc3_weights.png")
     check_output_file(output, [args.checkpoint], force=args.force)
@@ -72,23 +48,14 @@ def run(args: argparse.Namespace) -> int:
     if not blocks:
         raise UserError(f"{meta.name} has no RepMLP block to visualise")
     if meta.form != "train":
-        raise UserError(
-            f"{args.checkpoint} holds the deployed form of {meta.name}; the figure compares the "
-            "training-time FC3 with the merged one, so pass the training-time checkpoint (model.safetensors)"
-        )
+        raise UserError(f"{args.checkpoint} holds the deployed form of {meta.name}; the figure compares the "
+                        "training-time FC3 with the merged one, so pass the training-time checkpoint "
+                        "(model.safetensors)")  # fmt: skip
     try:
-        sample = plot_fc3(
-            model,
-            output,
-            block_name=args.block,
-            out_channel=args.out_channel,
-            point=args.point,
-            in_channel=args.in_channel,
-        )
+        sample = plot_fc3(model, output, block_name=args.block, out_channel=args.out_channel, point=args.point,
+                          in_channel=args.in_channel)  # fmt: skip
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    print(
-        f"wrote {output} ({meta.name} block {sample.block_name or '<root>'}: {describe(sample)}), "
-        f"max ln(|W|/min|W|) {sample.train.max():.2f} training-time, {sample.merged.max():.2f} merged)"
-    )
+    print(f"wrote {output} ({meta.name} block {sample.block_name or '<root>'}: {describe(sample)}), max "
+          f"ln(|W|/min|W|) {sample.train.max():.2f} training-time, {sample.merged.max():.2f} merged)")  # fmt: skip
     return 0

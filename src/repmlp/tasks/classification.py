@@ -1,16 +1,13 @@
-"""Image classification (paper Sec. 4.1-4.2): the task that ``repmlp train`` (``--task cls``) runs.
+"""Image classification (paper Sec. 4.1-4.2): ``repmlp train`` (``--task cls``) and ``repmlp eval``.
 
-:func:`train` trains a :class:`TrainConfig` (:func:`resolve_config` fills it from a recipe, as the command
-line does) through :func:`repmlp.engine.train_loop`, evaluating after every epoch (the ``metrics.csv``
-rows), then ends the run (convert, verify, benchmark, export, report:
-:mod:`repmlp.tasks.classification_report`). A killed run continues with ``resume=True`` from its last
-checkpoint to the weights of an uninterrupted run. :func:`evaluate` scores a model file (``repmlp eval``).
-"""
+:func:`train` trains a :class:`TrainConfig` (:func:`resolve_config` fills it from a recipe, as the command line
+does), evaluating after every epoch (the ``metrics.csv`` rows), then ends the run
+(:mod:`repmlp.tasks.classification_report`); a killed run continues with ``resume=True`` from its last
+checkpoint to the weights of an uninterrupted run. :func:`evaluate` scores a model file."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -24,32 +21,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp import engine
 from repmlp.data import Data, DataConfig, build_data, model_data_config
 from repmlp.data.loader import batch_generator
-from repmlp.engine import (
-    STATE_FILE,
-    DistInfo,
-    LoopHooks,
-    Position,
-    amp_dtype,
-    broadcast_buffers,
-    check_output,
-    check_resumable,
-    prepare_module,
-    progress,
-    resolve_device,
-    run_in_processes,
-    train_loop,
-)
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, check_field, check_fit, check_model_kwargs, load_model
 from repmlp.models.registry import build_model, takes_img_size
 from repmlp.tasks._common import check_batchnorm_batch, loop_options, per_process_batch, require_task_model
-from repmlp.tasks.classification_report import finish_run
+from repmlp.tasks.classification_report import finish_run, logit_batches
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import init_from_file, init_model_options, init_preprocessing
 from repmlp.tasks.metrics import topk_correct
@@ -60,17 +42,8 @@ __all__ = ["METRIC_FIELDS", "TrainConfig", "TrainResult", "EvalConfig", "resolve
 
 log = logging.getLogger(__name__)
 
-METRIC_FIELDS = [
-    "epoch",
-    "step",
-    "lr",
-    "train_loss",
-    "train_acc",
-    "val_loss",
-    "val_top1",
-    "val_top5",
-    "epoch_s",
-]
+METRIC_FIELDS = ["epoch", "step", "lr", "train_loss", "train_acc", "val_loss", "val_top1", "val_top5",
+                 "epoch_s"]  # fmt: skip
 _DEFAULT = PRESETS["fmnist"]  # the main job's recipe: TrainConfig's defaults
 
 
@@ -126,18 +99,15 @@ class TrainConfig(TrainOptions):
         origin = f" (from --init {self.init})" if self.init else ""
         if self.channels not in (None, 1, 3):
             yield "channels", f"the images' channels must be 1 or 3, got {self.channels}{origin}"
-        pre = self.eval_preprocessing
         own = {k: v for k, v in (("mean", self.mean), ("std", self.std)) if v is not None} or None
-        for name, value in (("mean", own), ("eval_preprocessing", pre)):
+        for name, value in (("mean", own), ("eval_preprocessing", self.eval_preprocessing)):
             if value is not None and set(value) & {"mean", "std"} != {"mean", "std"}:
                 yield name, f"the images' normalisation needs both mean and std{origin}"
             try:
                 check_field("the images' normalisation", "extra.eval_preprocessing", value or None, name)
             except CheckpointError as exc:
                 yield name, f"{exc}{origin}"
-            if any(
-                isinstance(v, list) and len(v) > 3 for k, v in (value or {}).items() if k in ("mean", "std")
-            ):
+            if any(isinstance((value or {}).get(k), list) and len(value[k]) > 3 for k in ("mean", "std")):
                 yield name, f"the images' normalisation has more values than channels{origin}"
 
 
@@ -181,35 +151,36 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr)
-    return torch.optim.SGD(
-        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0
-    )
+    nesterov = cfg.nesterov and cfg.momentum > 0
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
 
 
 @torch.no_grad()
 def evaluate_model(
-    model: nn.Module, loader, device: torch.device, *, amp: bool = False, procs: DistInfo | None = None
+    model: nn.Module, loader, device: torch.device, *, amp: bool = False, procs: engine.DistInfo | None = None
 ) -> dict[str, float]:
     """Loss, top-1 and top-5 accuracy (%) of ``model`` over ``loader``, summed over the processes."""
-    model.eval()
     sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
-    with progress(loader.batches(0), len(loader), "eval", procs is None or procs.is_main) as bar:
-        for x, y in bar:
-            with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
-                logits = model(x).float()
-            loss = F.cross_entropy(logits, y, reduction="sum").item()
-            sums += torch.tensor([loss, *topk_correct(logits, y), len(y)], dtype=torch.float64)
-    if procs is not None and procs.enabled:
-        t = sums.to(device) if device.type == "cuda" else sums
-        dist.all_reduce(t)
-        sums = t.cpu()
+    for logits, y in logit_batches(model, loader, device, amp=amp, show=procs is None or procs.is_main):
+        loss = F.cross_entropy(logits, y, reduction="sum").item()
+        sums += torch.tensor([loss, *topk_correct(logits, y), len(y)], dtype=torch.float64)
+    sums = _summed(sums, procs)
     n = max(1.0, sums[3].item())
     return {"loss": sums[0].item() / n, "top1": 100 * sums[1].item() / n, "top5": 100 * sums[2].item() / n,
             "n": int(n)}  # fmt: skip
 
 
+def _summed(sums: Tensor, procs: engine.DistInfo | None) -> Tensor:
+    """``sums`` (CPU, float64) summed over the processes (on the GPU, where NCCL needs them)."""
+    if procs is None or not procs.enabled:
+        return sums
+    return engine.all_reduce_sum(sums.to(procs.device), procs).cpu()
+
+
 @dataclass
 class TrainResult:
+    """What :func:`train` returns."""
+
     model: nn.Module  # unwrapped, eval mode, on the training device
     model_kwargs: dict[str, Any]
     data: Data
@@ -217,7 +188,7 @@ class TrainResult:
     config: TrainConfig
     train_seconds: float
     replica_hashes: list[str]
-    dist_info: DistInfo
+    dist_info: engine.DistInfo
     init: dict[str, Any] | None = None  # repmlp.tasks.finetune.InitReport of --init, as a dict
     mode: str = "eager"  # how the training steps ran (repmlp.engine.LoopResult.mode)
     ok: bool = True  # the end of the run's checks passed (repmlp.tasks.classification_report.finish_run)
@@ -226,21 +197,20 @@ class TrainResult:
 def train(
     cfg: TrainConfig, *, given: Collection[str] | None = None, finished_ok: bool = False
 ) -> TrainResult:
-    """Train per ``cfg`` into ``cfg.output``, then end the run on the main process (see the module docstring).
-
-    With ``cfg.resume`` the run continues from its checkpoint with the saved config; ``given`` names the
-    options the caller set (``None``: all of them; see :func:`_open_run`). A finished run (its report
-    written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing the end of one)."""
+    """Train per ``cfg`` into ``cfg.output``, then end the run on the main process. With ``cfg.resume`` the run
+    continues from its checkpoint with the saved config; ``given`` names the options the caller set
+    (``None``: all of them; see :func:`_open_run`). A finished run (its report written) is not resumed unless
+    ``finished_ok`` (``repmlp study`` redoing the end of one)."""
     started = time.perf_counter()
     cfg.validate()
-    result = run_in_processes(cfg, lambda cfg, procs: _train(cfg, procs, given, finished_ok))
+    result = engine.run_in_processes(cfg, lambda cfg, procs: _train(cfg, procs, given, finished_ok))
     if result.dist_info.is_main:
         result.ok = finish_run(result, started)
     return result
 
 
 def _train(
-    cfg: TrainConfig, procs: DistInfo, given: Collection[str] | None, finished_ok: bool
+    cfg: TrainConfig, procs: engine.DistInfo, given: Collection[str] | None, finished_ok: bool
 ) -> TrainResult:
     per_process_batch(cfg.batch_size, procs)
     cfg, state = _open_run(cfg, given, procs, finished_ok)
@@ -262,25 +232,26 @@ def _train(
                         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})})  # fmt: skip
     hooks = _Hooks(cfg, procs, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
-    net = prepare_module(model, procs)
-    loop = train_loop(net, optimizer, data.train, opts, procs, state, LoopHooks(hooks.step, hooks.end_epoch))
+    net = engine.prepare_module(model, procs)
+    hooks = engine.LoopHooks(hooks.step, hooks.end_epoch)
+    loop = engine.train_loop(net, optimizer, data.train, opts, procs, state, hooks)
     model.eval()
     return TrainResult(model, model_kwargs, data, loop.history, cfg, loop.seconds, loop.replica_hashes, procs,
                        init, loop.mode)  # fmt: skip
 
 
 def _open_run(
-    cfg: TrainConfig, given: Collection[str] | None, procs: DistInfo, finished_ok: bool
+    cfg: TrainConfig, given: Collection[str] | None, procs: engine.DistInfo, finished_ok: bool
 ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """The run's config and the state to resume (``None`` for a new run); refuses to overwrite a run and to
     resume a finished one. A resumed run continues with the saved config, validated as any other (naming
     the state file): the runtime options ``given`` replace the saved ones, another option given must equal
     the saved one (:func:`repmlp.engine.check_resumable`), the others keep the saved values."""
     out = Path(cfg.output)
-    state = check_output(out, cfg.resume, procs, finished_ok=finished_ok)
+    state = engine.check_output(out, cfg.resume, procs, finished_ok=finished_ok)
     if state is None:
         return cfg, None
-    where, saved = out / STATE_FILE, state.get("config")
+    where, saved = out / engine.STATE_FILE, state.get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where} has no usable config (not a mapping)")
     old = TrainConfig.from_dict(saved)
@@ -288,7 +259,7 @@ def _open_run(
     check_model_kwargs(where, old.model_args, "config.model_args")
     if not isinstance(state.get("model"), dict):
         raise CheckpointError(f"{where} holds no model weights")
-    merged = check_resumable(saved, cfg.to_dict(), out, runtime=TrainConfig.RUNTIME, given=given,
+    merged = engine.check_resumable(saved, cfg.to_dict(), out, runtime=TrainConfig.RUNTIME, given=given,
                              hint="leave these options out to continue it, or train into another --output")  # fmt: skip
     # This call's own: resuming, a simulated crash; the report shows each command that resumed the run.
     again = [cfg.run_command] if cfg.run_command else []
@@ -302,10 +273,9 @@ _DATA_FIELDS &= {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def _build_data_and_model(
-    cfg: TrainConfig, procs: DistInfo, state: dict[str, Any] | None
+    cfg: TrainConfig, procs: engine.DistInfo, state: dict[str, Any] | None
 ) -> tuple[Data, nn.Module, dict[str, Any]]:
-    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``. A
-    resumed run's model is sized on the ``meta`` device against the state's weights first."""
+    """Seed, then this process's data and the model on its device: ``(data, model, model_kwargs)``."""
     device = procs.device
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
     random.seed(cfg.seed)
@@ -316,22 +286,18 @@ def _build_data_and_model(
     data = build_data(config, rank=procs.rank, world=procs.world, device=device)
     if state is None:
         _check_init_fits(cfg, data)
-    check = None if state is None else functools.partial(_check_state_fits, cfg, state["model"])
+    # A resumed run's model is built on the meta device first and must fit its state's weights: a state whose
+    # options describe a huge model is refused before anything is built.
+    state_file = Path(cfg.output) / engine.STATE_FILE
+    check = None if state is None else lambda kwargs: check_fit(
+        state_file, cfg.model, kwargs, state["model"], field_name="config.model_args",
+        what=f"this run ({cfg.model} with {kwargs})")  # fmt: skip
     model, model_kwargs = build_model(cfg.model, cfg.model_args, num_classes=data.num_classes,
                                       in_chans=data.in_chans, img_size=data.img_size, check=check)  # fmt: skip
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
     return data, model, model_kwargs
-
-
-def _check_state_fits(cfg: TrainConfig, weights: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """A resumed run's model, built on the ``meta`` device within the budget of its state's weights, must hold
-    their keys and shapes: a state whose options describe a huge model is refused before anything is built."""
-    what = f"this run ({cfg.model} with {kwargs})"
-    check_fit(
-        Path(cfg.output) / STATE_FILE, cfg.model, kwargs, weights, field_name="config.model_args", what=what
-    )
 
 
 def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
@@ -356,10 +322,10 @@ def _check_init_fits(cfg: TrainConfig, data: Data) -> None:
 
 
 def _initialise(
-    cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, procs: DistInfo
-) -> dict[str, Any] | None:
-    """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed
-    run, whose weights come from its checkpoint). Returns the :class:`repmlp.tasks.finetune.InitReport` dict."""
+    cfg: TrainConfig, model: nn.Module, state: dict[str, Any] | None, procs: engine.DistInfo
+) -> dict | None:
+    """``--init``: load the file's weights into ``model`` (a new run) or recall what was loaded (a resumed run,
+    whose weights come from its checkpoint): the :class:`repmlp.tasks.finetune.InitReport` dict."""
     if not cfg.init:
         return None
     if state is not None:
@@ -378,15 +344,16 @@ class _Hooks:
     """Classification's part of the engine's loop (:class:`repmlp.engine.LoopHooks`)."""
 
     cfg: TrainConfig
-    procs: DistInfo
+    procs: engine.DistInfo
     model: nn.Module  # unwrapped: evaluated without DDP
     data: Data
     total_steps: int
 
-    def step(self, net: nn.Module, x: Tensor, y: Tensor, pos: Position) -> tuple[Tensor, dict[str, float]]:
-        """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``.
-
-        Statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
+    def step(
+        self, net: nn.Module, x: Tensor, y: Tensor, pos: engine.Position
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Mixup (per-batch seeded) and label-smoothed cross-entropy of ``x`` ``(N, C, H, W)``, ``y`` ``(N,)``;
+        statistics: the loss and 100 x the correct count summed over the batch (``n`` images)."""
         cfg = self.cfg
         lam, y2 = 1.0, y
         if cfg.mixup > 0:
@@ -405,17 +372,15 @@ class _Hooks:
         correct = (logits.argmax(1) == y).sum().item()
         return loss, {"loss": loss.item() * len(y), "acc": 100.0 * correct, "n": float(len(y))}
 
-    def end_epoch(self, pos: Position) -> dict[str, Any]:
+    def end_epoch(self, pos: engine.Position) -> dict[str, Any]:
         """Evaluate on the validation set: the epoch's ``metrics.csv`` row (logged by the main process)."""
         cfg, procs, acc = self.cfg, self.procs, pos.epoch_acc
-        broadcast_buffers(self.model, procs)
+        engine.broadcast_buffers(self.model, procs)
         val = evaluate_model(self.model, self.data.val, procs.device, amp=bool(cfg.amp), procs=procs)
         # The training sums are per process: summed, so that the row describes the whole run.
-        sums = torch.tensor(
-            [acc.get("loss", 0.0), acc.get("acc", 0.0), acc.get("n", 0.0)], dtype=torch.float64
+        sums = _summed(
+            torch.tensor([acc.get(k, 0.0) for k in ("loss", "acc", "n")], dtype=torch.float64), procs
         )
-        if procs.enabled:
-            dist.all_reduce(sums)
         n = max(1, sums[2].item())
         row = {"epoch": pos.epoch + 1, "step": pos.step, "lr": lr_at(pos.step - 1, self.total_steps, cfg,
                len(self.data.train)), "train_loss": sums[0].item() / n, "train_acc": sums[1].item() / n,
@@ -430,8 +395,7 @@ class _Hooks:
 
 @dataclass(kw_only=True)
 class EvalConfig(EvalOptions):
-    """``repmlp eval`` (``--task cls``): a model file and the data set to score it on (``dataset`` and
-    ``data_dir`` default to the ones the file was trained on)."""
+    """``repmlp eval``: a model file and the data set to score it on (by default the file's)."""
 
     dataset: str | None = None
     data_dir: str | None = None
@@ -442,37 +406,31 @@ class EvalConfig(EvalOptions):
 
 
 def evaluate(args: EvalConfig) -> int:
-    """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``). A file whose
-    classes, channels or input size do not fit the data set is a :class:`CheckpointError`."""
+    """Top-1/top-5 and loss of a model file on a data set, printed (as JSON with ``json``); a file whose classes,
+    channels or input size do not fit the data set is a :class:`CheckpointError`."""
     if not args.checkpoint:
         raise UserError("eval needs --checkpoint FILE (model.safetensors or deploy.safetensors)")
     args.validate()
-    device = resolve_device(args.device)
+    device = engine.resolve_device(args.device)
     model = load_model(args.checkpoint, device=device)
     meta = model.metadata
     dataset, kwargs = args.dataset or meta.extra.get("dataset") or "fashion-mnist", meta.model_kwargs
-    # The file's channels, input size and normalisation, as convert reads the data for it too (the
-    # training run's data folder, recorded in the file, unless another is given).
+    # The file's channels, input size and normalisation, as convert reads the data for it too (the training
+    # run's data folder, recorded in the file, unless another is given).
     config = model_data_config(meta, dataset, data_dir=args.data_dir, img_size=args.img_size,
                                download=args.download, eval_batch_size=args.batch_size,
                                val_limit=args.val_limit, workers=args.workers, need_train=False)  # fmt: skip
     data = build_data(config, device=device)
-    if kwargs.get("num_classes") not in (None, data.num_classes):
-        raise CheckpointError(f"{args.checkpoint} predicts {kwargs['num_classes']} classes but {dataset} has "
-                              f"{data.num_classes}")  # fmt: skip
     # The model's own channels (a foreign file may not record in_chans).
-    if meta.input_size[0] != data.in_chans:
-        raise CheckpointError(f"{args.checkpoint} takes {meta.input_size[0]}-channel images but {dataset} has "
-                              f"{data.in_chans}")  # fmt: skip
-    if kwargs.get("img_size") not in (None, data.img_size):
-        raise CheckpointError(f"{args.checkpoint} takes {kwargs['img_size']}px images but {dataset} has "
-                              f"{data.img_size}px")  # fmt: skip
+    for what, own, theirs, unit in [("predicts {} classes", kwargs.get("num_classes"), data.num_classes, ""),
+                                    ("takes {}-channel images", meta.input_size[0], data.in_chans, ""),
+                                    ("takes {}px images", kwargs.get("img_size"), data.img_size, "px")]:  # fmt: skip
+        if own not in (None, theirs):
+            raise CheckpointError(f"{args.checkpoint} {what.format(own)} but {dataset} has {theirs}{unit}")
     res = evaluate_model(model, data.val, device)
     res.update(model=meta.name, form=meta.form, precision=meta.precision, dataset=dataset,
                checkpoint=str(args.checkpoint))  # fmt: skip
-    if args.json:
-        print(json.dumps(res, sort_keys=True))
-    else:
-        print(f"{meta.name} ({meta.form} form, {res['precision']}) on {dataset}, {res['n']} examples: "
-              f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}")  # fmt: skip
+    print(json.dumps(res, sort_keys=True) if args.json else
+          f"{meta.name} ({meta.form} form, {res['precision']}) on {dataset}, {res['n']} examples: "
+          f"top-1 {res['top1']:.2f}%  top-5 {res['top5']:.2f}%  loss {res['loss']:.4f}")  # fmt: skip
     return 0

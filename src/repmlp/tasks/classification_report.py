@@ -1,9 +1,8 @@
 """The end of a classification run (``repmlp train``): evaluate, convert, verify, benchmark, export, report.
 
-:func:`finish_run` takes the finished :class:`~repmlp.tasks.classification.TrainResult` and writes into the
-run folder ``model.safetensors`` (training-time form), ``deploy.safetensors`` (converted; reloaded with
-``deploy=True`` for the checks), ``deploy.onnx``, ``curves.png``, ``fc3.png`` and ``report.md``.
-"""
+:func:`finish_run` writes into the run folder ``model.safetensors`` (training-time form), ``deploy.safetensors``
+(converted; loaded back with ``deploy=True`` for the checks), ``deploy.onnx``, ``curves.png``, ``fc3.png`` and
+``report.md``."""
 
 from __future__ import annotations
 
@@ -11,11 +10,13 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from repmlp.bench.throughput import benchmark, render_markdown
@@ -40,37 +41,39 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False) -> tuple[Tensor, Tensor]:
-    """Logits ``(N, K)`` (float32, CPU) and labels ``(N,)`` of every example of ``loader`` on this process."""
-    model.eval().to(device)
-    logits, labels = [], []
-    with progress(loader.batches(0), len(loader), "predict", True) as bar:
+def logit_batches(
+    model: nn.Module, loader, device: torch.device, *, amp: bool = False, show: bool = True
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(logits (B, K) float32, labels (B,))`` of each of this process's batches of ``loader``, ``model`` in
+    eval mode (autocast with ``amp``); ``show``: a progress bar."""
+    model.eval()
+    with progress(loader.batches(0), len(loader), "eval", show) as bar:
         for x, y in bar:
             with torch.autocast(device.type, dtype=amp_dtype(device), enabled=amp):
-                logits.append(model(x).float().cpu())
-            labels.append(y.cpu())
-    return torch.cat(logits), torch.cat(labels)
+                yield model(x).float(), y
+
+
+def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False) -> tuple[Tensor, Tensor]:
+    """Logits ``(N, K)`` (float32, CPU) and labels ``(N,)`` of every example of ``loader`` on this process."""
+    pairs = [
+        (logits.cpu(), y.cpu()) for logits, y in logit_batches(model.to(device), loader, device, amp=amp)
+    ]
+    return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
 
 
 def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """Loss and top-1 accuracy per epoch (train and validation) as a PNG, written atomically."""
-    import matplotlib  # optional (repmlp[plots]); imported here, by the one step that needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     epochs = [r["epoch"] for r in history]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
     # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
-    for ax, (train, val, ylabel, title_) in zip(axes, [
+    for ax, (train, val, ylabel, name) in zip(fig.subplots(1, 2), [
         (("train_loss", "train (as optimised)"), ("val_loss", "validation"), "cross-entropy loss", "loss"),
         (("train_acc", "train"), ("val_top1", "validation top-1"), "accuracy (%)", "accuracy"),
     ], strict=True):  # fmt: skip
         for (key, label), marker in ((train, "o-"), (val, "s-")):
             ax.plot(epochs, [r[key] for r in history], marker, label=label)
-        ax.set(xlabel="epoch", ylabel=ylabel, title=title_)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="epoch", ylabel=ylabel, title=name)
+        ax.locator_params(axis="x", integer=True)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
@@ -92,8 +95,8 @@ def _optional(name: str, fn, outcome: Outcome):
 
 @dataclass
 class Outcome:
-    """What the end of a run measured: accuracies of both forms, the conversion check and the optional
-    steps' results (``notes`` says what was skipped or failed)."""
+    """What the end of a run measured: both forms' accuracies, the conversion check and the optional steps'
+    results (``notes``: what was skipped or failed)."""
 
     train_acc: dict[str, float]
     dep_acc: dict[str, float]
@@ -179,8 +182,8 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
 
 
 def _export(out: Path, deployed: nn.Module, size: tuple[int, int, int], outcome: Outcome) -> float | None:
-    """``deploy.onnx`` (its onnxruntime difference relative to the output scale); skipped with a note
-    without the optional packages (the run itself succeeded)."""
+    """``deploy.onnx`` (its onnxruntime difference relative to the output scale); skipped with a note without
+    the optional packages (the run itself succeeded)."""
     missing = export.missing_onnx_packages()
     if missing:
         msg = f"ONNX export skipped: {', '.join(missing)} not installed (pip install 'repmlp[export]')"
@@ -208,24 +211,24 @@ def render_report(result: TrainResult, outcome: Outcome, command: list[str]) -> 
 
 
 def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) -> list[str]:
-    cfg, hashes = result.config, result.replica_hashes
+    cfg, hashes, procs, data = result.config, result.replica_hashes, result.dist_info, result.data
     return [
         f"# repmlp run: {cfg.model} on {cfg.dataset}",
         "",
         f"- Command: `{' '.join(command)}`",
         *[f"- Resumed with: `{' '.join(again)}`" for again in cfg.resumed_with],
-        f"- Hardware: {hardware_summary(result.dist_info.device)}"
-        + (f"; {result.dist_info.world} processes (DDP)" if result.dist_info.enabled else ""),
+        f"- Hardware: {hardware_summary(procs.device)}"
+        + (f"; {procs.world} processes (DDP)" if procs.enabled else ""),
         f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-        f"- Data: {result.data.train.num_samples} training / {result.data.val.num_samples} validation examples"
-        + (f" ({'; '.join(result.data.notes)})" if result.data.notes else ""),
+        f"- Data: {data.train.num_samples} training / {data.val.num_samples} validation examples"
+        + (f" ({'; '.join(data.notes)})" if data.notes else ""),
         f"- Recipe (preset `{cfg.preset}`): {cfg.epochs} epochs, batch {cfg.batch_size}, {cfg.optimizer} "
         f"lr {cfg.lr:g} ({cfg.schedule}, warm-up {cfg.warmup_epochs:g} epochs, to {cfg.min_lr:g}), momentum "
         f"{cfg.momentum:g}, weight decay {cfg.weight_decay:g}, label smoothing {cfg.label_smoothing:g}, mixup "
         f"{cfg.mixup:g}, crop padding {cfg.pad}, flip {cfg.flip}, autoaugment {cfg.autoaugment}, seed {cfg.seed}",
         f"- Model options: `{result.model_kwargs}`",
         f"- Precision: training and the per-epoch validation of the training curve in "
-        f"{run_precision(result.dist_info.device, bool(cfg.amp), amp_dtype(result.dist_info.device))}; "
+        f"{run_precision(procs.device, bool(cfg.amp), amp_dtype(procs.device))}; "
         "the accuracies of both forms and the conversion check in full float32 (no autocast, no TF32)",
         *report_lines(result.init),
         f"- Replicas: {len(hashes)} process(es), final weights sha256 "
@@ -237,41 +240,23 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
 
 
 def _accuracy_lines(outcome: Outcome) -> list[str]:
-    train_acc, dep_acc, cmp = outcome.train_acc, outcome.dep_acc, outcome.cmp
-    return [
-        "",
-        "## Accuracy",
-        "",
-        "Both forms on the whole validation set in full float32 (no autocast, no TF32):",
-        "",
-        "| form | top-1 (%) | top-5 (%) |",
-        "|---|---|---|",
-        f"| training-time (`model.safetensors`) | {train_acc['top1']:.2f} | {train_acc['top5']:.2f} |",
-        f"| converted (`deploy.safetensors`) | {dep_acc['top1']:.2f} | {dep_acc['top5']:.2f} |",
-        "",
-        f"Conversion ({outcome.convert_s:.2f} s): max |logit difference| {cmp['max_abs_diff']:.2e} "
-        f"(relative {cmp['max_rel_diff']:.2e}), {cmp['changed_predictions']} of {train_acc['n']} predictions "
-        f"changed: **{'equivalent' if outcome.equivalent else 'NOT equivalent'}** (tolerance "
-        f"{CONVERSION_RTOL:g} relative).",
-    ]
+    train, dep, cmp = outcome.train_acc, outcome.dep_acc, outcome.cmp
+    return ["", "## Accuracy", "", "Both forms on the whole validation set in full float32 (no autocast, no TF32):",
+            "", "| form | top-1 (%) | top-5 (%) |", "|---|---|---|",
+            f"| training-time (`model.safetensors`) | {train['top1']:.2f} | {train['top5']:.2f} |",
+            f"| converted (`deploy.safetensors`) | {dep['top1']:.2f} | {dep['top5']:.2f} |", "",
+            f"Conversion ({outcome.convert_s:.2f} s): max |logit difference| {cmp['max_abs_diff']:.2e} (relative "
+            f"{cmp['max_rel_diff']:.2e}), {cmp['changed_predictions']} of {train['n']} predictions changed: "
+            f"**{'equivalent' if outcome.equivalent else 'NOT equivalent'}** (tolerance {CONVERSION_RTOL:g} "
+            "relative)."]  # fmt: skip
 
 
 def _curve_lines(result: TrainResult) -> list[str]:
-    lines = [
-        "",
-        "## Training curve",
-        "",
-        "![curves](curves.png)",
-        "",
-        "| epoch | lr | train loss | train acc (%) | val loss | val top-1 (%) | val top-5 (%) | time (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result.history:
-        lines.append(
-            f"| {r['epoch']} | {r['lr']:.4g} | {r['train_loss']:.4f} | {r['train_acc']:.2f} | {r['val_loss']:.4f} | "
-            f"{r['val_top1']:.2f} | {r['val_top5']:.2f} | {r['epoch_s']:.0f} |"
-        )
-    return lines
+    return ["", "## Training curve", "", "![curves](curves.png)", "",
+            "| epoch | lr | train loss | train acc (%) | val loss | val top-1 (%) | val top-5 (%) | time (s) |",
+            "|---|---|---|---|---|---|---|---|"] + [
+        f"| {r['epoch']} | {r['lr']:.4g} | {r['train_loss']:.4f} | {r['train_acc']:.2f} | {r['val_loss']:.4f} | "
+        f"{r['val_top1']:.2f} | {r['val_top5']:.2f} | {r['epoch_s']:.0f} |" for r in result.history]  # fmt: skip
 
 
 def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
@@ -286,17 +271,16 @@ def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
 
 
 def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
-    out, onnx_diff, fc3_sample = Path(result.config.output), outcome.onnx_diff, outcome.fc3_sample
-    onnx_note = (
-        f" (onnxruntime max diff {onnx_diff:.2e} of the output scale)"
-        if isinstance(onnx_diff, float) and math.isfinite(onnx_diff)
-        else ""
+    out, diff = Path(result.config.output), outcome.onnx_diff
+    block, checked = (
+        getattr(outcome.fc3_sample, "block_name", None),
+        isinstance(diff, float) and math.isfinite(diff),
     )
-    block = getattr(fc3_sample, "block_name", None)
     files = {
         "model.safetensors": "training-time weights (`repmlp eval --checkpoint`)",
         "deploy.safetensors": "converted weights, loads into `create_model(..., deploy=True)`",
-        "deploy.onnx": "ONNX of the converted model" + onnx_note,
+        "deploy.onnx": "ONNX of the converted model"
+        + (f" (onnxruntime max diff {diff:.2e} of the output scale)" if checked else ""),
         STATE_FILE: "training state for `--resume`",
         METRICS_FILE: "per-epoch metrics",
         "curves.png": "training curves",
@@ -304,6 +288,4 @@ def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
         + (f" (block `{block}`)" if block else ""),
     }
     lines = ["", "## Files", ""] + [f"- `{f}`: {what}" for f, what in files.items() if (out / f).exists()]
-    if (out / "fc3.png").exists():
-        lines += ["", "![FC3](fc3.png)"]
-    return lines
+    return lines + (["", "![FC3](fc3.png)"] if (out / "fc3.png").exists() else [])

@@ -1,13 +1,11 @@
 """The one shape of every task's configs: a dataclass built from the parsed command line (:meth:`from_args`)
-or in Python, checked by :meth:`TaskConfig.validate` (its fields' types, the option table
-:data:`repmlp.tasks.limits.OPTIONS`, :data:`CHOICES` and the task's own rules) whether it comes from the
-command line, a Python caller or a resumed run's training state."""
+or in Python, checked by :meth:`TaskConfig.validate` (its fields' types, the ranges of
+:data:`repmlp.tasks.limits.OPTIONS`, :data:`CHOICES` and the task's own rules) wherever it comes from."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import types
 import typing
 from collections.abc import Iterator
@@ -44,18 +42,17 @@ class TaskConfig:
 
     # The fields that do not change the maths: a resumed run may change them (repmlp.engine.check_resumable).
     RUNTIME: ClassVar[frozenset[str]] = frozenset()
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = CHOICES  # a task may narrow them
 
     @classmethod
     def from_args(cls: type[_C], args: argparse.Namespace) -> _C:
         """The config of a parsed command line: the fields it has an option for, the others' defaults."""
-        return cls(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        )
+        return cls.from_dict(vars(args))
 
     @classmethod
     def from_dict(cls: type[_C], d: dict[str, Any]) -> _C:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The config of a mapping (a saved state's), its keys that are no field left out."""
+        return cls(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,15 +63,13 @@ class TaskConfig:
         for name, why in self.problems():
             if where is None:
                 raise UserError(why)
-            raise CheckpointError(
-                f"{where}: config field {name!r}: {why} (an edited or foreign state: resume a run's own "
-                "checkpoint, or train into another --output)"
-            )
+            raise CheckpointError(f"{where}: config field {name!r}: {why} (an edited or foreign state: resume a "
+                                  "run's own checkpoint, or train into another --output)")  # fmt: skip
 
     def problems(self) -> Iterator[tuple[str, str]]:
         """``(field, why)`` of each value not of its field's type, then out of its range or choices, then
         breaking one of the task's :meth:`rules` (each step sees values that passed the one before)."""
-        hints, fields = _type_hints(type(self)), dataclasses.fields(self)
+        hints, fields = typing.get_type_hints(type(self)), dataclasses.fields(self)
         values = {f.name: getattr(self, f.name) for f in fields}
         wrong = [(f.name, f"{option_flag(f.name)} must be {f.type}, got {values[f.name]!r}") for f in fields
                  if not _fits(values[f.name], hints[f.name])]  # fmt: skip
@@ -82,7 +77,7 @@ class TaskConfig:
             yield from wrong
             return
         for name, value in values.items():
-            rng, choices = OPTIONS.get(name), CHOICES.get(name)
+            rng, choices = OPTIONS.get(name), self.CHOICES.get(name)
             if value is not None and rng is not None and not rng.contains(value):
                 yield name, f"{option_flag(name)} must be in {rng.describe()}, got {value}"
             if value is not None and choices is not None and value not in choices:
@@ -135,12 +130,6 @@ class EvalOptions(TaskConfig):
     workers: int = 2
     device: str = "auto"
     json: bool = False  # print the metrics as JSON
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """``cls``'s field annotations, evaluated once (they are strings under ``from __future__``)."""
-    return typing.get_type_hints(cls)
 
 
 def _fits(value: Any, hint: Any) -> bool:

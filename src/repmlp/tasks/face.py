@@ -9,11 +9,11 @@ MobileFaceNets' weight decay (4e-5, 4e-4 on the embedding layer and the class we
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,32 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from repmlp.data.face import FaceFolder, ImageList, face_transform, read_pairs
-from repmlp.engine import (
-    DistInfo,
-    check_output,
-    prepare_module,
-    progress,
-    resolve_device,
-    run_in_processes,
-    train_loop,
-    unwrap,
-)
+from repmlp.engine import DistInfo, progress, resolve_device, run_in_processes
 from repmlp.errors import UserError
 from repmlp.models.registry import build_model
-from repmlp.tasks._common import (
-    RunResult,
-    check_batchnorm_batch,
-    check_finite,
-    evaluate_both_forms,
-    finish_run,
-    load_for_eval,
-    loop_options,
-    per_process_batch,
-    require_task_model,
-    resolve_img_size,
-    training_loader,
-    write_json,
-)
+from repmlp.tasks import _common
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import head_prefixes, init_from_file
 from repmlp.tasks.losses import AMSoftmax
@@ -63,8 +41,7 @@ PAPER_ITERATIONS = 420_000
 
 @dataclass(kw_only=True)
 class TrainConfig(TrainOptions):
-    """``repmlp train --task face``: the shared training options, the paper's recipe as defaults, and the
-    face pipeline's own."""
+    """``repmlp train --task face``: the shared options, the paper's recipe as defaults, and the task's own."""
 
     data_dir: str  # aligned face crops, one sub-folder per identity
     model: str = "repmlp_face_resnet"
@@ -99,10 +76,8 @@ class EvalConfig(EvalOptions):
 
 
 class FaceTrainModule(nn.Module):
-    """Embedding model + AM-Softmax as one module, so one DDP wrapper synchronises both.
-
-    Shapes: images ``(N, 3, S, S)``, labels ``(N,)`` -> scalar loss.
-    """
+    """Embedding model + AM-Softmax as one module (one DDP wrapper): images ``(N, 3, S, S)``, labels ``(N,)``
+    -> scalar loss."""
 
     def __init__(self, model: nn.Module, loss: nn.Module) -> None:
         super().__init__()
@@ -133,50 +108,42 @@ def lr_steps(cfg: TrainConfig) -> list[int]:
     return [max(1, round(s * cfg.iterations / PAPER_ITERATIONS)) for s in PAPER_LR_STEPS]
 
 
-def train(cfg: TrainConfig) -> RunResult:
+def train(cfg: TrainConfig) -> _common.RunResult:
     """``repmlp train --task face``: train, then save the training-form and converted models and the report."""
     cfg.validate()
     return run_in_processes(cfg, _train)
 
 
-def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
+def _train(cfg: TrainConfig, procs: DistInfo) -> _common.RunResult:
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_args)
-    size = resolve_img_size(kwargs, "--img-size", cfg.img_size, 96)
+    size = _common.resolve_img_size(kwargs, "--img-size", cfg.img_size, 96)
     dataset = FaceFolder(cfg.data_dir, train=True, size=size)
     identities = len(dataset.classes)
     if identities < 2:  # one class makes the AM-Softmax loss 0 whatever the embedding: nothing to learn
         raise UserError(f"{cfg.data_dir} holds {identities} identity; face training needs at least 2")
     model, _ = build_model(cfg.model, kwargs)
-    require_task_model(model, "face", cfg.model)
+    _common.require_task_model(model, "face", cfg.model)
     init = _init_trunk(model, cfg.init, procs)
     loss = AMSoftmax(model.embedding_dim, identities, scale=cfg.am_scale, margin=cfg.am_margin)
-    check_batchnorm_batch(model, cfg.batch_size, min(len(dataset), cfg.train_limit or len(dataset)), procs)
-    loader = training_loader(dataset, cfg, procs, per_process_batch(cfg.batch_size, procs))
+    loader = _common.training_loader(dataset, cfg, procs, model)
     steps = lr_steps(cfg)
-    opts = loop_options(cfg, procs, lambda step: [cfg.lr * 0.1 ** sum(step >= s for s in steps)] * 2,
-                        auto_graphs=False, iterations=cfg.iterations, log_interval=cfg.log_interval,
-                        extra_state={"model_kwargs": kwargs})  # fmt: skip
-    state = check_output(opts.output, cfg.resume, procs)
-    net = prepare_module(FaceTrainModule(model, loss), procs)
-    groups = _param_groups(unwrap(net), cfg.weight_decay, cfg.head_weight_decay)
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if procs.is_main:
         log.info("face: %d images of %d identities, %s (%d params), %d iterations on %d process(es)",
                  loader.num_samples, identities, cfg.model, sum(p.numel() for p in model.parameters()),
                  cfg.iterations, procs.world)  # fmt: skip
-    loop = train_loop(net, optimizer, loader, opts, procs, state)
-    meta = {"task": "face", "identities": str(identities), "iterations": str(cfg.iterations)}
     lines = [
         f"- Data: {loader.num_samples} face crops of {identities} identities ({cfg.data_dir})",
         f"- Model: `{cfg.model}` {kwargs}, AM-Softmax s={cfg.am_scale:g} m={cfg.am_margin:g}",
         f"- Recipe: {cfg.iterations} iterations, batch {cfg.batch_size}, SGD lr {cfg.lr:g} (/10 at {steps}), "
         f"momentum {cfg.momentum:g}, weight decay {cfg.weight_decay:g} (head {cfg.head_weight_decay:g}), seed "
-        f"{cfg.seed}, {procs.world} process(es), {loop.mode} training step",
+        f"{cfg.seed}",
     ]
-    trained = unwrap(net).model
-    input_size = (getattr(trained, "in_chans", 3), size, size)
-    return finish_run(cfg, procs, loop, trained, kwargs, meta, input_size, lines, init)
+    meta = {"task": "face", "identities": str(identities), "iterations": str(cfg.iterations)}
+    return _common.train_run(cfg, procs, _common.Run(
+        FaceTrainModule(model, loss), lambda m: _param_groups(m, cfg.weight_decay, cfg.head_weight_decay), loader,
+        lambda step: [cfg.lr * 0.1 ** sum(step >= s for s in steps)] * 2, cfg.iterations, kwargs, size, meta, lines,
+        init))  # fmt: skip
 
 
 def _init_trunk(model: nn.Module, path: str | None, procs: DistInfo) -> dict[str, Any] | None:
@@ -203,14 +170,14 @@ def embed_images(
     with progress(loader, len(loader), "embed", True) as bar:  # closed (line cleared) on errors too
         for images, _ in bar:
             out = model(images.to(device)).float()
-            check_finite(out, what)
+            _common.check_finite(out, what)
             chunks.append(F.normalize(out, dim=1).cpu())
     return torch.cat(chunks) if chunks else torch.empty(0)
 
 
 def face_metrics(
-    model: nn.Module, sets: tuple[Any, int, Any, Any], cfg: EvalConfig, img_size: int, device: torch.device,
-    what: str = "the model",
+    model: nn.Module, what: str, *, sets: tuple[Any, int, Any, Any], cfg: EvalConfig, img_size: int,
+    device: torch.device,
 ) -> dict[str, Any]:  # fmt: skip
     """Verification accuracy and/or rank-1 identification of ``model`` on ``sets`` (:func:`read_face_sets`)."""
     pairs, folds, probe, gallery = sets
@@ -220,9 +187,8 @@ def face_metrics(
         unique = sorted(set(pairs.first) | set(pairs.second))
         index = {p: i for i, p in enumerate(unique)}
         emb = embed_images(model, unique, **common)
-        a = emb[[index[p] for p in pairs.first]]
-        b = emb[[index[p] for p in pairs.second]]
-        scores = (a * b).sum(1)  # cosine: embeddings are unit vectors
+        # cosines: the embeddings are unit vectors
+        scores = (emb[[index[p] for p in pairs.first]] * emb[[index[p] for p in pairs.second]]).sum(1)
         result["verification_accuracy"] = verification_accuracy(scores, torch.tensor(pairs.same), folds=folds)
         result.update(verification_pairs=len(scores), verification_folds=folds)
     if probe is not None and gallery is not None:
@@ -259,24 +225,18 @@ def read_face_sets(cfg: EvalConfig) -> tuple[Any, int, Any, Any]:
 
 
 def evaluate(cfg: EvalConfig) -> int:
-    """``repmlp eval --task face``: metrics on the converted model's embeddings (and with
-    ``check_conversion`` the training form's), printed; 1 when one is not finite."""
+    """``repmlp eval --task face``: metrics on the converted model's embeddings (and with ``check_conversion``
+    the training form's), printed; 1 when one is not finite."""
     cfg.validate()
     sets = read_face_sets(cfg)  # bad sets fail before the checkpoint is loaded, and before any bar
     device = resolve_device(cfg.device)
-    trained, deployed, meta = load_for_eval(cfg.checkpoint, device, "face")
+    trained, deployed, meta = _common.load_for_eval(cfg.checkpoint, device, "face")
     img_size = int(meta.model_kwargs.get("img_size", 96))
-    metrics = {"checkpoint": str(cfg.checkpoint), "model": meta.name, "form_evaluated": "deploy"}
-    metrics.update(evaluate_both_forms(lambda model, what: face_metrics(model, sets, cfg, img_size, device, what),
-                                       trained, deployed, cfg.check_conversion))  # fmt: skip
-    if cfg.json:
-        print(json.dumps(metrics, sort_keys=True))
-    for key in ("verification_accuracy", "rank1_identification"):
-        if key in metrics and not cfg.json:
-            line = f"{key}: {100 * metrics[key]:.2f}%"
-            if "training_time" in metrics:
-                line += f" (training form: {100 * metrics['training_time'][key]:.2f}%)"
-            print(line)
-    if cfg.output_json:
-        write_json(Path(cfg.output_json), metrics)
+    evaluate = partial(face_metrics, sets=sets, cfg=cfg, img_size=img_size, device=device)
+    metrics = {"checkpoint": str(cfg.checkpoint), "model": meta.name, "form_evaluated": "deploy",
+               **_common.evaluate_both_forms(evaluate, trained, deployed, cfg.check_conversion)}  # fmt: skip
+    ref = metrics.get("training_time", {})
+    lines = [f"{k}: {100 * metrics[k]:.2f}%" + (f" (training form: {100 * ref[k]:.2f}%)" if ref else "")
+             for k in ("verification_accuracy", "rank1_identification") if k in metrics]  # fmt: skip
+    _common.report_metrics(cfg, metrics, lines)
     return 0 if all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)) else 1

@@ -1,12 +1,10 @@
 """Starting a run from the weights of a model file (``repmlp train --init FILE``), as timm's
 ``--initial-checkpoint`` / mmpretrain's ``load_from`` do.
 
-Every weight of the file whose name and shape fit the new model is loaded. The head (the classifier, or
-a face model's embedding head) is the one part allowed to differ: a classifier with another number of
-classes keeps the new model's fresh initialisation (timm's ``load_pretrained`` drops it the same way);
-a face run always starts its embedding head fresh. Any other missing, unexpected or mis-shaped key is a
-one-line :class:`~repmlp.errors.UserError` naming the keys. A deployed (converted) file is refused: the
-converted model has no Local Perceptron (nor BatchNorm) left to train.
+Every weight of the file is loaded into the new model but its head, the one part allowed to differ: a
+classifier for another number of classes keeps its fresh initialisation (as timm's ``load_pretrained`` does),
+a face run's embedding head always. Any other missing, unexpected or mis-shaped key is one
+:class:`~repmlp.errors.UserError` naming the keys. A deployed file is refused: it has nothing left to train.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, ModelFileMeta, compare_state, read_model_file
 
 __all__ = ["InitReport", "init_from_file", "init_model_options", "init_preprocessing", "head_prefixes",
-           "file_sha256", "report_lines"]  # fmt: skip
+           "file_sha256", "read_training_file", "report_lines"]  # fmt: skip
 
 # Options the new run's data decide, not the file: the classes, the channels and the input size.
 DATA_OPTIONS = ("num_classes", "in_chans", "img_size")
@@ -46,12 +44,9 @@ class InitReport:
         return asdict(self)
 
     def summary(self) -> str:
-        """One line for logs and reports."""
-        fresh = ", ".join(self.reinitialised) if self.reinitialised else "none"
-        return (
-            f"initialised from `{self.path}` ({self.model}, sha256 `{self.sha256}`): {self.loaded} tensors "
-            f"loaded; re-initialised: {fresh}"
-        )
+        """One line for the log."""
+        return (f"initialised from `{self.path}` ({self.model}, sha256 `{self.sha256}`): {self.loaded} tensors "
+                f"loaded; re-initialised: {', '.join(self.reinitialised) or 'none'}")  # fmt: skip
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -62,9 +57,9 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any], ModelFileMeta]:
-    """Tensors and checked metadata of a training-time repmlp model file
-    (:func:`repmlp.io.model_file.read_model_file`); one-line errors for anything else."""
+def read_training_file(path: str | os.PathLike, flag: str = "--init") -> tuple[dict[str, Any], ModelFileMeta]:
+    """Tensors and checked metadata of a training-form model file (:func:`~repmlp.io.model_file.read_model_file`);
+    anything else, a deployed file too, is a one-line :class:`UserError` naming ``flag``."""
     try:
         tensors, fm = read_model_file(path)
     except CheckpointError as exc:
@@ -79,9 +74,9 @@ def _read_model_file(path: str | os.PathLike, flag: str) -> tuple[dict[str, Any]
 
 
 def init_model_options(path: str | os.PathLike, flag: str = "--init") -> tuple[str, dict[str, Any]]:
-    """``(model name, options)`` of a model file, without the options the new data decide
-    (:data:`DATA_OPTIONS`): what a fine-tuning run builds when no ``--model`` is given."""
-    _, fm = _read_model_file(path, flag)
+    """``(model name, options)`` of a model file but the options the new data decide (:data:`DATA_OPTIONS`):
+    what a fine-tuning run builds when no ``--model`` is given."""
+    _, fm = read_training_file(path, flag)
     return fm.model, {k: v for k, v in fm.model_kwargs.items() if k not in DATA_OPTIONS}
 
 
@@ -89,7 +84,7 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
     """What a model file was trained on, for a fine-tuning run's defaults: ``{"model": name, "input_size":
     [C, H, W] or None, "dataset": name or None, "eval_preprocessing": {...} or None, "fixed_size": bool}``
     (``fixed_size``: the model is built for one input size, ``img_size`` among its options)."""
-    _, fm = _read_model_file(path, flag)
+    _, fm = read_training_file(path, flag)
     extra, kwargs = fm.extra, fm.model_kwargs
     size = extra.get("input_size")
     if size is None and isinstance(kwargs.get("img_size"), int):
@@ -100,8 +95,7 @@ def init_preprocessing(path: str | os.PathLike, flag: str = "--init") -> dict[st
 
 def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> list[str]:
     """State-dict prefixes of a model's head: its classifier (``get_classifier()``, else its timm config's
-    ``classifier``; a registered model's name: its config's); with ``embedding_head``, a face model's whole
-    ``head`` module (BN-FC-BN)."""
+    ``classifier``; of a model's name, its config's); with ``embedding_head``, a face model's ``head`` module."""
     if isinstance(model, str):
         names = getattr(timm.get_pretrained_cfg(model), "classifier", None)
         return [n + "." for n in ([names] if isinstance(names, str) else names or []) if n]
@@ -117,14 +111,10 @@ def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> li
 def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: str, *,
                   head: Sequence[str] | None = None, fresh_head: bool = False,
                   what: str = "checkpoint") -> dict[str, Any]:  # fmt: skip
-    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, except its head.
-
-    ``head``: state-dict prefixes of the model's head (default :func:`head_prefixes`). The head is loaded
-    only when every one of its tensors fits and not ``fresh_head``; otherwise it keeps the model's own
-    initialisation (timm's ``load_pretrained`` drops a classifier of another size the same way), and the
-    file's head tensors (also those of ``file_model``'s head) are ignored. Any other missing, unexpected or
-    mis-shaped key is a :class:`CheckpointError` naming them. Returns ``{"loaded": count, "reinitialised":
-    [model keys], "ignored": [file keys]}``."""
+    """Load ``tensors`` (a model file's, of model ``file_model``) into ``model``: strictly, but its head (the
+    state-dict prefixes ``head``, default :func:`head_prefixes`), loaded only when all of it fits and not
+    ``fresh_head`` (else the file's head tensors are ignored). A missing, unexpected or mis-shaped key is a
+    :class:`CheckpointError`. Returns ``{"loaded": count, "reinitialised": [keys], "ignored": [file keys]}``."""
     own = model.state_dict()
     prefixes = tuple(head if head is not None else head_prefixes(model))
     head_own = [k for k in own if k.startswith(prefixes)]
@@ -133,12 +123,8 @@ def load_matching(model: nn.Module, tensors: Mapping[str, Tensor], file_model: s
     file_head = prefixes + tuple(head_prefixes(file_model))
     ignored = sorted(k for k in tensors if k.startswith(file_head) and not (load_head and k in own))
     body = {k: v for k, v in own.items() if not k.startswith(prefixes)}
-    compare_state(
-        f"{what} ({file_model})",
-        "the model",
-        body,
-        {k: v for k, v in tensors.items() if not k.startswith(file_head)},
-    )
+    compare_state(f"{what} ({file_model})", "the model", body,
+                  {k: v for k, v in tensors.items() if not k.startswith(file_head)})  # fmt: skip
     loadable = {k: tensors[k] for k in [*body, *(head_own if load_head else [])]}
     model.load_state_dict(loadable, strict=False)
     reinit = [] if load_head else [k for k in head_own if not k.endswith("num_batches_tracked")]
@@ -149,13 +135,10 @@ def init_from_file(
     model: nn.Module, path: str | os.PathLike, *, fresh_head: bool = False, head: Sequence[str] | None = None,
     flag: str = "--init",
 ) -> InitReport:  # fmt: skip
-    """Load the weights of model file ``path`` into ``model`` (see the module docstring).
-
-    ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`); with
-    ``fresh_head`` the head is never loaded, else only where it differs (another number of classes).
-    Returns what was loaded and re-initialised; raises :class:`UserError` when the rest does not fit.
-    """
-    tensors, fm = _read_model_file(path, flag)
+    """Load the weights of model file ``path`` into ``model`` (see the module docstring): what was loaded and
+    re-initialised. ``head``: state-dict prefixes of the new model's head (default :func:`head_prefixes`);
+    with ``fresh_head`` the head is never loaded, else only where it fits (the same number of classes)."""
+    tensors, fm = read_training_file(path, flag)
     try:
         fit = load_matching(model, tensors, fm.model, head=head, fresh_head=fresh_head, what=f"{flag} {path}")
     except CheckpointError as exc:

@@ -38,23 +38,12 @@ class AMSoftmax(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def extra_repr(self) -> str:
-        return (
-            f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, "
-            f"s={self.scale}, m={self.margin}"
-        )
-
-    def cosine(self, embeddings: Tensor) -> Tensor:
-        """Cosine of each embedding with each class centre: ``(N, D)`` -> ``(N, num_classes)``."""
-        return F.linear(F.normalize(embeddings, dim=1), F.normalize(self.weight, dim=1))
-
-    def logits(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        """Margin-adjusted, scaled logits ``(N, num_classes)`` that the cross-entropy is taken of."""
-        cos = self.cosine(embeddings)
-        margin = F.one_hot(labels, self.num_classes).to(cos.dtype) * self.margin
-        return self.scale * (cos - margin)
+        return f"embedding_dim={self.embedding_dim}, num_classes={self.num_classes}, s={self.scale}, m={self.margin}"
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        return F.cross_entropy(self.logits(embeddings, labels), labels)
+        cos = F.linear(F.normalize(embeddings, dim=1), F.normalize(self.weight, dim=1))  # (N, num_classes)
+        margin = F.one_hot(labels, self.num_classes).to(cos.dtype) * self.margin
+        return F.cross_entropy(self.scale * (cos - margin), labels)
 
 
 def pspnet_loss(
@@ -67,11 +56,10 @@ def pspnet_loss(
 ) -> Tensor:
     """PSPNet's training loss: ``CE(main) + aux_weight * CE(aux)`` over non-ignored pixels.
 
-    ``main_logits``/``aux_logits`` ``(N, K, h, w)``; ``target`` ``(N, H, W)`` labels with
-    ``ignore_index`` for unlabelled pixels. Logits at another resolution than the target are
-    bilinearly resized to it first (the labels are never interpolated). PSPNet weighs the auxiliary
-    loss, attached to c4, by 0.4. ``aux_logits=None`` gives the main loss alone.
-    """
+    ``main_logits``/``aux_logits`` ``(N, K, h, w)``; ``target`` ``(N, H, W)`` labels with ``ignore_index`` for
+    unlabelled pixels. Logits at another resolution than the target are bilinearly resized to it first (the
+    labels are never interpolated). PSPNet weighs the auxiliary loss, attached to c4, by 0.4; ``aux_logits=None``
+    gives the main loss alone."""
 
     def ce(logits: Tensor) -> Tensor:
         if logits.shape[-2:] != target.shape[-2:]:

@@ -1,7 +1,6 @@
-"""Evaluation metrics of the paper's tasks, pure functions on tensors: classification accuracy (Sec.
-4.1-4.2), Cityscapes-style mIoU with an ignore label (Sec. 4.4), and face verification (the LFW protocol)
-and rank-1 identification against a gallery with distractors (MegaFace's criterion) (Sec. 4.3).
-"""
+"""Evaluation metrics of the paper's tasks, pure functions on tensors: classification accuracy (Sec. 4.1-4.2),
+Cityscapes' mIoU with an ignore label (Sec. 4.4), face verification (the LFW protocol) and rank-1
+identification against a gallery with distractors (MegaFace's criterion) (Sec. 4.3)."""
 
 from __future__ import annotations
 
@@ -32,13 +31,9 @@ def accuracy(logits: Tensor, labels: Tensor) -> dict[str, float]:
 
 
 def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> Tensor:
-    """Confusion matrix ``(num_classes, num_classes)`` (int64), rows = target class, columns = prediction.
-
-    ``pred`` and ``target`` are label tensors of the same shape (any shape, e.g. ``(N, H, W)``).
-    Pixels whose target is ``ignore_index`` are not counted. A target or prediction outside
-    ``[0, num_classes)`` (other than the ignored target) is a ``ValueError``: silently dropping it
-    would inflate the IoU.
-    """
+    """Confusion matrix ``(num_classes, num_classes)`` (int64, rows: target, columns: prediction) of label
+    tensors ``pred`` and ``target`` of one shape (e.g. ``(N, H, W)``); targets ``ignore_index`` are not
+    counted. Another label outside ``[0, num_classes)`` is a ``ValueError``: dropping it would inflate the IoU."""
     if pred.shape != target.shape:
         raise ValueError(f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}")
     if num_classes < 1:
@@ -49,22 +44,17 @@ def confusion_matrix(pred: Tensor, target: Tensor, num_classes: int, ignore_inde
     pred, target = pred[keep], target[keep]
     for name, t in (("target", target), ("pred", pred)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_classes):
-            raise ValueError(
-                f"{name} holds labels outside [0, {num_classes}) other than ignore_index={ignore_index}: "
-                f"min {int(t.min())}, max {int(t.max())}"
-            )
+            raise ValueError(f"{name} holds labels outside [0, {num_classes}) other than ignore_index={ignore_index}: "
+                             f"min {int(t.min())}, max {int(t.max())}")  # fmt: skip
     # One bincount over the flattened (target, pred) pair index: exact integer counts, any device.
     flat = target * num_classes + pred
     return torch.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
 
 
 def iou_from_confusion(confusion: Tensor) -> tuple[float, Tensor]:
-    """``(mIoU, per-class IoU)`` from a confusion matrix (rows = target, columns = prediction).
-
-    IoU of class ``c`` = TP / (TP + FP + FN). A class absent from both prediction and target has no
-    IoU (NaN in the per-class tensor, float64, shape ``(num_classes,)``) and is left out of the mean.
-    The mean is NaN when no class is present at all.
-    """
+    """``(mIoU, per-class IoU (num_classes,) float64)`` of a confusion matrix (rows: target, columns:
+    prediction): IoU = TP / (TP + FP + FN). A class absent from both has no IoU (NaN) and is left out of the
+    mean, which is NaN when no class is present at all."""
     cm = confusion.double()
     tp = cm.diagonal()
     union = cm.sum(0) + cm.sum(1) - tp
@@ -75,12 +65,8 @@ def iou_from_confusion(confusion: Tensor) -> tuple[float, Tensor]:
 
 
 def mean_iou(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int = 255) -> tuple[float, Tensor]:
-    """Mean intersection over union of label tensors ``pred`` and ``target`` (same shape).
-
-    Returns ``(miou, per_class_iou)``; see :func:`confusion_matrix` and :func:`iou_from_confusion`.
-    To evaluate a data set, sum the per-image confusion matrices and call :func:`iou_from_confusion`
-    once (the data set's mIoU is not the mean of per-image mIoUs).
-    """
+    """``(miou, per_class_iou)`` of label tensors ``pred`` and ``target`` (one shape). A data set's mIoU is that
+    of the sum of its images' confusion matrices (:func:`iou_from_confusion`), not the mean of theirs."""
     return iou_from_confusion(confusion_matrix(pred, target, num_classes, ignore_index))
 
 
@@ -92,12 +78,9 @@ def _as_1d(name: str, x: Tensor | Sequence[float]) -> Tensor:
 
 
 def best_threshold(scores: Tensor, same: Tensor) -> tuple[float, float]:
-    """The threshold that maximises verification accuracy on ``(scores, same)``, and that accuracy.
-
-    A pair is predicted "same" when its score (a similarity) is strictly above the threshold.
-    Candidates are the midpoints between consecutive distinct scores and one value below/above all;
-    on ties the lowest threshold wins (deterministic). Shapes: ``(P,)`` and ``(P,)`` (bool).
-    """
+    """The threshold that maximises verification accuracy on ``scores`` ``(P,)`` and ``same`` ``(P,)`` (bool),
+    and that accuracy. A pair is "same" when its score (a similarity) is strictly above the threshold; the
+    candidates are the midpoints between distinct scores and one value beyond each end; ties: the lowest."""
     scores = scores.double()
     same = same.bool()
     order = torch.argsort(scores)
@@ -117,14 +100,9 @@ def best_threshold(scores: Tensor, same: Tensor) -> tuple[float, float]:
 def verification_accuracy(
     scores: Tensor | Sequence[float], same: Tensor | Sequence[bool], folds: int = 10
 ) -> float:
-    """Mean k-fold verification accuracy (the LFW protocol).
-
-    ``scores`` ``(P,)``: similarity of each pair (higher = more alike, e.g. cosine); ``same`` ``(P,)``:
-    whether the pair shows one identity. The pairs are split into ``folds`` consecutive folds (order
-    your pairs by fold, as LFW's ``pairs.txt`` is); for each fold the threshold is the best one on the
-    other folds (:func:`best_threshold`) and the accuracy is measured on the fold. Returns the mean
-    over folds.
-    """
+    """Mean k-fold verification accuracy (the LFW protocol) of pair similarities ``scores`` ``(P,)`` (higher:
+    more alike) against ``same`` ``(P,)``: the pairs split into ``folds`` consecutive folds (LFW's
+    ``pairs.txt`` order), each fold's accuracy at the best threshold of the others (:func:`best_threshold`)."""
     scores = _as_1d("scores", scores).double()
     same = _as_1d("same", same).bool()
     if scores.shape != same.shape:
@@ -156,27 +134,16 @@ def _ids_to_tensor(probe_ids: Tensor | Sequence, gallery_ids: Tensor | Sequence)
 
 
 def rank1_identification(
-    probe_emb: Tensor,
-    probe_ids: Tensor | Sequence,
-    gallery_emb: Tensor,
-    gallery_ids: Tensor | Sequence,
-    *,
+    probe_emb: Tensor, probe_ids: Tensor | Sequence, gallery_emb: Tensor, gallery_ids: Tensor | Sequence, *,
     chunk_size: int = 4096,
-) -> float:
-    """Rank-1 identification accuracy with cosine similarity.
-
-    ``probe_emb`` ``(P, D)``, ``gallery_emb`` ``(G, D)``; ids ``(P,)`` / ``(G,)`` as int tensors or
-    sequences of hashables (folder names). A probe is correct when the most similar gallery entry has
-    its identity. The gallery may hold distractors (ids absent from the probe set), as MegaFace's
-    million distractors; every probe needs at least one mate in the gallery (``ValueError`` otherwise,
-    since such a probe cannot be identified). Similarities are computed ``chunk_size`` gallery rows at
-    a time, so large galleries fit in memory.
-    """
+) -> float:  # fmt: skip
+    """Rank-1 identification accuracy by cosine similarity: a probe ``(P, D)`` is right when its most similar
+    gallery entry ``(G, D)`` has its identity (ids: int tensors or sequences of hashables, such as folder
+    names). The gallery may hold distractors (MegaFace's million), but every probe needs a mate in it
+    (``ValueError`` otherwise); similarities are computed ``chunk_size`` gallery rows at a time."""
     if probe_emb.dim() != 2 or gallery_emb.dim() != 2 or probe_emb.shape[1] != gallery_emb.shape[1]:
-        raise ValueError(
-            f"embeddings must be (P, D) and (G, D), got {tuple(probe_emb.shape)} and "
-            f"{tuple(gallery_emb.shape)}"
-        )
+        raise ValueError(f"embeddings must be (P, D) and (G, D), got {tuple(probe_emb.shape)} and "
+                         f"{tuple(gallery_emb.shape)}")  # fmt: skip
     pid, gid = _ids_to_tensor(probe_ids, gallery_ids)
     if len(pid) != len(probe_emb) or len(gid) != len(gallery_emb):
         raise ValueError("each embedding needs exactly one id")

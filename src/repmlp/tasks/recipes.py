@@ -1,7 +1,6 @@
 """Training recipes (presets): the paper's CIFAR and ImageNet settings and the fast Fashion-MNIST default.
 
-A preset fills every training option the user did not give; each value stays overridable on the command
-line. The paper's settings (Sec. 4.1, 4.2):
+A preset fills every training option the user did not give. The paper's settings (Sec. 4.1, 4.2):
 
 - CIFAR-10: batch 128, cosine learning rate 0.2 -> 0 over 100 epochs, padding to 40x40 + random 32x32
   crop + left-right flip (SGD; momentum and weight decay are not stated, we use 0.9 and 1e-4).
@@ -37,12 +36,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """The training options a preset sets (each overridable on the command line); the classification
-    run's :class:`~repmlp.tasks.classification.TrainConfig` takes its defaults from ``PRESETS["fmnist"]``.
-
-    The defaults are what the paper's two recipes share (SGD with momentum 0.9 and weight decay 1e-4, a
-    cosine schedule to zero, flips, no warm-up, label smoothing, mixup or padding); a preset states the rest.
-    """
+    """The training options a preset sets (:class:`~repmlp.tasks.classification.TrainConfig`'s defaults are
+    ``PRESETS["fmnist"]``). The defaults are what the paper's two recipes share (SGD with momentum 0.9 and
+    weight decay 1e-4, a cosine schedule to zero, flips; no warm-up, label smoothing, mixup or padding)."""
 
     model: str
     epochs: int
@@ -68,46 +64,32 @@ class Recipe:
 
 
 PRESETS: dict[str, Recipe] = {
-    "fmnist": Recipe(
-        # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit
-        # in five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
-        model="repmlp_fmnist_patch2",
-        epochs=5,
-        batch_size=256,
-        lr=0.2,
-        nesterov=True,
-        weight_decay=5e-5,
-        warmup_epochs=0.5,
-        label_smoothing=0.1,
-        channels_last=True,
-    ),
+    # The patch stem (rather than repmlp_fmnist's) halves the stages' resolution, so that five epochs fit in
+    # five minutes on the slowest 2-core CPU, at the same accuracy (docs/main-job.md).
+    "fmnist": Recipe(model="repmlp_fmnist_patch2", epochs=5, batch_size=256, lr=0.2, nesterov=True,
+                     weight_decay=5e-5, warmup_epochs=0.5, label_smoothing=0.1, channels_last=True),
     "cifar": Recipe(model="repmlp_cifar", epochs=100, batch_size=128, lr=0.2, pad=4),
-    "imagenet": Recipe(
-        model="repmlp_res50", epochs=100, batch_size=256, lr=0.1, mixup=0.2, autoaugment=True, img_size=224
-    ),
-}
+    "imagenet": Recipe(model="repmlp_res50", epochs=100, batch_size=256, lr=0.1, mixup=0.2, autoaugment=True,
+                       img_size=224),
+}  # fmt: skip
 
 # The preset a data set gets when --preset is not given (an image folder's run of a known model, or with
 # --init, takes that model's own instead: preset_for_model).
 DEFAULT_PRESET = {"fashion-mnist": "fmnist", "cifar10": "cifar", "imagefolder": "imagenet"}
 
 # An image folder's run without --batch-size: the preset's batch, halved until an epoch has at least this
-# many steps (a small folder would otherwise get one or two steps an epoch: no training to speak of) ...
-FOLDER_MIN_STEPS = 10
-# ... but not below this (BatchNorm's statistics need a few images).
-FOLDER_MIN_BATCH = 8
+# many steps (else a small folder gets one or two steps an epoch), but not below FOLDER_MIN_BATCH (BatchNorm's
+# statistics need a few images); the training images are counted up to FOLDER_COUNT_STEPS batches.
+FOLDER_MIN_STEPS, FOLDER_MIN_BATCH, FOLDER_COUNT_STEPS = 10, 8, 16
 
 
 def preset_for_model(
     model: str, input_size: Sequence[int] | None, dataset: str | None = None
 ) -> tuple[str, str]:
-    """``(preset, why)``: the recipe of a model that an image folder's run starts from without ``--preset``.
-
-    The preset built for ``model`` (``repmlp_fmnist_patch2``: ``fmnist``, ``repmlp_res50``: ``imagenet``);
-    else that of the in-memory data set it was trained on (``dataset``, an ``--init`` file's); else the
-    one for inputs like its ``input_size`` ``(C, H, W)``: small greyscale ones ``fmnist``, small ones
-    ``cifar``, others ``imagenet``. ``why`` says which, for the log.
-    """
+    """``(preset, why)``: the recipe an image folder's run of ``model`` takes without ``--preset``: the preset
+    built for it (``repmlp_res50``: ``imagenet``), else that of the in-memory data set it was trained on
+    (``dataset``, an ``--init`` file's), else the one for inputs like its ``input_size`` ``(C, H, W)``: small
+    greyscale ones ``fmnist``, small ones ``cifar``, others ``imagenet``. ``why`` says which, for the log."""
     for name, recipe in PRESETS.items():
         if recipe.model == model:
             return name, f"{model}'s recipe"
@@ -133,21 +115,18 @@ def folder_batch_size(batch: int, n_train: int) -> int:
 
 
 def folder_lr(lr: float, batch: int, fitted: int) -> float:
-    """The peak learning rate for a batch fitted down from the recipe's ``batch`` to ``fitted``
-    (:func:`folder_batch_size`): ``lr`` scaled by ``sqrt(fitted / batch)``, the square-root rule, which keeps
-    the gradient noise of the smaller batch in check (the linear rule slows a short fine-tuning run down:
+    """The peak learning rate for a batch fitted down from the recipe's ``batch`` to ``fitted``: ``lr`` scaled by
+    ``sqrt(fitted / batch)``, the square-root rule (the linear rule slows a short fine-tuning run down:
     docs/using.md)."""
     return round(lr * math.sqrt(fitted / batch), 6) if fitted < batch else lr
 
 
 def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """An image folder's new run: ``(preset, values)`` of its :class:`~repmlp.tasks.classification.TrainConfig`
-    not in ``options`` (those given win), said in one log line.
-
-    The input (channels, size, normalisation) is the ``init`` file's, else the model's own (:func:`model_input`:
-    ``repmlp_fmnist`` takes 1x28x28, not the ``imagenet`` preset's 224x224 RGB). Without ``preset`` the recipe
-    is that model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's
-    size (:func:`folder_batch_size`, with :func:`folder_lr`)."""
+    not in ``options`` (those given win), said in one log line. The input (channels, size, normalisation) is
+    the ``init`` file's, else the model's own (:func:`model_input`); without ``preset`` the recipe is the
+    model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's size
+    (:func:`folder_batch_size`, :func:`folder_lr`)."""
     init, preset = options.get("init"), options.get("preset")
     name = options.get("model") or PRESETS[preset or "imagenet"].model
     size, whose, basis, values = _folder_input(
@@ -173,16 +152,12 @@ def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return preset, values
 
 
-# How far an image folder's training images are counted: enough batches for any preset.
-FOLDER_COUNT_STEPS = 16
-
-
 def _folder_input(
     name: str, model_args: dict[str, Any], init: str | None, img_size: int | None
-) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:
-    """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model
-    ``name`` or of the ``init`` file: its channels (1 or 3) and, unless ``img_size`` is given, its size
-    (``values["img_size"]``); the ``init`` file's recorded normalisation and evaluation resize."""
+) -> tuple[list[int] | None, str, tuple, dict[str, Any]]:  # fmt: skip
+    """``(input_size, whose, preset_for_model's arguments, values)`` of an image folder's run of model ``name``
+    or of the ``init`` file: its channels (1 or 3), its size unless ``img_size`` is given, and the ``init``
+    file's recorded normalisation and evaluation resize."""
     if init:
         pre = init_preprocessing(init)
         size, whose, flag = pre["input_size"], "the --init file's", f"--init {init}"
@@ -195,21 +170,16 @@ def _folder_input(
     if size:
         c, h, w = size
         if c not in (1, 3):
-            raise UserError(
-                f"{flag} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): {hint}"
-            )
+            raise UserError(f"{flag} takes {c}-channel images, but image folders give 1 (greyscale) or 3 (RGB): "
+                            f"{hint}")  # fmt: skip
         values["channels"] = c
         if img_size is None and h != w and init:
             raise UserError(f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)")
         if img_size is None and h == w:
             values["img_size"] = h
-    # What `repmlp eval` reads a folder with for that file: its normalisation and evaluation resize.
-    evaluation = (
-        folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], values.get("channels", 3))
-        if init
-        else None
-    )
-    if evaluation:
+    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize.
+    channels = values.get("channels", 3)
+    if init and (evaluation := folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], channels)):
         values.update(eval_preprocessing=evaluation, mean=evaluation["mean"], std=evaluation["std"])
     return size, whose, basis, values
 

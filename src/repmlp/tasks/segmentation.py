@@ -1,76 +1,41 @@
 """Semantic segmentation (paper Sec. 4.4): PSPNet on Cityscapes, mIoU of the converted model.
 
-Training follows the official PSPNet configuration the paper adopts: SGD (momentum 0.9), poly
-learning rate ``base * (1 - it/max_it)^0.9`` with base 0.01 (the head at 10x, as PSPNet's code does),
-weight decay 1e-4, random scale (0.5-2) / crop / flip, ignore label 255, main + 0.4 x auxiliary loss;
-the paper trains 200 epochs at a global batch size of 16 with 713x713 crops.
+Training follows the official PSPNet configuration the paper adopts: SGD (momentum 0.9), poly learning rate
+``base * (1 - it/max_it)^0.9`` with base 0.01 (the heads at 10x, as PSPNet's code does), weight decay 1e-4,
+random scale (0.5-2) / crop / flip, ignore label 255, main + 0.4 x auxiliary loss; the paper trains 200 epochs
+at a global batch size of 16 with 713x713 crops.
 
-Evaluation is single-scale: images no larger than the crop are padded to it and predicted in one
-pass; larger ones (Cityscapes' 1024x2048 frames) are predicted with a sliding ``crop_size`` window
-(stride 2/3 of the crop, overlapping logits averaged), which is what a model whose RepMLPs are built
-for one resolution requires. ``--mode whole`` predicts whole images in one pass instead (models
-without RepMLPs only).
+Evaluation is single-scale, with a sliding ``crop_size`` window over larger images (what a model whose RepMLPs
+are built for one resolution needs); ``--mode whole`` predicts whole images in one pass (no RepMLPs).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from repmlp import engine
 from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, CityscapesSegmentation
-from repmlp.engine import (
-    DistInfo,
-    all_reduce_sum,
-    check_output,
-    cleanup_distributed,
-    prepare_module,
-    progress,
-    run_in_processes,
-    setup_distributed,
-    train_loop,
-    unwrap,
-)
 from repmlp.errors import UserError
-from repmlp.io.model_file import CheckpointError, compare_state, read_model_file
+from repmlp.io.model_file import compare_state
 from repmlp.models.pspnet import PSPNet
 from repmlp.models.registry import build_model
 from repmlp.nn.block import RepMLPBlock
-from repmlp.tasks._common import (
-    RunResult,
-    evaluate_both_forms,
-    finish_run,
-    load_for_eval,
-    loop_options,
-    non_finite,
-    per_process_batch,
-    require_task_model,
-    resolve_img_size,
-    training_loader,
-    write_json,
-)
+from repmlp.tasks import _common
 from repmlp.tasks.config import EvalOptions, TrainOptions
-from repmlp.tasks.finetune import file_sha256
+from repmlp.tasks.finetune import InitReport, file_sha256, read_training_file
 from repmlp.tasks.losses import pspnet_loss
 from repmlp.tasks.metrics import confusion_matrix, iou_from_confusion
 
-__all__ = [
-    "TrainConfig",
-    "EvalConfig",
-    "train",
-    "evaluate",
-    "poly_lr",
-    "sliding_window_logits",
-    "segmentation_metrics",
-]
+__all__ = ["TrainConfig", "EvalConfig", "train", "evaluate", "poly_lr", "sliding_window_logits",
+           "segmentation_metrics", "load_backbone_weights"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +98,17 @@ class SegTrainModule(nn.Module):
 
 def _param_groups(model: nn.Module, wd: float, head_mult: float) -> list[dict[str, Any]]:
     """The backbone's parameters, then the heads' (their learning rate ``head_mult`` times the backbone's)."""
-    backbone = getattr(model, "backbone", None)
-    back_ids = {id(p) for p in backbone.parameters()} if backbone is not None else set()
+    back_ids = {id(p) for p in model.backbone.parameters()}
     back = [p for p in model.parameters() if id(p) in back_ids]
     head = [p for p in model.parameters() if id(p) not in back_ids]
     return [{"params": back, "weight_decay": wd, "lr_mult": 1.0}, {"params": head, "weight_decay": wd,
                                                                      "lr_mult": head_mult}]  # fmt: skip
 
 
-def train(cfg: TrainConfig) -> RunResult:
+def train(cfg: TrainConfig) -> _common.RunResult:
     """``repmlp train --task seg``: train PSPNet, then save the training-form and converted models and the report."""
     cfg.validate()
-    return run_in_processes(cfg, _train)
+    return engine.run_in_processes(cfg, _train)
 
 
 def _is_reinitialised(key: str) -> bool:
@@ -155,21 +119,11 @@ def _is_reinitialised(key: str) -> bool:
 def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-weights") -> dict[str, Any]:
     """Load ImageNet-trained backbone weights (a training-form model file) into ``model.backbone``.
 
-    Everything is inherited except the Global Perceptrons' FC1/FC2, which keep their fresh initialisation
-    (their shapes follow the resolution, as in the paper); the classifier (``fc.*``) of the ImageNet model
-    is dropped. Any other difference (a backbone tensor the file lacks, a file tensor the backbone lacks, a
-    shape) is one :class:`UserError` listing them. Returns ``{"loaded": [...], "reinitialised": [...],
-    "ignored": [...]}`` (backbone keys) and the file's ``"model"``.
-    """
-    try:  # the file's metadata and tensors checked as any model file's
-        tensors, fm = read_model_file(path)
-    except CheckpointError as exc:
-        raise UserError(f"{flag}: {exc}") from None
-    if fm.form == "deploy":
-        raise UserError(
-            f"{path} holds a converted (deploy-form) model; backbone weights must be the training form "
-            "(conv and BN separate, RepMLP branches unmerged) so fine-tuning can continue from them"
-        )
+    Everything is inherited but the Global Perceptrons' FC1/FC2, which keep their fresh initialisation (their
+    shapes follow the resolution, as in the paper); the ImageNet classifier (``fc.*``) is dropped. Any other
+    difference (a tensor missing on either side, a shape) is one :class:`UserError` listing them. Returns
+    ``{"loaded": [...], "reinitialised": [...], "ignored": [...]}`` (backbone keys) and the file's ``"model"``."""
+    tensors, fm = read_training_file(path, flag)
     own = {k: v for k, v in model.backbone.state_dict().items() if not _is_reinitialised(k)}
     ignored = sorted(k for k in tensors if k.startswith("fc."))
     kept = {k: v for k, v in tensors.items() if k not in ignored and not _is_reinitialised(k)}
@@ -179,100 +133,70 @@ def load_backbone_weights(model: PSPNet, path: str, *, flag: str = "--backbone-w
     return {"loaded": sorted(kept), "reinitialised": reinit, "ignored": ignored, "model": fm.model}
 
 
-def _build(
-    cfg: TrainConfig, kwargs: dict[str, Any], procs: DistInfo
-) -> tuple[nn.Module, dict[str, Any] | None]:
-    """The PSPNet of ``cfg``, with ``--init`` (``--backbone-weights``) loaded into its backbone; returns
-    it and what was loaded (``None`` without ``--init``)."""
+def _build(cfg: TrainConfig, kwargs: dict[str, Any], procs: engine.DistInfo) -> tuple[nn.Module, dict | None]:
+    """The PSPNet of ``cfg``, and with ``--init`` (``--backbone-weights``) the weights loaded into its backbone
+    (what was loaded, as :class:`repmlp.tasks.finetune.InitReport`'s dict; else ``None``)."""
     model, _ = build_model(cfg.model, kwargs)
-    require_task_model(model, "seg", cfg.model)
+    _common.require_task_model(model, "seg", cfg.model)
     if not cfg.init:
         return model, None
-    report = load_backbone_weights(model, cfg.init, flag="--backbone-weights/--init")
-    init = {"path": cfg.init, "sha256": file_sha256(cfg.init), "model": report["model"],
-            "loaded": len(report["loaded"]), "reinitialised": report["reinitialised"]}  # fmt: skip
+    loaded = load_backbone_weights(model, cfg.init, flag="--backbone-weights/--init")
+    report = InitReport(cfg.init, file_sha256(cfg.init), loaded["model"], len(loaded["loaded"]),
+                        loaded["reinitialised"], loaded["ignored"])  # fmt: skip
     if procs.is_main:
-        log.info("backbone: %d tensors inherited from %s, %d re-initialised (FC1/FC2)", init["loaded"], cfg.init,
-                 len(init["reinitialised"]))  # fmt: skip
-    return model, init
+        log.info("%s", report.summary())
+    return model, report.to_dict()
 
 
-def _check_batches(cfg: TrainConfig, procs: DistInfo, images: int) -> int:
-    """The per-process batch size; BatchNorm batches of one image are a :class:`UserError`."""
-    per_process = per_process_batch(cfg.batch_size, procs)
-    sync_bn = procs.enabled and procs.device.type == "cuda"
-    if (cfg.batch_size if sync_bn else per_process) < 2:
-        # The pyramid's 1x1 bin leaves BatchNorm one value per channel: training cannot normalise it.
-        raise UserError(
-            f"--batch-size {cfg.batch_size} gives BatchNorm batches of 1 ({'global' if sync_bn else 'per process'}); "
-            "use at least 2" + ("" if sync_bn else f" per process ({2 * procs.world} in all)")
-        )
-    if images < cfg.batch_size:
-        raise UserError(f"{images} training image(s) are fewer than --batch-size {cfg.batch_size}")
-    return per_process
-
-
-def _train(cfg: TrainConfig, procs: DistInfo) -> RunResult:
+def _train(cfg: TrainConfig, procs: engine.DistInfo) -> _common.RunResult:
     torch.manual_seed(cfg.seed)
     kwargs = dict(cfg.model_args)
     # The crops are the model's inputs: its RepMLPs are built for exactly that size.
-    crop = resolve_img_size(kwargs, "--crop-size", cfg.crop_size, 713)
+    crop = _common.resolve_img_size(kwargs, "--crop-size", cfg.crop_size, 713)
     dataset = CityscapesSegmentation(cfg.data_dir, cfg.train_split, crop_size=crop,
                                      scale_range=(cfg.scale_min, cfg.scale_max))  # fmt: skip
-    per_process = _check_batches(cfg, procs, min(len(dataset), cfg.train_limit or len(dataset)))
+    images = min(len(dataset), cfg.train_limit or len(dataset))
+    if images < cfg.batch_size:
+        raise UserError(f"{images} training image(s) are fewer than --batch-size {cfg.batch_size}")
     model, init = _build(cfg, kwargs, procs)
-    loader = training_loader(dataset, cfg, procs, per_process)
+    # The pyramid's 1x1 bin leaves BatchNorm one value per channel and image: batches of 1 are refused.
+    loader = _common.training_loader(dataset, cfg, procs, model)
     max_it = cfg.iterations or cfg.epochs * len(loader)
-    # Poly policy as a function of the step, the heads at --head-lr-mult times --lr.
-    opts = loop_options(cfg, procs, lambda step: [cfg.lr * m * poly_lr(1.0, step, max_it, cfg.power)
-                                                  for m in (1.0, cfg.head_lr_mult)],
-                        auto_graphs=False, iterations=max_it, log_interval=cfg.log_interval,
-                        extra_state={"model_kwargs": kwargs})  # fmt: skip
-    state = check_output(opts.output, cfg.resume, procs)
-    net = prepare_module(SegTrainModule(model, cfg.aux_weight), procs)
-    model = unwrap(net).model
-    groups = _param_groups(model, cfg.weight_decay, cfg.head_lr_mult)
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     if procs.is_main:
         log.info("seg: %d images, %s (%d params), %d iterations (%d per epoch) on %d process(es)",
                  loader.num_samples, cfg.model, sum(p.numel() for p in model.parameters()), max_it, len(loader),
                  procs.world)  # fmt: skip
-    loop = train_loop(net, optimizer, loader, opts, procs, state)
-    meta = {"task": "seg", "epochs": cfg.epochs, "iterations": max_it, "crop_size": crop}
     lines = [
         f"- Data: {loader.num_samples} images of {cfg.data_dir} ({cfg.train_split}), crops {crop}x{crop}, "
         f"scale {cfg.scale_min:g}-{cfg.scale_max:g}",
         f"- Model: `{cfg.model}` {kwargs}, auxiliary loss weight {cfg.aux_weight:g}",
         f"- Recipe: {max_it} iterations, batch {cfg.batch_size}, SGD poly lr {cfg.lr:g} (power {cfg.power:g}, "
         f"heads x{cfg.head_lr_mult:g}), momentum {cfg.momentum:g}, weight decay {cfg.weight_decay:g}, seed "
-        f"{cfg.seed}, {procs.world} process(es), {loop.mode} training step",
+        f"{cfg.seed}",
     ]
-    input_size = (getattr(model, "in_chans", 3), crop, crop)
-    return finish_run(cfg, procs, loop, model, kwargs, meta, input_size, lines, init)
+    meta = {"task": "seg", "epochs": cfg.epochs, "iterations": max_it, "crop_size": crop}
+    # Poly policy as a function of the step, the heads at --head-lr-mult times --lr.
+    return _common.train_run(cfg, procs, _common.Run(
+        SegTrainModule(model, cfg.aux_weight), lambda m: _param_groups(m.model, cfg.weight_decay, cfg.head_lr_mult),
+        loader, lambda step: [cfg.lr * m * poly_lr(1.0, step, max_it, cfg.power) for m in (1.0, cfg.head_lr_mult)],
+        max_it, kwargs, crop, meta, lines, init))  # fmt: skip
 
 
 @torch.no_grad()
 def sliding_window_logits(model: nn.Module, image: Tensor, crop: tuple[int, int], num_classes: int) -> Tensor:
-    """Single-scale sliding-window logits ``(N, K, H, W)`` for images ``(N, 3, H, W)`` of any size.
-
-    The image is zero-padded (the mean colour after normalisation) to at least ``crop``; windows of
-    ``crop`` with stride ``ceil(2/3 crop)`` (the last one flush with the border) cover it, each window
-    is predicted at exactly ``crop`` (what a resolution-specific RepMLP model needs), and overlapping
-    logits are averaged.
-    """
+    """Single-scale sliding-window logits ``(N, K, H, W)`` for images ``(N, 3, H, W)`` of any size: the image
+    zero-padded (the mean colour after normalisation) to at least ``crop``, covered by windows of ``crop`` at a
+    stride of ``ceil(2/3 crop)`` (the last one flush with the border), each predicted at exactly ``crop`` (what
+    a resolution-specific RepMLP model needs), overlapping logits averaged."""
     n, _, h, w = image.shape
     ch, cw = crop
-    ph, pw = max(ch - h, 0), max(cw - w, 0)
-    if ph or pw:
-        image = F.pad(image, (0, pw, 0, ph))
+    image = F.pad(image, (0, max(cw - w, 0), 0, max(ch - h, 0)))
     hh, ww = image.shape[-2:]
     sh, sw = math.ceil(ch * 2 / 3), math.ceil(cw * 2 / 3)
-    rows = max(math.ceil((hh - ch) / sh), 0) + 1
-    cols = max(math.ceil((ww - cw) / sw), 0) + 1
     logits = image.new_zeros(n, num_classes, hh, ww)
     count = image.new_zeros(1, 1, hh, ww)
-    for r in range(rows):
-        for c in range(cols):
+    for r in range(max(math.ceil((hh - ch) / sh), 0) + 1):
+        for c in range(max(math.ceil((ww - cw) / sw), 0) + 1):
             top, left = min(r * sh, hh - ch), min(c * sw, ww - cw)
             window = image[:, :, top : top + ch, left : left + cw]
             logits[:, :, top : top + ch, left : left + cw] += model(window).float()
@@ -281,50 +205,42 @@ def sliding_window_logits(model: nn.Module, image: Tensor, crop: tuple[int, int]
 
 
 @torch.no_grad()
-def _logits(model: nn.Module, image: Tensor, *, mode: str, crop: tuple[int, int], num_classes: int) -> Tensor:
-    """Logits ``(N, K, H, W)`` of ``image`` ``(N, 3, H, W)`` (``mode``: ``slide`` or ``whole``)."""
-    model.eval()
-    if mode == "whole":
-        try:
-            return model(image)
-        except ValueError as exc:  # a RepMLP model built for another resolution
-            raise UserError(f"--mode whole: {exc}; use --mode slide") from None
-    return sliding_window_logits(model, image, crop, num_classes)
-
-
 def segmentation_metrics(
     model: nn.Module, dataset, *, mode: str, crop: tuple[int, int], device: torch.device,
-    procs: DistInfo | None = None, workers: int = 0, what: str = "the model",
+    procs: engine.DistInfo | None = None, workers: int = 0, what: str = "the model",
 ) -> dict[str, Any]:  # fmt: skip
-    """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images), summed confusion matrix.
-
-    Raises :class:`NonFiniteOutput` naming ``what`` when the model's logits hold NaN/inf (on every
-    process: the count is summed first, so no process is left waiting in a collective).
-    """
-    procs = procs or DistInfo(device=device)
-    indices = list(range(procs.rank, len(dataset), procs.world))
-    subset = torch.utils.data.Subset(dataset, indices)
+    """mIoU and per-class IoU of ``model`` over ``dataset`` (whole images; ``mode``: ``slide`` or ``whole``), of
+    the confusion matrix summed over the processes. :class:`NonFiniteOutput` naming ``what`` when the logits
+    hold NaN/inf, on every process (the count is summed first: no process is left waiting in a collective)."""
+    procs = procs or engine.DistInfo(device=device)
+    subset = torch.utils.data.Subset(dataset, list(range(procs.rank, len(dataset), procs.world)))
     loader = torch.utils.data.DataLoader(subset, batch_size=1, num_workers=workers)
     confusion = torch.zeros(NUM_CLASSES, NUM_CLASSES, dtype=torch.long, device=device)
     non_finite_images = torch.zeros((), dtype=torch.long, device=device)
-    with progress(loader, len(loader), "eval", procs.is_main) as bar:  # closed (line cleared) on errors too
+    model.eval()
+    with engine.progress(
+        loader, len(loader), "eval", procs.is_main
+    ) as bar:  # closed (line cleared) on errors
         for image, label in bar:
-            logits = _logits(model, image.to(device), mode=mode, crop=crop, num_classes=NUM_CLASSES)
+            image = image.to(device)
+            if mode == "slide":
+                logits = sliding_window_logits(model, image, crop, NUM_CLASSES)
+            else:
+                try:
+                    logits = model(image)
+                except ValueError as exc:  # a RepMLP model built for another resolution
+                    raise UserError(f"--mode whole: {exc}; use --mode slide") from None
             non_finite_images += (~torch.isfinite(logits)).any().long()
             confusion += confusion_matrix(logits.argmax(1), label.to(device), NUM_CLASSES, IGNORE_INDEX)
-    confusion = all_reduce_sum(confusion, procs).cpu()
-    if all_reduce_sum(non_finite_images, procs).item():
-        raise non_finite(what)
+    confusion = engine.all_reduce_sum(confusion, procs).cpu()
+    if engine.all_reduce_sum(non_finite_images, procs).item():
+        raise _common.non_finite(what)
     miou, iou = iou_from_confusion(confusion)
     per_class = {
         name: None if math.isnan(v) else v for name, v in zip(CLASS_NAMES, iou.tolist(), strict=True)
     }
-    return {
-        "miou": miou,
-        "per_class_iou": per_class,
-        "images": len(dataset),
-        "confusion_matrix": confusion.tolist(),
-    }
+    return {"miou": miou, "per_class_iou": per_class, "images": len(dataset),
+            "confusion_matrix": confusion.tolist()}  # fmt: skip
 
 
 def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, int]:
@@ -335,12 +251,12 @@ def _crop_of(model_kwargs: dict[str, Any], override: int | None) -> tuple[int, i
 
 
 def evaluate(cfg: EvalConfig) -> int:
-    """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model (and with
-    ``check_conversion`` the training form's), printed."""
+    """``repmlp eval --task seg``: mIoU and per-class IoU of the converted model (and with ``check_conversion``
+    the training form's), printed."""
     cfg.validate()
-    procs = setup_distributed(cfg.device)
+    procs = engine.setup_distributed(cfg.device)
     try:
-        trained, deployed, meta = load_for_eval(cfg.checkpoint, procs.device, "seg")
+        trained, deployed, meta = _common.load_for_eval(cfg.checkpoint, procs.device, "seg")
         dataset = CityscapesSegmentation(cfg.data_dir, cfg.split)
         if cfg.val_limit:
             dataset = torch.utils.data.Subset(dataset, range(min(cfg.val_limit, len(dataset))))
@@ -351,23 +267,19 @@ def evaluate(cfg: EvalConfig) -> int:
             raise UserError(f"--mode whole: this model's RepMLPs are built for {h}x{w} inputs, not whole images; "
                             "use --mode slide")  # fmt: skip
         common = dict(mode=cfg.mode, crop=crop, device=procs.device, procs=procs, workers=cfg.workers)
-        metrics: dict[str, Any] = {"checkpoint": str(cfg.checkpoint), "model": meta.name,
-                                   "form_evaluated": "deploy", "mode": cfg.mode, "crop": list(crop)}  # fmt: skip
-        metrics.update(evaluate_both_forms(
-            lambda model, what: segmentation_metrics(model, dataset, what=what, **common), trained, deployed,
-            cfg.check_conversion))  # fmt: skip
-        if procs.is_main and cfg.json:
-            print(json.dumps(metrics, sort_keys=True))
-        elif procs.is_main:
-            print(
-                f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images ({cfg.mode}, crop {crop[0]})"
-            )
-            for name, v in metrics["per_class_iou"].items():
-                print(f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}")
-            if "training_time" in metrics:
-                print(f"training form mIoU: {100 * metrics['training_time']['miou']:.2f}%")
-        if procs.is_main and cfg.output_json:
-            write_json(Path(cfg.output_json), metrics)
+        metrics = {"checkpoint": str(cfg.checkpoint), "model": meta.name, "form_evaluated": "deploy",
+                   "mode": cfg.mode, "crop": list(crop), **_common.evaluate_both_forms(
+                       lambda model, what: segmentation_metrics(model, dataset, what=what, **common), trained,
+                       deployed, cfg.check_conversion)}  # fmt: skip
+        lines = [
+            f"mIoU: {100 * metrics['miou']:.2f}% over {metrics['images']} images ({cfg.mode}, crop {crop[0]})"
+        ]
+        lines += [f"  {name:<14} {'-' if v is None else f'{100 * v:.2f}'}"
+                  for name, v in metrics["per_class_iou"].items()]  # fmt: skip
+        if "training_time" in metrics:
+            lines.append(f"training form mIoU: {100 * metrics['training_time']['miou']:.2f}%")
+        if procs.is_main:
+            _common.report_metrics(cfg, metrics, lines)
         return 0
     finally:
-        cleanup_distributed()
+        engine.cleanup_distributed()

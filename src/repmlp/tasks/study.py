@@ -1,16 +1,12 @@
 """The paper's pure-MLP ablation study (its Table 1) as one resumable job: ``repmlp study ablation``.
 
-Every row of the table is trained for several seeds with one recipe (by default the paper's CIFAR recipe,
-the ``cifar`` preset; ``fmnist`` is the project's short-schedule recipe) scaled by the study's options,
-each run in its own folder ``OUTPUT/<row>/seed<k>`` through the normal classification training code; then
-``OUTPUT/study.md`` compares the rows (mean and spread of top-1, deployed parameters, MACs and speed, the
-paper's CIFAR-10 figures beside) and ``OUTPUT/study.png`` plots every run's accuracy.
+Every row is trained for several seeds with one recipe (the ``cifar`` preset, the paper's, or ``fmnist``, the
+main job's short one) scaled by the study's options, each run in its own folder ``OUTPUT/<row>/seed<k>``
+through the classification task; :mod:`repmlp.tasks.study_report` then compares the rows. "Pure MLP" and "A)
+before conversion" are one trained network in its two forms: they share their runs and accuracy.
 
-Rows "Pure MLP" and "A) before conversion" are one trained network in its two forms (converted /
-training-time): they share their runs and their accuracy, and differ in parameters, MACs and speed.
-
-A second call reuses finished runs (a run folder holding ``result.json``), resumes a killed one from its
-checkpoint, and trains the missing ones; a run trained with other options is refused, not overwritten.
+A second call reuses finished runs (a folder holding ``result.json``), resumes a killed one from its
+checkpoint and trains the missing ones; a run trained with other options is refused, not overwritten.
 """
 
 from __future__ import annotations
@@ -102,31 +98,30 @@ class StudyOptions(TaskConfig):
     compile: str = "auto"  # a runtime option of every run (repmlp train --compile)
     jobs: int = 1  # runs trained at once, each in its own process (not a training option)
 
+    CHOICES = {**TaskConfig.CHOICES, "dataset": DATASETS, "preset": STUDY_PRESETS}
+
     def rules(self) -> Iterator[tuple[str, str]]:
-        if self.dataset not in DATASETS:
-            yield "dataset", f"--dataset must be one of {', '.join(DATASETS)}, got {self.dataset!r}"
-        if self.preset not in STUDY_PRESETS:
-            yield "preset", f"--preset must be one of {', '.join(STUDY_PRESETS)}, got {self.preset!r}"
         if self.dataset == "cifar10" and self.data_dir is None:
             yield "data_dir", "--dataset cifar10 needs --data-dir (the folder holding cifar-10-batches-py)"
 
     def model_args(self) -> dict[str, Any]:
         return {"width_multiplier": self.width_multiplier} if self.width_multiplier != 1.0 else {}
 
+    def model_kwargs(self) -> dict[str, Any]:
+        """What every row's network is built with: the data's classes, channels and (padded) size."""
+        in_chans = 1 if self.dataset == "fashion-mnist" else 3
+        return dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **self.model_args())
+
 
 def trained_rows() -> list[Row]:
-    """One row per trained network (Pure MLP and A share theirs)."""
-    seen: dict[str, Row] = {}
-    for row in ROWS:
-        seen.setdefault(row.key, row)
-    return list(seen.values())
+    """One row per trained network: "A) before conversion" is the Pure MLP's network, in training form."""
+    return [row for row in ROWS if row.deployed]
 
 
-# ------------------------------------------------------------------- the one coupling to training
 def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> TrainConfig:
     """The classification config of one run: the study's preset with the row's model and the study's epochs,
-    limits and widths; Fashion-MNIST zero-padded to the paper's 32x32 (one channel). The end of the run
-    skips the ONNX export and the benchmark (the study times all rows side by side instead)."""
+    limits and widths; Fashion-MNIST zero-padded to the paper's 32x32. No ONNX export nor benchmark at the end
+    of the run: the study times all rows side by side instead."""
     recipe = PRESETS[opts.preset].to_dict()
     recipe.update(model=model, model_args=opts.model_args(), epochs=opts.epochs,
                   img_size=IMG_SIZE if opts.dataset == "fashion-mnist" else None)  # fmt: skip
@@ -140,15 +135,13 @@ def train_config(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> Tr
 
 
 def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[str, Any]:
-    """Train (or resume, or reuse) one run into ``run_dir`` with :func:`repmlp.tasks.classification.train`
-    (resumed when the folder holds a checkpoint: a killed run, or a finished one whose end did not
-    complete); returns its ``result.json`` content."""
+    """Train (or resume, or reuse) one run into ``run_dir`` (resumed when the folder holds a checkpoint: a
+    killed run, or a finished one whose end did not complete): its ``result.json`` content."""
     cfg = train_config(model, seed, opts, run_dir)
     result_path = run_dir / RESULT_FILE
     if result_path.is_file():  # reused only if trained with these very options
-        check_resumable(
-            load_state(run_dir / STATE_FILE)["config"], cfg.to_dict(), run_dir, runtime=cfg.RUNTIME
-        )
+        saved = load_state(run_dir / STATE_FILE)["config"]
+        check_resumable(saved, cfg.to_dict(), run_dir, runtime=cfg.RUNTIME)
         return json.loads(result_path.read_text())
     cfg.resume = (run_dir / STATE_FILE).is_file()
     result = train(cfg, finished_ok=True)
@@ -160,16 +153,12 @@ def train_one(model: str, seed: int, opts: StudyOptions, run_dir: Path) -> dict[
     return out
 
 
-# ---------------------------------------------------------------------------------------- the study
 def train_study(opts: StudyOptions, *, progress: bool = True) -> dict[str, list[dict[str, Any]]]:
     """Train every row for every seed (reusing finished runs): row key -> one result per seed.
 
-    With ``opts.jobs > 1`` that many runs train at once, each in a worker process with an equal share of
-    this process's CPU threads: on a small CPU, single-threaded runs side by side waste less time in
-    OpenMP barriers than one run on every core. Each run is the same function either way.
-
-    :func:`repmlp.tasks.study_report.write_report` then measures the rows and writes the report.
-    """
+    With ``opts.jobs > 1`` that many runs train at once, each in a worker process with an equal share of this
+    process's CPU threads: on a small CPU, single-threaded runs side by side waste less time in OpenMP
+    barriers than one run on every core."""
     opts.validate()
     out = Path(opts.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,12 +188,10 @@ def start_order(jobs: list[tuple[Row, int]], opts: StudyOptions) -> list[int]:
 
 
 def _training_macs(model: str, opts: StudyOptions) -> int:
-    """Multiply-accumulates of one image through the training-time network: the study's estimate of a
-    run's cost (the same on every machine, so the order of the runs is too)."""
-    in_chans = 1 if opts.dataset == "fashion-mnist" else 3
-    size = (in_chans, IMG_SIZE, IMG_SIZE)
-    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
-    return profile_model(model, size, deploy=False, **kwargs)[1]
+    """Multiply-accumulates of one image through the training-time network: a run's cost, the same on every
+    machine (so is the order of the runs)."""
+    kwargs = opts.model_kwargs()
+    return profile_model(model, (kwargs["in_chans"], IMG_SIZE, IMG_SIZE), deploy=False, **kwargs)[1]
 
 
 def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[str, Any]]:
@@ -220,10 +207,8 @@ def _run_all(args: list[tuple], jobs: int, bar, order: list[int]) -> list[dict[s
     threads = max(1, torch.get_num_threads() // jobs)
     level = logging.getLogger("repmlp").getEffectiveLevel()
     # spawn: a forked child would inherit this process's OpenMP pool and locks.
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads, level, os.getpid())
-    ) as pool:
+    ctx, init_args = multiprocessing.get_context("spawn"), (threads, level, os.getpid())
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=init_args) as pool:
         futures = {pool.submit(train_one, *args[i]): i for i in order}
         try:
             for future in as_completed(futures):
@@ -250,14 +235,11 @@ def _worker_init(threads: int, level: int, parent: int) -> None:
 
 
 def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
-    """End this worker process soon after the study process ``parent`` is gone (killed, crashed, out of
-    memory).
+    """End this worker process soon after the study process ``parent`` is gone (killed, crashed, out of memory).
 
-    Nothing else stops it: a worker keeps training its run to the end while its parent is gone, and the
-    next study call would then resume that same run folder beside it. Checkpoints are written atomically,
-    so the run resumes from its last one. ``parent`` comes from the study process itself: a worker that
-    starts after the study was killed already has another parent (init or a subreaper), and ends at once.
-    """
+    Nothing else stops it: a worker would train its run to the end while the next study call resumes that
+    same run folder beside it. (Checkpoints are written atomically: the run resumes from its last one.) A
+    worker that starts after the study was killed already has another parent, and ends at once."""
 
     def watch() -> None:
         while os.getppid() == parent:  # a reparented orphan sees another parent (init or a subreaper)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 
 from repmlp.bench.throughput import benchmark
 from repmlp.engine import hardware_summary, resolve_device
@@ -71,13 +72,13 @@ def check_claims(stats: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
-def _measure_rows(opts: StudyOptions, in_chans: int, device: torch.device) -> dict[tuple[str, bool], Any]:
+def _measure_rows(opts: StudyOptions, device: torch.device) -> dict[tuple[str, bool], Any]:
     """Params, MACs and speed of every row's network, training-time and deployed, timed side by side
     (freshly built: speed does not depend on the weights); keys are ``(model name, deployed)``."""
-    kwargs = dict(num_classes=10, in_chans=in_chans, img_size=IMG_SIZE, **opts.model_args())
+    kwargs = opts.model_kwargs()
     torch.manual_seed(0)
     models = {row.model: create_model(row.model, **kwargs) for row in trained_rows()}
-    size = (in_chans, IMG_SIZE, IMG_SIZE)
+    size = (kwargs["in_chans"], IMG_SIZE, IMG_SIZE)
     rows = benchmark(models, size, opts.bench_batch_size, device=device, warmup=1, repeats=5)
     return {(r.model, r.form == "deploy"): r for r in rows}
 
@@ -91,14 +92,9 @@ def _plot(
 ) -> None:
     """Left: every run's top-1 per row (dots), the mean and one standard deviation (bar), the paper's CIFAR-10
     (x). Right: each row's validation top-1 after every epoch, mean over seeds (line) and range (band)."""
-    import matplotlib  # optional (repmlp[plots]); imported here, by the one step that needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     rows = trained_rows()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": (3, 2)})
+    fig = Figure(figsize=(15, 4.8))
+    ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": (3, 2)})
     for i, row in enumerate(rows):
         s, first = stats[row.key], i == 0
         n = len(s["top1"])
@@ -119,7 +115,7 @@ def _plot(
     # Below the axes, under the row names: inside it could hide a run.
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
     ax2.set(xlabel="epoch", ylabel="validation top-1 (%)", title="learning curves (mean, range over seeds)")
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.locator_params(axis="x", integer=True)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -173,11 +169,8 @@ def _tables(
 def write_report(opts: StudyOptions, results: dict[str, list[dict[str, Any]]], out: Path) -> Path:
     """Measure the rows, then write ``out/study.md`` and ``out/study.png``; returns the former's path."""
     stats, device = summarize(results), resolve_device(opts.device)
-    measured = _measure_rows(opts, 1 if opts.dataset == "fashion-mnist" else 3, device)
-    curves = _val_curves(out, opts.seeds)
-    _plot(
-        stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds per row)"
-    )
+    measured, curves = _measure_rows(opts, device), _val_curves(out, opts.seeds)
+    _plot(stats, curves, out / "study.png", f"Pure-MLP ablation on {opts.dataset} ({opts.seeds} seeds a row)")
     first = next(iter(results.values()))[0]
     options = [("--data-dir", opts.data_dir), ("--seeds", opts.seeds), ("--epochs", opts.epochs),
                ("--width-multiplier", f"{opts.width_multiplier:g}"),
