@@ -2,10 +2,12 @@
 
 The public names are imported on first use (PEP 562), so that ``repmlp --version`` and ``repmlp --help`` import
 no torch (start-up time). The first use of one (``repmlp.create_model``, ...) imports them all, and with them
-what their modules register: the models with timm, the reduced precisions' loaders with the model files.
+what their modules register: the models with timm, the reduced precisions' loaders with the model files. A
+program that imported timm before repmlp gets the models registered at once.
 """
 
 import importlib
+import sys
 from typing import Any
 
 from repmlp._version import __version__ as __version__  # repmlp.__version__
@@ -46,3 +48,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+if "timm" in sys.modules:  # timm is loaded already: registering the models costs no start-up time
+    importlib.import_module("repmlp.models")
