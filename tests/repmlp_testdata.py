@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -61,8 +62,6 @@ def make_image_folder(
     root: Path, classes: int = 3, per_class: int = 4, size: int = 40, seed: int = 0
 ) -> Path:
     """``root/{train,val}/<class>/*.png`` with small random RGB images."""
-    from PIL import Image
-
     rng = np.random.default_rng(seed)
     for split in ("train", "val"):
         for c in range(classes):
@@ -184,3 +183,54 @@ def model_arg_options(options: dict) -> list[str]:
     import json
 
     return [a for k, v in options.items() for a in ("--model-arg", f"{k}={json.dumps(v)}")]
+
+
+# A small RepMLP face model.
+FACE_TINY = {
+    "widths": [16, 32, 64, 128], "embedding_dim": 32, "partition": 4, "kernel_sizes": [1, 3], "groups": 2,
+}  # fmt: skip
+
+
+def make_faces(root: Path, identities: int, per_id: int, size: int = 32, seed: int = 0, prefix: str = "id"):
+    """Synthetic aligned 'faces': each identity a fixed random pattern, each image that plus noise."""
+    rng = np.random.default_rng(seed + 1000)  # noise; the identity patterns depend on (seed, i) only
+    for i in range(identities):
+        base = np.random.default_rng([seed, i]).uniform(0, 255, (size // 4, size // 4, 3))
+        base = np.kron(base, np.ones((4, 4, 1)))
+        folder = root / f"{prefix}{i:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for j in range(per_id):
+            img = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+            Image.fromarray(img).save(folder / f"{j:03d}.png")
+
+
+# A small RepMLP PSPNet: c3/c4 RepMLPs with 2x2 partitions at 64x64 input (global perceptron present).
+SEG_TINY = {
+    "widths": [32, 64, 128, 128], "partition": 4, "kernel_sizes": [1, 3], "head_channels": 16,
+    "aux_channels": 8,
+}  # fmt: skip
+
+
+def make_cityscapes(root: Path, split: str, n: int, size: tuple[int, int], seed: int) -> None:
+    """Cityscapes-layout images: sky (10) above, road (0) below, a car (13) box, an ignored border."""
+    rng = np.random.default_rng(seed)
+    h, w = size
+    for i in range(n):
+        city = f"city{i % 2}"
+        name = f"{city}_{i:06d}_000019"
+        label = np.zeros((h, w), np.uint8)
+        horizon = int(rng.integers(h // 3, 2 * h // 3))
+        label[:horizon] = 10
+        top, left = int(rng.integers(horizon, h - 8)), int(rng.integers(0, w - 16))
+        label[top : top + 8, left : left + 16] = 13
+        label[:2] = 255
+        palette = {0: (128, 64, 128), 10: (70, 130, 180), 13: (0, 0, 142), 255: (0, 0, 0)}
+        image = np.zeros((h, w, 3), np.float64)
+        for k, c in palette.items():
+            image[label == k] = c
+        image = np.clip(image + rng.normal(0, 20, image.shape), 0, 255).astype(np.uint8)
+        img_dir, lab_dir = root / "leftImg8bit" / split / city, root / "gtFine" / split / city
+        img_dir.mkdir(parents=True, exist_ok=True)
+        lab_dir.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(img_dir / f"{name}_leftImg8bit.png")
+        Image.fromarray(label).save(lab_dir / f"{name}_gtFine_labelTrainIds.png")

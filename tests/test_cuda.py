@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 -m pytest -q -m cuda tests/test_cuda.py    # benchmarks/gpu_check.sh runs it
 
 - conversion of every registered model (shallow builds, tests/zoo.py) on the GPU: float32 exact with TF32
-  off (:func:`repmlp.nn.numerics.full_float32`), fp16 and bf16 within their precision;
+  off (:func:`repmlp.numerics.full_float32`), fp16 and bf16 within their precision;
 - the main job's pipeline (``python -m repmlp train --device cuda --compile on``) on a subset of the real
   Fashion-MNIST (``$REPMLP_FMNIST_DIR``, else Debian's ``/usr/share/datasets/fashion-mnist``; skipped
   without either), then on its files: ONNX checked with onnxruntime (CPU), ``eval`` and ``predict`` on
@@ -36,7 +36,7 @@ from repmlp import create_model, list_models, reparameterize_model, to_precision
 from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
 from repmlp.io.model_file import load_model
 from repmlp.models.registry import default_input_size
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 from zoo import shallow
 
@@ -294,7 +294,8 @@ def test_kill_and_resume_is_bitwise_on_the_device(tmp_path):
 
 # ---------------------------------------------------------------------------------- face and seg
 def test_face_training_and_evaluation_steps_on_the_device(tmp_path):
-    from test_face import TINY, _make_faces
+    from repmlp_testdata import FACE_TINY as TINY
+    from repmlp_testdata import make_faces as _make_faces
 
     _make_faces(tmp_path / "train", 4, 6, seed=1)
     lines = [f"train/id{a:02d}/000.png train/id{a:02d}/001.png 1" for a in range(4)]
@@ -314,7 +315,8 @@ def test_face_training_and_evaluation_steps_on_the_device(tmp_path):
 
 
 def test_segmentation_training_and_evaluation_steps_on_the_device(tmp_path):
-    from test_seg import TINY, _make_cityscapes
+    from repmlp_testdata import SEG_TINY as TINY
+    from repmlp_testdata import make_cityscapes as _make_cityscapes
 
     _make_cityscapes(tmp_path / "city", "train", 4, (64, 96), seed=0)
     _make_cityscapes(tmp_path / "city", "val", 2, (80, 112), seed=1)

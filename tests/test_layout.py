@@ -100,6 +100,7 @@ def test_a_cycle_is_found_when_there_is_one():
 RANKS = {
     "repmlp.errors": 0,
     "repmlp._version": 0,
+    "repmlp.numerics": 0,
     "repmlp.nn": 1,
     "repmlp.data": 2,
     "repmlp.models": 3,
@@ -149,11 +150,13 @@ def test_every_module_is_in_a_ranked_folder():
     graph = import_graph()
     assert {folder(m) for m in graph} == set(RANKS), {folder(m) for m in graph} ^ set(RANKS)
     top = sorted(m for m in graph if m.count(".") == 1 and not (ROOT / m.split(".")[1]).is_dir())
-    assert top == ["repmlp.__main__", "repmlp._version", "repmlp.cli", "repmlp.errors"], top
+    assert top == ["repmlp.__main__", "repmlp._version", "repmlp.cli", "repmlp.errors", "repmlp.numerics"], (
+        top
+    )
 
 
 def test_imports_go_one_way_between_folders():
-    """commands -> tasks -> bench -> {deploy, engine} -> {speed, io} -> models -> data -> nn -> errors."""
+    """commands -> tasks -> bench -> {deploy, engine} -> {speed, io} -> models -> data -> nn -> {errors, numerics}."""
     graph = import_graph()
     assert climbs(graph) == []
     assert folder_cycle(graph) is None, " -> ".join(folder_cycle(graph) or [])

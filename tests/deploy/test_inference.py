@@ -194,7 +194,7 @@ def test_graphed_training_steps_equal_eager_on_cuda():
     """Three SGD steps with the module as CUDA graphs against eager: the same losses and weights, in full
     float32 (TF32 would round the two alike only by chance)."""
     from repmlp.engine import graph_module
-    from repmlp.nn.numerics import full_float32
+    from repmlp.numerics import full_float32
 
     torch.manual_seed(0)
     base = repmlp.create_model("repmlp_fmnist_patch2", num_classes=10, in_chans=1).cuda().train()

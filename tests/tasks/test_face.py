@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,10 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import load_model, read_metadata, save_model
 from repmlp.models import create_model
 from repmlp_testdata import (
+    FACE_TINY,
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
+    make_faces,
     model_arg_options,
     run_cli,
     subprocess_env,
@@ -29,9 +30,6 @@ from repmlp_testdata import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-TINY = {"widths": [16, 32, 64, 128], "embedding_dim": 32, "partition": 4, "kernel_sizes": [1, 3], "groups": 2}
 
 
 def _close(ours: float, paper: float, tol: float = 0.01) -> bool:
@@ -79,7 +77,7 @@ def test_repmlp_face_resnet_structure():
     [
         ("mobilefacenet", {"width": 16, "embedding_dim": 24}, 32),
         ("face_resnet", {"widths": [16, 32, 64, 128], "embedding_dim": 24}, 32),
-        ("repmlp_face_resnet", {**TINY, "embedding_dim": 24}, 64),
+        ("repmlp_face_resnet", {**FACE_TINY, "embedding_dim": 24}, 64),
         ("face_resnet", {"widths": [16, 32, 64, 128], "embedding_dim": 24, "stem": "resnet"}, 32),
     ],
 )
@@ -105,7 +103,7 @@ def test_models_embed_and_convert_exactly(name, kwargs, size):
 def test_timm_num_classes_is_embedding_width_and_wrong_size_is_clear():
     import timm
 
-    small = {k: TINY[k] for k in ("widths", "groups")}
+    small = {k: FACE_TINY[k] for k in ("widths", "groups")}
     model = timm.create_model("repmlp_face_resnet", num_classes=64, img_size=64, **small)
     assert model.embedding_dim == 64
     with pytest.raises(ValueError, match="64x64"):
@@ -113,21 +111,8 @@ def test_timm_num_classes_is_embedding_width_and_wrong_size_is_clear():
 
 
 # ------------------------------------------------------------------------------------------- data
-def _make_faces(root: Path, identities: int, per_id: int, size: int = 32, seed: int = 0, prefix: str = "id"):
-    """Synthetic aligned 'faces': each identity a fixed random pattern, each image that plus noise."""
-    rng = np.random.default_rng(seed + 1000)  # noise; the identity patterns depend on (seed, i) only
-    for i in range(identities):
-        base = np.random.default_rng([seed, i]).uniform(0, 255, (size // 4, size // 4, 3))
-        base = np.kron(base, np.ones((4, 4, 1)))
-        folder = root / f"{prefix}{i:02d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        for j in range(per_id):
-            img = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
-            Image.fromarray(img).save(folder / f"{j:03d}.png")
-
-
 def test_face_folder_and_clear_errors(tmp_path):
-    _make_faces(tmp_path / "ok", 3, 2)
+    make_faces(tmp_path / "ok", 3, 2)
     ds = FaceFolder(tmp_path / "ok", size=32)
     assert ds.classes == ["id00", "id01", "id02"] and len(ds) == 6
     x, y = ds[3]
@@ -166,11 +151,11 @@ def test_read_pairs_lfw_and_plain_formats(tmp_path):
 @pytest.fixture(scope="module")
 def face_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("faces")
-    _make_faces(root / "train", 4, 8, seed=1)
+    make_faces(root / "train", 4, 8, seed=1)
     # Evaluation identities are the training ones (images re-drawn), plus distractor identities.
-    _make_faces(root / "probe", 4, 2, seed=1)
-    _make_faces(root / "gallery", 4, 1, seed=1)
-    _make_faces(root / "gallery", 3, 1, seed=7, prefix="distractor")
+    make_faces(root / "probe", 4, 2, seed=1)
+    make_faces(root / "gallery", 4, 1, seed=1)
+    make_faces(root / "gallery", 3, 1, seed=7, prefix="distractor")
     lines = []
     for a in range(4):
         lines.append(f"train/id{a:02d}/000.png train/id{a:02d}/001.png 1")
@@ -180,7 +165,7 @@ def face_data(tmp_path_factory):
 
 
 TRAIN_ARGS = [
-    "--model", "repmlp_face_resnet", *model_arg_options(TINY), "--img-size", "32",
+    "--model", "repmlp_face_resnet", *model_arg_options(FACE_TINY), "--img-size", "32",
     "--batch-size", "16", "--iterations", "24", "--lr-steps", "18", "--lr", "0.05",
     "--am-scale", "16", "--device", "cpu", "--workers", "0", "--log-interval", "4",
 ]  # fmt: skip
@@ -376,7 +361,7 @@ def test_face_training_sizes_models_and_identities(face_data, tmp_path, capsys):
         assert cli_main([*base, *extra, "--output", str(tmp_path / "x")]) == 2
         assert message in _user_error(capsys)
     # One identity: the AM-Softmax loss would be 0 whatever the model (it used to "train" at loss 0.0000).
-    _make_faces(tmp_path / "one", 1, 4)
+    make_faces(tmp_path / "one", 1, 4)
     args = [a if a != str(face_data / "train") else str(tmp_path / "one") for a in base]
     assert cli_main([*args, *mfn, "--output", str(tmp_path / "o")]) == 2
     assert "holds 1 identity; face training needs at least 2" in _user_error(capsys)

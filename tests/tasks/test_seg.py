@@ -4,12 +4,9 @@ sliding-window inference and the train/eval pipeline end to end."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from repmlp import reparameterize_model
 from repmlp.bench.counts import profile_model
@@ -20,8 +17,10 @@ from repmlp.io.model_file import load_model, read_metadata, save_model
 from repmlp.models import create_model
 from repmlp.tasks.segmentation import load_backbone_weights, poly_lr, sliding_window_logits
 from repmlp_testdata import (
+    SEG_TINY,
     assert_diverged_weights_are_clear_errors,
     assert_kill_and_resume_is_bitwise,
+    make_cityscapes,
     model_arg_options,
     run_cli,
     subprocess_env,
@@ -29,13 +28,6 @@ from repmlp_testdata import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# A small RepMLP PSPNet: c3/c4 RepMLPs with 2x2 partitions at 64x64 input (global perceptron present).
-TINY = {
-    "widths": [32, 64, 128, 128], "partition": 4, "kernel_sizes": [1, 3], "head_channels": 16,
-    "aux_channels": 8,
-}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -79,7 +71,7 @@ def test_backbone_set_up_as_the_paper():
 
 def test_small_pspnet_trains_outputs_and_converts_exactly():
     torch.manual_seed(0)
-    model = create_model("pspnet_repmlp_res50", img_size=64, num_classes=5, **TINY).double()
+    model = create_model("pspnet_repmlp_res50", img_size=64, num_classes=5, **SEG_TINY).double()
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     main, aux = model.train()(x)
     assert main.shape == aux.shape == (2, 5, 64, 64)
@@ -89,7 +81,7 @@ def test_small_pspnet_trains_outputs_and_converts_exactly():
     assert deployed.aux_head is None
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in deployed.modules())
     torch.testing.assert_close(deployed(x), ref, rtol=1e-9, atol=1e-9)
-    direct = create_model("pspnet_repmlp_res50", img_size=64, num_classes=5, deploy=True, **TINY).double()
+    direct = create_model("pspnet_repmlp_res50", img_size=64, num_classes=5, deploy=True, **SEG_TINY).double()
     direct.load_state_dict(deployed.state_dict(), strict=True)
     torch.testing.assert_close(direct.eval()(x), ref, rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="64x64"):
@@ -160,36 +152,11 @@ def test_poly_lr_and_augmentation():
 
 
 # ------------------------------------------------------------------------------------- pipeline
-def _make_cityscapes(root: Path, split: str, n: int, size: tuple[int, int], seed: int) -> None:
-    """Cityscapes-layout images: sky (10) above, road (0) below, a car (13) box, an ignored border."""
-    rng = np.random.default_rng(seed)
-    h, w = size
-    for i in range(n):
-        city = f"city{i % 2}"
-        name = f"{city}_{i:06d}_000019"
-        label = np.zeros((h, w), np.uint8)
-        horizon = int(rng.integers(h // 3, 2 * h // 3))
-        label[:horizon] = 10
-        top, left = int(rng.integers(horizon, h - 8)), int(rng.integers(0, w - 16))
-        label[top : top + 8, left : left + 16] = 13
-        label[:2] = 255
-        palette = {0: (128, 64, 128), 10: (70, 130, 180), 13: (0, 0, 142), 255: (0, 0, 0)}
-        image = np.zeros((h, w, 3), np.float64)
-        for k, c in palette.items():
-            image[label == k] = c
-        image = np.clip(image + rng.normal(0, 20, image.shape), 0, 255).astype(np.uint8)
-        img_dir, lab_dir = root / "leftImg8bit" / split / city, root / "gtFine" / split / city
-        img_dir.mkdir(parents=True, exist_ok=True)
-        lab_dir.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image).save(img_dir / f"{name}_leftImg8bit.png")
-        Image.fromarray(label).save(lab_dir / f"{name}_gtFine_labelTrainIds.png")
-
-
 @pytest.fixture(scope="module")
 def city(tmp_path_factory):
     root = tmp_path_factory.mktemp("cityscapes")
-    _make_cityscapes(root, "train", 6, (64, 96), seed=0)
-    _make_cityscapes(root, "val", 3, (80, 112), seed=1)  # larger than the 64 crop: sliding window
+    make_cityscapes(root, "train", 6, (64, 96), seed=0)
+    make_cityscapes(root, "val", 3, (80, 112), seed=1)  # larger than the 64 crop: sliding window
     return root
 
 
@@ -202,14 +169,14 @@ def test_cityscapes_layout_and_errors(city, tmp_path):
     with pytest.raises(UserError, match="not a Cityscapes folder"):
         CityscapesSegmentation(tmp_path, "train")
     broken = tmp_path / "broken"
-    _make_cityscapes(broken, "train", 2, (32, 48), seed=3)
+    make_cityscapes(broken, "train", 2, (32, 48), seed=3)
     next((broken / "gtFine" / "train").rglob("*.png")).unlink()
     with pytest.raises(UserError, match="1 of 2 images .* no train-id label map"):
         CityscapesSegmentation(broken, "train")
 
 
 TRAIN_ARGS = [
-    "--model", "pspnet_repmlp_res50", *model_arg_options(TINY), "--crop-size", "64",
+    "--model", "pspnet_repmlp_res50", *model_arg_options(SEG_TINY), "--crop-size", "64",
     "--batch-size", "2", "--epochs", "4", "--lr", "0.01", "--device", "cpu", "--workers", "0",
     "--log-interval", "3",
 ]  # fmt: skip

@@ -28,7 +28,7 @@ from repmlp.deploy.precision import DTYPES
 from repmlp.engine import hardware_summary
 from repmlp.errors import first_line
 from repmlp.models import create_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 from repmlp.speed import fast_inference
 
 __all__ = ["SPEED_TABLES", "SPEED_PATHS", "SpeedOptions", "SpeedResult", "speed_rows", "speed_reference",

@@ -9,7 +9,7 @@ import torch
 
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.convert import reparameterize_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

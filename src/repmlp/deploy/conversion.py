@@ -26,7 +26,7 @@ from repmlp.io import model_file
 from repmlp.io.model_file import CheckpointError, ModelMetadata
 from repmlp.models.registry import check_forward
 from repmlp.nn import convert as nn_convert
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 __all__ = ["CONVERSION_RTOL", "OutputDiff", "compare_outputs", "DeployedFile", "Conversion",
            "convert_and_check", "default_output", "convert_file"]  # fmt: skip

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_bytes, staged
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 __all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "missing_onnx_packages",
            "write_int8_onnx", "DEFAULT_RTOL"]  # fmt: skip

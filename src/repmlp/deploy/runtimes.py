@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from repmlp.deploy.export import DEFAULT_RTOL, ExportError, _check_close, _example, export_onnx
 from repmlp.errors import UserError
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 __all__ = ["RUNTIMES", "ONNX_RUNTIMES", "RuntimeModel", "missing_runtime", "to_runtime", "onnx_bytes_of"]
 

@@ -33,7 +33,7 @@ from repmlp.data import NATIVE_SIZE
 from repmlp.data.inputs import not_regular
 from repmlp.errors import UserError, first_line
 from repmlp.models.registry import FILE_LOADER, create_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 __all__ = ["CheckpointError", "staged", "atomic_write_bytes", "atomic_write_text", "save_model", "load_model",
            "read_model_file", "read_tensors", "read_metadata", "ModelMetadata", "model_metadata", "FIELDS",

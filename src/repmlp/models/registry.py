@@ -19,7 +19,7 @@ from torch import nn
 
 from repmlp.errors import UserError, first_line
 from repmlp.nn.convert import reparameterize_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "resolve_model",
            "build_model", "takes_img_size", "default_input_size", "check_forward"]  # fmt: skip

@@ -9,8 +9,8 @@ import logging
 import torch.fx as fx
 from torch import nn
 
-from repmlp.nn.numerics import full_float32
 from repmlp.nn.reparam import _BN, fuse_bn
+from repmlp.numerics import full_float32
 
 __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
 

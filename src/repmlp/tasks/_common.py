@@ -24,7 +24,7 @@ from repmlp.errors import UserError
 from repmlp.io.model_file import ModelMetadata, atomic_write_text, load_model, save_model
 from repmlp.models.pspnet import PSPNet
 from repmlp.nn import convert  # looked up when called: tests replace convert.reparameterize_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import report_lines
 

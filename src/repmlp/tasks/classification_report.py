@@ -27,7 +27,7 @@ from repmlp.engine import METRICS_FILE, STATE_FILE, amp_dtype, hardware_summary,
 from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_text
-from repmlp.nn.numerics import run_precision
+from repmlp.numerics import run_precision
 from repmlp.tasks._common import save_forms
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy

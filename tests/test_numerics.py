@@ -1,5 +1,5 @@
 """Full float32 for the checks that compare a training-time model with its converted form
-(:func:`repmlp.nn.numerics.full_float32`), whatever TF32 and autocast settings the caller holds.
+(:func:`repmlp.numerics.full_float32`), whatever TF32 and autocast settings the caller holds.
 
 On a GPU, cuDNN runs float32 convolutions in TF32 by default; a check run with the caller's settings
 compares a TF32-rounded training-time form with an FC3 computed in float32 and fails although the
@@ -22,7 +22,7 @@ from torch import nn
 from repmlp import create_model, reparameterize_model
 from repmlp.cli import main as cli_main
 from repmlp.io.model_file import save_model
-from repmlp.nn.numerics import full_float32
+from repmlp.numerics import full_float32
 from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,7 +84,7 @@ SETTINGS_SCRIPT = """
 import warnings
 warnings.simplefilter("error")  # a deprecation notice of the legacy flags must not surface
 import torch
-from repmlp.nn.numerics import _precision_holders, _save, float32_flags, full_float32
+from repmlp.numerics import _precision_holders, _save, float32_flags, full_float32
 
 B = torch.backends
 DEFAULT = {p: o.fp32_precision for p, o in _precision_holders()}
@@ -201,14 +201,16 @@ def test_face_and_seg_training_check_the_conversion_in_full_float32(caller_tf32,
     """The face and segmentation runs check their converted model against the training form on random
     inputs at the end, in full float32, and report it; their training steps keep the caller's settings."""
     if task == "face":
-        from test_face import TINY, _make_faces
+        from repmlp_testdata import FACE_TINY as TINY
+        from repmlp_testdata import make_faces as _make_faces
 
         _make_faces(tmp_path / "data", 2, 4, seed=1)
         data = tmp_path / "data"
         argv = ["--model", "repmlp_face_resnet", *model_arg_options(TINY), "--img-size", "32", "--batch-size",
                 "4", "--iterations", "2", "--lr-steps", "1"]  # fmt: skip
     else:
-        from test_seg import TINY, _make_cityscapes
+        from repmlp_testdata import SEG_TINY as TINY
+        from repmlp_testdata import make_cityscapes as _make_cityscapes
 
         _make_cityscapes(tmp_path / "data", "train", 2, (64, 96), seed=0)
         data = tmp_path / "data"
@@ -300,9 +302,9 @@ def test_full_float32_on_a_model_in_reduced_precision_keeps_its_dtype():
 
 def test_face_run_fails_when_its_conversion_check_does(tmp_path, monkeypatch):
     """A converted model that does not reproduce the training form makes the run exit 1, after saving."""
-    from test_face import TINY, _make_faces
-
     import repmlp.nn.convert as convert_module  # save_run imports it from there when it runs
+    from repmlp_testdata import FACE_TINY as TINY
+    from repmlp_testdata import make_faces as _make_faces
 
     _make_faces(tmp_path / "data", 2, 4, seed=1)
 
