@@ -21,7 +21,7 @@ from typing import Any
 
 import timm
 
-from repmlp.data import folder_preprocessing
+from repmlp.data import eval_preprocessing
 from repmlp.data.folder import IMG_EXTENSIONS
 from repmlp.data.inputs import not_regular, walk_files
 from repmlp.errors import UserError
@@ -177,9 +177,10 @@ def _folder_input(
             raise UserError(f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)")
         if img_size is None and h == w:
             values["img_size"] = h
-    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize.
-    channels = values.get("channels", 3)
-    if init and (evaluation := folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], channels)):
+    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize
+    # (without --init the folder's default, not the model's config: it was not trained on these images).
+    if init:
+        evaluation = eval_preprocessing(pre["eval_preprocessing"], pre["dataset"], values.get("channels", 3))
         values.update(eval_preprocessing=evaluation, mean=evaluation["mean"], std=evaluation["std"])
     return size, whose, basis, values
 
