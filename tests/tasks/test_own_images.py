@@ -215,3 +215,22 @@ def test_every_precision_and_command_reads_an_rgb_file_alike(tmp_path):
         assert 100 * np.mean(np.equal(top1[precision], labels)) == pytest.approx(scored)
     assert top1["train"] == top1["fp32"]  # exact conversion; reduced precisions may flip a near tie
     assert all(np.mean(np.equal(top1[p], top1["fp32"])) >= 0.9 for p in ("bf16", "int8"))
+
+
+def test_a_folder_without_model_gets_one_that_fits_its_images(tmp_path):
+    """No --model: small images train the small `cifar` model at their size (not repmlp_res50 at 224x224),
+    large ones the paper's ImageNet model; the log says which, and --model picks another."""
+    small = make_image_folder(tmp_path / "small", classes=3, per_class=4, size=40)  # 44x40 images
+    res = ok("train", "--dataset", "imagefolder", "--data-dir", small, "--model-arg", "widths=[4,8,16]", *QUICK,
+             "--output", tmp_path / "run")  # fmt: skip
+    assert (
+        "image folder: model repmlp_cifar (for 40x40 images; --model picks another), recipe cifar"
+        in res.stderr
+    )
+    assert "input 3x40x40 (to fit the images)" in res.stderr
+    assert repmlp.load_model(tmp_path / "run" / "model.safetensors").metadata.input_size == (3, 40, 40)
+    large = make_image_folder(tmp_path / "large", classes=2, per_class=1, size=72)
+    cfg = resolve_config(dataset="imagefolder", data_dir=str(large), output=str(tmp_path / "x"))
+    assert (cfg.model, cfg.img_size, cfg.preset) == ("repmlp_res50", 224, "imagenet")
+    cfg = resolve_config(dataset="imagefolder", data_dir=str(small), model="repmlp_fmnist", output="x")
+    assert (cfg.model, cfg.img_size) == ("repmlp_fmnist", 28)  # --model wins
