@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -221,6 +221,7 @@ def metadata(draw) -> dict[str, object]:
 
 @SETTINGS
 @given(meta=metadata())
+@example(meta={"extra": _dumps({"eval_preprocessing": {"": None}})})  # no mean for a one-channel model
 def test_drawn_metadata_is_predicted_or_one_line(world, tmp_path, meta):
     """Whatever a file's metadata says, predict either works (exit 0) or says why in one line (2)."""
     bad = rewrite(world["model"], tmp_path / "drawn.safetensors", meta)

@@ -72,23 +72,22 @@ def test_a_loaded_model_carries_its_files_metadata(tmp_path):
     assert (meta.name, meta.form, meta.precision, meta.path) == ("repmlp_fmnist", "train", "fp32", str(path))
     assert (meta.num_classes, meta.input_size, meta.classes) == (10, (1, 28, 28), classes)
     assert meta.model_kwargs == TINY and meta.extra == extra
-    assert meta.preprocessing == {
-        "dataset": "fashion-mnist",
-        "input_size": [1, 28, 28],
-        "eval_preprocessing": None,
-    }
+    # Not recorded: the data set's (Fashion-MNIST's one-channel normalisation, the image resized to 28x28).
+    pre = dict(crop_pct=1.0, crop_mode="squash", interpolation="bilinear", mean=[0.286], std=[0.353])
+    want = {"dataset": "fashion-mnist", "input_size": [1, 28, 28], "eval_preprocessing": pre}
+    assert meta.preprocessing == want
     assert meta.input_size_at(None) == (1, 28, 28) and meta.input_size_at(32) == (1, 32, 32)
-    # Nothing recorded: the class count and input size are the model's, the preprocessing its timm config's.
+    # Nothing given: the class count and input size are the model's; save_model records its timm config's
+    # preprocessing (the file says what it wants).
     bare = {k: v for k, v in TINY.items() if k not in ("num_classes", "img_size")}
     save_model(path, _tiny(deploy=True), name="repmlp_fmnist", model_kwargs=bare, form="deploy")
     meta = load_model(path, form="deploy").metadata
-    assert (meta.form, meta.num_classes, meta.input_size, meta.classes, meta.extra) == (
-        "deploy", 10, (1, 28, 28), None, {}
-    )  # fmt: skip
-    assert set(meta.preprocessing["eval_preprocessing"]) >= {"mean", "std"}
+    assert (meta.form, meta.num_classes, meta.input_size, meta.classes) == ("deploy", 10, (1, 28, 28), None)
+    own = {**pre, "crop_mode": "center"}  # repmlp_fmnist's timm config: crop_pct 1, Fashion-MNIST's mean, std
+    assert meta.extra == {"eval_preprocessing": own} and meta.preprocessing["eval_preprocessing"] == own
     # A face or segmentation model loads like any other (prediction, not loading, wants a classifier).
     save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train", extra={"task": "face"})
-    assert load_model(path).metadata.extra == {"task": "face"}
+    assert load_model(path).metadata.extra["task"] == "face"
 
 
 def test_wrong_form_and_other_model_are_clear_errors(tmp_path):

@@ -240,7 +240,7 @@ def test_missing_unused_and_wrong_model_are_errors(tmp_path):
 def test_eval_transform_is_the_published_preprocessing():
     from PIL import Image
 
-    from repmlp.data import eval_transform
+    from repmlp.data import folder_eval_transform as eval_transform
     from repmlp.io.importer import eval_preprocessing
 
     pp = eval_preprocessing("repmlpnet_b224")

@@ -162,3 +162,75 @@ def test_three_channel_model_from_scratch_to_predict(tmp_path):
     assert "recipe cifar (repmlp_cifar's recipe), input 3x32x32 (repmlp_cifar's), batch 8" in res.stderr
     assert repmlp.load_model(run / "model.safetensors").metadata.input_size == (3, 32, 32)
     convert_eval_export_predict(run, folder, channels=3, in_subprocess=False)
+
+
+def colour_folder(root: Path, classes: int = 3, per_class: int = 8, size: int = 28) -> Path:
+    """``root/{train,val}/<class>/*.png``: RGB images whose class is the one bright channel (noise else)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for split in ("train", "val"):
+        for c in range(classes):
+            (root / split / f"c{c}").mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                arr = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
+                arr[..., c] += 170
+                Image.fromarray(arr, "RGB").save(root / split / f"c{c}" / f"{i}.png")
+    return root
+
+
+def test_every_precision_and_command_reads_an_rgb_file_alike(tmp_path):
+    """An RGB folder run of the main job's model (whose timm config holds Fashion-MNIST's one-channel
+    normalisation): every file records the folder's preprocessing, ``eval`` and ``predict`` (CLI and
+    Predictor) feed its fp32, bf16 and int8 files the same tensors, and their top-1 agree."""
+    from repmlp.data import build_data, eval_preprocessing
+    from repmlp.data.folder import scan_image_folder
+    from repmlp.data.inputs import open_image
+
+    folder, run = colour_folder(tmp_path / "rgb"), tmp_path / "run"
+    ok("train", "--dataset", "imagefolder", "--data-dir", folder, "--model", "repmlp_fmnist_patch2",
+       "--model-arg", "in_chans=3", "--model-arg", "widths=[4,8]", *QUICK, "--epochs", 3, "--output", run)  # fmt: skip
+    files = {p: run / f"deploy-{p}.safetensors" for p in ("bf16", "int8")}
+    for precision, path in files.items():
+        ok("convert", "--checkpoint", run / "model.safetensors", "--precision", precision, "--output", path)
+    files = {"train": run / "model.safetensors", "fp32": run / "deploy.safetensors", **files}
+    default = eval_preprocessing(None, None, 3)  # the folder's (ImageNet's), not the model's config's
+    samples, _ = scan_image_folder(folder, "val")
+    top1: dict[str, list[int]] = {}
+    for precision, path in files.items():
+        meta = repmlp.load_model(path).metadata
+        assert meta.extra["eval_preprocessing"] == meta.preprocessing["eval_preprocessing"] == default
+        # eval's tensors (its loader, in file order) are predict's.
+        data = build_data(model_data_config(meta, "imagefolder", workers=0, need_train=False))
+        seen = torch.cat([x for x, _ in data.val.batches(0)])
+        predictor = repmlp.Predictor(path, top_k=1)
+        mine = torch.stack([predictor.preprocess(open_image(p)) for p, _ in samples])
+        torch.testing.assert_close(mine, seen, rtol=0, atol=1e-5)
+        res = json.loads(ok("predict", "--checkpoint", path, folder / "val", "--json", "--top-k", 1, "--workers",
+                            0).stdout)  # fmt: skip
+        top1[precision] = [r["top_k"][0]["index"] for r in res]
+        assert [p[0].index for p in predictor.predict([p for p, _ in samples])] == top1[precision]
+        labels = [label for _, label in samples]
+        scored = json.loads(ok("eval", "--checkpoint", path, "--json", "--workers", 0).stdout)["top1"]
+        assert 100 * np.mean(np.equal(top1[precision], labels)) == pytest.approx(scored)
+    assert top1["train"] == top1["fp32"]  # exact conversion; reduced precisions may flip a near tie
+    assert all(np.mean(np.equal(top1[p], top1["fp32"])) >= 0.9 for p in ("bf16", "int8"))
+
+
+def test_a_folder_without_model_gets_one_that_fits_its_images(tmp_path):
+    """No --model: small images train the small `cifar` model at their size (not repmlp_res50 at 224x224),
+    large ones the paper's ImageNet model; the log says which, and --model picks another."""
+    small = make_image_folder(tmp_path / "small", classes=3, per_class=4, size=40)  # 44x40 images
+    res = ok("train", "--dataset", "imagefolder", "--data-dir", small, "--model-arg", "widths=[4,8,16]", *QUICK,
+             "--output", tmp_path / "run")  # fmt: skip
+    assert (
+        "image folder: model repmlp_cifar (for 40x40 images; --model picks another), recipe cifar"
+        in res.stderr
+    )
+    assert "input 3x40x40 (to fit the images)" in res.stderr
+    assert repmlp.load_model(tmp_path / "run" / "model.safetensors").metadata.input_size == (3, 40, 40)
+    large = make_image_folder(tmp_path / "large", classes=2, per_class=1, size=72)
+    cfg = resolve_config(dataset="imagefolder", data_dir=str(large), output=str(tmp_path / "x"))
+    assert (cfg.model, cfg.img_size, cfg.preset) == ("repmlp_res50", 224, "imagenet")
+    cfg = resolve_config(dataset="imagefolder", data_dir=str(small), model="repmlp_fmnist", output="x")
+    assert (cfg.model, cfg.img_size) == ("repmlp_fmnist", 28)  # --model wins

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from repmlp.io.model_file import ModelMetadata
 
 __all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION", "NATIVE_SIZE",
-           "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform", "folder_preprocessing",
-           "model_data_config"]  # fmt: skip
+           "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform", "eval_preprocessing",
+           "PREPROCESSING_KEYS", "model_data_config"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ NORMALIZATION = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "imagefolder": (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD),
 }
+PREPROCESSING_KEYS = ("crop_pct", "crop_mode", "interpolation", "mean", "std")  # timm cfg keys
+# What a model file that records no evaluation preprocessing and no in-memory data set is read with.
+FOLDER_PREPROCESSING = {"crop_pct": 0.875, "crop_mode": "center", "interpolation": "bilinear",
+                        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD}  # fmt: skip
 _MAX_PADDED_BYTES = 4 << 30  # an in-memory data set zero-padded to --img-size
 
 
@@ -90,7 +94,7 @@ class Data:
     img_size: int
     classes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # how the examples were chosen, for the report
-    eval_preprocessing: dict[str, Any] | None = None  # image folders, when not the default (in model files)
+    eval_preprocessing: dict[str, Any] | None = None  # :func:`eval_preprocessing`'s (in model files)
 
 
 def _limit(n: int | None, what: str, total: int) -> int:
@@ -134,7 +138,9 @@ def build_data(cfg: DataConfig, *, rank: int = 0, world: int = 1, device: torch.
 
     train = loader(True, cfg.train_limit, "--train-limit", cfg.batch_size) if cfg.need_train else None
     val = loader(False, cfg.val_limit, "--val-limit", cfg.eval_batch_size)
-    return Data(train, val, len(classes), val.images.shape[1], val.images.shape[2], list(classes))
+    c, size = val.images.shape[1:3]
+    pre = eval_preprocessing(None, cfg.dataset, c)  # what a model file of the run records
+    return Data(train, val, len(classes), c, size, list(classes), eval_preprocessing=pre)
 
 
 def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> None:
@@ -153,24 +159,13 @@ def _check_in_memory(cfg: DataConfig, splits: dict[bool, tuple[Any, Any]]) -> No
             )
 
 
-def eval_transform(size: int, preprocessing: dict[str, Any]) -> Callable:
-    """PIL image -> normalised ``(3, size, size)`` by timm's eval transform with ``preprocessing`` (timm cfg
-    keys): resize to ``floor(size / crop_pct)``, centre crop ``size``, ``interpolation``, ``mean``/``std``."""
-    keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
-    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in preprocessing.items() if k in keys}
-    return create_transform((3, size, size), is_training=False, **opts)
-
-
 def folder_eval_transform(size: int, preprocessing: dict[str, Any] | None = None) -> Callable:
-    """An image folder's evaluation transform (``repmlp eval`` and ``predict``), RGB PIL image -> normalised
-    ``(3, size, size)``: :func:`eval_transform` with ``preprocessing``, else resize to ``size / 0.875``,
-    centre crop, bilinear, ImageNet mean/std."""
-    if preprocessing:
-        return eval_transform(size, preprocessing)
-    mean, std = NORMALIZATION["imagefolder"]
-    return T.Compose(
-        [T.Resize(round(size / 0.875)), T.CenterCrop(size), T.ToTensor(), T.Normalize(mean, std)]
-    )
+    """An image folder's evaluation transform (``repmlp eval`` and ``predict``), PIL image -> normalised
+    ``(C, size, size)``: timm's eval transform with ``preprocessing`` (:func:`eval_preprocessing`'s keys;
+    ``None``: an image folder's default): resize to ``floor(size / crop_pct)``, crop ``size``, normalise."""
+    pre = preprocessing or eval_preprocessing(None, None, 3)
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in pre.items() if k in PREPROCESSING_KEYS}
+    return create_transform((3, size, size), is_training=False, **opts)
 
 
 _TO_TENSOR = ("ToTensor", "MaybeToTensor")  # torchvision's and timm's
@@ -248,16 +243,14 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
     if cfg.data_dir is None:
         raise UserError("--dataset imagefolder needs --data-dir (a folder with train/ and val/ sub-folders)")
     size, channels = cfg.img_size or 224, cfg.channels or 3
-    pre = dict(cfg.eval_preprocessing or {})
-    mean = tuple(cfg.mean or pre.get("mean") or NORMALIZATION["imagefolder"][0])[:channels]
-    std = tuple(cfg.std or pre.get("std") or NORMALIZATION["imagefolder"][1])[:channels]
-    if pre or channels != 3 or cfg.mean or cfg.std:
-        # The evaluation normalises as the training does (one value per channel): recorded in model files.
-        pre = {"crop_pct": 0.875, "interpolation": "bilinear", **pre, "mean": list(mean), "std": list(std)}
+    # The evaluation normalises as the training does (one value per channel): recorded in model files.
+    given = {k: v for k, v in (("mean", cfg.mean), ("std", cfg.std)) if v}
+    pre = eval_preprocessing({**(cfg.eval_preprocessing or {}), **given}, None, channels)
+    mean, std = pre["mean"], pre["std"]
     train_samples, classes = scan_image_folder(cfg.data_dir, "train") if cfg.need_train else (None, None)
     val_samples, val_classes = scan_image_folder(cfg.data_dir, "val", classes)
     classes = classes or val_classes
-    eval_pil, eval_mean, eval_std = folder_eval_pixels(size, pre or None)
+    eval_pil, eval_mean, eval_std = folder_eval_pixels(size, pre)
     common = dict(seed=cfg.seed, rank=rank, world=world, workers=cfg.workers, device=device,
                   channels_last=cfg.channels_last)  # fmt: skip
     notes: list[str] = []
@@ -279,31 +272,25 @@ def _build_folder(cfg: DataConfig, rank: int, world: int, device: torch.device |
                        **common)  # fmt: skip
     for note in notes:
         log.info("%s", note)
-    return Data(train, val, len(classes), channels, size, classes, notes, pre or None)
+    return Data(train, val, len(classes), channels, size, classes, notes, pre)
 
 
-def folder_preprocessing(
-    recorded: Mapping[str, Any] | None, dataset: str | None, channels: int
-) -> dict | None:
-    """The evaluation preprocessing (timm cfg keys; ``mean``/``std`` of ``channels`` values) of an image
-    folder for a model file whose ``extra`` records ``recorded`` (its ``eval_preprocessing``) and ``dataset``:
-    the file's own; for a model of an in-memory data set, the image resized to the input size (as ``repmlp
-    predict`` does) and that data set's normalisation; else ``None`` (:func:`folder_eval_transform`'s).
-    ``repmlp train --init`` gives an image folder the same."""
-    if recorded:
-        out = {
-            k: recorded[k] for k in ("crop_pct", "crop_mode", "interpolation", "mean", "std") if k in recorded
-        }
-    elif dataset in NATIVE_SIZE:
+def eval_preprocessing(recorded: Mapping[str, Any] | None, dataset: str | None, channels: int) -> dict:
+    """The evaluation preprocessing of a model file whose ``extra`` records ``recorded`` (its
+    ``eval_preprocessing``) and ``dataset``, as every command reads images for it: timm cfg keys
+    (:data:`PREPROCESSING_KEYS`), each the file's own, else its in-memory data set's (the image resized to
+    the input size, as ``repmlp predict`` does, and the data set's normalisation), else an image folder's
+    default (:data:`FOLDER_PREPROCESSING`). ``mean``/``std`` hold ``channels`` values: the first ones, or
+    one value for every channel (ImageNet's three never broadcast over a one-channel image)."""
+    base = FOLDER_PREPROCESSING
+    if dataset in NATIVE_SIZE:
         mean, std = NORMALIZATION[dataset]
-        out = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
-    else:
-        return None
-    mean, std = NORMALIZATION["imagefolder"]
-    out["mean"] = [float(v) for v in (out.get("mean") or mean)][:channels]
-    out["std"] = [float(v) for v in (out.get("std") or std)][:channels]
-    if len(out["mean"]) != channels or len(out["std"]) != channels:  # one value for three channels
-        out["mean"], out["std"] = out["mean"][:1] * channels, out["std"][:1] * channels
+        base = {"crop_pct": 1.0, "crop_mode": "squash", "interpolation": "bilinear", "mean": mean, "std": std}
+    own = {k: v for k, v in (recorded or {}).items() if k in PREPROCESSING_KEYS and v is not None}
+    out = {**base, **own}
+    for key in ("mean", "std"):
+        values = [float(v) for v in (out[key] if isinstance(out[key], (list, tuple)) else [out[key]])]
+        out[key] = values[:channels] if len(values) >= channels else values[:1] * channels
     return out
 
 
@@ -314,7 +301,7 @@ def model_data_config(meta: ModelMetadata, dataset: str, *, data_dir: str | None
 
     ``data_dir`` defaults to the folder the file records when ``dataset`` is the one it was trained on. The
     images come in the model's channels, at ``img_size`` (default: the model's own square side), with
-    :func:`folder_preprocessing`'s resize and normalisation (at another size only its normalisation).
+    :func:`eval_preprocessing`'s resize and normalisation (at another size only its normalisation).
     ``options``: the other :class:`DataConfig` fields (limits, batch sizes, workers).
     """
     extra = meta.extra
@@ -329,8 +316,8 @@ def model_data_config(meta: ModelMetadata, dataset: str, *, data_dir: str | None
     channels = meta.input_size[0] if meta.input_size[0] in (1, 3) else None
     pre = None
     if dataset == "imagefolder":
-        pre = folder_preprocessing(extra.get("eval_preprocessing"), extra.get("dataset"), channels or 3)
-        if pre and size != own:
+        pre = eval_preprocessing(extra.get("eval_preprocessing"), extra.get("dataset"), channels or 3)
+        if size != own:
             pre = {k: pre[k] for k in ("mean", "std")}
     return DataConfig(dataset=dataset, data_dir=data_dir, img_size=size, channels=channels,
                       eval_preprocessing=pre, **options)  # fmt: skip

@@ -228,7 +228,9 @@ def convert_file(checkpoint: Path, output: Path, *, precision: str = "fp32",
         except UserError as exc:
             raise UserError(f"--precision int8 needs calibration data of the run's training images ({exc}); "
                             "pass --dataset and --data-dir of its training data") from None  # fmt: skip
-    extra = {**meta.extra, "converted_from": str(checkpoint)}
+    # The source's resolved preprocessing: every precision reads images as the training-time file does.
+    extra = {**meta.extra, "eval_preprocessing": meta.preprocessing["eval_preprocessing"],
+             "converted_from": str(checkpoint)}  # fmt: skip
     with model_file.staged(output) as tmp:  # the real name appears only once the file passed the check
         check = convert_and_check(model, x, file=DeployedFile(tmp, meta.name, meta.model_kwargs, extra))
         err, allowed = check.diff.max_abs_diff, tolerance * max(1.0, check.diff.max_reference)

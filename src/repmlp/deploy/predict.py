@@ -66,14 +66,11 @@ class FileResult:
 def eval_image_transform(preprocessing: dict[str, Any]) -> Callable[[Any], Tensor]:
     """PIL image (in the model's channels) -> the model's normalised ``(C, H, W)`` input, as ``repmlp eval``
     does: an in-memory data set's :class:`~repmlp.data.PixelEvalTransform`, else the image folder's
-    :func:`~repmlp.data.folder_eval_transform`."""
-    c, h, _ = preprocessing["input_size"]
+    :func:`~repmlp.data.folder_eval_transform` with the file's resolved ``eval_preprocessing``."""
+    _, h, _ = preprocessing["input_size"]
     if preprocessing.get("dataset") in NATIVE_SIZE:
         return PixelEvalTransform(preprocessing["dataset"], h)
-    pre = dict(preprocessing.get("eval_preprocessing") or {})
-    if c == 1 and pre:  # a one-channel model: one mean/std value (ImageNet's three would broadcast)
-        pre.update({k: list(pre[k])[:1] for k in ("mean", "std") if k in pre})
-    return folder_eval_transform(h, pre or None)
+    return folder_eval_transform(h, preprocessing["eval_preprocessing"])
 
 
 def _check_classifier(metadata: ModelMetadata) -> None:

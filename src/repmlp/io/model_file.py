@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from repmlp._version import __version__
-from repmlp.data import NATIVE_SIZE
+from repmlp.data import PREPROCESSING_KEYS, eval_preprocessing
 from repmlp.data.inputs import not_regular
 from repmlp.errors import UserError, first_line
 from repmlp.models.registry import FILE_LOADER, create_model
@@ -110,13 +110,27 @@ def cpu_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
 
 
+def with_own_preprocessing(model: nn.Module, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``extra`` (a file's, :data:`FIELDS`), with ``model``'s own evaluation preprocessing (its timm config's)
+    when it names neither a data set nor an evaluation preprocessing."""
+    extra = dict(extra or {})
+    if not {"dataset", "eval_preprocessing"} & set(extra):
+        cfg = getattr(model, "pretrained_cfg", None) or {}
+        own = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in PREPROCESSING_KEYS}
+        extra.update({"eval_preprocessing": own} if own else {})
+    return extra
+
+
 def save_model(path: str | os.PathLike, model: nn.Module, *, name: str, model_kwargs: dict[str, Any],
                form: Form, extra: dict[str, Any] | None = None, precision: str = "fp32") -> None:  # fmt: skip
     """Save ``model.state_dict()`` to ``path`` with what :func:`load_model` needs: the options of
     ``create_model(name, deploy=form == "deploy", **model_kwargs)``, ``extra`` (classes, input size,
-    preprocessing, the run's data set: :data:`FIELDS`) and a deployed file's reduced ``precision``."""
+    preprocessing, the run's data set: :data:`FIELDS`) and a deployed file's reduced ``precision``. An
+    ``extra`` that names neither a data set nor an evaluation preprocessing gets the model's own (its timm
+    config's), so that the file says how to read images for it."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+    extra = with_own_preprocessing(model, extra)
     meta = {"format": FORMAT, "model": name, "model_kwargs": json.dumps(model_kwargs, sort_keys=True),
             "form": form, "repmlp_version": __version__}  # fmt: skip
     if extra:
@@ -474,8 +488,10 @@ def model_metadata(model: nn.Module, *, name: str, form: str, model_kwargs: Mapp
                    path: str | None = None) -> ModelMetadata:  # fmt: skip
     """The :class:`ModelMetadata` of ``model`` (eval mode) as a file records it. What the file does not
     record comes from the model: the input size from ``model_kwargs`` or its timm config, the class count
-    from the model (else the width of its output on one zero image), the preprocessing from its config."""
-    extra, kwargs = dict(extra or {}), dict(model_kwargs or {})
+    from the model (else the width of its output on one zero image); the preprocessing is
+    :func:`~repmlp.data.eval_preprocessing`'s, whatever the precision (``extra=None``, a model read from no
+    file: its own timm config's)."""
+    extra, kwargs = with_own_preprocessing(model) if extra is None else dict(extra), dict(model_kwargs or {})
     cfg = getattr(model, "pretrained_cfg", None) or {}
     size = extra.get("input_size")
     if not (isinstance(size, Sequence) and len(size) == 3):
@@ -488,10 +504,7 @@ def model_metadata(model: nn.Module, *, name: str, form: str, model_kwargs: Mapp
     if not (isinstance(n, int) and n > 0):  # a torchvision model or an int8 graph: ask the model itself
         with torch.inference_mode(), full_float32():
             n = int(model(torch.zeros(1, *size, device=device_of(model))).shape[-1])
-    pre = extra.get("eval_preprocessing")
-    if extra.get("dataset") not in NATIVE_SIZE and not pre:  # the model's own config's
-        keys = ("crop_pct", "crop_mode", "interpolation", "mean", "std")
-        pre = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in keys} or None
+    pre = eval_preprocessing(extra.get("eval_preprocessing"), extra.get("dataset"), size[0])
     classes = extra.get("classes")
     return ModelMetadata(name=name, model_kwargs=kwargs, form=form, precision=precision, num_classes=n,
                          input_size=size, classes=[str(c) for c in classes] if classes else None,

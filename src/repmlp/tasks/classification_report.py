@@ -155,11 +155,11 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     out, device = Path(cfg.output), result.dist_info.device
     val = copy.copy(data.val)  # the main process alone ends the run: the whole validation set, not its shard
     val.rank, val.world = 0, 1
-    # Recorded so that eval / convert of these files find the data without --data-dir.
+    # Recorded so that eval / convert of these files find the data without --data-dir, and every command
+    # reads images for them as the run evaluated its own.
     extra = {"dataset": cfg.dataset, "data_dir": str(Path(cfg.data_dir).resolve()) if cfg.data_dir else None,
-             "classes": data.classes, "input_size": list(_input_size(result))}  # fmt: skip
-    if data.eval_preprocessing:  # an image folder's own normalisation (e.g. a fine-tuned greyscale model)
-        extra["eval_preprocessing"] = data.eval_preprocessing
+             "classes": data.classes, "input_size": list(_input_size(result)),
+             "eval_preprocessing": data.eval_preprocessing}  # fmt: skip
     model = result.model.float().to(memory_format=torch.contiguous_format).eval()
     labels: list[Tensor] = []
 

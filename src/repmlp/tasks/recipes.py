@@ -21,9 +21,9 @@ from typing import Any
 
 import timm
 
-from repmlp.data import folder_preprocessing
+from repmlp.data import eval_preprocessing
 from repmlp.data.folder import IMG_EXTENSIONS
-from repmlp.data.inputs import not_regular, walk_files
+from repmlp.data.inputs import not_regular, open_image, walk_files
 from repmlp.errors import UserError
 from repmlp.models.registry import resolve_model
 from repmlp.tasks.finetune import init_preprocessing
@@ -81,6 +81,9 @@ DEFAULT_PRESET = {"fashion-mnist": "fmnist", "cifar10": "cifar", "imagefolder": 
 # many steps (else a small folder gets one or two steps an epoch), but not below FOLDER_MIN_BATCH (BatchNorm's
 # statistics need a few images); the training images are counted up to FOLDER_COUNT_STEPS batches.
 FOLDER_MIN_STEPS, FOLDER_MIN_BATCH, FOLDER_COUNT_STEPS = 10, 8, 16
+# A folder's run without --model or --preset: images up to this side train the `cifar` preset's small model
+# at their size, larger ones the `imagenet` preset's at 224x224 (preset_for_model's line between the two).
+SMALL_IMAGES = 64
 
 
 def preset_for_model(
@@ -127,14 +130,23 @@ def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     the ``init`` file's, else the model's own (:func:`model_input`); without ``preset`` the recipe is the
     model's (:func:`preset_for_model`), and without ``batch_size`` its batch is fitted to the folder's size
     (:func:`folder_batch_size`, :func:`folder_lr`)."""
-    init, preset = options.get("init"), options.get("preset")
-    name = options.get("model") or PRESETS[preset or "imagenet"].model
+    init, preset, name = options.get("init"), options.get("preset"), options.get("model")
+    said, side = [], None
+    if not (name or preset):  # a model that fits the images: a small one at their size, else the paper's
+        side = options.get("img_size") or _first_image_side(options.get("data_dir"))
+        side = side if side and side <= SMALL_IMAGES else None
+        name = PRESETS["cifar" if side else "imagenet"].model
+        fits = f"for {side}x{side} images" if side else f"for images over {SMALL_IMAGES}x{SMALL_IMAGES}"
+        said.append(f"model {name} ({fits}; --model picks another)")
+    name = name or PRESETS[preset or "imagenet"].model
     size, whose, basis, values = _folder_input(
         name, options.get("model_args", {}), init, options.get("img_size")
     )
+    if side and "img_size" not in options:  # a multiple of 4 (its stages halve it twice), at least its own
+        values["img_size"], whose = max(side // 4 * 4, 32), "to fit the images"
     preset, why = (preset, "--preset") if preset else preset_for_model(*basis)
     recipe = PRESETS[preset]
-    said = [f"recipe {preset} ({why})"]
+    said.append(f"recipe {preset} ({why})")
     if size:
         img = options.get("img_size") or values.get("img_size") or recipe.img_size
         said.append(
@@ -177,9 +189,10 @@ def _folder_input(
             raise UserError(f"--init {init} takes {h}x{w} images: pass --img-size (image folders are square)")
         if img_size is None and h == w:
             values["img_size"] = h
-    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize.
-    channels = values.get("channels", 3)
-    if init and (evaluation := folder_preprocessing(pre["eval_preprocessing"], pre["dataset"], channels)):
+    # What `repmlp eval` reads a folder with for the init file: its normalisation and evaluation resize
+    # (without --init the folder's default, not the model's config: it was not trained on these images).
+    if init:
+        evaluation = eval_preprocessing(pre["eval_preprocessing"], pre["dataset"], values.get("channels", 3))
         values.update(eval_preprocessing=evaluation, mean=evaluation["mean"], std=evaluation["std"])
     return size, whose, basis, values
 
@@ -199,6 +212,20 @@ def model_input(name: str, model_args: dict[str, Any] | None) -> tuple[int, int,
     given = args.get("img_size")
     h, w = (given, given) if isinstance(given, int) else given if isinstance(given, (list, tuple)) else (h, w)
     return (args["in_chans"] if isinstance(args.get("in_chans"), int) else c), int(h), int(w)
+
+
+def _first_image_side(data_dir: str | None) -> int | None:
+    """The shorter side of the first training image of image folder ``data_dir`` (its header read); ``None``
+    when there is none to read (building the data then says what is wrong)."""
+    if not data_dir:
+        return None
+    try:
+        train = Path(os.path.expanduser(data_dir)) / "train"
+        first = min(d for d in train.iterdir() if not d.name.startswith(".") and not_regular(d) == "a folder")
+        with open_image(walk_files(first, IMG_EXTENSIONS)[0][0]) as im:
+            return min(im.size)
+    except (OSError, ValueError, IndexError):  # InputError is a ValueError
+        return None
 
 
 def _count_images(data_dir: str | None, at_most: float) -> int | None:
