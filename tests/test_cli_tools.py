@@ -225,6 +225,22 @@ def test_viz_writes_the_fc3_figure(run_dir, tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 600 and image[..., :3].std() > 0.05  # two panels, drawn
 
 
+def test_viz_writes_beside_the_checkpoint_and_replaces_only_with_force(run_dir, tmp_path, monkeypatch):
+    """Without --output the figure goes beside the checkpoint (not into the current folder); a second one is
+    refused without --force."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "model.safetensors", run / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+    argv = ["viz", "--checkpoint", run / "model.safetensors", "--block", "stages.1.1.0"]
+    assert repmlp_cli(*argv).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (run / "model-fc3.png").read_bytes()[:4] == b"\x89PNG"
+    res = repmlp_cli(*argv)
+    assert res.returncode == 2 and "model-fc3.png already exists" in user_error_line(res.stderr), res.stderr
+    assert repmlp_cli(*argv, "--force").returncode == 0
+
+
 @torch.no_grad()
 def test_sample_fc3_picks_the_papers_entry_and_normalises_by_the_minimum():
     from repmlp.bench.viz import fc3_log_weights, sample_fc3
