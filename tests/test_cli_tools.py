@@ -207,6 +207,7 @@ def test_benchmark_function_rows():
     assert deploy.macs < train.macs and deploy.throughput > 0
     table = render_markdown(rows, note="note line")
     assert table.count("\n| tiny |") == 2 and table.endswith("note line")
+    assert "| Params (M) | MACs (M) |" in table  # multiply-accumulates, named so
 
 
 def test_viz_writes_the_fc3_figure(run_dir, tmp_path):

@@ -148,6 +148,7 @@ def check_run_folder(out: Path, *, onnx: bool, classes: list[str], n_val: int) -
         float(train_row.split("|")[2]), abs=0.01
     )
     assert f" / {n_val} validation examples" in report
+    assert "\n- Finished: 20" in report and "Date:" not in report  # the end time, said as such
 
 
 def test_fashion_mnist_idx_run(fmnist_run, data):
