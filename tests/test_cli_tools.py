@@ -10,6 +10,7 @@ real ``python -m repmlp`` process, end to end.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 import repmlp
 from repmlp import cli
 from repmlp.io.model_file import load_model, save_model
-from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env
+from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -206,6 +207,7 @@ def test_benchmark_function_rows():
     assert deploy.macs < train.macs and deploy.throughput > 0
     table = render_markdown(rows, note="note line")
     assert table.count("\n| tiny |") == 2 and table.endswith("note line")
+    assert "| Params (M) | MACs (M) |" in table  # multiply-accumulates, named so
 
 
 def test_viz_writes_the_fc3_figure(run_dir, tmp_path):
@@ -222,6 +224,22 @@ def test_viz_writes_the_fc3_figure(run_dir, tmp_path):
 
     image = matplotlib.image.imread(str(out))
     assert image.shape[0] > 300 and image.shape[1] > 600 and image[..., :3].std() > 0.05  # two panels, drawn
+
+
+def test_viz_writes_beside_the_checkpoint_and_replaces_only_with_force(run_dir, tmp_path, monkeypatch):
+    """Without --output the figure goes beside the checkpoint (not into the current folder); a second one is
+    refused without --force."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "model.safetensors", run / "model.safetensors")
+    monkeypatch.chdir(tmp_path)
+    argv = ["viz", "--checkpoint", run / "model.safetensors", "--block", "stages.1.1.0"]
+    assert repmlp_cli(*argv).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert (run / "model-fc3.png").read_bytes()[:4] == b"\x89PNG"
+    res = repmlp_cli(*argv)
+    assert res.returncode == 2 and "model-fc3.png already exists" in user_error_line(res.stderr), res.stderr
+    assert repmlp_cli(*argv, "--force").returncode == 0
 
 
 @torch.no_grad()
@@ -254,13 +272,25 @@ def test_sample_fc3_picks_the_papers_entry_and_normalises_by_the_minimum():
     )
 
 
+def test_export_of_a_runs_model_does_not_duplicate_its_deploy_onnx(run_dir, tmp_path):
+    """A run's model.safetensors exports to deploy.onnx: beside the run's own it is refused, not duplicated."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "model.safetensors", run / "model.safetensors")
+    (run / "deploy.onnx").write_bytes(b"the run's")
+    res = repmlp_cli("export", "--checkpoint", run / "model.safetensors")
+    assert res.returncode == 2 and "deploy.onnx already exists" in user_error_line(res.stderr), res.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["deploy.onnx", "model.safetensors"]
+
+
 def test_export_exported_program_pt2(run_dir, tmp_path):
     """``--format exported-program`` writes a ``torch.export`` program: loadable, dynamic batch, deployed."""
     out = tmp_path / "m.pt2"
     res = repmlp_cli("export", "--checkpoint", run_dir / "model.safetensors", "--format", "exported-program")
     assert res.returncode == 0, res.stderr
-    default = (run_dir / "model.safetensors").with_suffix(".pt2")
+    default = run_dir / "deploy.pt2"  # the deployed model, named as the run's deploy.onnx
     assert "torch.export.load vs PyTorch max diff" in res.stdout and default.is_file()
+    assert not (run_dir / "model.pt2").exists()
     default.replace(out)
     train = load_model(run_dir / "model.safetensors")
     x = fmnist_batch(run_dir, n=5)  # a batch size the exporter never saw

@@ -49,6 +49,7 @@ def run_dir(tmp_path_factory) -> Path:
     extra = {"dataset": "fashion-mnist", "data_dir": str(data)}
     save_model(root / "model.safetensors", model, name=NAME, model_kwargs=KWARGS, form="train", extra=extra)
     save_model(root / "nodata.safetensors", model, name=NAME, model_kwargs=KWARGS, form="train")
+    assert cli("convert", "--checkpoint", root / "model.safetensors", "--num-examples", 8).returncode == 0
     return root
 
 
@@ -59,13 +60,9 @@ def converted(run_dir: Path):
     done: dict[str, tuple[Path, object]] = {}
 
     def convert(precision: str):
-        if precision not in done:
-            out = run_dir / f"deploy-{precision}.safetensors"
-            res = cli(
-                "convert", "--checkpoint", run_dir / "model.safetensors", "--output", out,
-                "--precision", precision,
-            )  # fmt: skip
-            done[precision] = (out, res)
+        if precision not in done:  # the default name, as the README's convert lines run in order
+            res = cli("convert", "--checkpoint", run_dir / "model.safetensors", "--precision", precision)
+            done[precision] = (run_dir / f"deploy-{precision}.safetensors", res)
         return done[precision]
 
     return convert
@@ -73,9 +70,13 @@ def converted(run_dir: Path):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "int8"])
 def test_convert_eval_bench_in_precision(run_dir: Path, converted, precision: str) -> None:
+    fp32_deploy = (run_dir / "deploy.safetensors").read_bytes()
     out, res = converted(precision)
     assert res.returncode == 0, res.stderr
     assert f"{precision}: max abs logit change vs float32" in res.stdout
+    # Its own default name: the run's float32 deploy.safetensors stays, and loads into deploy=True as before.
+    assert (run_dir / "deploy.safetensors").read_bytes() == fp32_deploy
+    assert load_model(run_dir / "deploy.safetensors", form="deploy").metadata.precision == "fp32"
     assert read_metadata(out)["precision"] == precision
     model = load_model(out)
     assert model.metadata.precision == precision and precision_of(model) == precision

@@ -124,6 +124,8 @@ def test_stage_selection_replaces_only_stride1_blocks() -> None:
     assert parse_stages("c3+c4") == parse_stages((3, 4)) == parse_stages(["c3", 4]) == (1, 2)
     with pytest.raises(ValueError, match="unknown stage"):
         parse_stages("c6")
+    with pytest.raises(ValueError, match="^block must be 'bottleneck' or 'light'"):  # the option's name
+        create_model("repmlp_res50", block="basic")
 
 
 def test_stage_spec_composes_its_blocks() -> None:

@@ -284,3 +284,27 @@ def test_conversion_hooks_run_parents_first_and_fuse_results_replace_modules():
     assert log == ["reparameterize parent", "fuse", "switch in-fused", "switch b0"]
     assert isinstance(converted.a, nn.Sequential)
     assert converted.a[0].deploy  # the walk went on into what fuse() returned
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_hooks_of_the_training_model_stay_off_the_converted_copy(inplace: bool):
+    """A copy carries no hooks of the training model (the block itself stays a module of the copy, the fused
+    conv is a copy of the training conv); in place they stay, and the training model keeps its own."""
+    model = RepMLPNet().eval()
+    fired: list[str] = []
+    for name in ("block1", "stem.0", "conv"):
+        m = model.get_submodule(name)
+        m.register_forward_hook(lambda *_, name=name: fired.append(name))
+        m.register_forward_pre_hook(lambda *_, name=name: fired.append(f"pre {name}"))
+    x = torch.randn(2, 3, 12, 12)
+    model(x)
+    seen = list(fired)
+    assert len(seen) == 6
+    fired.clear()
+    deployed = reparameterize_model(model, inplace=inplace)
+    deployed(x)
+    assert fired == ([] if not inplace else seen)
+    fired.clear()
+    if not inplace:
+        model(x)
+        assert fired == seen

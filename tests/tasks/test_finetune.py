@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ import repmlp
 from repmlp import cli
 from repmlp.io.model_file import CheckpointError, save_model
 from repmlp.io.state import save_state
+from repmlp.models.registry import build_model
 from repmlp.tasks.finetune import head_prefixes, init_from_file
+from repmlp.tasks.recipes import PRESETS
 from repmlp_testdata import make_cifar10, make_image_folder, user_error_line
 
 TINY = ["--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[3]"]
@@ -182,6 +185,23 @@ def test_timm_loads_repmlp_files(pretrained):
     with pytest.raises(ValueError, match="no pretrained weights"):
         timm.create_model("repmlp_fmnist", pretrained=True)
     assert not timm.models.get_pretrained_cfg("repmlp_fmnist").url  # still no download URL
+
+
+def test_the_docs_checkpoint_path_line_loads_the_main_jobs_file(tmp_path, monkeypatch):
+    """docs/using.md's ``checkpoint_path=`` line, run as written beside a file like the main job's (its model,
+    built as ``repmlp train`` builds it), loads that file."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "using.md").read_text()
+    line = re.search(
+        r'^timm\.create_model\("(\w+)", checkpoint_path="runs/X/model\.safetensors"\)', docs, re.M
+    )
+    assert line and line[1] == PRESETS["fmnist"].model, "docs/using.md: the checkpoint_path= line"
+    model, kwargs = build_model(line[1], num_classes=10, in_chans=1, img_size=28)
+    (tmp_path / "runs" / "X").mkdir(parents=True)
+    save_model(tmp_path / "runs/X/model.safetensors", model, name=line[1], model_kwargs=kwargs, form="train")
+    monkeypatch.chdir(tmp_path)
+    loaded = eval(line[0], {"timm": timm})
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
 
 
 # ----------------------------------------------- the main job's model, fine-tuned on one's own images

@@ -148,6 +148,7 @@ def check_run_folder(out: Path, *, onnx: bool, classes: list[str], n_val: int) -
         float(train_row.split("|")[2]), abs=0.01
     )
     assert f" / {n_val} validation examples" in report
+    assert "\n- Finished: 20" in report and "Date:" not in report  # the end time, said as such
 
 
 def test_fashion_mnist_idx_run(fmnist_run, data):
@@ -336,13 +337,17 @@ def reference_run(data, tmp_path_factory) -> Path:
     return out
 
 
-def test_resume_after_a_kill_mid_epoch_gives_the_uninterrupted_weights(reference_run, data, tmp_path):
+def test_resume_after_a_kill_mid_epoch_gives_the_uninterrupted_weights(reference_run, data, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
     out = tmp_path / "killed"
     # A real process that dies without cleanup after step 7: the last checkpoint is step 6 (epoch 2, batch 2).
     res = repmlp_cli("train", "--data-dir", data["fmnist"], *RESUME_ARGS, "--threads", 1, "--output", out,
                      "--stop-after-steps", 7)  # fmt: skip
     assert res.returncode not in (0, 2), res.stderr
     assert "Traceback" not in res.stderr
+    # Its stderr is a file, not a terminal: no bar, but a progress line after each epoch's first step.
+    assert all(f"epoch {e}/2 batch 1/4  loss " in res.stderr for e in (1, 2)), res.stderr
+    monkeypatch.setattr("repmlp.engine.loop.PROGRESS_SECONDS", 0.0)  # the resumed run: a line every step
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.safetensors", "metrics.csv"]
     state = load_state(out / "checkpoint.safetensors")
     assert (state["epoch"], state["batch"], state["step"]) == (1, 2, 6)
@@ -350,6 +355,7 @@ def test_resume_after_a_kill_mid_epoch_gives_the_uninterrupted_weights(reference
     status, err = train("--output", out, "--resume", "--no-bench", "--no-export")
     assert status == 0, err
     assert "resuming" in err and "at epoch 2, batch 2 (step 6)" in err
+    assert "epoch 2/2 batch 3/4  loss " in err and "epoch 2/2 batch 4/4  loss " in err, err
     assert_same_weights(reference_run / "model.safetensors", out / "model.safetensors")
     assert_same_weights(reference_run / "deploy.safetensors", out / "deploy.safetensors")
     # The first epoch's metrics came back from the checkpoint, the second's were recomputed identically.

@@ -149,12 +149,12 @@ def _millions(n: int) -> str:
 
 
 def render_markdown(rows: Sequence[BenchRow], *, note: str | None = None) -> str:
-    """A Markdown table like the paper's: params (M), FLOPs (M multiply-accumulates), examples/s, the spread
+    """A Markdown table like the paper's: params (M), MACs (M, the paper's "FLOPs"), examples/s, the spread
     (interquartile range of the batch times over their median) and each deployed row's speed over its
     training-time row's; :func:`timing_caveat` and ``note`` (the hardware, say) below."""
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
     lines = [
-        "| Model | Form | Input | Params (M) | FLOPs (M) | Batch | Speed (examples/s) | spread | vs. train |",
+        "| Model | Form | Input | Params (M) | MACs (M) | Batch | Speed (examples/s) | spread | vs. train |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

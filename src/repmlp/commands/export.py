@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what to write (both: onnx and torchscript; exported-program: torch.export's "
                    ".pt2)")  # fmt: skip
     p.add_argument("--output", type=Path, default=None, help="output file (its suffix is replaced per format with "
-                   "--format both); default: the checkpoint's path with .onnx / .pt / .pt2")  # fmt: skip
+                   "--format both); default: the checkpoint's path with .onnx / .pt / .pt2, deploy.* for a run's "
+                   "model.safetensors")  # fmt: skip
     add_force_argument(p)
     p.add_argument("--img-size", type=number_in(ints(1, MAX_SIDE)), default=None, help="(default: the run's)")
     p.add_argument(
@@ -52,11 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def output_paths(checkpoint: Path, output: Path | None, fmt: str) -> dict[str, Path]:
-    """Where each requested format goes."""
+    """Where each requested format goes. The deployed model is what is exported: a run's ``model.safetensors``
+    defaults to ``deploy.*``, the name of the run's own ``deploy.onnx`` (refused as existing, not duplicated)."""
     formats = ("onnx", "torchscript") if fmt == "both" else (fmt,)
     if output is not None and len(formats) == 1:
         return {formats[0]: output}
-    return {f: (output or checkpoint).with_suffix(_SUFFIX[f]) for f in formats}
+    base = checkpoint.with_name("deploy") if checkpoint.name == "model.safetensors" else checkpoint
+    return {f: (output or base).with_suffix(_SUFFIX[f]) for f in formats}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,14 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-channel", type=index, default=0, help="input channel inside o's group (0 .. C/g-1)")
     p.add_argument("--point", nargs=2, type=index, metavar=("Y", "X"), default=None,
                    help="output point in the partition, zero-based (default: the centre (h//2, w//2))")  # fmt: skip
-    p.add_argument("--output", type=Path, default=None, help="PNG to write (default: fc3_weights.png in the current "
-                   "folder)")  # fmt: skip
+    p.add_argument("--output", type=Path, default=None, help="PNG to write (default: <checkpoint>-fc3.png beside the "
+                   "checkpoint, never replacing the run's fc3.png)")  # fmt: skip
     add_force_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    # In the current folder by default: the checkpoint's folder is mostly a finished run's, left as it is.
-    output = args.output or Path("fc3_weights.png")
+    output = args.output or args.checkpoint.with_name(f"{args.checkpoint.stem}-fc3.png")
     check_output_file(output, [args.checkpoint], force=args.force)
     model = load_model(args.checkpoint, device="cpu")
     meta = model.metadata

@@ -39,6 +39,10 @@ from repmlp.speed import fast_training, plain
 
 log = logging.getLogger(__name__)
 
+# Without a terminal (a log file, CI, a notebook) the training bar is off; the loop logs a progress line after
+# each epoch's first step and then at most every PROGRESS_SECONDS, as timm's and Lightning's loggers do.
+PROGRESS_SECONDS = 30.0
+
 
 def progress(iterable, total: int, desc: str, enabled: bool, initial: int = 0) -> Any:
     """tqdm progress bar on the main process only (and where stderr is a terminal: ``disable=None``); use it
@@ -330,6 +334,7 @@ class _Loop:
             bar = progress(None, self.steps_per_epoch, f"epoch {pos.epoch + 1}/{epochs}", main, pos.batch)
         else:
             bar = progress(None, self.total, f"train (epoch {pos.epoch + 1})", main, pos.step)
+        self.said: float | None = None  # when the last progress line was logged, where the bar is off
         with bar as self.bar:
             for images, labels in self.loader.batches(pos.epoch, pos.batch):
                 lr = self.step(images, labels)
@@ -410,6 +415,13 @@ class _Loop:
             # The task's statistics; not the engine's own sums (the count, the epoch's seconds so far).
             means = {k: f"{v / n:.4g}" for k, v in pos.epoch_acc.items() if k not in ("n", "seconds")}
             self.bar.set_postfix(**means, lr=f"{lr:.3g}", refresh=False)
+            now = time.perf_counter()
+            if self.bar.disable and (self.said is None or now - self.said >= PROGRESS_SECONDS):
+                self.said = now
+                where = (f"epoch {pos.epoch + 1}/{opts.epochs} batch {pos.batch}/{self.steps_per_epoch}"
+                         if opts.epochs is not None else f"step {pos.step}/{self.total}")  # fmt: skip
+                stats = "  ".join(f"{k} {v}" for k, v in means.items())
+                log.info("%s  %s  lr %.3g  %.0f s", where, stats, lr, now - self.start)
         if opts.log_interval and (pos.step % opts.log_interval == 0 or pos.step == self.total):
             self.log_window()
         epoch_end = opts.epochs is not None and pos.batch == self.steps_per_epoch  # saved after end_epoch

@@ -295,7 +295,7 @@ class RepMLPSpec:
 
     def __post_init__(self) -> None:
         if self.block not in ("bottleneck", "light"):
-            raise ValueError(f"repmlp_block must be 'bottleneck' or 'light', got {self.block!r}")
+            raise ValueError(f"block must be 'bottleneck' or 'light', got {self.block!r}")
 
 
 @dataclass(frozen=True)

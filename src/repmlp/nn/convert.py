@@ -180,7 +180,8 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
     replaces the module), then, with ``fuse_bn``, folds every BatchNorm left after a conv or linear layer
     (:func:`fuse_conv_bn`); those it cannot fold are logged and listed in ``model.unfused_batchnorms``.
     ``inplace=True`` converts in place, but use the returned module (``fuse()`` or an fx fold may replace
-    the root).
+    the root); otherwise the copy carries none of ``model``'s forward, pre-forward and backward hooks (its
+    modules are new: register hooks on the result).
     """
     if model.training:
         raise RuntimeError(
@@ -189,6 +190,9 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
         )
     if not inplace:
         model = copy.deepcopy(model)
+        for m in model.modules():
+            for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
+                hooks.clear()
     # The merged weights are products of weights (BN scales, conv kernels into FC matrices): computed in
     # full float32 whatever TF32 or autocast settings the caller holds, or they would carry its rounding.
     with full_float32():

@@ -219,7 +219,7 @@ def _summary_lines(result: TrainResult, outcome: Outcome, command: list[str]) ->
         *[f"- Resumed with: `{' '.join(again)}`" for again in cfg.resumed_with],
         f"- Hardware: {hardware_summary(procs.device)}"
         + (f"; {procs.world} processes (DDP)" if procs.enabled else ""),
-        f"- Date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"- Finished: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         f"- Data: {data.train.num_samples} training / {data.val.num_samples} validation examples"
         + (f" ({'; '.join(data.notes)})" if data.notes else ""),
         f"- Recipe (preset `{cfg.preset}`): {cfg.epochs} epochs, batch {cfg.batch_size}, {cfg.optimizer} "
