@@ -252,14 +252,16 @@ def main() -> None:
                     profiles[f"{case}, training step '{name}'"] = workers[name].ask("profile")["table"]
             for w in workers.values():
                 w.close()
-            base = sorted(times[next(iter(workers))])[args.rounds // 2]
+            before = times[next(iter(workers))]
+            base = sorted(before)[args.rounds // 2]
             for name, ts in times.items():
                 model_args = CASES[case][7] if len(CASES[case]) > 7 else {}
                 t, macs = sorted(ts)[args.rounds // 2], training_macs(workers[name].model, size, model_args)
-                rows.append(
-                    [case, name, f"{batch / t:.0f}", f"{base / t:.2f}x", f"{batch * macs / t / 1e9:.1f}"]
-                )
-    print(table(["case", "training step", "images/s", "vs before", "GMAC/s"], rows))
+                ratios = sorted(b / x for b, x in zip(before, ts, strict=True))  # the same round's pair
+                spread = f"{ratios[len(ratios) // 4]:.2f}-{ratios[(3 * len(ratios)) // 4]:.2f}x"
+                rows.append([case, name, f"{batch / t:.0f}", f"{base / t:.2f}x", spread,
+                             f"{batch * macs / t / 1e9:.1f}"])  # fmt: skip
+    print(table(["case", "training step", "images/s", "vs before", "round ratios (IQR)", "GMAC/s"], rows))
     for what, text in profiles.items():
         print(f"\n{what}: operators (compiled: generated kernels too) by self CPU time, 5 steps\n")
         print(f"```\n{text}```")
