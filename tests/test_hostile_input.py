@@ -14,6 +14,7 @@ endless read of ``/dev/zero``, fails instead of exhausting a shared machine).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -22,6 +23,8 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,7 +38,7 @@ from PIL import Image
 import repmlp
 from repmlp.io.model_file import save_model
 from repmlp.io.state import load_state, save_state
-from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli
+from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -1021,3 +1024,90 @@ def test_h6_environment_batches_and_task_models_are_one_line(world, tmp_path, mo
            "--train-limit", 8, "--val-limit", 8, "--workers", 0, "--output", out]  # fmt: skip
     assert_one_line(cli(*seg), "is not an image classifier", "--task seg")
     assert not out.exists()
+
+
+# ------------------------------------------- third round (issue 51): failed writes, aborts, cut values
+def _export(model: Path, out: Path, fmt: str) -> list[object]:
+    suffix = {"onnx": "onnx", "torchscript": "pt", "exported-program": "pt2"}[fmt]
+    return ["export", "--checkpoint", model, "--format", fmt, "--output", out / f"x.{suffix}"]
+
+
+WRITERS: dict[str, Callable[[Path, Path], list[object]]] = {
+    "convert": lambda model, out: ["convert", "--checkpoint", model, "--output", out / "d.safetensors"],
+    **{fmt: functools.partial(_export, fmt=fmt) for fmt in ("onnx", "torchscript", "exported-program")},
+}
+
+
+@pytest.mark.parametrize("writer", [w for w in WRITERS if w != "onnx"])
+def test_a_write_that_fails_is_one_line_naming_the_users_path(world, tmp_path, monkeypatch, writer):
+    """A full disk (every file write raises ENOSPC): one line naming the output, exit 2, no temporary file
+    (torch's own file writer aborted the process: the exporters serialise in memory first)."""
+
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    argv = WRITERS[writer](world["model"], tmp_path)
+    monkeypatch.setattr(Path, "write_bytes", full)
+    line = assert_one_line(cli(*argv), f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")
+    assert ".tmp" not in line and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def mount(tmp_path) -> Iterator[Callable[[str, str], Path]]:
+    """``mount(name, options)``: a small tmpfs at ``tmp_path/name``; skips where this process cannot mount."""
+    mounted: list[Path] = []
+
+    def make(name: str, options: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        if (
+            shutil.which("mount") is None
+            or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True
+            ).returncode
+        ):
+            pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.slow
+def test_full_disks_and_read_only_folders_are_one_line(world, mount):
+    """Each writer on a full tmpfs (in its own process: torch's file writer aborted it) and a read-only one."""
+    full, read_only = mount("full", "size=256k"), mount("ro", "ro,size=64k")
+    with contextlib.suppress(OSError):  # fill it: every later write fails
+        with open(full / "filler", "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+    for writer, argv in WRITERS.items():
+        argv = argv(world["model"], full)
+        res = subprocess.run([sys.executable, "-m", "repmlp", *map(str, argv)], capture_output=True, text=True,
+                             env=subprocess_env(), timeout=300)  # fmt: skip
+        assert_one_line(res, f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")
+        assert sorted(p.name for p in full.iterdir()) == ["filler"], writer
+        argv = WRITERS[writer](world["model"], read_only)
+        assert_one_line(cli(*argv), f"cannot write {argv[-1]}: {os.strerror(errno.EROFS)}")
+
+
+def test_long_names_are_written_or_refused_naming_them(world, tmp_path):
+    """A name of 250 characters fits the file system (its temporary folder's name must too); one of 272 does
+    not: one line naming it, exit 2."""
+    out = tmp_path / ("n" * 245 + ".pt")
+    assert (
+        cli("export", "--checkpoint", world["model"], "--format", "torchscript", "--output", out).returncode
+        == 0
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    long = tmp_path / ("n" * 272 + ".safetensors")
+    assert_one_line(cli("convert", "--checkpoint", world["model"], "--output", long), str(long), "too long")
+
+
+def test_an_environment_value_of_any_length_is_cut_in_the_error_line(world, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "7" * 100_000)
+    line = assert_one_line(cli("train", "--data-dir", world["fm"], "--output", tmp_path / "r"), "WORLD_SIZE=")
+    assert len(line) < 300, len(line)

@@ -58,30 +58,39 @@ class CheckpointError(UserError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------ writing
+_STAGING: set[Path] = set()  # the temporary paths of the staged() blocks running now
+
+
 @contextlib.contextmanager
 def staged(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path in ``path``'s folder that atomically replaces ``path`` when the ``with`` block ends without
-    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. A
-    folder that cannot be written, a full disk or a failed move is a :class:`UserError` naming ``path``."""
+    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. An
+    ``OSError`` of the block or the move (a folder that cannot be written, a full disk, a name too long) is a
+    :class:`UserError` naming ``path``. A ``path`` that is itself a staged temporary path is written directly."""
     path = Path(path)
+    if path in _STAGING:
+        yield path
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        # A short prefix: the folder's name must fit where ``path.name`` fits (NAME_MAX).
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:32]}.tmp-"))
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp = folder / path.name
+    _STAGING.add(tmp)
     try:
         yield tmp
-        try:
-            for extra in sorted(folder.iterdir()):
-                if extra != tmp:
-                    os.replace(extra, path.parent / extra.name)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+        for extra in sorted(folder.iterdir()):
+            if extra != tmp:
+                os.replace(extra, path.parent / extra.name)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
+        _STAGING.discard(tmp)
         shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):  # make the rename itself durable where folders can be opened
         fd = os.open(path.parent, os.O_RDONLY)
@@ -94,10 +103,7 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (:func:`staged`)."""
     with staged(path) as tmp:
-        try:
-            tmp.write_bytes(data)
-        except OSError as exc:  # a full disk: one line naming the user's path
-            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
