@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         # Disk full, permission denied, ...: the user's environment, not a bug in repmlp.
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"repmlp: error: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         _restore_logging(previous_logging)
 

@@ -50,7 +50,8 @@ def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
     except ValueError:
         value = None
     if value is None or not lo <= value <= hi:
-        raise UserError(f"{name}={text!r}: expected an integer in {lo}..{hi}; {_HINT}")
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."  # a value of any length: cut
+        raise UserError(f"{name}={shown}: expected an integer in {lo}..{hi}; {_HINT}")
     return value
 
 
