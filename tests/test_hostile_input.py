@@ -940,6 +940,18 @@ def _h6_edit(path: str, value: object) -> Callable[[dict], None]:
 
 
 _DROP = object()
+
+
+def _rng_word(state: dict, kind: str, at: tuple[int, ...]) -> None:
+    """Set the word at index path ``at`` of rank 0's ``kind`` RNG state (nested tuples) to 2**70."""
+
+    def put(node: tuple, at: tuple[int, ...]) -> tuple:
+        i = at[0]
+        return (*node[:i], 2**70 if len(at) == 1 else put(node[i], at[1:]), *node[i + 1 :])
+
+    state["rng"]["0"][kind] = put(state["rng"]["0"][kind], at)
+
+
 _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
     # a fork storm, a benchmark batch of 4M images, a resize to 10,000x the crop, inputs / 1e-300
     "workers 1000000": (_h6_edit("config.workers", 1_000_000), "--workers must be in 0..256"),
@@ -973,6 +985,9 @@ _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
         "NaN/inf",
     ),
     "history without epoch_s": (_h6_edit("history.0.epoch_s", _DROP), "no number for epoch_s"),
+    # RNG words beyond the C integers the generators keep (python's first key word, numpy's position)
+    "python rng 2**70": (lambda s: _rng_word(s, "python", (1, 0)), "does not fit this run"),
+    "numpy rng 2**70": (lambda s: _rng_word(s, "numpy", (2,)), "does not fit this run"),
 }
 
 
@@ -1111,3 +1126,43 @@ def test_an_environment_value_of_any_length_is_cut_in_the_error_line(world, tmp_
     monkeypatch.setenv("WORLD_SIZE", "7" * 100_000)
     line = assert_one_line(cli("train", "--data-dir", world["fm"], "--output", tmp_path / "r"), "WORLD_SIZE=")
     assert len(line) < 300, len(line)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int64", "int8", "bool"])
+def test_weights_in_a_dtype_no_weight_has_are_refused_when_read(world, tmp_path, dtype):
+    """float8 weights (torch has no arithmetic for them), integer or boolean weights: one line naming the
+    file and the dtype, in every command that reads a model file."""
+    weights = load_state(world["run"] / "checkpoint.safetensors")["model"]
+    cast = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in weights.items()}
+    path = tmp_path / f"{dtype}.safetensors"
+    save_model(path, _Weights(cast), name=NAME, model_kwargs=KWARGS, form="train",
+               extra={"input_size": [1, 28, 28]})  # fmt: skip
+    for argv in (["predict", "--checkpoint", path, world["image"]], ["convert", "--checkpoint", path]):
+        assert_one_line(cli(*argv), path.name, f"torch.{dtype}", "in a dtype no weight has")
+
+
+def test_ctrl_c_in_any_phase_of_a_command_is_one_line(world, tmp_path, monkeypatch):
+    """Ctrl-C while a command imports its modules (seconds) or while it predicts a folder: one line, 130."""
+    import importlib
+
+    import repmlp.commands.predict
+
+    real = importlib.import_module
+
+    def interrupted_import(name: str, *args: object) -> object:
+        if name.startswith("repmlp.commands."):
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    folder = make_image_folder(tmp_path / "images", classes=2, per_class=2, size=28)
+    with monkeypatch.context() as m:
+        m.setattr(importlib, "import_module", interrupted_import)
+        res = cli("predict", "--checkpoint", world["model"], folder)
+    assert res.returncode == 130 and res.stderr.strip() == "repmlp: interrupted by SIGINT", res.stderr
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(repmlp.commands.predict, "predict_paths", interrupted)
+    res = cli("predict", "--checkpoint", world["model"], folder)
+    assert res.returncode == 130 and res.stderr.strip() == "repmlp: interrupted by SIGINT", res.stderr

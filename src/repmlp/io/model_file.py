@@ -51,6 +51,8 @@ MAX_SIDE, MAX_CHANNELS = 4096, 64
 RESERVED_OPTIONS = ("deploy", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path",
                     "cache_dir", "features_only", "device", "dtype", "weights")  # fmt: skip
 Form = Literal["train", "deploy"]
+# What a float weight may be held in (not float8, whose arithmetic torch lacks, nor an integer dtype).
+WEIGHT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class CheckpointError(UserError, ValueError):
@@ -367,14 +369,24 @@ def _listed(keys: Sequence[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
 
+def _dtype_fits(own: Tensor, held: Tensor) -> bool:
+    """A model's float tensor is held in one of :data:`WEIGHT_DTYPES`; an integer buffer (a BatchNorm's step
+    count) in no float dtype."""
+    return held.dtype in WEIGHT_DTYPES if own.is_floating_point() else not held.is_floating_point()
+
+
 def compare_state(where: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
-    """The keys and shapes of ``own`` (a model's state dict, on any device) must be those of ``tensors`` (a
-    file's): else one :class:`CheckpointError` that counts and names the differences."""
+    """The keys, shapes and dtype kinds (:func:`_dtype_fits`) of ``own`` (a model's state dict, on any device)
+    must be those of ``tensors`` (a file's): else one :class:`CheckpointError` naming the differences."""
     shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
               if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
+    dtypes = [
+        f"{k} {tensors[k].dtype}" for k, v in own.items() if k in tensors and not _dtype_fits(v, tensors[k])
+    ]
     missing, unexpected = [k for k in own if k not in tensors], [k for k in tensors if k not in own]
     parts = [f"{len(keys)} {label}: {_listed(keys)}" for label, keys in (("missing from the file", missing),
-             ("not in the model", unexpected), ("with other shapes (file vs model)", shapes)) if keys]  # fmt: skip
+             ("not in the model", unexpected), ("with other shapes (file vs model)", shapes),
+             ("in a dtype no weight has (float32, float64, float16, bfloat16)", dtypes)) if keys]  # fmt: skip
     if parts:
         raise CheckpointError(f"{where} does not fit {what}: {'; '.join(parts)}")
 
