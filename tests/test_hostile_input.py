@@ -986,6 +986,7 @@ _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
     ),
     "history without epoch_s": (_h6_edit("history.0.epoch_s", _DROP), "no number for epoch_s"),
     # RNG words beyond the C integers the generators keep (python's first key word, numpy's position)
+    "unknown config key": (_h6_edit("config.model_kwargs", {"widths": [4, 8]}), "'model_kwargs': no option"),
     "python rng 2**70": (lambda s: _rng_word(s, "python", (1, 0)), "does not fit this run"),
     "numpy rng 2**70": (lambda s: _rng_word(s, "numpy", (2,)), "does not fit this run"),
 }

@@ -156,7 +156,12 @@ def check_resumable(saved: dict[str, Any], config: dict[str, Any], where: Path, 
                     ) -> dict[str, Any]:  # fmt: skip
     """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options. Of the
     keys the user set (``given``; ``None``: all of ``config``), those outside ``runtime`` change the maths and
-    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values."""
+    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values. A
+    saved key that is no key of ``config`` (an edited or foreign state) is refused too."""
+    if unknown := sorted(set(saved) - set(config)):
+        shown = ", ".join(repr(k[:40]) for k in unknown[:4])
+        raise UserError(f"{Path(where) / STATE_FILE}: config field(s) {shown}: no option of this run (an edited or "
+                        "foreign state: resume a run's own checkpoint, or train into another --output)")  # fmt: skip
     keys = set(config) if given is None else set(given)
     conflicts = [
         f"{option_flag(k)} {saved[k]!r}, not {config[k]!r}"
