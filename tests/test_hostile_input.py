@@ -1181,3 +1181,12 @@ def test_a_process_whose_peers_never_come_says_so_and_stops(world, tmp_path, mon
     res = cli("train", "--data-dir", world["fm"], "--epochs", 1, "--workers", 0, "--output", tmp_path / "r")
     assert f"waiting for the other 1 at 127.0.0.1:{port}, timeout 2 s" in res.stderr, res.stderr
     assert_one_line(res, "did not all join", "within 2 s", "REPMLP_DIST_TIMEOUT")
+
+
+def test_a_run_folder_named_in_bytes_that_are_not_utf8_is_refused_before_training(world, tmp_path):
+    """``--output $'runs/x-\\xff\\xfe'`` (the bytes reach Python as surrogate escapes): refused at once, as the
+    model files' metadata and the report hold the name; nothing written."""
+    out = tmp_path / os.fsdecode(b"x-\xff\xfe")
+    res = cli("train", "--data-dir", world["fm"], "--epochs", 1, "--workers", 0, "--output", out)
+    assert_one_line(res, "is not valid UTF-8", "x-\\udcff\\udcfe")
+    assert list(tmp_path.iterdir()) == []

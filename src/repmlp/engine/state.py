@@ -38,6 +38,10 @@ def check_output(out: Path, resume: bool, procs: DistInfo, *,
     """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`):
     ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
     (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end)."""
+    try:  # undecodable bytes in the name (surrogate escapes): the model files and the report could not hold it
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"--output {ascii(str(out))} is not valid UTF-8: name the run in UTF-8") from None
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
