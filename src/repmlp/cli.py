@@ -144,20 +144,18 @@ def out_of_memory_message(exc: BaseException, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status (0 success, 2 user error, 128 + N stopped by
     signal N: 130 Ctrl-C, 143 SIGTERM)."""
-    # SIGTERM (``kill``, a batch system's time limit) stops a command as Ctrl-C does: one line, not a silent
-    # death. Handlers can be set from the main thread only (main() may run inside another program's thread).
+    # SIGTERM (``kill``, a batch system's time limit) stops any command as Ctrl-C does, at any point (the imports
+    # take seconds); a handler is set from the main thread only (main() may run in another program's thread).
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
-    except KeyboardInterrupt as exc:  # any command, at any point (its imports take seconds)
-        # A training run stopped by SIGINT/SIGTERM (repmlp.engine.loop.RunInterrupted) says which signal and
-        # where its checkpoint is. Exit 128 + the signal's number, the shell's convention: 130 for Ctrl-C,
-        # 143 for SIGTERM.
+    except KeyboardInterrupt as exc:
+        # A training run's (repmlp.engine.loop.RunInterrupted) says where its checkpoint is. Exit 128 + the
+        # signal's number, the shell's convention: 130 for Ctrl-C, 143 for SIGTERM.
         signum = int(getattr(exc, "signum", signal.SIGINT))
-        print(
-            f"repmlp: {str(exc).strip() or f'interrupted by {signal.Signals(signum).name}'}", file=sys.stderr
-        )
+        message = str(exc).strip() or f"interrupted by {signal.Signals(signum).name}"
+        print(f"repmlp: {message}", file=sys.stderr)
         return 128 + signum
     finally:
         if main_thread:
@@ -166,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     """The SIGTERM handler of a command: a ``KeyboardInterrupt`` that carries the signal's number."""
-    exc = KeyboardInterrupt()
-    exc.signum = signum
-    raise exc
+    raise type("Interrupted", (KeyboardInterrupt,), {"signum": signum})()
 
 
 def _main(argv: list[str]) -> int:

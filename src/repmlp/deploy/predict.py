@@ -292,11 +292,9 @@ class Predictor:
         or a preprocessed batch ``(N, C, H, W)`` (``(C, H, W)``: one image). An unreadable file raises a
         :class:`~repmlp.errors.UserError` naming it (:meth:`predict_files` skips it instead)."""
         if isinstance(inputs, Tensor):
-            x = inputs[None] if inputs.dim() == 3 else inputs
-            c = self.input_size[0]
-            # Checked in this order: isfinite needs a float tensor with data (not on the meta device).
-            if not (x.dtype == torch.float32 and x.dim() == 4 and len(x) and x.shape[1] == c and not x.is_meta
-                    and bool(torch.isfinite(x).all())):  # fmt: skip
+            x, c = (inputs[None] if inputs.dim() == 3 else inputs), self.input_size[0]
+            ok = x.dtype == torch.float32 and x.dim() == 4 and len(x) and x.shape[1] == c and not x.is_meta
+            if not (ok and bool(torch.isfinite(x).all())):  # in this order: isfinite needs real floats
                 raise ValueError(f"predict takes a finite float32 batch (N, {c}, H, W), N >= 1, or one image "
                                  f"({c}, H, W); got {x.dtype} {tuple(inputs.shape)} on {x.device}")  # fmt: skip
             return self.predict_batch(x)

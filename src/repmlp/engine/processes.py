@@ -92,20 +92,17 @@ def setup_distributed(device_name: str) -> DistInfo:
 
 
 def _rendezvous(rank: int, world: int) -> dist.Store:
-    """torchrun's ``env://`` rendezvous, said in one line and bounded by ``REPMLP_DIST_TIMEOUT`` seconds (default
-    300); a peer that does not come is one :class:`UserError`. Later store operations get torch's default."""
+    """torchrun's ``env://`` rendezvous, said in one line, bounded by ``REPMLP_DIST_TIMEOUT`` s (default 300)."""
     timeout = _env_int("REPMLP_DIST_TIMEOUT", 1, 86_400, default="300")
     where = f"{os.environ['MASTER_ADDR'].strip()}:{os.environ['MASTER_PORT'].strip()}"
-    say = log.info if rank == 0 else log.debug  # the one the others connect to; each waits for all
-    say("process %d of %d: waiting for the other %d at %s, timeout %d s", rank, world, world - 1, where,
-        timeout)  # fmt: skip
+    (log.info if rank == 0 else log.debug)("process %d of %d: waiting for the other %d at %s, timeout %d s",
+                                           rank, world, world - 1, where, timeout)  # fmt: skip
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout)))
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError (a timeout) is a RuntimeError
-        raise UserError(f"process {rank} of {world}: the other processes did not all join at {where} within "
-                        f"{timeout} s ({first_line(exc)[:200]}); {_HINT} (REPMLP_DIST_TIMEOUT sets the wait)"
-                        ) from None  # fmt: skip
-    store.set_timeout(dist.default_pg_timeout)
+        raise UserError(f"process {rank} of {world}: the others did not all join at {where} within {timeout} s "
+                        f"({first_line(exc)[:200]}); {_HINT}; REPMLP_DIST_TIMEOUT sets the wait") from None  # fmt: skip
+    store.set_timeout(dist.default_pg_timeout)  # later store operations: torch's default
     return store
 
 

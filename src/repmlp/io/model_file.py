@@ -75,8 +75,7 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A short prefix: the folder's name must fit where ``path.name`` fits (NAME_MAX).
-        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:32]}.tmp-"))
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:32]}.tmp-"))  # fits NAME_MAX
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp = folder / path.name
@@ -369,20 +368,14 @@ def _listed(keys: Sequence[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
 
 
-def _dtype_fits(own: Tensor, held: Tensor) -> bool:
-    """A model's float tensor is held in one of :data:`WEIGHT_DTYPES`; an integer buffer (a BatchNorm's step
-    count) in no float dtype."""
-    return held.dtype in WEIGHT_DTYPES if own.is_floating_point() else not held.is_floating_point()
-
-
 def compare_state(where: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
-    """The keys, shapes and dtype kinds (:func:`_dtype_fits`) of ``own`` (a model's state dict, on any device)
-    must be those of ``tensors`` (a file's): else one :class:`CheckpointError` naming the differences."""
+    """The keys, shapes and dtype kinds of ``own`` (a model's state dict, on any device) must be those of
+    ``tensors`` (a file's: a float in :data:`WEIGHT_DTYPES`, an integer buffer in no float dtype): else one
+    :class:`CheckpointError` that counts and names the differences."""
     shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
               if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
-    dtypes = [
-        f"{k} {tensors[k].dtype}" for k, v in own.items() if k in tensors and not _dtype_fits(v, tensors[k])
-    ]
+    dtypes = [f"{k} {tensors[k].dtype}" for k, v in own.items() if k in tensors and (tensors[k].dtype not in
+              WEIGHT_DTYPES if v.is_floating_point() else tensors[k].is_floating_point())]  # fmt: skip
     missing, unexpected = [k for k in own if k not in tensors], [k for k in tensors if k not in own]
     parts = [f"{len(keys)} {label}: {_listed(keys)}" for label, keys in (("missing from the file", missing),
              ("not in the model", unexpected), ("with other shapes (file vs model)", shapes),

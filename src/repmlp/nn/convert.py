@@ -18,10 +18,9 @@ log = logging.getLogger(__name__)
 
 # The flavours whose forward only normalises (a fold leaves nothing behind).
 _PLAIN_BN = (nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-# The BatchNorms a fold into each layer kind is exact for: BatchNorm2d/3d take only 4-D/5-D input, which
-# is a batched conv's output with the channels in dim 1. BatchNorm1d is absent: it also takes 2-D input
-# and normalises dim 1 of whatever rank it gets (a Linear's (N, L, F) output: L, not the features; an
-# unbatched Conv1d's (C, L): L), which this walk cannot see. Modules fold their own through reparameterize().
+# The BatchNorms a fold into each layer kind is exact for: BatchNorm2d/3d take only a batched conv's 4-D/5-D
+# output (channels in dim 1). BatchNorm1d normalises dim 1 of a 2-D or 3-D input: on a Linear's (N, L, F) or an
+# unbatched Conv1d's (C, L) output that is L, and this walk cannot see the rank. Modules fold their own.
 _PAIRS = {nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm), nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm)}
 _FUSABLE = tuple(_PAIRS)
 
