@@ -14,6 +14,7 @@ endless read of ``/dev/zero``, fails instead of exhausting a shared machine).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -22,6 +23,8 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,7 +38,7 @@ from PIL import Image
 import repmlp
 from repmlp.io.model_file import save_model
 from repmlp.io.state import load_state, save_state
-from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli
+from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -938,6 +941,18 @@ def _h6_edit(path: str, value: object) -> Callable[[dict], None]:
 
 
 _DROP = object()
+
+
+def _rng_word(state: dict, kind: str, at: tuple[int, ...]) -> None:
+    """Set the word at index path ``at`` of rank 0's ``kind`` RNG state (nested tuples) to 2**70."""
+
+    def put(node: tuple, at: tuple[int, ...]) -> tuple:
+        i = at[0]
+        return (*node[:i], 2**70 if len(at) == 1 else put(node[i], at[1:]), *node[i + 1 :])
+
+    state["rng"]["0"][kind] = put(state["rng"]["0"][kind], at)
+
+
 _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
     # a fork storm, a benchmark batch of 4M images, a resize to 10,000x the crop, inputs / 1e-300
     "workers 1000000": (_h6_edit("config.workers", 1_000_000), "--workers must be in 0..256"),
@@ -971,6 +986,10 @@ _H6_EDITS: dict[str, tuple[Callable[[dict], None], str]] = {
         "NaN/inf",
     ),
     "history without epoch_s": (_h6_edit("history.0.epoch_s", _DROP), "no number for epoch_s"),
+    # RNG words beyond the C integers the generators keep (python's first key word, numpy's position)
+    "unknown config key": (_h6_edit("config.model_kwargs", {"widths": [4, 8]}), "'model_kwargs': no option"),
+    "python rng 2**70": (lambda s: _rng_word(s, "python", (1, 0)), "does not fit this run"),
+    "numpy rng 2**70": (lambda s: _rng_word(s, "numpy", (2,)), "does not fit this run"),
 }
 
 
@@ -1022,3 +1041,153 @@ def test_h6_environment_batches_and_task_models_are_one_line(world, tmp_path, mo
            "--train-limit", 8, "--val-limit", 8, "--workers", 0, "--output", out]  # fmt: skip
     assert_one_line(cli(*seg), "is not an image classifier", "--task seg")
     assert not out.exists()
+
+
+# ------------------------------------------- third round (issue 51): failed writes, aborts, cut values
+def _export(model: Path, out: Path, fmt: str) -> list[object]:
+    suffix = {"onnx": "onnx", "torchscript": "pt", "exported-program": "pt2"}[fmt]
+    return ["export", "--checkpoint", model, "--format", fmt, "--output", out / f"x.{suffix}"]
+
+
+WRITERS: dict[str, Callable[[Path, Path], list[object]]] = {
+    "convert": lambda model, out: ["convert", "--checkpoint", model, "--output", out / "d.safetensors"],
+    **{fmt: functools.partial(_export, fmt=fmt) for fmt in ("onnx", "torchscript", "exported-program")},
+}
+
+
+@pytest.mark.parametrize("writer", [w for w in WRITERS if w != "onnx"])
+def test_a_write_that_fails_is_one_line_naming_the_users_path(world, tmp_path, monkeypatch, writer):
+    """A full disk (every file write raises ENOSPC): one line naming the output, exit 2, no temporary file
+    (torch's own file writer aborted the process: the exporters serialise in memory first)."""
+
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    argv = WRITERS[writer](world["model"], tmp_path)
+    monkeypatch.setattr(Path, "write_bytes", full)
+    line = assert_one_line(cli(*argv), f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")
+    assert ".tmp" not in line and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def mount(tmp_path) -> Iterator[Callable[[str, str], Path]]:
+    """``mount(name, options)``: a small tmpfs at ``tmp_path/name``; skips where this process cannot mount."""
+    mounted: list[Path] = []
+
+    def make(name: str, options: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        if (
+            shutil.which("mount") is None
+            or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True
+            ).returncode
+        ):
+            pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.slow
+def test_full_disks_and_read_only_folders_are_one_line(world, mount):
+    """Each writer on a full tmpfs (in its own process: torch's file writer aborted it) and a read-only one."""
+    full, read_only = mount("full", "size=256k"), mount("ro", "ro,size=64k")
+    with contextlib.suppress(OSError):  # fill it: every later write fails
+        with open(full / "filler", "wb") as f:
+            while True:
+                f.write(bytes(4096))
+                f.flush()
+    for writer, argv in WRITERS.items():
+        argv = argv(world["model"], full)
+        res = subprocess.run([sys.executable, "-m", "repmlp", *map(str, argv)], capture_output=True, text=True,
+                             env=subprocess_env(), timeout=300)  # fmt: skip
+        assert_one_line(res, f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")
+        assert sorted(p.name for p in full.iterdir()) == ["filler"], writer
+        argv = WRITERS[writer](world["model"], read_only)
+        assert_one_line(cli(*argv), f"cannot write {argv[-1]}: {os.strerror(errno.EROFS)}")
+
+
+def test_long_names_are_written_or_refused_naming_them(world, tmp_path):
+    """A name of 250 characters fits the file system (its temporary folder's name must too); one of 272 does
+    not: one line naming it, exit 2."""
+    out = tmp_path / ("n" * 245 + ".pt")
+    assert (
+        cli("export", "--checkpoint", world["model"], "--format", "torchscript", "--output", out).returncode
+        == 0
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    long = tmp_path / ("n" * 272 + ".safetensors")
+    assert_one_line(cli("convert", "--checkpoint", world["model"], "--output", long), str(long), "too long")
+
+
+def test_an_environment_value_of_any_length_is_cut_in_the_error_line(world, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "7" * 100_000)
+    line = assert_one_line(cli("train", "--data-dir", world["fm"], "--output", tmp_path / "r"), "WORLD_SIZE=")
+    assert len(line) < 300, len(line)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int64", "int8", "bool"])
+def test_weights_in_a_dtype_no_weight_has_are_refused_when_read(world, tmp_path, dtype):
+    """float8 weights (torch has no arithmetic for them), integer or boolean weights: one line naming the
+    file and the dtype, in every command that reads a model file."""
+    weights = load_state(world["run"] / "checkpoint.safetensors")["model"]
+    cast = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in weights.items()}
+    path = tmp_path / f"{dtype}.safetensors"
+    save_model(path, _Weights(cast), name=NAME, model_kwargs=KWARGS, form="train",
+               extra={"input_size": [1, 28, 28]})  # fmt: skip
+    for argv in (["predict", "--checkpoint", path, world["image"]], ["convert", "--checkpoint", path]):
+        assert_one_line(cli(*argv), path.name, f"torch.{dtype}", "in a dtype no weight has")
+
+
+def test_ctrl_c_in_any_phase_of_a_command_is_one_line(world, tmp_path, monkeypatch):
+    """Ctrl-C while a command imports its modules (seconds) or while it predicts a folder: one line, 130."""
+    import importlib
+
+    import repmlp.commands.predict
+
+    real = importlib.import_module
+
+    def interrupted_import(name: str, *args: object) -> object:
+        if name.startswith("repmlp.commands."):
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    folder = make_image_folder(tmp_path / "images", classes=2, per_class=2, size=28)
+    with monkeypatch.context() as m:
+        m.setattr(importlib, "import_module", interrupted_import)
+        res = cli("predict", "--checkpoint", world["model"], folder)
+    assert res.returncode == 130 and res.stderr.strip() == "repmlp: interrupted by SIGINT", res.stderr
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(repmlp.commands.predict, "predict_paths", interrupted)
+    res = cli("predict", "--checkpoint", world["model"], folder)
+    assert res.returncode == 130 and res.stderr.strip() == "repmlp: interrupted by SIGINT", res.stderr
+
+
+def test_a_process_whose_peers_never_come_says_so_and_stops(world, tmp_path, monkeypatch, caplog):
+    """WORLD_SIZE=2 with no second process: one line saying what it waits for, then one error line."""
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "REPMLP_DIST_TIMEOUT": "2"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    res = cli("train", "--data-dir", world["fm"], "--epochs", 1, "--workers", 0, "--output", tmp_path / "r")
+    assert f"waiting for the other 1 at 127.0.0.1:{port}, timeout 2 s" in res.stderr, res.stderr
+    assert_one_line(res, "did not all join", "within 2 s", "REPMLP_DIST_TIMEOUT")
+
+
+def test_a_run_folder_named_in_bytes_that_are_not_utf8_is_refused_before_training(world, tmp_path):
+    """``--output $'runs/x-\\xff\\xfe'`` (the bytes reach Python as surrogate escapes): refused at once, as the
+    model files' metadata and the report hold the name; nothing written."""
+    out = tmp_path / os.fsdecode(b"x-\xff\xfe")
+    res = cli("train", "--data-dir", world["fm"], "--epochs", 1, "--workers", 0, "--output", out)
+    assert_one_line(res, "is not valid UTF-8", "x-\\udcff\\udcfe")
+    assert list(tmp_path.iterdir()) == []

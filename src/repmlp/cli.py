@@ -12,6 +12,7 @@ import importlib
 import logging
 import signal
 import sys
+import threading
 
 from repmlp._version import __version__
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
@@ -143,7 +144,30 @@ def out_of_memory_message(exc: BaseException, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status (0 success, 2 user error, 128 + N stopped by
     signal N: 130 Ctrl-C, 143 SIGTERM)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM (``kill``, a batch system's time limit) stops any command as Ctrl-C does, at any point (the imports
+    # take seconds); a handler is set from the main thread only (main() may run in another program's thread).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt as exc:
+        # A training run's (repmlp.engine.loop.RunInterrupted) says where its checkpoint is. Exit 128 + the
+        # signal's number, the shell's convention: 130 for Ctrl-C, 143 for SIGTERM.
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        message = str(exc).strip() or f"interrupted by {signal.Signals(signum).name}"
+        print(f"repmlp: {message}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """The SIGTERM handler of a command: a ``KeyboardInterrupt`` that carries the signal's number."""
+    raise type("Interrupted", (KeyboardInterrupt,), {"signum": signum})()
+
+
+def _main(argv: list[str]) -> int:
     # The command is the first word that is no option (the global options take no value).
     parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     try:
@@ -161,13 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("user error", exc_info=True)
         print(f"repmlp: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
-        # A training run stopped by SIGINT/SIGTERM (repmlp.engine.loop.RunInterrupted) says which signal and
-        # where its checkpoint is. Exit 128 + the signal's number, the shell's convention: 130 for Ctrl-C,
-        # 143 for SIGTERM.
-        message = str(exc).strip()
-        print(f"repmlp: {message}" if message else "repmlp: interrupted", file=sys.stderr)
-        return 128 + int(getattr(exc, "signum", signal.SIGINT))
     except (MemoryError, RuntimeError) as exc:
         # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError, possibly wrapped by torch.compile; any
         # other RuntimeError is a bug and keeps its traceback.
@@ -181,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         # Disk full, permission denied, ...: the user's environment, not a bug in repmlp.
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"repmlp: error: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         _restore_logging(previous_logging)
 

@@ -231,6 +231,14 @@ def test_python_api_inputs_and_labels(files, tmp_path):
     assert [p.probability for p in by_path[0]] == sorted((p.probability for p in by_path[0]), reverse=True)
     with pytest.raises(repmlp.errors.UserError, match="cannot read image"):
         predictor.predict(tmp_path / "missing.png")
+    # Tensors it cannot take: one ValueError saying what it takes, whatever is wrong.
+    nan = x[None].clone()
+    nan[0, 0, 0, 0] = float("nan")
+    bad = [nan, x[None][:0], (x * 255).to(torch.uint8), torch.empty(1, 1, 28, 28, device="meta"), x[None].double(),
+           torch.zeros(2, 3, 28, 28), torch.zeros(28, 28)]  # fmt: skip
+    for t in bad:
+        with pytest.raises(ValueError, match=r"predict takes a finite float32 batch \(N, 1, H, W\)"):
+            predictor.predict(t)
 
 
 def test_three_channel_folder_model_matches_eval(tmp_path, capsys, one_thread):

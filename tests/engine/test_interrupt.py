@@ -235,3 +235,31 @@ def test_progress_bars_count_what_they_say(tmp_path, monkeypatch):
     bars.clear()
     toy_run(tmp_path / "iterations", Toy(), iterations=6)
     assert [(b.desc, b.total, b.n) for b in bars] == [("train (epoch 1)", 6, 4), ("train (epoch 2)", 6, 6)]
+
+
+# ``python -m repmlp`` that gets SIGTERM once training is done, as it converts the model.
+SIGTERM_CONVERTING = """
+import runpy, signal, sys
+import repmlp.tasks.classification_report as report
+
+def converting(result):
+    signal.raise_signal(signal.SIGTERM)
+
+report._convert_and_check = converting
+sys.argv = ["repmlp", *sys.argv[1:]]
+runpy.run_module("repmlp", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_sigterm_after_training_is_one_line_and_resume_finishes_the_run(fmnist, tmp_path):
+    out = tmp_path / "run"
+    run = python(
+        "-c", SIGTERM_CONVERTING, "train", "--data-dir", fmnist, *ARGS, "--epochs", 1, "--output", out
+    )
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 143, err
+    assert "Traceback" not in err and err.splitlines()[-1] == "repmlp: interrupted by SIGTERM", err
+    assert not (out / "report.md").exists()
+    resumed = run_cli("train", "--output", out, "--resume", "--no-bench", "--no-export")
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "report.md").is_file() and (out / "deploy.safetensors").is_file()

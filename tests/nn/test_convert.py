@@ -72,7 +72,8 @@ def test_converts_whole_model_without_batchnorm_left():
         deployed = reparameterize_model(model)
         out = deployed(x)
     assert rel_err(out, ref) < 1e-10
-    assert count_bn(deployed) == 0 and list(deployed.unfused_batchnorms) == []
+    # The head's BatchNorm1d stays: a fold into the Linear is exact only on 2-D input (see below).
+    assert count_bn(deployed) == 1 and list(deployed.unfused_batchnorms) == ["head_bn"]
     assert not any(isinstance(m, nn.Conv2d) for m in deployed.block1.modules())
     assert not deployed.training
     # inplace=False left the original alone; inplace=True converts it.
@@ -116,6 +117,47 @@ def test_folds_timm_batchnorm_act_keeping_its_activation():
         out = fused(x)
     assert count_bn(fused) == 0 and list(fused.unfused_batchnorms) == []
     assert rel_err(out, ref) < 1e-10
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (3, 8, 8)])
+def test_linear_batchnorm1d_stays_whatever_the_input_rank(shape):
+    # BatchNorm1d normalises dim 1: the Linear's features on (N, F), but the length on (N, L, F), where a
+    # fold into the Linear would compute another function. The walk cannot see the rank, so it folds neither.
+    torch.manual_seed(0)
+    for model in (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), _LinearBN()):
+        model = randomize_bn(model.double()).eval()
+        x = torch.randn(*shape, dtype=torch.float64)
+        with torch.no_grad():
+            ref = model(x)
+            converted = reparameterize_model(model)
+            out = converted(x)
+        assert list(converted.unfused_batchnorms) == [
+            n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)
+        ]
+        assert rel_err(out, ref) < 1e-12
+
+
+def test_conv1d_batchnorm1d_stays_as_an_unbatched_input_would_change_it():
+    torch.manual_seed(0)
+    model = randomize_bn(nn.Sequential(nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4)).double()).eval()
+    x = torch.randn(4, 4, dtype=torch.float64)  # unbatched (C, L): BatchNorm1d normalises L
+    with torch.no_grad():
+        ref = model(x)
+        converted = reparameterize_model(model)
+        assert rel_err(converted(x), ref) < 1e-12
+    assert list(converted.unfused_batchnorms) == ["1"]
+
+
+class _LinearBN(nn.Module):
+    """A Linear and a BatchNorm1d outside any Sequential: the torch.fx path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
 
 
 class _Unfusable(nn.Module):

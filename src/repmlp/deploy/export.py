@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import io
 import math
 import os
 import warnings
@@ -92,7 +93,7 @@ def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike
         try:
             reloaded = write(net, example, tmp)
             got = None if reloaded is None else _first_tensor(reloaded(x))
-        except ExportError:
+        except (ExportError, OSError):  # an OSError: writing the file failed, named by staged()
             raise
         except Exception as exc:  # noqa: BLE001 - exporters and runtimes raise many types: report them as one
             raise ExportError(f"{what} of {type(model).__name__} failed: {_quoted(exc)}") from exc
@@ -128,7 +129,9 @@ def export_torchscript(model: nn.Module, path: str | os.PathLike, input_size: Se
     ``path`` (``.pt``), checked loaded back; see :func:`_export`."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object]:
-        torch.jit.trace(net, (example,), check_trace=False).save(str(tmp))
+        buffer = io.BytesIO()  # torch's file writer aborts the process when a write fails (a full disk)
+        torch.jit.save(torch.jit.trace(net, (example,), check_trace=False), buffer)
+        tmp.write_bytes(buffer.getvalue())
         return torch.jit.load(str(tmp), map_location="cpu")
 
     return _export("TorchScript export", write, model, path, input_size, rtol)
@@ -141,7 +144,9 @@ def export_program(model: nn.Module, path: str | os.PathLike, input_size: Sequen
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object]:
         batch = torch.export.Dim("batch", min=1)
-        torch.export.save(torch.export.export(net, (example,), dynamic_shapes=({0: batch},)), str(tmp))
+        buffer = io.BytesIO()  # as in export_torchscript: torch's file writer aborts on a failed write
+        torch.export.save(torch.export.export(net, (example,), dynamic_shapes=({0: batch},)), buffer)
+        tmp.write_bytes(buffer.getvalue())
         return torch.export.load(str(tmp)).module()
 
     return _export("torch.export", write, model, path, input_size, rtol)

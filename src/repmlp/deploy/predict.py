@@ -289,7 +289,12 @@ class Predictor:
         or a preprocessed batch ``(N, C, H, W)`` (``(C, H, W)``: one image). An unreadable file raises a
         :class:`~repmlp.errors.UserError` naming it (:meth:`predict_files` skips it instead)."""
         if isinstance(inputs, Tensor):
-            return self.predict_batch(inputs[None] if inputs.dim() == 3 else inputs)
+            x, c = (inputs[None] if inputs.dim() == 3 else inputs), self.input_size[0]
+            ok = x.dtype == torch.float32 and x.dim() == 4 and len(x) and x.shape[1] == c and not x.is_meta
+            if not (ok and bool(torch.isfinite(x).all())):  # in this order: isfinite needs real floats
+                raise ValueError(f"predict takes a finite float32 batch (N, {c}, H, W), N >= 1, or one image "
+                                 f"({c}, H, W); got {x.dtype} {tuple(inputs.shape)} on {x.device}")  # fmt: skip
+            return self.predict_batch(x)
         one = isinstance(inputs, (str, os.PathLike)) or hasattr(inputs, "mode")
         batch = []
         for item in [inputs] if one else list(inputs):

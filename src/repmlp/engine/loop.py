@@ -576,7 +576,7 @@ class _Loop:
             set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
         except CheckpointError:
             raise  # names the file already
-        except (KeyError, RuntimeError, ValueError, TypeError, IndexError, AttributeError) as exc:
+        except (LookupError, ArithmeticError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{self.path} does not fit this run: {first_line(exc)}") from None
         pos = self.pos = Position(**position)
         self.saved_at = pos.step

@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repmlp.engine.devices import resolve_device
-from repmlp.errors import UserError
+from repmlp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 _R = TypeVar("_R")
@@ -50,7 +51,8 @@ def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
     except ValueError:
         value = None
     if value is None or not lo <= value <= hi:
-        raise UserError(f"{name}={text!r}: expected an integer in {lo}..{hi}; {_HINT}")
+        shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."  # a value of any length: cut
+        raise UserError(f"{name}={shown}: expected an integer in {lo}..{hi}; {_HINT}")
     return value
 
 
@@ -84,8 +86,24 @@ def setup_distributed(device_name: str) -> DistInfo:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        backend, store = "nccl" if device.type == "cuda" else "gloo", _rendezvous(rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     return DistInfo(rank, world, local_rank, device)
+
+
+def _rendezvous(rank: int, world: int) -> dist.Store:
+    """torchrun's ``env://`` rendezvous, said in one line, bounded by ``REPMLP_DIST_TIMEOUT`` s (default 300)."""
+    timeout = _env_int("REPMLP_DIST_TIMEOUT", 1, 86_400, default="300")
+    where = f"{os.environ['MASTER_ADDR'].strip()}:{os.environ['MASTER_PORT'].strip()}"
+    (log.info if rank == 0 else log.debug)("process %d of %d: waiting for the other %d at %s, timeout %d s",
+                                           rank, world, world - 1, where, timeout)  # fmt: skip
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout)))
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError (a timeout) is a RuntimeError
+        raise UserError(f"process {rank} of {world}: the others did not all join at {where} within {timeout} s "
+                        f"({first_line(exc)[:200]}); {_HINT}; REPMLP_DIST_TIMEOUT sets the wait") from None  # fmt: skip
+    store.set_timeout(dist.default_pg_timeout)  # later store operations: torch's default
+    return store
 
 
 def cleanup_distributed() -> None:

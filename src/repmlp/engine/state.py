@@ -38,6 +38,10 @@ def check_output(out: Path, resume: bool, procs: DistInfo, *,
     """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`):
     ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
     (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end)."""
+    try:  # undecodable bytes in the name (surrogate escapes): the model files and the report could not hold it
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"--output {ascii(str(out))} is not valid UTF-8: name the run in UTF-8") from None
     kind = not_regular(out)
     if kind not in ("missing", "a folder"):
         raise UserError(f"--output {out} is {kind or 'a file'}, not a run folder")
@@ -156,7 +160,12 @@ def check_resumable(saved: dict[str, Any], config: dict[str, Any], where: Path, 
                     ) -> dict[str, Any]:  # fmt: skip
     """The configuration a resumed run continues with: ``saved``, with ``config``'s runtime options. Of the
     keys the user set (``given``; ``None``: all of ``config``), those outside ``runtime`` change the maths and
-    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values."""
+    must equal the saved values (else a :class:`UserError`); given runtime keys replace the saved values. A
+    saved key that is no key of ``config`` (an edited or foreign state) is refused too."""
+    if unknown := sorted(set(saved) - set(config)):
+        shown = ", ".join(repr(k[:40]) for k in unknown[:4])
+        raise UserError(f"{Path(where) / STATE_FILE}: config field(s) {shown}: no option of this run (an edited or "
+                        "foreign state: resume a run's own checkpoint, or train into another --output)")  # fmt: skip
     keys = set(config) if given is None else set(given)
     conflicts = [
         f"{option_flag(k)} {saved[k]!r}, not {config[k]!r}"

@@ -51,6 +51,8 @@ MAX_SIDE, MAX_CHANNELS = 4096, 64
 RESERVED_OPTIONS = ("deploy", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path",
                     "cache_dir", "features_only", "device", "dtype", "weights")  # fmt: skip
 Form = Literal["train", "deploy"]
+# What a float weight may be held in (not float8, whose arithmetic torch lacks, nor an integer dtype).
+WEIGHT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class CheckpointError(UserError, ValueError):
@@ -58,30 +60,38 @@ class CheckpointError(UserError, ValueError):
 
 
 # ------------------------------------------------------------------------------------------ writing
+_STAGING: set[Path] = set()  # the temporary paths of the staged() blocks running now
+
+
 @contextlib.contextmanager
 def staged(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path in ``path``'s folder that atomically replaces ``path`` when the ``with`` block ends without
-    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. A
-    folder that cannot be written, a full disk or a failed move is a :class:`UserError` naming ``path``."""
+    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. An
+    ``OSError`` of the block or the move (a folder that cannot be written, a full disk, a name too long) is a
+    :class:`UserError` naming ``path``. A ``path`` that is itself a staged temporary path is written directly."""
     path = Path(path)
+    if path in _STAGING:
+        yield path
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        folder = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name[:32]}.tmp-"))  # fits NAME_MAX
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     tmp = folder / path.name
+    _STAGING.add(tmp)
     try:
         yield tmp
-        try:
-            for extra in sorted(folder.iterdir()):
-                if extra != tmp:
-                    os.replace(extra, path.parent / extra.name)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+        for extra in sorted(folder.iterdir()):
+            if extra != tmp:
+                os.replace(extra, path.parent / extra.name)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
+        _STAGING.discard(tmp)
         shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):  # make the rename itself durable where folders can be opened
         fd = os.open(path.parent, os.O_RDONLY)
@@ -94,10 +104,7 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (:func:`staged`)."""
     with staged(path) as tmp:
-        try:
-            tmp.write_bytes(data)
-        except OSError as exc:  # a full disk: one line naming the user's path
-            raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -376,13 +383,17 @@ def _listed(keys: Sequence[str], n: int = 6) -> str:
 
 
 def compare_state(where: object, what: str, own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> None:
-    """The keys and shapes of ``own`` (a model's state dict, on any device) must be those of ``tensors`` (a
-    file's): else one :class:`CheckpointError` that counts and names the differences."""
+    """The keys, shapes and dtype kinds of ``own`` (a model's state dict, on any device) must be those of
+    ``tensors`` (a file's: a float in :data:`WEIGHT_DTYPES`, an integer buffer in no float dtype): else one
+    :class:`CheckpointError` that counts and names the differences."""
     shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
               if k in tensors and v.shape != tensors[k].shape]  # fmt: skip
+    dtypes = [f"{k} {tensors[k].dtype}" for k, v in own.items() if k in tensors and (tensors[k].dtype not in
+              WEIGHT_DTYPES if v.is_floating_point() else tensors[k].is_floating_point())]  # fmt: skip
     missing, unexpected = [k for k in own if k not in tensors], [k for k in tensors if k not in own]
     parts = [f"{len(keys)} {label}: {_listed(keys)}" for label, keys in (("missing from the file", missing),
-             ("not in the model", unexpected), ("with other shapes (file vs model)", shapes)) if keys]  # fmt: skip
+             ("not in the model", unexpected), ("with other shapes (file vs model)", shapes),
+             ("in a dtype no weight has (float32, float64, float16, bfloat16)", dtypes)) if keys]  # fmt: skip
     if parts:
         raise CheckpointError(f"{where} does not fit {what}: {'; '.join(parts)}")
 

@@ -17,8 +17,12 @@ __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
 log = logging.getLogger(__name__)
 
 # The flavours whose forward only normalises (a fold leaves nothing behind).
-_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-_FUSABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+_PLAIN_BN = (nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# The BatchNorms a fold into each layer kind is exact for: BatchNorm2d/3d take only a batched conv's 4-D/5-D
+# output (channels in dim 1). BatchNorm1d normalises dim 1 of a 2-D or 3-D input: on a Linear's (N, L, F) or an
+# unbatched Conv1d's (C, L) output that is L, and this walk cannot see the rank. Modules fold their own.
+_PAIRS = {nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm), nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm)}
+_FUSABLE = tuple(_PAIRS)
 
 
 class ConversionReport(list):
@@ -56,11 +60,9 @@ def _fused_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
 
 
 def _bn_matches(layer: nn.Module, bn: nn.Module) -> bool:
-    out = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
-    if out != bn.num_features:
-        return False
-    # A Linear followed by BatchNorm1d folds only when the BN normalises the Linear's features.
-    return not isinstance(layer, nn.Linear) or isinstance(bn, nn.BatchNorm1d)
+    """Whether folding ``bn`` into ``layer`` computes the same function for every input (see ``_PAIRS``)."""
+    kinds = next((v for k, v in _PAIRS.items() if isinstance(layer, k)), ())
+    return isinstance(bn, kinds) and layer.out_channels == bn.num_features
 
 
 def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
@@ -123,7 +125,7 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
 
 
 def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
-    """Fold every BatchNorm that directly follows a conv or linear layer into it (eval mode): inside
+    """Fold every BatchNorm2d/3d that directly follows a 2-D/3-D conv into it (eval mode): inside
     ``nn.Sequential`` containers (the model keeps its class), then anywhere else through a ``torch.fx`` trace
     (torchvision's ResNet calls ``self.conv1`` then ``self.bn1``). Returns the model and the BatchNorms left."""
     fused: set[str] = set()
@@ -177,8 +179,9 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
 
     Runs every module's conversion hook, parents before children (``reparameterize()``: RepMLP blocks,
     :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT; ``switch_to_deploy()``; ``fuse()``, whose result
-    replaces the module), then, with ``fuse_bn``, folds every BatchNorm left after a conv or linear layer
-    (:func:`fuse_conv_bn`); those it cannot fold are logged and listed in ``model.unfused_batchnorms``.
+    replaces the module), then, with ``fuse_bn``, folds every BatchNorm2d/3d left after a conv
+    (:func:`fuse_conv_bn`); those it cannot fold are logged and listed in ``model.unfused_batchnorms``
+    (a BatchNorm1d after a Linear or Conv1d among them: what it normalises depends on its input's rank).
     ``inplace=True`` converts in place, but use the returned module (``fuse()`` or an fx fold may replace
     the root); otherwise the copy carries none of ``model``'s forward, pre-forward and backward hooks (its
     modules are new: register hooks on the result).
@@ -202,7 +205,7 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
             model, left = fuse_conv_bn(model)
     if left:
         shown = ", ".join(left[:8]) + (f", ... ({len(left) - 8} more)" if len(left) > 8 else "")
-        log.info("reparameterize_model: %d BatchNorm(s) not fused: %s", len(left), shown)
+        log.info("reparameterize_model: %d BatchNorm(s) not fused (kept, exact): %s", len(left), shown)
     model.eval()
     try:
         model.unfused_batchnorms = left
