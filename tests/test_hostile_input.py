@@ -237,6 +237,7 @@ def test_drawn_metadata_is_predicted_or_one_line(world, tmp_path, meta):
 @SETTINGS
 @given(kwargs=st.dictionaries(st.sampled_from(_OPTIONS), st.integers(0, 2**40) | st.integers(-(2**40), 0),
                               min_size=1, max_size=3))  # fmt: skip
+@example(kwargs={"img_size": 22})  # a size the file's recorded input size contradicts
 def test_drawn_model_sizes_are_checked_before_anything_is_allocated(world, tmp_path, kwargs):
     """Options that describe a model of any size (10**12 classes, 100000-pixel inputs, ...) are compared
     with the file's tensors on the meta device: a one-line error naming the file and the field, fast."""
@@ -246,7 +247,10 @@ def test_drawn_model_sizes_are_checked_before_anything_is_allocated(world, tmp_p
     res = cli("bench", "--checkpoint", bad, "--batch-size", 1, "--warmup", 0, "--repeats", 1, seconds=30)
     if res.returncode != 0:
         line = assert_one_line(res, "sized.safetensors")
-        assert "model_kwargs" in line or "does not fit" in line, line
+        # The field at fault: model_kwargs, or the recorded input size that the drawn img_size contradicts.
+        assert any(
+            f in line for f in ("model_kwargs", "does not fit", "metadata field 'extra.input_size'")
+        ), line
 
 
 # --------------------------------------------------------------------- hypothesis: option values

@@ -48,9 +48,12 @@ def dense_conv_index(out_ch: int, cg: int, kh: int, kw: int, h: int, w: int) -> 
 
 
 @functools.lru_cache(maxsize=64)
-def _stacked_index(shapes: tuple[tuple[int, ...], ...], h: int, w: int, groups: int) -> Tensor:
+def _stacked_index(
+    shapes: tuple[tuple[int, ...], ...], h: int, w: int, groups: int, device: torch.device
+) -> Tensor:
     """Index of the dense kernel ``(g, K*O/g*h*w, C/g*h*w)`` of ``K`` branches into the concatenation
-    ``[0, kernel_1.flatten(), ..., kernel_K.flatten()]``, flattened."""
+    ``[0, kernel_1.flatten(), ..., kernel_K.flatten()]``, flattened, on ``device`` (kept there: a step
+    replayed as a CUDA graph may copy nothing from the host)."""
     per_branch, offset = [], 0
     for out_ch, cg, kh, kw in shapes:
         index = dense_conv_index(out_ch, cg, kh, kw, h, w)
@@ -58,7 +61,7 @@ def _stacked_index(shapes: tuple[tuple[int, ...], ...], h: int, w: int, groups: 
             torch.where(index > 0, index + offset, 0).reshape(groups, out_ch // groups * h * w, -1)
         )
         offset += out_ch * cg * kh * kw
-    return torch.cat(per_branch, dim=1).reshape(-1)
+    return torch.cat(per_branch, dim=1).reshape(-1).to(device)
 
 
 def fits_dense(branches: Sequence[ConvBN], partition: tuple[int, ...], cpu: bool) -> bool:
@@ -92,7 +95,7 @@ def dense_branch_sum(x: Tensor, branches: Sequence[ConvBN], h: int, w: int) -> T
     cg, og = first.in_channels // g, out_ch // g
     kernels = [b.conv.weight for b in branches]
     shapes = tuple((b.conv.out_channels, cg, *b.conv.kernel_size) for b in branches)  # static, for fx
-    index = _stacked_index(shapes, h, w, g).to(x.device)
+    index = _stacked_index(shapes, h, w, g, x.device)
     flat = torch.cat([kernels[0].new_zeros(1), *(t.reshape(-1) for t in kernels)])
     dense = flat.index_select(0, index).view(g, k * og * h * w, cg * h * w)
     out = torch.bmm(x.reshape(-1, g, cg * h * w).transpose(0, 1), dense.transpose(1, 2))  # (g, B, K*O/g*h*w)
