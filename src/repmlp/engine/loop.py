@@ -279,8 +279,8 @@ class _Loop:
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
-        if self.opts.fast:  # under CUDA graphs with the convs, not the dense form (docs/gpu.md)
-            fast_training(unwrap(self.net), dense=False if self.opts.cuda_graphs else None)
+        if self.opts.fast:
+            fast_training(unwrap(self.net))
         try:
             return self._run()
         finally:

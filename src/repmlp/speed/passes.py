@@ -75,16 +75,15 @@ def fast_training(model: nn.Module, *, dense: bool | None = None) -> nn.Module:
     """The training-time fast modules, in place, for the device the parameters are on; returns ``model``.
 
     Every RepMLP block keeps its input's memory format and makes its partition copies as custom ops; the
-    Local Perceptron (and row D's big conv) trains as one dense FC with ``dense`` (default: on CUDA, where
-    it saves many small launches) or on a CPU where the groups are narrow; on a CPU the convs on partition
-    maps write the map's layout (:class:`~repmlp.speed.modules.LayoutConv2d`), ResNet and RepMLPNet trunks
-    take their input channels_last, one-channel patch stems run as a matmul and 2x2 max pools as two
-    elementwise maxima. The same function:
-    bits may differ where sums are reordered (the dense version). Pass ``dense=False`` for steps replayed as
-    CUDA graphs, where the convs measured faster.
+    Local Perceptron (and row D's big conv) trains as one dense FC on a CPU where the groups are narrow, and
+    with ``dense=True`` wherever it fits (on CUDA the convs measured faster: docs/gpu.md); on a CPU the convs
+    on partition maps write the map's layout (:class:`~repmlp.speed.modules.LayoutConv2d`), ResNet and
+    RepMLPNet trunks take their input channels_last, one-channel patch stems run as a matmul and 2x2 max
+    pools as two elementwise maxima. The same function: bits may differ where sums are reordered (the dense
+    version).
     """
     cpu = _device(model).type == "cpu"
-    dense = not cpu if dense is None else dense
+    dense = bool(dense)
     for m in list(model.modules()):
         if isinstance(m, RepMLPBlock) and m.local_perceptron is not None:
             lp = m.local_perceptron
