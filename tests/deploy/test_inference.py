@@ -190,11 +190,14 @@ def test_paths_on_cuda_equal_eager(path):
 
 @pytest.mark.cuda
 @CUDA
-def test_graphed_training_steps_equal_eager_on_cuda():
+@pytest.mark.parametrize("dense", [False, True], ids=["plain", "dense-training-pass"])
+def test_graphed_training_steps_equal_eager_on_cuda(dense: bool):
     """Three SGD steps with the module as CUDA graphs against eager: the same losses and weights, in full
-    float32 (TF32 would round the two alike only by chance)."""
+    float32 (TF32 would round the two alike only by chance); also under the training pass's dense version,
+    whose capture must copy nothing from the host."""
     from repmlp.engine import graph_module
     from repmlp.numerics import full_float32
+    from repmlp.speed import fast_training
 
     torch.manual_seed(0)
     base = repmlp.create_model("repmlp_fmnist_patch2", num_classes=10, in_chans=1).cuda().train()
@@ -204,6 +207,8 @@ def test_graphed_training_steps_equal_eager_on_cuda():
     for graphs in (False, True):
         torch.manual_seed(1)
         net = copy.deepcopy(base)
+        if dense:
+            fast_training(net, dense=True)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         losses = []
         with full_float32():  # around the capture too: a graph keeps the kernels it was captured with
