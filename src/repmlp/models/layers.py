@@ -79,3 +79,12 @@ class PooledClassifierMixin:
         self.num_classes = num_classes
         head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         setattr(self, self.classifier_attr, layer_like(self, head))  # type: ignore[arg-type]
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        """``(N, num_features, h, w)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
+        if self.global_pool == "avg":
+            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return x if pre_logits else self.head(x)  # a model whose classifier is named otherwise overrides this
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_head(self.forward_features(x))  # type: ignore[attr-defined]

@@ -258,15 +258,6 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         check_input_size(x, "this model is", self.in_chans, (self.img_size, self.img_size), True)
         return self.stages(self.stem(x))
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """``(N, num_features, s, s)`` -> logits ``(N, num_classes)``; pooled features if ``pre_logits``."""
-        if self.global_pool == "avg":
-            x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
 
 def pure_mlp_cfg(dataset: str, pool_size: tuple[int, ...], levels: int) -> dict[str, Any]:
     """timm's ``pretrained_cfg`` of a pure MLP for ``dataset`` (``"cifar10"`` or ``"fashion-mnist"``: its

@@ -303,9 +303,6 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
 
 # ------------------------------------------------------------------------------- registered models
 def _cfg(size: int) -> dict[str, Any]:

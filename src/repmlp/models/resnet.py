@@ -492,9 +492,6 @@ class ResNet(PooledClassifierMixin, nn.Module):
             x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
         return x if pre_logits else self.fc(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
 
 # ------------------------------------------------------------------------------ the ResNet-50 family
 _LAYERS_50 = (3, 4, 6, 3)

@@ -142,9 +142,6 @@ class SequenceMLP(PooledClassifierMixin, nn.Module):
             x = x.mean(dim=2)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
-
 
 class RowSequenceMLP(SequenceMLP):
     """:class:`SequenceMLP` on square images read row by row (:func:`rows_as_sequence`).
