@@ -303,5 +303,5 @@ def render(r: Roofline, measured: float | None = None) -> str:
 
 
 def _number(x: float) -> str:
-    """``77,443``; three significant digits below 100 (``5.43``)."""
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+    """``77,443``; three significant digits below 100 (``3.90``)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:#.3g}"
