@@ -104,10 +104,14 @@ def test_one_conv_and_one_linear_by_hand():
         assert [t for t, _ in costs] == pytest.approx(times, rel=1e-12)
 
 
-def test_devices():
+def test_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert find_device(torch.device("cuda:0"), "fp16") == Device(
+        "NVIDIA H100 SXM", GPUS["h100"][3], GPUS["h100"][4]
+    )
     dev = find_device("NVIDIA GeForce RTX 4090", "bf16")
     assert (dev.peak, dev.bandwidth) == (GPUS["rtx4090"][3], GPUS["rtx4090"][4])
-    assert find_device("NVIDIA H100 80GB HBM3", "tf32").peak == GPUS["h100"][2]
+    assert find_device("cuda", "tf32").peak == GPUS["h100"][2]
     assert find_device("h200", "fp32", peak=2.0).peak == 2.0
     with pytest.raises(UserError, match="not in the roofline's table"):
         find_device("NVIDIA L40S", "fp16")  # not an L4

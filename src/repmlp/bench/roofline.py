@@ -147,6 +147,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:  # nothing written (a size or a scalar read)
+            return out
         if func.is_view:  # the view's elements are its base's
             self.src.update({id(t): (t, *self._source(ins[0])) for t in outs})
             return out
