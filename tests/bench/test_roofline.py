@@ -148,9 +148,10 @@ def test_cli_cpu_measures_the_share():
         r"Measured ([\d.,]+) examples/s: ([\d.]+)% / ([\d.]+)% / ([\d.]+)%", res.stdout
     ).groups()
     measured, *shares = (float(v.replace(",", "")) for v in found)
-    assert measured == pytest.approx(speed, abs=0.051, rel=0.001)  # the table's speed, printed to 0.1
-    expected = [100 * measured / r.throughput(a) for a in ("fused", "onepass", "unfused")]
-    assert shares == pytest.approx(expected, abs=0.06)
+    assert measured == pytest.approx(speed, abs=0.51)  # the table's speed (to 0.1), to 3 digits or 1
+    expected = [100 * speed / r.throughput(a) for a in ("fused", "onepass", "unfused")]
+    for share, exact in zip(shares, expected, strict=True):  # each printed to 0.1, from a speed to 0.1
+        assert abs(share - exact) <= 0.051 + exact * 0.051 / speed
 
 
 @pytest.mark.parametrize(
