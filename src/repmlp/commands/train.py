@@ -27,7 +27,7 @@ from pathlib import Path
 from repmlp.commands._common import check_output_file
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
 from repmlp.commands.task_options import TASK_OPTIONS, classification_arguments
-from repmlp.engine import keep_freed_memory
+from repmlp.engine import keep_freed_memory, restart_count
 from repmlp.errors import UserError
 from repmlp.tasks import TASK_MODULES
 from repmlp.tasks.classification import TrainConfig, resolve_config, train
@@ -125,5 +125,6 @@ def run(args: argparse.Namespace) -> int:
     options = {f: getattr(args, f) for f in TrainConfig.__dataclass_fields__ if hasattr(args, f)}
     options["output"] = args.output or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     options["run_command"] = ["repmlp", *(sys.argv[1:] if args.argv is None else args.argv)]
-    result = train(resolve_config(**options), given=given_options(args) if args.resume else None)
+    resumes = args.resume or restart_count() > 0  # may resume: the options typed must fit the checkpoint's
+    result = train(resolve_config(**options), given=given_options(args) if resumes else None)
     return 0 if result.ok else 1

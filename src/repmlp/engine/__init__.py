@@ -29,6 +29,7 @@ from repmlp.engine.processes import (
     broadcast_buffers,
     cleanup_distributed,
     prepare_module,
+    restart_count,
     run_in_processes,
     setup_distributed,
     state_hash,
@@ -40,6 +41,7 @@ from repmlp.engine.state import METRICS_FILE, STATE_FILE, check_output, check_re
 __all__ = ["amp_dtype", "cpu_name", "hardware_summary", "keep_freed_memory", "resolve_compile",
            "resolve_cuda_graphs", "resolve_device", "GraphedModule", "LoopHooks", "LoopOptions", "LoopResult",
            "Position", "graph_module", "progress", "train_loop", "DistInfo", "all_reduce_sum",
-           "broadcast_buffers", "cleanup_distributed", "prepare_module", "run_in_processes", "setup_distributed",
+           "broadcast_buffers", "cleanup_distributed", "prepare_module", "restart_count", "run_in_processes",
+           "setup_distributed",
            "state_hash", "unwrap", "write_run_report", "METRICS_FILE", "STATE_FILE", "check_output",
            "check_resumable", "option_flag"]  # fmt: skip

@@ -17,11 +17,19 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from repmlp.engine.devices import amp_dtype
-from repmlp.engine.processes import DistInfo, all_reduce_sum, gather_object, replica_hashes, unwrap
+from repmlp.engine.processes import (
+    DistInfo,
+    all_reduce_sum,
+    gather_object,
+    replica_hashes,
+    restart_count,
+    unwrap,
+)
 from repmlp.engine.report import LOSS_FIELDS, write_metrics_csv
 from repmlp.engine.state import (
     METRICS_FILE,
@@ -226,6 +234,11 @@ class Diverged(UserError):
     """A run whose loss or weights became NaN/inf: a user's recipe (learning rate) that does not fit."""
 
 
+class ProcessLost(UserError):
+    """A run stopped because a process it needs died: one of its data loading workers, or (torchrun) another
+    process of the run, killed (out of memory, a node lost) or failed; the message says what is kept."""
+
+
 class RunInterrupted(KeyboardInterrupt):
     """A run stopped by SIGINT (Ctrl-C) or SIGTERM (``kill``, a batch system's time limit): its message says
     at which step and where the checkpoint is; the CLI exits with ``128 + signum`` (130, 143)."""
@@ -283,8 +296,29 @@ class _Loop:
             fast_training(unwrap(self.net))
         try:
             return self._run()
+        except (RuntimeError, ConnectionError, EOFError) as exc:
+            if (lost := self.lost(exc)) is None:
+                raise
+            raise lost from exc
         finally:
             plain(unwrap(self.net))
+
+    def lost(self, exc: Exception) -> ProcessLost | None:
+        """:class:`ProcessLost` for ``exc`` raised by a data loading worker's death (torch's DataLoader says
+        so; its pipes break) or by a collective whose peer died (torch.distributed, gloo, NCCL), else ``None``."""
+        text = first_line(exc)[:200]
+        step = f"step {self.pos.step + 1}"
+        if "DataLoader worker" in text or isinstance(exc, (ConnectionError, EOFError)):
+            if threading.current_thread() is threading.main_thread():  # torch's SIGCHLD handler would raise
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # again as each worker ends: the run is over
+            what = (
+                f"a data loading worker process died during {step} ({text}; out of memory? fewer --workers)"
+            )
+        elif self.procs.enabled and (isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text):
+            what = f"process {self.procs.rank} of {self.procs.world}: another process stopped during {step} ({text})"
+        else:
+            return None
+        return ProcessLost(f"{what}; {self.kept()}; continue with --resume")
 
     @contextmanager
     def signal_handlers(self) -> Iterator[None]:
@@ -301,9 +335,10 @@ class _Loop:
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
     def on_signal(self, signum: int, frame: object) -> None:
-        """The first signal is recorded: the loop stops at the next step boundary with a checkpoint. Another
-        one stops the run at once (a step that hangs), unless the interrupt checkpoint is being written."""
-        if self.received is not None and not self.saving:
+        """The first signal is recorded: the loop stops at the next step boundary with a checkpoint. A second
+        Ctrl-C stops the run at once (a step that hangs), unless the interrupt checkpoint is being written;
+        another SIGTERM does not (torchrun passes on the SIGTERM that a scheduler sent every process)."""
+        if self.received is not None and signum == signal.SIGINT and not self.saving:
             raise self.interrupted_again(signum)
         self.received = self.received or signum
 
@@ -367,9 +402,11 @@ class _Loop:
         with torch.autocast(device.type, dtype=amp_dtype(device), enabled=self.opts.amp):
             loss, stats = self.hooks.step(net, images, labels, pos)
         loss = loss.float()
-        if not torch.isfinite(loss):
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if all_reduce_sum(bad, self.procs).item() > 0:  # on any process: every process stops at this step
             where = f"step {pos.step + 1} (epoch {pos.epoch + 1}, batch {pos.batch + 1})"
-            raise self.diverged(f"the loss became {loss.item()} at {where}")
+            value = f"{loss.item()}" if bad.item() else "NaN/inf on another process"
+            raise self.diverged(f"the loss became {value} at {where}")
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
@@ -563,6 +600,13 @@ class _Loop:
         """Continue from ``state``: checked first (:func:`check_state`; its config must agree with this run's,
         :func:`check_resumable`), then loaded; a state that does not fit is one :class:`CheckpointError` line."""
         opts, procs = self.opts, self.procs
+        trained_by = len(state["rng"]) if isinstance(state.get("rng"), dict) else procs.world
+        if trained_by != procs.world:  # each process's batches and BatchNorm statistics depend on the count
+            raise UserError(
+                f"cannot resume {opts.output}: it was trained by {trained_by} process(es), this run has "
+                f"{procs.world}; resume it with {trained_by} in all (torchrun --nnodes x --nproc-per-node), "
+                "or train into another --output"
+            )
         try:
             position = check_state(
                 state, self.optimizer, self.steps_per_epoch, self.total, opts.metric_fields, self.path
@@ -572,8 +616,7 @@ class _Loop:
             self.optimizer.load_state_dict(state["optimizer"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-            rngs = state["rng"]
-            set_rng_state(rngs[str(procs.rank)] if str(procs.rank) in rngs else rngs["0"], procs.device)
+            set_rng_state(state["rng"][str(procs.rank)], procs.device)
         except CheckpointError:
             raise  # names the file already
         except (LookupError, ArithmeticError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
@@ -581,9 +624,10 @@ class _Loop:
         pos = self.pos = Position(**position)
         self.saved_at = pos.step
         if procs.is_main:
-            log.info(
-                "resuming %s at epoch %d, batch %d (step %d)", opts.output, pos.epoch + 1, pos.batch, pos.step
-            )
+            restarts = restart_count()
+            why = f" (torchrun restarted the processes: restart {restarts})" if restarts else ""
+            log.info("resuming %s at epoch %d, batch %d (step %d)%s", opts.output, pos.epoch + 1, pos.batch,
+                     pos.step, why)  # fmt: skip
 
     def write_metrics(self) -> None:
         if self.procs.is_main:

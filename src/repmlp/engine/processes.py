@@ -71,6 +71,13 @@ def process_environment() -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def restart_count() -> int:
+    """How often torchrun restarted this run's processes (``--max-restarts``): 0 when it did not, or without
+    torchrun."""
+    text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return int(text) if text.isdigit() else 0
+
+
 def setup_distributed(device_name: str) -> DistInfo:
     """Join the process group when started by ``torchrun`` (``WORLD_SIZE`` > 1): NCCL on GPU, gloo on CPU."""
     rank, world, local_rank = process_environment()
@@ -103,7 +110,8 @@ def _rendezvous(rank: int, world: int) -> dist.Store:
         raise UserError(f"process {rank} of {world}: the others did not all join at {where} within {timeout} s "
                         f"({first_line(exc)[:200]}); {_HINT}; REPMLP_DIST_TIMEOUT sets the wait") from None  # fmt: skip
     store.set_timeout(dist.default_pg_timeout)  # later store operations: torch's default
-    return store
+    # torchrun's agent keeps its store across restarts: a restarted group must not read the old one's keys
+    return dist.PrefixStore(f"repmlp/attempt_{restart_count()}", store)
 
 
 def cleanup_distributed() -> None:

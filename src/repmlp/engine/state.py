@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from repmlp.data.inputs import not_regular
-from repmlp.engine.processes import DistInfo
+from repmlp.engine.processes import DistInfo, restart_count
 from repmlp.errors import UserError
 from repmlp.io.model_file import check_field
 from repmlp.io.state import load_state
@@ -33,11 +33,17 @@ REPORT_FILE = "report.md"  # the last file a run writes: a folder holding it is 
 MODEL_FILE = "model.safetensors"  # the trained model a run writes at its end
 
 
-def check_output(out: Path, resume: bool, procs: DistInfo, *,
+def check_output(out: Path, resume: bool | str, procs: DistInfo, *,
                  finished_ok: bool = False) -> dict[str, Any] | None:  # fmt: skip
     """The saved state to resume from (``None`` for a new run), after locking ``out`` (:func:`lock_output`):
     ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
-    (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end)."""
+    (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end).
+    ``resume="auto"`` resumes ``out``'s run if it holds a checkpoint and starts one otherwise (a job that a
+    scheduler reruns after a preemption); so do processes that torchrun restarted (:func:`restart_count`)."""
+    if resume == "auto" or (resume is False and restart_count() > 0):
+        resume = not_regular(out / STATE_FILE) is None
+        if procs.is_main and not resume:
+            log.info("%s holds no checkpoint: starting the run", out)
     try:  # undecodable bytes in the name (surrogate escapes): the model files and the report could not hold it
         str(out).encode("utf-8")
     except UnicodeEncodeError:

@@ -122,7 +122,7 @@ def resolve_config(**options: Any) -> TrainConfig:
         if given.get(key):
             given[key] = os.path.abspath(os.path.expanduser(given[key]))
     dataset = given.setdefault("dataset", "fashion-mnist")
-    new = not given.get("resume")
+    new = given.get("resume") is not True  # "auto": as a new run; a checkpoint's config then wins
     if given.get("init") and new and "model" not in given:
         # Fine-tuning without --model: the file's model with its options (the new data set the classes).
         given["model"], file_args = init_model_options(given["init"])

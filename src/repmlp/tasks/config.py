@@ -113,13 +113,18 @@ class TrainOptions(TaskConfig):
     compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
     cuda_graphs: str = "auto"  # --cuda-graphs: auto, on, off (see repmlp.engine.resolve_cuda_graphs)
     fast_training: bool = True  # the training speed pass (repmlp.speed.fast_training); off: the plain modules
-    resume: bool = False  # continue the run in output from its checkpoint
+    resume: bool | str = False  # continue the run in output from its checkpoint; "auto": if it holds one
     stop_after_steps: int | None = None  # a simulated crash after N steps (tests of resuming)
 
     RUNTIME = frozenset(
         {"data_dir", "output", "device", "workers", "threads", "ckpt_every", "compile", "cuda_graphs",
          "fast_training", "resume", "stop_after_steps", "log_interval"}
     )  # fmt: skip
+
+    def problems(self) -> Iterator[tuple[str, str]]:
+        if isinstance(self.resume, str) and self.resume != "auto":
+            yield "resume", f"--resume takes no value or auto, got {self.resume!r}"
+        yield from super().problems()
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,212 @@
+"""Training past one process: torchrun's multi-node rendezvous, elastic restarts, preemption, and the
+failures a cluster brings (a process killed, a data loading worker killed, a loss that diverges on one
+process, a resume with another number of processes).
+
+Every run trains the same tiny Fashion-MNIST model for 2 epochs of 4 steps, with a checkpoint every 2 steps,
+on two processes (gloo on the CPU), and is compared with an uninterrupted ``torchrun --standalone`` run:
+a run continued from a checkpoint must end with the same weights, bitwise. Faults come from
+:data:`FAULTY_CLI`: repmlp's command line with a fault injected once, after a given step.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from repmlp_testdata import make_fashion_mnist, make_image_folder, subprocess_env, user_error_line
+
+pytestmark = pytest.mark.slow  # each test starts torchrun and two processes that import torch (~10 s)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STEPS = [
+    "--train-limit",
+    "64",
+    "--val-limit",
+    "16",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "2",
+    "--ckpt-every",
+    "2",
+]
+RUN = ["--model-arg", "widths=[4,8]", *STEPS, "--device", "cpu", "--no-bench", "--no-export"]
+
+# repmlp's CLI with one fault (if FAULT_SIGNAL is set), in the first run only (the marker file
+# FAULT_ONCE.<rank> remembers it): after step FAULT_STEP, on rank FAULT_RANK (default: every rank),
+# FAULT_SIGNAL goes to this process, to torchrun's agent as well (FAULT_AGENT), or to the DataLoader's
+# worker processes instead (FAULT_WORKERS); FAULT_SIGNAL NAN makes the next step's loss NaN.
+FAULTY_CLI = """
+import dataclasses, os, signal, sys
+from repmlp.cli import main
+from repmlp.engine import loop
+
+rank = os.environ.get("RANK", "0")
+once = os.environ["FAULT_ONCE"] + "." + rank
+if "FAULT_SIGNAL" in os.environ and os.environ.get("FAULT_RANK", rank) == rank and not os.path.exists(once):
+    after_step, name = loop._Loop.after_step, os.environ["FAULT_SIGNAL"]
+
+    def nan_loss(step):
+        def stepped(*args):
+            loss, stats = step(*args)
+            return loss * float("nan"), stats
+        return stepped
+
+    def faulty_after_step(self, lr):
+        after_step(self, lr)
+        if self.pos.step != int(os.environ["FAULT_STEP"]):
+            return
+        open(once, "w").close()
+        if name == "NAN":
+            self.hooks = dataclasses.replace(self.hooks, step=nan_loss(self.hooks.step))
+            return
+        signum = signal.Signals[name]
+        if os.environ.get("FAULT_AGENT"):
+            os.kill(os.getppid(), signum)
+        if os.environ.get("FAULT_WORKERS"):
+            for pid in open(f"/proc/self/task/{os.getpid()}/children").read().split():
+                os.kill(int(pid), signum)
+        else:
+            os.kill(os.getpid(), signum)
+
+    loop._Loop.after_step = faulty_after_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fmnist(tmp_path_factory) -> Path:
+    return make_fashion_mnist(tmp_path_factory.mktemp("data") / "fmnist", n_train=96, n_test=48)
+
+
+def torchrun(tmp_path: Path, launch: list[str], args: list[str], timeout: int = 240,
+             **fault: str) -> subprocess.CompletedProcess:  # fmt: skip
+    """``torchrun <launch> <the faulty CLI> <args>`` in ``tmp_path``; ``fault``: the FAULT_* variables."""
+    script = tmp_path / "faulty_cli.py"
+    script.write_text(FAULTY_CLI)
+    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"), **{f"FAULT_{k}": v for k, v in fault.items()})
+    return subprocess.run([*TORCHRUN, *launch, str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=tmp_path)  # fmt: skip
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "the weights differ"
+
+
+def repmlp_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("repmlp:")]
+
+
+@pytest.fixture(scope="module")
+def reference(fmnist, tmp_path_factory) -> Path:
+    """The uninterrupted run: ``torchrun --standalone --nproc_per_node 2``."""
+    tmp = tmp_path_factory.mktemp("reference")
+    res = torchrun(tmp, ["--standalone", "--nproc_per_node", "2"],
+                   ["train", "--data-dir", str(fmnist), *RUN, "--output", str(tmp / "run")])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    return tmp / "run"
+
+
+def test_two_nodes_with_a_c10d_rendezvous_train_the_standalone_run(fmnist, reference, tmp_path):
+    """Two torchrun agents of one process each (two "nodes" on 127.0.0.1) meet at a c10d rendezvous."""
+    out, port = tmp_path / "run", str(29_500 + os.getpid() % 1000)
+    launch = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]  # fmt: skip
+    script = tmp_path / "faulty_cli.py"
+    script.write_text(FAULTY_CLI)
+    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"))
+    args = [*TORCHRUN, *launch, str(script), "train", "--data-dir", str(fmnist), *RUN, "--output", str(out)]
+    nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]  # fmt: skip
+    results = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    assert_same_weights(out, reference)
+    said = [err for _, err in results if "final weights identical on all 2 processes" in err]
+    assert len(said) == 1  # by global rank 0 only
+
+
+def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, reference, tmp_path):
+    """SIGKILL one process after step 5 (checkpoint at 4): torchrun restarts both, which resume at step 4."""
+    out = tmp_path / "run"
+    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2", "--max-restarts", "1"],
+                   ["train", "--data-dir", str(fmnist), *RUN, "--output", str(out)],
+                   RANK="1", SIGNAL="SIGKILL", STEP="5")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (
+        f"resuming {out} at epoch 2, batch 0 (step 4) (torchrun restarted the processes: restart 1)"
+        in res.stderr
+    )
+    assert_same_weights(out, reference)
+
+
+def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path):
+    """SIGTERM to every process and to torchrun, as a scheduler preempts a job: each process writes its share
+    of a checkpoint of the step reached and says so (and exits 143, which torchrun, stopping, does not
+    report); one process cannot resume it; the same command (``--resume auto``) continues it to the
+    uninterrupted run's weights."""
+    out = tmp_path / "run"
+    args = ["train", "--data-dir", str(fmnist), *RUN, "--output", str(out), "--resume", "auto"]
+    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args, SIGNAL="SIGTERM", STEP="5",
+                   AGENT="1")  # fmt: skip
+    assert res.returncode != 0
+    assert "holds no checkpoint: starting the run" in res.stderr
+    # Both processes' lines (they may interleave on the shared stderr).
+    assert (
+        res.stderr.count("repmlp: interrupted by SIGTERM at epoch 2, batch 2 (step 6): checkpoint saved") == 2
+    )
+    # One process: each process's share of a batch, and its BatchNorm statistics, would differ.
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    alone = subprocess.run([sys.executable, "-m", "repmlp", *args], capture_output=True, text=True,
+                           env=subprocess_env(), timeout=120)  # fmt: skip
+    assert alone.returncode == 2 and "trained by 2 process(es), this run has 1" in user_error_line(
+        alone.stderr
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resuming {out} at epoch 2, batch 2 (step 6)\n" in res.stderr
+    assert_same_weights(out, reference)
+
+
+def test_a_loss_that_diverges_on_one_process_stops_every_process(fmnist, tmp_path):
+    """Process 1's loss becomes NaN at step 4: both stop there with one line each, no one waits for the other."""
+    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"],
+                   ["train", "--data-dir", str(fmnist), *RUN, "--output", str(tmp_path / "run")],
+                   timeout=120, RANK="1", SIGNAL="NAN", STEP="3")  # fmt: skip
+    assert res.returncode != 0
+    lines = sorted(repmlp_lines(res.stderr))
+    assert len(lines) == 2, res.stderr[-3000:]
+    assert all(ln.startswith("repmlp: error: training diverged: the loss became") and "at step 4 " in ln
+               for ln in lines), lines  # fmt: skip
+    assert sum("NaN/inf on another process" in ln for ln in lines) == 1
+    assert all("the checkpoint of step 2 is kept" in ln for ln in lines)
+
+
+def test_a_killed_data_loading_worker_stops_every_process_with_one_line(tmp_path):
+    """SIGKILL process 1's DataLoader worker after step 2 (as the kernel's OOM killer does): process 1 says so,
+    process 0 that its peer stopped, each in one line naming the checkpoint kept."""
+    folder = make_image_folder(tmp_path / "folder", classes=3, per_class=8, size=36)
+    args = ["train", "--dataset", "imagefolder", "--data-dir", str(folder), "--model", "repmlp_cifar",
+            "--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[1,3]", "--batch-size", "8",
+            "--epochs", "6", "--ckpt-every", "2", "--workers", "1", "--device", "cpu", "--no-bench",
+            "--no-export", "--output", str(tmp_path / "run")]  # fmt: skip
+    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args, timeout=120,
+                   RANK="1", SIGNAL="SIGKILL", STEP="2", WORKERS="1")  # fmt: skip
+    assert res.returncode != 0
+    worker, peer = sorted(repmlp_lines(res.stderr), key=lambda ln: "another process" in ln)
+    assert worker.startswith("repmlp: error: a data loading worker process died during step 3 (")
+    assert peer.startswith("repmlp: error: process 0 of 2: another process stopped during step 3 (")
+    assert all("the checkpoint of step 2 is kept" in ln for ln in (worker, peer))
+    assert "Traceback" not in res.stderr.split("failed (exitcode")[0]  # torchrun's own report follows
