@@ -106,7 +106,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def repmlp_lines(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if ln.startswith("repmlp:")]
+    """The processes' ``repmlp:`` lines; two processes' lines may meet on the shared stderr (each writes
+    its text, then its newline)."""
+    return ["repmlp:" + part.split("\n")[0] for part in stderr.split("repmlp:")[1:]]
 
 
 @pytest.fixture(scope="module")

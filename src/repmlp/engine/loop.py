@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -306,15 +307,16 @@ class _Loop:
     def lost(self, exc: Exception) -> ProcessLost | None:
         """:class:`ProcessLost` for ``exc`` raised by a data loading worker's death (torch's DataLoader says
         so; its pipes break) or by a collective whose peer died (torch.distributed, gloo, NCCL), else ``None``."""
-        text = first_line(exc)[:200]
+        raw = first_line(exc)
+        text = re.sub(r"^\[[^\]]*\]\s*", "", raw)[:160]  # without gloo's source file and line
         step = f"step {self.pos.step + 1}"
-        if "DataLoader worker" in text or isinstance(exc, (ConnectionError, EOFError)):
+        if "DataLoader worker" in raw or isinstance(exc, (ConnectionError, EOFError)):
             if threading.current_thread() is threading.main_thread():  # torch's SIGCHLD handler would raise
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # again as each worker ends: the run is over
             what = (
                 f"a data loading worker process died during {step} ({text}; out of memory? fewer --workers)"
             )
-        elif self.procs.enabled and (isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text):
+        elif self.procs.enabled and (isinstance(exc, dist.DistError) or "gloo" in raw or "NCCL" in raw):
             what = f"process {self.procs.rank} of {self.procs.world}: another process stopped during {step} ({text})"
         else:
             return None
