@@ -112,9 +112,10 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
     assert "NaN or infinite value(s)" in line and "a run that diverged?" in line
 
 
-def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) -> None:
+def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int, auto: bool = False) -> None:
     """``repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after ``stop`` steps
-    (the hidden ``--stop-after-steps``) and continued with ``--resume``: both runs must end with bitwise
+    (the hidden ``--stop-after-steps``) and continued with ``--resume`` (``auto``: both the killed and the
+    continued run with ``--resume auto``, as a job a scheduler reruns): both runs must end with bitwise
     identical weights. Also checks the run files and that a finished run is not overwritten.
 
     The killed run is a real ``python -m repmlp`` process (the kill is ``os._exit``, no cleanup); the
@@ -136,10 +137,11 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int) ->
     full, cut = root / "full", root / "cut"
     reference = run_here(full)
     assert reference.returncode == 0, reference.stderr
-    killed = run(cut, "--stop-after-steps", str(stop))
+    resume = ["--resume", "auto"] if auto else ["--resume"]
+    killed = run(cut, "--stop-after-steps", str(stop), *(resume if auto else []))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
-    resumed = run_cli(*argv, "--output", str(cut), "--resume")
+    resumed = run_cli(*argv, "--output", str(cut), *resume)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")

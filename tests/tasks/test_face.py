@@ -188,10 +188,11 @@ def test_face_training_loss_falls(trained_face):
 
 
 def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
+    """Killed and continued with ``--resume auto`` (segmentation's test: plain ``--resume``)."""
     args = ["train", "--task", "face", "--data-dir", str(face_data / "train"), *TRAIN_ARGS]
     args[args.index("--iterations") + 1] = "7"
     args[args.index("--lr-steps") + 1] = "5"  # the resumed run crosses an LR step
-    assert_kill_and_resume_is_bitwise([*args, "--ckpt-every", "3"], tmp_path, stop=4)
+    assert_kill_and_resume_is_bitwise([*args, "--ckpt-every", "3"], tmp_path, stop=4, auto=True)
 
 
 @pytest.mark.parametrize(
