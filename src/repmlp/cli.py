@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tables": ("tables", "print the paper's model tables (params, FLOPs), or with --speed its speed tables"),
     "study": ("study", "reproduce the paper's studies (ablation: Table 1)"),
     "selfcheck": ("selfcheck", "build a RepMLP block, convert it, print the error and speed-up"),
+    "launch": ("launch", "run a command in several processes or on several machines (torchrun)"),
 }
 
 log = logging.getLogger("repmlp")

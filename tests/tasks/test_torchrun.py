@@ -5,12 +5,14 @@ process, a resume with another number of processes).
 Every run trains the same tiny Fashion-MNIST model for 2 epochs of 4 steps, with a checkpoint every 2 steps,
 on two processes (gloo on the CPU), and is compared with an uninterrupted ``torchrun --standalone`` run:
 a run continued from a checkpoint must end with the same weights, bitwise. Faults come from
-:data:`FAULTY_CLI`: repmlp's command line with a fault injected once, after a given step.
+:data:`FAULT_SITE`, loaded into every process: one fault injected once, after a given step.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from repmlp_testdata import make_fashion_mnist, make_image_folder, subprocess_env, user_error_line
+from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.slow  # each test starts torchrun and two processes that import torch (~10 s)
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TORCHRUN = ["-m", "torch.distributed.run"]
 STEPS = [
     "--train-limit",
     "64",
@@ -38,18 +40,21 @@ STEPS = [
 ]
 RUN = ["--model-arg", "widths=[4,8]", *STEPS, "--device", "cpu", "--no-bench", "--no-export"]
 
-# repmlp's CLI with one fault (if FAULT_SIGNAL is set), in the first run only (the marker file
-# FAULT_ONCE.<rank> remembers it): after step FAULT_STEP, on rank FAULT_RANK (default: every rank),
-# FAULT_SIGNAL goes to this process, to torchrun's agent as well (FAULT_AGENT), or to the DataLoader's
-# worker processes instead (FAULT_WORKERS); FAULT_SIGNAL NAN makes the next step's loss NaN.
-FAULTY_CLI = """
-import dataclasses, os, signal, sys
-from repmlp.cli import main
-from repmlp.engine import loop
+# A sitecustomize module that injects one fault into repmlp's training loop (if FAULT_SIGNAL is set), in the
+# first run only (the marker file FAULT_ONCE.<rank> remembers it): after step FAULT_STEP, on rank FAULT_RANK
+# (default: every rank), FAULT_SIGNAL goes to this process, to its parent (torchrun's agent) as well
+# (FAULT_AGENT), or to the DataLoader's worker processes instead (FAULT_WORKERS); FAULT_SIGNAL NAN makes
+# the next step's loss NaN. Every Python process of a test loads it: torchrun's agent and the repmlp
+# processes it starts, as ``repmlp launch`` and ``torchrun -m repmlp`` start them.
+FAULT_SITE = """
+import os
 
 rank = os.environ.get("RANK", "0")
-once = os.environ["FAULT_ONCE"] + "." + rank
+once = os.environ.get("FAULT_ONCE", "") + "." + rank
 if "FAULT_SIGNAL" in os.environ and os.environ.get("FAULT_RANK", rank) == rank and not os.path.exists(once):
+    import dataclasses, signal
+    from repmlp.engine import loop
+
     after_step, name = loop._Loop.after_step, os.environ["FAULT_SIGNAL"]
 
     def nan_loss(step):
@@ -76,7 +81,6 @@ if "FAULT_SIGNAL" in os.environ and os.environ.get("FAULT_RANK", rank) == rank a
             os.kill(os.getpid(), signum)
 
     loop._Loop.after_step = faulty_after_step
-sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -85,14 +89,32 @@ def fmnist(tmp_path_factory) -> Path:
     return make_fashion_mnist(tmp_path_factory.mktemp("data") / "fmnist", n_train=96, n_test=48)
 
 
+def fault_env(tmp_path: Path, **fault: str) -> dict[str, str]:
+    """The environment of a test's processes: this checkout's repmlp, :data:`FAULT_SITE` loaded, ``fault``
+    the FAULT_* variables."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FAULT_SITE)
+    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"), **{f"FAULT_{k}": v for k, v in fault.items()})
+    return {**env, "PYTHONPATH": os.pathsep.join([str(site), env["PYTHONPATH"]])}
+
+
+def python(tmp_path: Path, argv: list[str], timeout: int = 240, **fault: str) -> subprocess.CompletedProcess:
+    """``python <argv>`` in ``tmp_path`` with :func:`fault_env`."""
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=fault_env(tmp_path, **fault),
+                          timeout=timeout, cwd=tmp_path)  # fmt: skip
+
+
 def torchrun(tmp_path: Path, launch: list[str], args: list[str], timeout: int = 240,
              **fault: str) -> subprocess.CompletedProcess:  # fmt: skip
-    """``torchrun <launch> <the faulty CLI> <args>`` in ``tmp_path``; ``fault``: the FAULT_* variables."""
-    script = tmp_path / "faulty_cli.py"
-    script.write_text(FAULTY_CLI)
-    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"), **{f"FAULT_{k}": v for k, v in fault.items()})
-    return subprocess.run([*TORCHRUN, *launch, str(script), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=tmp_path)  # fmt: skip
+    """``torchrun <launch> -m repmlp <args>`` (see :func:`python`)."""
+    return python(tmp_path, [*TORCHRUN, *launch, "-m", "repmlp", *args], timeout, **fault)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -123,13 +145,12 @@ def reference(fmnist, tmp_path_factory) -> Path:
 
 def test_two_nodes_with_a_c10d_rendezvous_train_the_standalone_run(fmnist, reference, tmp_path):
     """Two torchrun agents of one process each (two "nodes" on 127.0.0.1) meet at a c10d rendezvous."""
-    out, port = tmp_path / "run", str(29_500 + os.getpid() % 1000)
+    out, port = tmp_path / "run", str(free_port())
     launch = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]  # fmt: skip
-    script = tmp_path / "faulty_cli.py"
-    script.write_text(FAULTY_CLI)
-    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"))
-    args = [*TORCHRUN, *launch, str(script), "train", "--data-dir", str(fmnist), *RUN, "--output", str(out)]
+    env = fault_env(tmp_path)
+    args = [sys.executable, *TORCHRUN, *launch, "-m", "repmlp", "train", "--data-dir", str(fmnist), *RUN,
+            "--output", str(out)]  # fmt: skip
     nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]  # fmt: skip
     results = [node.communicate(timeout=240) for node in nodes]
@@ -153,33 +174,47 @@ def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, referenc
     assert_same_weights(out, reference)
 
 
-def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path):
-    """SIGTERM to every process and to torchrun, as a scheduler preempts a job: each process writes its share
-    of a checkpoint of the step reached and says so (and exits 143, which torchrun, stopping, does not
-    report); one process cannot resume it; the same command (``--resume auto``) continues it to the
-    uninterrupted run's weights."""
+@pytest.mark.parametrize("launcher", ["torchrun", "repmlp launch"])
+def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path, launcher):
+    """SIGTERM to every process and to torchrun's agent, as a scheduler preempts a job: each process stops at
+    the same step and says where the checkpoint is; ``repmlp launch`` exits 143 (torchrun: 1); one process
+    cannot resume the run; the same command (``--resume auto``) continues it to the uninterrupted run's
+    weights."""
     out = tmp_path / "run"
     args = ["train", "--data-dir", str(fmnist), *RUN, "--output", str(out), "--resume", "auto"]
-    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args, SIGNAL="SIGTERM", STEP="5",
-                   AGENT="1")  # fmt: skip
-    assert res.returncode != 0
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "repmlp", *args]
+    if launcher == "repmlp launch":
+        command = ["-m", "repmlp", "launch", "--standalone", "--nproc-per-node", "2", *args]
+    res = python(tmp_path, command, SIGNAL="SIGTERM", STEP="5", AGENT="1", RANK="0")
+    assert res.returncode == (143 if launcher == "repmlp launch" else 1), res.stderr[-3000:]
     assert "holds no checkpoint: starting the run" in res.stderr
-    # Both processes' lines (they may interleave on the shared stderr).
-    assert (
-        res.stderr.count("repmlp: interrupted by SIGTERM at epoch 2, batch 2 (step 6): checkpoint saved") == 2
-    )
+    said = "repmlp: interrupted by SIGTERM at epoch 2, batch 2 (step 6): checkpoint saved"
+    assert res.stderr.count(said) == 2  # both processes (their lines may meet on the shared stderr)
     # One process: each process's share of a batch, and its BatchNorm statistics, would differ.
     files = {p.name: p.read_bytes() for p in out.iterdir()}
-    alone = subprocess.run([sys.executable, "-m", "repmlp", *args], capture_output=True, text=True,
-                           env=subprocess_env(), timeout=120)  # fmt: skip
-    assert alone.returncode == 2 and "trained by 2 process(es), this run has 1" in user_error_line(
-        alone.stderr
-    )
+    alone = python(tmp_path, ["-m", "repmlp", *args], timeout=120)
+    assert alone.returncode == 2, alone.stderr
+    assert "trained by 2 process(es), this run has 1" in user_error_line(alone.stderr)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
-    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args)
+    res = python(tmp_path, command)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resuming {out} at epoch 2, batch 2 (step 6)\n" in res.stderr
     assert_same_weights(out, reference)
+
+
+def test_launch_says_in_one_line_that_a_node_never_joined(fmnist, tmp_path):
+    """Two nodes expected, one started: the rendezvous times out after join_timeout, in one line."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    res = python(tmp_path, ["-m", "repmlp", "launch", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend",
+                            "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "alone", "--rdzv-conf",
+                            "join_timeout=2", "train", "--data-dir", str(fmnist), *RUN, "--output",
+                            str(tmp_path / "run")], timeout=120)  # fmt: skip
+    assert res.returncode == 2
+    line = user_error_line(res.stderr)
+    assert line.startswith(
+        f"repmlp: error: the rendezvous at {endpoint} timed out after 2 s before all 2 nodes"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_loss_that_diverges_on_one_process_stops_every_process(fmnist, tmp_path):
@@ -198,17 +233,28 @@ def test_a_loss_that_diverges_on_one_process_stops_every_process(fmnist, tmp_pat
 
 def test_a_killed_data_loading_worker_stops_every_process_with_one_line(tmp_path):
     """SIGKILL process 1's DataLoader worker after step 2 (as the kernel's OOM killer does): process 1 says so,
-    process 0 that its peer stopped, each in one line naming the checkpoint kept."""
+    process 0 that its peer stopped, each in one line naming the checkpoint kept; ``repmlp launch`` lists both.
+    """
     folder = make_image_folder(tmp_path / "folder", classes=3, per_class=8, size=36)
     args = ["train", "--dataset", "imagefolder", "--data-dir", str(folder), "--model", "repmlp_cifar",
             "--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[1,3]", "--batch-size", "8",
             "--epochs", "6", "--ckpt-every", "2", "--workers", "1", "--device", "cpu", "--no-bench",
             "--no-export", "--output", str(tmp_path / "run")]  # fmt: skip
-    res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"], args, timeout=120,
-                   RANK="1", SIGNAL="SIGKILL", STEP="2", WORKERS="1")  # fmt: skip
-    assert res.returncode != 0
-    worker, peer = sorted(repmlp_lines(res.stderr), key=lambda ln: "another process" in ln)
+    res = python(tmp_path, ["-m", "repmlp", "launch", "--standalone", "--nproc-per-node", "2", *args],
+                 timeout=120, RANK="1", SIGNAL="SIGKILL", STEP="2", WORKERS="1")  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]  # the first failure's status
+    *processes, launch = repmlp_lines(res.stderr)
+    worker, peer = sorted(processes, key=lambda ln: "another process" in ln)
     assert worker.startswith("repmlp: error: a data loading worker process died during step 3 (")
     assert peer.startswith("repmlp: error: process 0 of 2: another process stopped during step 3 (")
     assert all("the checkpoint of step 2 is kept" in ln for ln in (worker, peer))
-    assert "Traceback" not in res.stderr.split("failed (exitcode")[0]  # torchrun's own report follows
+    # Process 0's status: 2, or 143 when torchrun's SIGTERM, stopping the others, comes first.
+    assert re.fullmatch(r"repmlp: launch failed: process 0 exit (2|143), process 1 exit 2", launch), launch
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("argv", [[], ["--nproc-per-node"], ["--bogus", "3", "train"]])
+def test_launch_refuses_bad_torchrun_options_in_one_line(argv):
+    res = run_cli("launch", *argv)
+    assert res.returncode == 2
+    assert user_error_line(res.stderr).startswith("repmlp: error: launch: ")
