@@ -168,6 +168,29 @@ def test_int8_fc3_runs_as_an_int8_matmul(tmp_path):
     assert len(fused) == len(blocks)
 
 
+def test_float_graph_has_fc3_as_constant_2d_products(tmp_path):
+    """The float graph the runtimes run holds FC3 as one product per group on a constant 2-D weight (which
+    onnxruntime pre-packs once at load), after onnxruntime's optimizations: no batched MatMul is left."""
+    import onnx
+    import onnxruntime as ort
+
+    from repmlp.nn.block import RepMLPBlock
+
+    model = deployed()
+    groups = sum(m.groups for m in model.modules() if isinstance(m, RepMLPBlock))
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    wrapped = to_runtime(model, "onnxruntime", SIZE)  # checked against PyTorch
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(wrapped.onnx.numpy().tobytes(), opts, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(tmp_path / "optimized.onnx")).graph
+    ranks = {t.name: len(t.dims) for t in graph.initializer}
+    assert not [n for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3]
+    products = [n for n in graph.node if n.op_type in ("Gemm", "FusedGemm") and ranks.get(n.input[1]) == 2]
+    assert len(products) == groups + linears
+
+
 def test_reduced_float_precision_is_refused():
     model = repmlp.to_precision(deployed(), "bf16")
     with pytest.raises(UserError, match="PyTorch only"):

@@ -75,6 +75,12 @@ def test_fc3_kernels_match_the_batched_matmul(g: int, b: int, k: int, n: int, bi
         out = fc3_kernels.KERNELS[kernel](rows, weight, b_)
         assert out.is_contiguous()
         torch.testing.assert_close(out, expected)
+    layer.double().eval()
+    with torch.no_grad():
+        want = layer(rows.double())
+        layer.__class__ = fc3_kernels.PerGroupLinear  # the ONNX form (repmlp.speed.onnx_form), in float64
+        got = layer(rows.double())
+    assert (got - want).abs().max() <= 1e-10 * want.abs().max()
 
 
 def test_fc3_kernels_are_timed_at_the_pass_once_per_shape_and_row_class(

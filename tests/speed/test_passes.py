@@ -14,7 +14,7 @@ from torch.nn.utils import prune
 import repmlp
 from equivalence import randomize
 from repmlp.models.registry import default_input_size
-from repmlp.speed import fast_inference, fast_training, plain
+from repmlp.speed import fast_inference, fast_training, onnx_form, plain
 from zoo import SMALL_BUILDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +104,32 @@ def test_fast_inference_is_the_plain_models_function(name: str, deploy: bool) ->
                 _close(a, b, "output")
     plain(model)
     assert not _fast_classes(model) and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_onnx_form_is_the_plain_models_function(name: str) -> None:
+    """Under :func:`onnx_form` every deployed RepMLP block's FC3 is a per-group product and the model computes
+    the plain model's function in float64 (to 1e-10), eager, traced by torch.fx and by torch.export; keys
+    stay; :func:`plain` undoes it."""
+    model = _model(name, deploy=True).eval()
+    x = torch.randn(3, *default_input_size(model), dtype=torch.float64)
+    blocks = [m for m in model.modules() if isinstance(m, repmlp.RepMLPBlock)]
+    keys = model.state_dict().keys()
+    with torch.no_grad():
+        ref = model(x)
+        onnx_form(model)
+        assert model.state_dict().keys() == keys
+        assert all(type(b.partition_perceptron.fc3).__name__ == "PerGroupLinear" for b in blocks)
+        runs = {"eager": model, "fx": torch.fx.symbolic_trace(model)}
+        if blocks:
+            runs["export"] = torch.export.export(model, (x,)).module()
+        for how, run in runs.items():
+            out = run(x)
+            for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,),
+                            strict=True):  # fmt: skip
+                _close(a, b, how)
+    plain(model)
+    assert not _fast_classes(model)
 
 
 def test_what_each_pass_changes_on_a_cpu() -> None:

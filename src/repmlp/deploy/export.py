@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_bytes, staged
 from repmlp.numerics import full_float32
+from repmlp.speed import onnx_form
 
 __all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "missing_onnx_packages",
            "write_int8_onnx", "DEFAULT_RTOL"]  # fmt: skip
@@ -101,13 +102,16 @@ def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, check: bool = True,
-                opset_version: int | None = None, rtol: float = DEFAULT_RTOL) -> float:  # fmt: skip
+                opset_version: int | None = None, rtol: float = DEFAULT_RTOL,
+                per_group: bool = True) -> float:  # fmt: skip
     """Export ``model`` (taking one ``(N, *input_size)`` tensor) to ONNX at ``path`` with the
     ``torch.export``-based exporter, dynamic batch, checked in onnxruntime (``check``); see :func:`_export`.
-    Export the deployed model (:func:`repmlp.reparameterize_model`): it is the one meant for inference."""
+    Export the deployed model (:func:`repmlp.reparameterize_model`): it is the one meant for inference.
+    ``per_group``: FC3 in :func:`repmlp.speed.onnx_form` (one 2-D product per group), else one batched one."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object] | None:
         batch = torch.export.Dim("batch", min=1)
+        net = onnx_form(net) if per_group else net
         program = torch.onnx.export(net, (example,), dynamo=True, input_names=["input"], dynamic_shapes=({0: batch},),
                                     output_names=["output"], opset_version=opset_version, verbose=False)  # fmt: skip
         program.save(str(tmp))

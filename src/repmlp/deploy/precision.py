@@ -84,10 +84,10 @@ def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iter
 
     with tempfile.TemporaryDirectory(prefix="repmlp-int8-") as tmp:
         fp32, pre, q8 = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
-        export_onnx(model, fp32, input_size, check=False)
+        export_onnx(model, fp32, input_size, check=False, per_group=False)
         q.quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-        # One scale for each constant 3-D MatMul weight (FC3's (g, P/g, Q/g)): per-channel scales would keep
-        # onnxruntime from its int8 kernel (QLinearMatMul), dequantizing the weight on every run instead.
+        # One scale for each constant 3-D MatMul weight (FC3's (g, P/g, Q/g), batched): per-channel scales would
+        # keep onnxruntime from its int8 kernel (QLinearMatMul), dequantizing the weight on every run instead.
         graph = onnx.load(str(pre), load_external_data=False).graph
         ranks = {t.name: len(t.dims) for t in graph.initializer}
         batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}

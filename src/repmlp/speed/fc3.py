@@ -7,7 +7,8 @@ times rows (with a few rows FC3 is bound by reading its kernel, which BLAS strea
 operand). Which wins depends on the CPU, the threads, the kernel's shape and the rows, so the inference
 pass times the kernels once per weight shape and row class (the rows a group, rounded up to a power of two,
 at most 512) and :class:`TunedGroupwiseLinear` looks the choice up: no timing inside a forward, but two
-machines may round FC3 differently in the last bits. Timings are kept for the process.
+machines may round FC3 differently in the last bits. Timings are kept for the process. For an ONNX graph,
+:class:`PerGroupLinear` writes FC3 as one 2-D product per group (:func:`repmlp.speed.onnx_form`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch import Tensor
 
 from repmlp.nn.layers import GroupwiseLinear
 
-__all__ = ["KERNELS", "ROW_CLASSES", "TunedGroupwiseLinear", "rows_class", "fastest_kernel", "fc3_bmm"]
+__all__ = [
+    "KERNELS", "ROW_CLASSES", "TunedGroupwiseLinear", "PerGroupLinear", "rows_class", "fastest_kernel", "fc3_bmm",
+]  # fmt: skip
 
 ROW_CLASSES = tuple(1 << i for i in range(10))
 # Bytes of kernel copies a timing cycles through: more than a last-level cache holds, as in a model, where
@@ -140,3 +143,18 @@ def tuned_fc3(
     if kernel != "bmm" and torch.compiler.is_compiling() and not torch.is_grad_enabled():  # no backward
         return torch.ops.repmlp.fc3_in_kernel(rows, weight, bias, kernel)
     return KERNELS[kernel](rows, weight, bias)
+
+
+class PerGroupLinear(GroupwiseLinear):
+    """:class:`~repmlp.nn.layers.GroupwiseLinear` as one 2-D product per group, stacked, in evaluation: the form
+    written to ONNX, whose runtimes pre-pack a constant 2-D weight once when they load the graph (a batched
+    3-D weight, on every run; with a few rows a group, as at batch 1, packing outweighs the product). The same
+    sums, each group's in its own product. Shapes as the plain layer's."""
+
+    def forward(self, rows: Tensor) -> Tensor:
+        if self.training:
+            return super().forward(rows)
+        g = self.groups
+        kernels = self.weight.reshape(g, self.out_features // g, -1)
+        biases = [None] * g if self.bias is None else self.bias.reshape(g, -1)
+        return torch.stack([F.linear(rows[j], kernels[j], biases[j]) for j in range(g)])

@@ -1,4 +1,4 @@
-"""The two speed passes and their undoing: :func:`fast_training`, :func:`fast_inference`, :func:`plain`.
+"""The speed passes and their undoing: :func:`fast_training`, :func:`fast_inference`, :func:`onnx_form`, :func:`plain`.
 
 A pass walks a model once and changes the class of the modules it has a faster version of (the subclasses
 of :mod:`repmlp.speed.modules` and :mod:`repmlp.speed.fc3`, which override ``forward`` only): parameters,
@@ -22,7 +22,7 @@ from repmlp.models.resnet import ResNet
 from repmlp.nn.block import LocalPerceptron, RepMLPBlock
 from repmlp.nn.layers import GroupwiseLinear
 from repmlp.speed.dense import fits_dense
-from repmlp.speed.fc3 import ROW_CLASSES, TunedGroupwiseLinear, fastest_kernel, rows_class
+from repmlp.speed.fc3 import ROW_CLASSES, PerGroupLinear, TunedGroupwiseLinear, fastest_kernel, rows_class
 from repmlp.speed.modules import (
     DenseLocalPerceptron,
     DensePartitionConvBlock,
@@ -33,7 +33,7 @@ from repmlp.speed.modules import (
     PatchwiseConv2d,
 )
 
-__all__ = ["fast_training", "fast_inference", "plain"]
+__all__ = ["fast_training", "fast_inference", "onnx_form", "plain"]
 
 
 def _is_fast(cls: type) -> bool:
@@ -173,9 +173,20 @@ def _tune_fc3(model: nn.Module, batch_sizes: Sequence[int] | None) -> None:
         }
 
 
+def onnx_form(model: nn.Module) -> nn.Module:
+    """The form a model's ONNX graph runs fastest in, in place; returns ``model``: every RepMLP block's FC3 as
+    one 2-D product per group (:class:`~repmlp.speed.fc3.PerGroupLinear`). The same function; applied by
+    :func:`repmlp.deploy.export.export_onnx` to the copy it exports."""
+    for m in model.modules():
+        if isinstance(m, RepMLPBlock):
+            _swap(m.partition_perceptron.fc3, GroupwiseLinear, PerGroupLinear)
+    return model
+
+
 def plain(model: nn.Module) -> nn.Module:
-    """Undo :func:`fast_training` and :func:`fast_inference` in place: every module of a fast class gets its
-    plain class back, the channels_last pre-hooks go (the weights keep their memory format); returns it."""
+    """Undo :func:`fast_training`, :func:`fast_inference` and :func:`onnx_form` in place: every module of a fast
+    class gets its plain class back, the channels_last pre-hooks go (the weights keep their memory format);
+    returns it."""
     for m in model.modules():
         if _is_fast(type(m)):
             m.__class__ = next(c for c in type(m).__mro__ if not _is_fast(c))
