@@ -174,19 +174,16 @@ def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, referenc
     assert_same_weights(out, reference)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "repmlp launch"])
-def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path, launcher):
-    """SIGTERM to every process and to torchrun's agent, as a scheduler preempts a job: each process stops at
-    the same step and says where the checkpoint is; ``repmlp launch`` exits 143 (torchrun: 1); one process
-    cannot resume the run; the same command (``--resume auto``) continues it to the uninterrupted run's
-    weights."""
+def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path):
+    """SIGTERM to every process and to torchrun's agent (``repmlp launch``'s own process), as a scheduler
+    preempts a job: each process stops at the same step and says where the checkpoint is; the launch exits 143
+    (plain torchrun: 1); one process cannot resume the run; the same command (``--resume auto``) continues it
+    to the uninterrupted run's weights."""
     out = tmp_path / "run"
     args = ["train", "--data-dir", str(fmnist), *RUN, "--output", str(out), "--resume", "auto"]
-    command = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "repmlp", *args]
-    if launcher == "repmlp launch":
-        command = ["-m", "repmlp", "launch", "--standalone", "--nproc-per-node", "2", *args]
+    command = ["-m", "repmlp", "launch", "--standalone", "--nproc-per-node", "2", *args]
     res = python(tmp_path, command, SIGNAL="SIGTERM", STEP="5", AGENT="1", RANK="0")
-    assert res.returncode == (143 if launcher == "repmlp launch" else 1), res.stderr[-3000:]
+    assert res.returncode == 143, res.stderr[-3000:]
     assert "holds no checkpoint: starting the run" in res.stderr
     said = "repmlp: interrupted by SIGTERM at epoch 2, batch 2 (step 6): checkpoint saved"
     assert res.stderr.count(said) == 2  # both processes (their lines may meet on the shared stderr)
