@@ -89,9 +89,10 @@ DATA_CMD=(bash -c "set -e; [ -d '$FOLDER/train' ] || $PY scripts/make_image_fold
 TR=($PY -m torch.distributed.run --standalone --nproc_per_node 1 -m repmlp train --device "$DEVICE"
     --data-dir "$DATA" --train-limit 2048 --val-limit 512 --epochs 2 --ckpt-every 5 --no-bench --no-export
     --output "$OUT_DIR/torchrun-run")
-# torchrun reports the worker's exit status 3 (stopped as asked) in its failure summary and exits 1.
-TORCHRUN_CMD=(bash -c 'set -x; "$@" --stop-after-steps 7 2>&1 | tee /dev/stderr | grep -q "exitcode *: 3" || exit 1; "$@" --resume' \
-    _ "${TR[@]}")
+# The first run dies without cleanup after step 7 (tests/faults/sitecustomize.py: exit status 3, which
+# torchrun reports in its failure summary before it exits 1); the second resumes it.
+CRASH='PYTHONPATH="tests/faults:$PYTHONPATH" FAULT_STEP=7 "$@" 2>&1 | tee /dev/stderr | grep -q "exitcode *: 3"'
+TORCHRUN_CMD=(bash -c "set -x; $CRASH || exit 1; \"\$@\" --resume" _ "${TR[@]}")
 declare -A CAP=([main]=90 [data]=150 [torchrun]=90 [tier]=180 [tables]=240 [bench]=120)
 
 declare -a NAMES STATUS TOOK

@@ -83,6 +83,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": src, "OMP_NUM_THREADS": "1", **extra}
 
 
+FAULTS = Path(__file__).resolve().parent / "faults"  # its sitecustomize injects one fault into training
+
+
+def fault_env(**fault: str) -> dict[str, str]:
+    """:func:`subprocess_env` with ``tests/faults`` first on ``PYTHONPATH`` and ``fault`` as its ``FAULT_*``
+    variables (``step=5``: ``FAULT_STEP=5``; see ``tests/faults/sitecustomize.py``)."""
+    env = subprocess_env(**{f"FAULT_{k.upper()}": str(v) for k, v in fault.items()})
+    return {**env, "PYTHONPATH": f"{FAULTS}:{env['PYTHONPATH']}"}
+
+
 def user_error_line(err: str) -> str:
     """The one stderr line of a UserError (after any cleared progress bar), checked for shape."""
     assert "Traceback" not in err
@@ -114,7 +124,7 @@ def assert_diverged_weights_are_clear_errors(model, save_eval, user_error) -> No
 
 def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int, auto: bool = False) -> None:
     """``repmlp *argv`` trained into ``root/full``; again into ``root/cut``, killed after ``stop`` steps
-    (the hidden ``--stop-after-steps``) and continued with ``--resume`` (``auto``: both the killed and the
+    (:func:`fault_env`: a crash without cleanup) and continued with ``--resume`` (``auto``: both the killed and the
     continued run with ``--resume auto``, as a job a scheduler reruns): both runs must end with bitwise
     identical weights. Also checks the run files and that a finished run is not overwritten.
 
@@ -127,9 +137,9 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int, au
     import torch
     from safetensors.torch import load_file
 
-    def run(out: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    def run(out: Path, *extra: str, **fault: str) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "repmlp", *argv, "--output", str(out), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(**env), timeout=600)
+        return subprocess.run(cmd, capture_output=True, text=True, env=fault_env(**fault), timeout=600)
 
     def run_here(out: Path) -> CliResult:
         return run_cli(*argv, "--output", str(out))
@@ -138,7 +148,7 @@ def assert_kill_and_resume_is_bitwise(argv: list[str], root: Path, stop: int, au
     reference = run_here(full)
     assert reference.returncode == 0, reference.stderr
     resume = ["--resume", "auto"] if auto else ["--resume"]
-    killed = run(cut, "--stop-after-steps", str(stop), *(resume if auto else []))
+    killed = run(cut, *(resume if auto else []), step=str(stop))
     assert killed.returncode == 3, killed.stderr
     assert (cut / "checkpoint.safetensors").is_file() and not (cut / "model.safetensors").exists()
     resumed = run_cli(*argv, "--output", str(cut), *resume)

@@ -37,7 +37,7 @@ from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
 from repmlp.io.model_file import load_model
 from repmlp.models.registry import default_input_size
 from repmlp.numerics import full_float32
-from repmlp_testdata import make_fashion_mnist, model_arg_options, run_cli, subprocess_env
+from repmlp_testdata import fault_env, make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 from zoo import shallow
 
 DEVICE = os.environ.get("REPMLP_CUDA_TIER_DEVICE", "cuda")
@@ -275,12 +275,13 @@ def test_kill_and_resume_is_bitwise_on_the_device(tmp_path):
             "--no-bench", "--no-export", "--device", DEVICE, "--compile", "off", "--workers", "0"]  # fmt: skip
     env = subprocess_env(CUBLAS_WORKSPACE_CONFIG=":4096:8")
 
-    def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    def run(out: Path, *extra: str, env: dict[str, str] = env) -> subprocess.CompletedProcess:
         return _process([sys.executable, str(tmp_path / "cli.py"), *argv, "--output", str(out), *extra], env)
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert (res := run(full)).returncode == 0, res.stderr[-3000:]
-    assert (res := run(cut, "--stop-after-steps", "5")).returncode == 3, res.stderr[-3000:]
+    crash = {**fault_env(step="5"), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # dies without cleanup after step 5
+    assert (res := run(cut, env=crash)).returncode == 3, res.stderr[-3000:]
     assert (res := run(cut, "--resume")).returncode == 0, res.stderr[-3000:]
     assert "at epoch 2, batch 0 (step 4)" in res.stderr, res.stderr[-2000:]  # the epoch-end checkpoint
     a, b = load_file(full / "model.safetensors"), load_file(cut / "model.safetensors")

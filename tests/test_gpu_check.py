@@ -52,7 +52,7 @@ def test_dry_run_lists_every_step_within_the_budget_and_runs_nothing(tmp_path):
     assert list(steps) == ["data", "torchrun"]
     assert "scripts/make_image_folder.py" in steps["data"] and "--gpu-decode" in steps["data"]
     assert "torch.distributed.run --standalone --nproc_per_node 1 -m repmlp train" in steps["torchrun"]
-    assert "--stop-after-steps 7" in steps["torchrun"] and "--resume" in steps["torchrun"]
+    assert "FAULT_STEP=7" in steps["torchrun"] and "--resume" in steps["torchrun"]
 
 
 def test_bad_arguments_are_refused():

@@ -1,8 +1,8 @@
 """``repmlp.engine.train_loop`` in-process with a toy task: the hooks every task plugs in, checkpoints and
 resuming bitwise from a mid-epoch checkpoint, and the resume rules (runtime keys may change, others not).
 
-The subprocess kill-and-resume tests of the three tasks (``--stop-after-steps``) are in test_train.py,
-test_face.py and test_seg.py; these check the same machinery without a process per run.
+The subprocess kill-and-resume tests of the three tasks (a process that crashes after a step: ``tests/faults``)
+are in test_train.py, test_face.py and test_seg.py; these check the same machinery without a process per run.
 """
 
 from __future__ import annotations

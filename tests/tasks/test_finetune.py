@@ -2,15 +2,14 @@
 ``pretrained=True, pretrained_cfg_overlay=dict(file=...)`` / ``checkpoint_path=``.
 
 Runs are tiny (a 4/8-channel ``repmlp_fmnist`` on image folders of 28x28 crops, a few steps) and go
-through ``repmlp.cli.main`` in-process; the simulated crash of ``--stop-after-steps`` (``os._exit``) is
-turned into an exception here so that the kill-and-resume check needs no subprocess.
+through ``repmlp.cli.main`` in-process; the kill-and-resume check's crash is an exception raised after a
+step (the training loop patched), so that it needs no subprocess.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 
 import repmlp
 from repmlp import cli
+from repmlp.engine import loop
 from repmlp.io.model_file import CheckpointError, save_model
 from repmlp.io.state import save_state
 from repmlp.models.registry import build_model
@@ -56,7 +56,7 @@ def pretrained(tmp_path_factory, one_thread) -> dict[str, Path]:
 
 
 class Killed(BaseException):
-    """What ``os._exit`` raises in these tests (a simulated crash)."""
+    """A simulated crash (after a step, see the kill-and-resume test)."""
 
 
 def test_init_finetunes_reports_and_resumes_bitwise(pretrained, capsys, monkeypatch, tmp_path):
@@ -74,12 +74,17 @@ def test_init_finetunes_reports_and_resumes_bitwise(pretrained, capsys, monkeypa
     model = repmlp.load_model(tmp_path / "full" / "model.safetensors")
     assert model.metadata.model_kwargs["widths"] == [4, 8] and model.metadata.num_classes == 2
 
-    def crash(code: int) -> None:
-        raise Killed(code)
+    after_step = loop._Loop.after_step
 
-    monkeypatch.setattr(os, "_exit", crash)
+    def crash_after_step_3(self: loop._Loop, lr: float) -> None:
+        after_step(self, lr)
+        if self.pos.step == 3:
+            raise Killed
+
+    monkeypatch.setattr(loop._Loop, "after_step", crash_after_step_3)
     with pytest.raises(Killed):
-        train(capsys, *args, "--output", tmp_path / "cut", "--stop-after-steps", "3")
+        train(capsys, *args, "--output", tmp_path / "cut")
+    monkeypatch.undo()
     assert not (tmp_path / "cut" / "model.safetensors").exists()
     status, err = train(capsys, *args, "--output", tmp_path / "cut", "--resume")
     assert status == 0 and "resuming" in err

@@ -1,7 +1,7 @@
 """``repmlp study ablation`` through the real entry point, on tiny synthetic Fashion-MNIST and tiny models.
 
-One study folder is shared (module fixture): it starts with a killed run (``repmlp train
---stop-after-steps``) that the first study call must resume; a second call must reuse
+One study folder is shared (module fixture): it starts with a killed run (``repmlp train`` that crashes
+after its second step) that the first study call must resume; a second call must reuse
 every finished run and train nothing. The killed run and the first study call are real ``python -m
 repmlp`` processes; the other calls run :func:`repmlp.cli.main` in this process.
 """
@@ -18,21 +18,18 @@ from pathlib import Path
 import pytest
 
 from repmlp.tasks.study import ROWS, trained_rows
-from repmlp_testdata import make_fashion_mnist, run_cli, subprocess_env, user_error_line
+from repmlp_testdata import fault_env, make_fashion_mnist, run_cli, subprocess_env, user_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TINY = ["--epochs", "2", "--train-limit", "16", "--val-limit", "16"]
 
 
-def repmlp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "repmlp", *args],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=600,
-    )
+def repmlp(*args: str, **fault: str) -> subprocess.CompletedProcess:
+    """``python -m repmlp ARGS``; ``fault``: one injected (``repmlp_testdata.fault_env``)."""
+    env = fault_env(**fault) if fault else subprocess_env()
+    return subprocess.run([sys.executable, "-m", "repmlp", *args], capture_output=True, text=True, env=env,
+                          timeout=600)  # fmt: skip
 
 
 def study(out: Path, data: Path, *extra: str, process: bool = False):
@@ -68,7 +65,7 @@ def studied(tmp_path_factory):
     killed = repmlp(
         "train", "--data-dir", str(data), "--preset", "cifar", "--model", "repmlp_cifar",
         "--model-arg", "width_multiplier=0.125", "--img-size", "32", "--seed", "0",
-        "--output", str(out / "pure_mlp" / "seed0"), "--stop-after-steps", "2", *TINY,
+        "--output", str(out / "pure_mlp" / "seed0"), *TINY, step="2",
     )  # fmt: skip
     assert killed.returncode == 3, killed.stderr
     assert not (out / "pure_mlp" / "seed0" / "result.json").exists()

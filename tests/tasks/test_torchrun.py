@@ -5,12 +5,11 @@ process, a resume with another number of processes).
 Every run trains the same tiny Fashion-MNIST model for 2 epochs of 4 steps, with a checkpoint every 2 steps,
 on two processes (gloo on the CPU), and is compared with an uninterrupted ``torchrun --standalone`` run:
 a run continued from a checkpoint must end with the same weights, bitwise. Faults come from
-:data:`FAULT_SITE`, loaded into every process: one fault injected once, after a given step.
+``tests/faults/sitecustomize.py``, loaded into every process: one fault injected once, after a given step.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env, user_error_line
+from repmlp_testdata import fault_env, make_fashion_mnist, make_image_folder, run_cli, user_error_line
 
 pytestmark = pytest.mark.slow  # each test starts torchrun and two processes that import torch (~10 s)
 
@@ -40,69 +39,17 @@ STEPS = [
 ]
 RUN = ["--model-arg", "widths=[4,8]", *STEPS, "--device", "cpu", "--no-bench", "--no-export"]
 
-# A sitecustomize module that injects one fault into repmlp's training loop (if FAULT_SIGNAL is set), in the
-# first run only (the marker file FAULT_ONCE.<rank> remembers it): after step FAULT_STEP, on rank FAULT_RANK
-# (default: every rank), FAULT_SIGNAL goes to this process, to its parent (torchrun's agent) as well
-# (FAULT_AGENT), or to the DataLoader's worker processes instead (FAULT_WORKERS); FAULT_SIGNAL NAN makes
-# the next step's loss NaN. Every Python process of a test loads it: torchrun's agent and the repmlp
-# processes it starts, as ``repmlp launch`` and ``torchrun -m repmlp`` start them.
-FAULT_SITE = """
-import os
-
-rank = os.environ.get("RANK", "0")
-once = os.environ.get("FAULT_ONCE", "") + "." + rank
-if "FAULT_SIGNAL" in os.environ and os.environ.get("FAULT_RANK", rank) == rank and not os.path.exists(once):
-    import dataclasses, signal
-    from repmlp.engine import loop
-
-    after_step, name = loop._Loop.after_step, os.environ["FAULT_SIGNAL"]
-
-    def nan_loss(step):
-        def stepped(*args):
-            loss, stats = step(*args)
-            return loss * float("nan"), stats
-        return stepped
-
-    def faulty_after_step(self, lr):
-        after_step(self, lr)
-        if self.pos.step != int(os.environ["FAULT_STEP"]):
-            return
-        open(once, "w").close()
-        if name == "NAN":
-            self.hooks = dataclasses.replace(self.hooks, step=nan_loss(self.hooks.step))
-            return
-        signum = signal.Signals[name]
-        if os.environ.get("FAULT_AGENT"):
-            os.kill(os.getppid(), signum)
-        if os.environ.get("FAULT_WORKERS"):
-            for pid in open(f"/proc/self/task/{os.getpid()}/children").read().split():
-                os.kill(int(pid), signum)
-        else:
-            os.kill(os.getpid(), signum)
-
-    loop._Loop.after_step = faulty_after_step
-"""
-
 
 @pytest.fixture(scope="module")
 def fmnist(tmp_path_factory) -> Path:
     return make_fashion_mnist(tmp_path_factory.mktemp("data") / "fmnist", n_train=96, n_test=48)
 
 
-def fault_env(tmp_path: Path, **fault: str) -> dict[str, str]:
-    """The environment of a test's processes: this checkout's repmlp, :data:`FAULT_SITE` loaded, ``fault``
-    the FAULT_* variables."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(FAULT_SITE)
-    env = subprocess_env(FAULT_ONCE=str(tmp_path / "fault"), **{f"FAULT_{k}": v for k, v in fault.items()})
-    return {**env, "PYTHONPATH": os.pathsep.join([str(site), env["PYTHONPATH"]])}
-
-
 def python(tmp_path: Path, argv: list[str], timeout: int = 240, **fault: str) -> subprocess.CompletedProcess:
-    """``python <argv>`` in ``tmp_path`` with :func:`fault_env`."""
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=fault_env(tmp_path, **fault),
-                          timeout=timeout, cwd=tmp_path)  # fmt: skip
+    """``python <argv>`` in ``tmp_path``; ``fault``: one injected once (``repmlp_testdata.fault_env``)."""
+    env = fault_env(once=str(tmp_path / "fault"), **fault)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=tmp_path)  # fmt: skip
 
 
 def torchrun(tmp_path: Path, launch: list[str], args: list[str], timeout: int = 240,
@@ -148,7 +95,7 @@ def test_two_nodes_with_a_c10d_rendezvous_train_the_standalone_run(fmnist, refer
     out, port = tmp_path / "run", str(free_port())
     launch = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes"]  # fmt: skip
-    env = fault_env(tmp_path)
+    env = fault_env()
     args = [sys.executable, *TORCHRUN, *launch, "-m", "repmlp", "train", "--data-dir", str(fmnist), *RUN,
             "--output", str(out)]  # fmt: skip
     nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

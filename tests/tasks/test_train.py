@@ -31,7 +31,14 @@ from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
 from repmlp.engine import state_hash
 from repmlp.io.model_file import load_model
 from repmlp.io.state import load_state, save_state
-from repmlp_testdata import make_cifar10, make_fashion_mnist, make_image_folder, subprocess_env, write_idx
+from repmlp_testdata import (
+    fault_env,
+    make_cifar10,
+    make_fashion_mnist,
+    make_image_folder,
+    subprocess_env,
+    write_idx,
+)
 
 # Two 28x28 stages of 4 channels, then 8 and 8: ~0.4M parameters, mostly FC3.
 FMNIST_TINY = ["--model-arg", "widths=[4,8]"]
@@ -60,10 +67,13 @@ def train(*args: object) -> tuple[int, str]:
     return status, err.getvalue()
 
 
-def repmlp_cli(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m repmlp ARGS`` (the console script's program) in a subprocess, output captured.
+def repmlp_cli(
+    *args: object, timeout: float = 300, crash_after: int | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m repmlp ARGS`` (the console script's program) in a subprocess, output captured;
+    ``crash_after``: the process dies without cleanup after that step (``repmlp_testdata.fault_env``).
 
-    The output goes through files, not pipes: a run killed by ``--stop-after-steps`` leaves its DataLoader
+    The output goes through files, not pipes: a run killed that way leaves its DataLoader
     workers holding the pipes until PyTorch's watchdog notices the dead parent (up to 5 s), and reading a
     pipe to its end would wait for them. Waiting for the process itself is what the tests mean.
     """
@@ -75,7 +85,8 @@ def repmlp_cli(*args: object, timeout: float = 300) -> subprocess.CompletedProce
             stdout=out,
             stderr=err,
             timeout=timeout,
-            env=subprocess_env(),  # this checkout's repmlp, one OpenMP thread
+            # this checkout's repmlp, one OpenMP thread
+            env=subprocess_env() if crash_after is None else fault_env(step=crash_after),
         )
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
@@ -342,7 +353,7 @@ def test_resume_after_a_kill_mid_epoch_gives_the_uninterrupted_weights(reference
     out = tmp_path / "killed"
     # A real process that dies without cleanup after step 7: the last checkpoint is step 6 (epoch 2, batch 2).
     res = repmlp_cli("train", "--data-dir", data["fmnist"], *RESUME_ARGS, "--threads", 1, "--output", out,
-                     "--stop-after-steps", 7)  # fmt: skip
+                     crash_after=7)  # fmt: skip
     assert res.returncode not in (0, 2), res.stderr
     assert "Traceback" not in res.stderr
     # Its stderr is a file, not a terminal: no bar, but a progress line after each epoch's first step.
@@ -375,7 +386,7 @@ def test_resume_of_an_image_folder_run(data, tmp_path):
     status, err = train(*args, "--output", tmp_path / "reference")
     assert status == 0, err
     # 12 images in batches of 4: 3 steps per epoch; killed after step 5, the last checkpoint is step 4.
-    res = repmlp_cli("train", *args, "--threads", 1, "--output", tmp_path / "killed", "--stop-after-steps", 5)
+    res = repmlp_cli("train", *args, "--threads", 1, "--output", tmp_path / "killed", crash_after=5)
     assert res.returncode not in (0, 2) and "Traceback" not in res.stderr, res.stderr
     # The same command plus --resume: options equal to the saved settings are accepted.
     status, err = train(*args, "--output", tmp_path / "killed", "--resume")

@@ -33,8 +33,8 @@ def add_workers_option(group: argparse._ActionsContainer, default: int | None = 
 
 
 def add_run_arguments(group: argparse._ActionsContainer, *, resume_help: str, step: str) -> None:
-    """The run options every task's training shares (and the hidden ``--stop-after-steps``); ``step`` names a
-    training step in the help (optimizer step, iteration)."""
+    """The run options every task's training shares; ``step`` names a training step in the help (optimizer
+    step, iteration)."""
     add_option(group, "--resume", resume_help + "; --resume auto: continue it if --output holds a checkpoint, "
                "else start it (for jobs a scheduler may preempt and rerun)", TrainOptions, action="store",
                nargs="?", const=True, choices=["auto"])  # fmt: skip
@@ -52,8 +52,6 @@ def add_run_arguments(group: argparse._ActionsContainer, *, resume_help: str, st
     })  # fmt: skip
     group.add_argument("--no-fast-training", dest="fast_training", action="store_false",
                        help="train the plain modules: no speed pass (repmlp.speed.fast_training)")  # fmt: skip
-    # Hidden: a simulated crash after N steps (exit 3, no cleanup), for tests of --resume.
-    add_option(group, "--stop-after-steps", argparse.SUPPRESS, TrainOptions)
 
 
 def add_init_argument(group: argparse._ActionsContainer, help: str, *aliases: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 import signal
 import threading
@@ -110,7 +109,6 @@ class LoopOptions:
     log_interval: int = 0  # append the mean step statistics to the history every N steps (0: never)
     amp: bool = False
     runtime_keys: Collection[str] = ()  # config keys that do not change the maths (device, workers, ...)
-    stop_after_steps: int | None = None  # a simulated crash (tests of --resume): exit 3 after N steps
     extra_state: dict[str, Any] = field(default_factory=dict)  # saved into the checkpoint as it is
     metric_fields: Sequence[str] = LOSS_FIELDS  # the columns of metrics.csv
     compile: bool = False  # torch.compile the task's step on the module (see resolve_compile)
@@ -446,7 +444,7 @@ class _Loop:
         return self.forward_backward(self.step_net, images, labels)
 
     def after_step(self, lr: float) -> None:
-        """Progress bar, loss log, checkpoint, stop on a signal, simulated crash."""
+        """Progress bar, loss log, checkpoint, stop on a signal."""
         pos, opts = self.pos, self.opts
         self.bar.update(1)
         if self.procs.is_main:
@@ -472,11 +470,6 @@ class _Loop:
         if not epoch_end and pos.step < self.total and self.stop_requested():
             self.add_seconds()  # the epoch's time so far: the resumed run's history has the whole epoch's
             self.stop()
-        if opts.stop_after_steps and pos.step >= opts.stop_after_steps:
-            self.bar.close()
-            log.warning("--stop-after-steps %d reached: exiting without cleanup", opts.stop_after_steps)
-            logging.shutdown()
-            os._exit(3)  # a simulated crash (tests of --resume): no cleanup, no final checkpoint
 
     def stop_requested(self) -> bool:
         """Whether a signal came, to this process or (torchrun) any other: every process then stops at the

@@ -151,7 +151,7 @@ def loop_options(
     graphs = engine.resolve_cuda_graphs(cfg.cuda_graphs, procs.device, world=procs.world,
                                         compile_choice=cfg.compile, scaler=scaler, auto=auto_graphs)  # fmt: skip
     return engine.LoopOptions(output=Path(cfg.output), config=cfg.to_dict(), lr_at=lr_at, ckpt_every=cfg.ckpt_every,
-                              amp=cfg.amp, runtime_keys=cfg.RUNTIME, stop_after_steps=cfg.stop_after_steps,
+                              amp=cfg.amp, runtime_keys=cfg.RUNTIME,
                               cuda_graphs=graphs, compile=engine.resolve_compile(cfg.compile, procs.device, graphs),
                               fast=cfg.fast_training, **more)  # fmt: skip
 

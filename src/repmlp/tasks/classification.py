@@ -262,9 +262,9 @@ def _open_run(
         raise CheckpointError(f"{where} holds no model weights")
     merged = engine.check_resumable(saved, cfg.to_dict(), out, runtime=TrainConfig.RUNTIME, given=given,
                              hint="leave these options out to continue it, or train into another --output")  # fmt: skip
-    # This call's own: resuming, a simulated crash; the report shows each command that resumed the run.
+    # This call's own: resuming; the report shows each command that resumed the run.
     again = [cfg.run_command] if cfg.run_command else []
-    merged.update(resume=True, stop_after_steps=cfg.stop_after_steps, resumed_with=old.resumed_with + again)
+    merged.update(resume=True, resumed_with=old.resumed_with + again)
     return TrainConfig.from_dict(merged), state
 
 

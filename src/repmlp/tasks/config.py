@@ -114,11 +114,10 @@ class TrainOptions(TaskConfig):
     cuda_graphs: str = "auto"  # --cuda-graphs: auto, on, off (see repmlp.engine.resolve_cuda_graphs)
     fast_training: bool = True  # the training speed pass (repmlp.speed.fast_training); off: the plain modules
     resume: bool | str = False  # continue the run in output from its checkpoint; "auto": if it holds one
-    stop_after_steps: int | None = None  # a simulated crash after N steps (tests of resuming)
 
     RUNTIME = frozenset(
         {"data_dir", "output", "device", "workers", "threads", "ckpt_every", "compile", "cuda_graphs",
-         "fast_training", "resume", "stop_after_steps", "log_interval"}
+         "fast_training", "resume", "log_interval"}
     )  # fmt: skip
 
     def problems(self) -> Iterator[tuple[str, str]]:

@@ -81,7 +81,6 @@ OPTIONS: dict[str, Range] = {
     "threads": ints(1, 1024),
     "ckpt_every": ints(0),
     "log_interval": ints(1),
-    "stop_after_steps": ints(1),
     "am_scale": POSITIVE,
     "am_margin": _FRACTION,
     "power": POSITIVE,
