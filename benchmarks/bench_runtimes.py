@@ -10,7 +10,7 @@ PyTorch), int8 the QDQ graph of ``repmlp.deploy.precision.quantize_int8`` (calib
 enough for speed).
 
     python3 benchmarks/bench_runtimes.py [--runtimes eager compiled onnxruntime openvino]
-        [--precisions fp32 int8] [--batch-sizes 1 8 32] [--profile] [--quick]
+        [--precisions fp32 int8] [--batch-sizes 1 8 32] [--profile [--profile-shapes]] [--quick]
 
 Goals at batches 8 and 32 (Light, RepMLP-Res50): PyTorch eager >= 1.55x and 1.00x, compiled >= 1.35x and
 1.02x, ONNX Runtime and OpenVINO >= 1.30x and 1.00x (the MAC ratios are 1.40x and 1.05x). Beside each ratio
@@ -19,7 +19,9 @@ start, fused accounting) and the measured ratio's share of it: the model's share
 ResNet-50's share, which the goals want at 90% or more at every batch (at batch 1, where the weights' bytes
 bound FC3, the ceiling ratio is below the MAC ratio). ``--profile``
 then lists, per ONNX runtime, the operator types that take the time of each model (at
-``--profile-batches``, default 8), from the runtime's own profiler. ``--batched-fc3`` adds, in the ONNX
+``--profile-batches``, default 8), from the runtime's own profiler; ``--profile-shapes`` splits ONNX Runtime's
+by the operators' input shapes, in milliseconds too (a convolution's input and weight: enough to tell a model's
+layers apart and compute each one's rate). ``--batched-fc3`` adds, in the ONNX
 runtimes' float32 cells, Light and RepMLP-Res50 exported with FC3 as one batched MatMul
 (``export_onnx(per_group=False)``) beside the graph the runtimes get (one 2-D product per group).
 """
@@ -161,8 +163,11 @@ def rows_for(
 
 
 # ------------------------------------------------------------------------ the runtimes' own profilers
-def profile_onnxruntime(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> dict[str, float]:
-    """Seconds per run spent in each ONNX operator type, from onnxruntime's profiler."""
+def profile_onnxruntime(
+    onnx: bytes, int8: bool, x: torch.Tensor, runs: int, shapes: bool = False
+) -> dict[str, float]:
+    """Seconds per run spent in each ONNX operator type (with ``shapes``: type and input shapes), from
+    onnxruntime's profiler."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -178,11 +183,16 @@ def profile_onnxruntime(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> 
     spent: dict[str, float] = defaultdict(float)
     for ev in events:
         if ev.get("cat") == "Node" and ev["name"].endswith("_kernel_time"):
-            spent[ev["args"]["op_name"]] += ev["dur"] / 1e6 / runs
+            key = ev["args"]["op_name"]
+            if shapes:  # the inputs' shapes, a weight's too: [{"float": [8, 64, 28, 28]}, ...]
+                key += " " + " ".join(str(next(iter(t.values()))) for t in ev["args"]["input_type_shape"][:2])
+            spent[key] += ev["dur"] / 1e6 / runs
     return spent
 
 
-def profile_openvino(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> dict[str, float]:
+def profile_openvino(
+    onnx: bytes, int8: bool, x: torch.Tensor, runs: int, shapes: bool = False
+) -> dict[str, float]:
     """Seconds per run spent in each OpenVINO node type (with the kernel it chose), from PERF_COUNT."""
     import openvino as ov
 
@@ -201,7 +211,7 @@ def profile_openvino(onnx: bytes, int8: bool, x: torch.Tensor, runs: int) -> dic
 
 
 def profile_rows(
-    nets: dict[str, torch.nn.Module], runtimes: list[str], batch: int, precision: str
+    nets: dict[str, torch.nn.Module], runtimes: list[str], batch: int, precision: str, shapes: bool = False
 ) -> list[list[str]]:
     x = torch.randn(batch, *SIZE)
     rows = []
@@ -210,10 +220,12 @@ def profile_rows(
         if fn is None or missing_runtime(runtime):
             continue
         for name, net in nets.items():
-            spent = fn(*graphs(name, net, precision), x, runs=3)
+            spent = fn(*graphs(name, net, precision), x, runs=3, shapes=shapes)
             total = sum(spent.values())
-            top = sorted(spent.items(), key=lambda kv: -kv[1])[:6]
-            listed = ", ".join(f"{op} {100 * s / total:.0f}%" for op, s in top)
+            top = sorted(spent.items(), key=lambda kv: -kv[1])[: 12 if shapes else 6]
+            listed = ", ".join(
+                f"{op} {100 * s / total:.0f}%" + (f" {1e3 * s:.2f} ms" if shapes else "") for op, s in top
+            )
             rows.append([runtime, precision, name, str(batch), f"{1e3 * total:.1f}", listed])
     return rows
 
@@ -228,6 +240,11 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="operator profile of each ONNX runtime (fp32)")
     parser.add_argument("--profile-batches", type=int, nargs="+", default=[8], help="batches of --profile")
+    parser.add_argument(
+        "--profile-shapes",
+        action="store_true",
+        help="--profile: ONNX Runtime's operators by input shapes too",
+    )
     parser.add_argument(
         "--batched-fc3", action="store_true", help="also the graphs with FC3 as a batched MatMul"
     )
@@ -285,7 +302,7 @@ def main() -> None:
         for precision in args.precisions:
             for batch in args.profile_batches:
                 print(f"\n**Where the time goes: each runtime's own profiler, {precision}, batch {batch}**\n")
-                print(table(header, profile_rows(nets, runtimes, batch, precision)))
+                print(table(header, profile_rows(nets, runtimes, batch, precision, args.profile_shapes)))
 
 
 if __name__ == "__main__":
