@@ -24,12 +24,15 @@ by the operators' input shapes, in milliseconds too (a convolution's input and w
 layers apart and compute each one's rate). ``--batched-fc3`` adds, in the ONNX
 runtimes' float32 cells, Light and RepMLP-Res50 exported with FC3 as one batched MatMul
 (``export_onnx(per_group=False)``) beside the graph the runtimes get (one 2-D product per group).
+Started with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` (glibc's malloc then keeps freed memory,
+so PyTorch's large activations are not faulted in afresh on every pass: docs/benchmarks.md), the header says so.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -251,6 +254,7 @@ def main() -> None:
     args = parse_cpu_only(parser, "runtimes")
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = os.environ.get("MALLOC_MMAP_MAX_") == "0"
     rounds = 2 if args.quick else args.rounds
     batches = [1] if args.quick else args.batch_sizes
     nets = {name: build(name) for name in (*MODELS, REFERENCE)}
@@ -259,7 +263,7 @@ def main() -> None:
     print("**bench_runtimes: deployed models vs ResNet-50 in each CPU runtime**")
     print(
         f"CPU: {cpu_name()}; {torch.get_num_threads()} threads in every runtime; torch {torch.__version__}; "
-        f"the roofline's peak and bandwidth, measured: {rates}\n"
+        f"the roofline's peak and bandwidth, measured: {rates}; MALLOC_MMAP_MAX_=0: {'yes' if kept else 'no'}\n"
     )
     rows = []
     for precision in args.precisions:
