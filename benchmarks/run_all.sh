@@ -42,6 +42,10 @@ echo "### benchmarks/bench_train.py: the training step before and after issue 19
 echo
 python3 benchmarks/bench_train.py --profile
 echo
+echo "### benchmarks/bench_allocator.py: a training step under three settings of glibc's malloc"
+echo
+python3 benchmarks/bench_allocator.py  # CPU only
+echo
 echo "### benchmarks/bench_local_convs.py: a Local Perceptron branch's training layouts"
 echo
 python3 benchmarks/bench_local_convs.py  # CPU only

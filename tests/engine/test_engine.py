@@ -153,15 +153,42 @@ def test_the_training_speed_pass_runs_for_the_run_unless_turned_off(tmp_path, mo
         assert [name for name, _ in calls] == expected and all(m is net for _, m in calls)
 
 
-def test_keep_freed_memory_sets_glibc_malloc():
-    """mallopt answers 0 for a parameter or value it refuses: both settings must be taken."""
-    import platform
+# Twelve rounds of a 64 MiB and a 32 MiB tensor (above glibc's largest mapping threshold), written then freed;
+# prints each round's minor page faults, after keep_freed_memory() when asked.
+_FAULTS = """
+import resource, sys, torch
+from repmlp.engine import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+faults = []
+for _ in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a, b = torch.empty(16 << 20).fill_(1.0), torch.empty(8 << 20).fill_(2.0)
+    del a, b
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
 
-    from repmlp.engine import keep_freed_memory
+
+def test_keep_freed_memory_stops_large_buffers_faulting_in_again():
+    """With glibc's defaults every round maps the two tensors afresh and faults all their pages in; after
+    keep_freed_memory() (both mallopt settings taken) the rounds reuse the heap's pages once it has grown."""
+    import platform
+    import subprocess
+    import sys
+
+    from repmlp_testdata import subprocess_env
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("a glibc setting")
-    assert keep_freed_memory() is True
+    pages = (24 << 20) * 4 // 4096
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True,
+                             env=subprocess_env(), timeout=120, check=True)  # fmt: skip
+        faults[mode] = [int(v) for v in out.stdout.split()]
+    assert min(faults["default"]) >= pages // 2
+    assert max(faults["keep"][-4:]) < pages // 20
 
 
 def test_iteration_counted_run_logs_the_loss_and_may_end_inside_an_epoch(tmp_path):

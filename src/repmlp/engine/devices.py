@@ -65,18 +65,19 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 
 def keep_freed_memory() -> bool:
-    """Let glibc's malloc serve blocks of up to 32 MiB from its heap and keep up to 1 GiB freed for reuse: a
-    CPU training step frees and allocates the same large buffers every step, which glibc would map afresh
-    (page faults) each time. Whether it took effect (not glibc: ``False``). An application's choice (``repmlp
-    train`` and ``study`` make it): the memory stays with the process."""
+    """Let glibc's malloc serve every block from its heap (never a fresh mapping) and keep up to 1 GiB freed for
+    reuse: a CPU training step frees and allocates the same large buffers every step, which glibc would
+    otherwise map afresh and fault in each time (a mapping threshold cannot cover them: it stops at 32 MiB,
+    which 224x224 batches of 32 pass). Whether it took effect (not glibc: ``False``). An application's choice
+    (``repmlp train`` and ``study`` make it): the memory stays with the process."""
     if os.name != "posix":
         return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    # mallopt's parameters (glibc's malloc.h): M_MMAP_THRESHOLD -3 (at most 32 MiB), M_TRIM_THRESHOLD -1
-    return bool(mallopt(-3, 32 << 20)) and bool(mallopt(-1, 1 << 30))
+    # mallopt's parameters (glibc's malloc.h): M_MMAP_MAX -4 (0: no mapped blocks), M_TRIM_THRESHOLD -1
+    return bool(mallopt(-4, 0)) and bool(mallopt(-1, 1 << 30))
 
 
 def resolve_compile(choice: str, device: torch.device, graphs: bool = False) -> bool:
