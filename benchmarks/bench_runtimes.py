@@ -24,8 +24,9 @@ by the operators' input shapes, in milliseconds too (a convolution's input and w
 layers apart and compute each one's rate). ``--batched-fc3`` adds, in the ONNX
 runtimes' float32 cells, Light and RepMLP-Res50 exported with FC3 as one batched MatMul
 (``export_onnx(per_group=False)``) beside the graph the runtimes get (one 2-D product per group).
-Started with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` (glibc's malloc then keeps freed memory,
-so PyTorch's large activations are not faulted in afresh on every pass: docs/benchmarks.md), the header says so.
+The header says whether the process was started with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``
+(glibc's malloc then keeps freed memory, so PyTorch's large activations are not faulted in afresh on every
+pass: docs/benchmarks.md); the script itself leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def profile_onnxruntime(
 def profile_openvino(
     onnx: bytes, int8: bool, x: torch.Tensor, runs: int, shapes: bool = False
 ) -> dict[str, float]:
-    """Seconds per run spent in each OpenVINO node type (with the kernel it chose), from PERF_COUNT."""
+    """Seconds per run spent in each OpenVINO node type (with the kernel it chose), from PERF_COUNT; ``shapes``
+    is ONNX Runtime's option only."""
     import openvino as ov
 
     model = RuntimeModel(onnx, "openvino")._ov_model

@@ -7,8 +7,11 @@ are in test_train.py, test_face.py and test_seg.py; these check the same machine
 
 from __future__ import annotations
 
+import platform
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,7 @@ from repmlp.engine import (
 )
 from repmlp.errors import UserError
 from repmlp.io.state import load_state
+from repmlp_testdata import subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,12 +177,6 @@ print(*faults)
 def test_keep_freed_memory_stops_large_buffers_faulting_in_again():
     """With glibc's defaults every round maps the two tensors afresh and faults all their pages in; after
     keep_freed_memory() (both mallopt settings taken) the rounds reuse the heap's pages once it has grown."""
-    import platform
-    import subprocess
-    import sys
-
-    from repmlp_testdata import subprocess_env
-
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("a glibc setting")
     pages = (24 << 20) * 4 // 4096

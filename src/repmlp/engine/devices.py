@@ -66,10 +66,11 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 def keep_freed_memory() -> bool:
     """Let glibc's malloc serve every block from its heap (never a fresh mapping) and keep up to 1 GiB freed for
-    reuse: a CPU training step frees and allocates the same large buffers every step, which glibc would
-    otherwise map afresh and fault in each time (a mapping threshold cannot cover them: it stops at 32 MiB,
-    which 224x224 batches of 32 pass). Whether it took effect (not glibc: ``False``). An application's choice
-    (``repmlp train`` and ``study`` make it): the memory stays with the process."""
+    reuse: a CPU training step or forward pass frees and allocates the same large buffers every time, which
+    glibc would otherwise map afresh and fault in each time (a mapping threshold cannot cover them: it stops
+    at 32 MiB, which 224x224 batches of 32 pass). Whether it took effect (not glibc: ``False``). An
+    application's choice (``repmlp train``, ``study``, ``predict``, ``eval`` and ``bench`` make it): the memory
+    stays with the process."""
     if os.name != "posix":
         return False
     try:
