@@ -28,7 +28,7 @@ from repmlp.commands._common import (
     number_in,
 )
 from repmlp.deploy.precision import PRECISIONS, precision_of
-from repmlp.engine import hardware_summary, keep_freed_memory, resolve_device
+from repmlp.engine import hardware_summary, resolve_device
 from repmlp.errors import UserError
 from repmlp.io.model_file import atomic_write_text
 from repmlp.tasks.limits import MAX_CHANNELS, MAX_SIDE, POSITIVE, ints
@@ -86,7 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    keep_freed_memory()  # the application's allocator setting, as repmlp train's (docs/benchmarks.md)
     check_output_file(args.output, args.checkpoint or [], force=args.force)
     if args.roofline and (args.checkpoint or args.precision == "int8"):
         raise UserError("--roofline takes registered models (--model) in fp32, bf16 or fp16")

@@ -11,7 +11,6 @@ import argparse
 
 from repmlp.commands._common import add_option, add_options
 from repmlp.commands.train import add_task_option, print_help_if_asked, run_task
-from repmlp.engine import keep_freed_memory
 from repmlp.tasks.classification import EvalConfig, evaluate
 
 OWN_HELP = True  # --help shows the options of the --task given (repmlp.cli builds the parser without -h)
@@ -35,7 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if print_help_if_asked(args):
         return 0
-    keep_freed_memory()  # the application's allocator setting, as repmlp train's (docs/benchmarks.md)
     if args.task != "cls":
         return run_task(args, "eval", "eval")
     return evaluate(EvalConfig.from_args(args))

@@ -35,7 +35,7 @@ from repmlp.deploy.predict import (
     result_record,
     write_results,
 )
-from repmlp.engine import keep_freed_memory, resolve_device
+from repmlp.engine import resolve_device
 from repmlp.tasks.limits import ints
 
 
@@ -70,7 +70,6 @@ def _workers(text: str) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    keep_freed_memory()  # the application's allocator setting, as repmlp train's (docs/benchmarks.md)
     if args.output:
         output_format(args.output)  # a bad name is an error before any work
         inputs = [args.checkpoint, *([args.labels] if args.labels else []), *args.inputs]

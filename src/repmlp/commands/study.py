@@ -16,7 +16,6 @@ from pathlib import Path
 
 from repmlp.commands._common import add_device_argument, add_limit_argument, add_option, add_options
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
-from repmlp.engine import keep_freed_memory
 from repmlp.tasks.study import StudyOptions, train_study
 from repmlp.tasks.study_report import write_report
 
@@ -50,7 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    keep_freed_memory()  # as repmlp train: no page faults per training step
     opts = StudyOptions.from_args(args)
     print(write_report(opts, train_study(opts), Path(opts.output)))
     return 0

@@ -27,7 +27,7 @@ from pathlib import Path
 from repmlp.commands._common import check_output_file
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
 from repmlp.commands.task_options import TASK_OPTIONS, classification_arguments
-from repmlp.engine import keep_freed_memory, restart_count
+from repmlp.engine import restart_count
 from repmlp.errors import UserError
 from repmlp.tasks import TASK_MODULES
 from repmlp.tasks.classification import TrainConfig, resolve_config, train
@@ -117,7 +117,6 @@ def given_options(args: argparse.Namespace) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     if print_help_if_asked(args):
         return 0
-    keep_freed_memory()  # the application's allocator setting: no page faults per step (docs/benchmarks.md)
     if args.task != "cls":
         return run_task(args, "train", "train")
     if args.resume and not args.output:

@@ -1,5 +1,5 @@
 """The device of a run and how its steps run: ``--device``, the hardware line of reports, AMP's dtype,
-``--compile``, ``--cuda-graphs`` and glibc's malloc settings for CPU training."""
+``--compile``, ``--cuda-graphs`` and glibc's malloc settings for the commands."""
 
 from __future__ import annotations
 
@@ -69,8 +69,7 @@ def keep_freed_memory() -> bool:
     reuse: a CPU training step or forward pass frees and allocates the same large buffers every time, which
     glibc would otherwise map afresh and fault in each time (a mapping threshold cannot cover them: it stops
     at 32 MiB, which 224x224 batches of 32 pass). Whether it took effect (not glibc: ``False``). An
-    application's choice (``repmlp train``, ``study``, ``predict``, ``eval`` and ``bench`` make it): the memory
-    stays with the process."""
+    application's choice (:mod:`repmlp.cli` makes it for every command): the memory stays with the process."""
     if os.name != "posix":
         return False
     try:
