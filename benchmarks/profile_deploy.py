@@ -1,17 +1,21 @@
-"""Where a deployed RepMLP-ResNet's time goes, stage by stage, against ResNet-50 (eager float32, CPU).
+"""Where a deployed RepMLP-ResNet's time goes, stage by stage, against ResNet-50 (float32, CPU).
 
 Times the stem and c2..c5 of a deployed RepMLP-Res50 family model, torchvision's ResNet-50 and repmlp's
 own deployed ResNet-50 (`repmlp_res50` with ``stages=()``: same structure, BN fused), interleaved, each
 stage fed the activation its own model produces (so in the memory layout that model runs). Then the
 bound this puts on the whole-model ratio: the ratio if the stages holding RepMLPs took no time at all.
-Last, the deployed model's top operators (``torch.profiler``).
+Last, the deployed model's top operators (``torch.profiler``). ``--compile``: every stage and the
+profiled model through ``torch.compile`` (Inductor's generated kernels named in the profile, by kind).
 
-    python3 benchmarks/profile_deploy.py [--model repmlp_res50_light] [--batch-size 8] [--rounds 7]
+    python3 benchmarks/profile_deploy.py [--model repmlp_res50_light] [--batch-size 8] [--rounds 7] [--compile]
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+import torch._inductor.config
 import torchvision
 from torch import nn
 
@@ -44,10 +48,15 @@ def stage_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return inputs
 
 
-def stage_times(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of every stage of every model, each stage's models interleaved."""
+def stage_times(
+    models: dict[str, nn.Module], x: torch.Tensor, rounds: int, compiled: bool = False
+) -> dict[str, list[float]]:
+    """Seconds per call of every stage of every model, each stage's models interleaved; ``compiled``: each
+    stage through its own ``torch.compile``."""
     inputs = {name: stage_inputs(m, x) for name, m in models.items()}
     stages = {name: stages_of(m) for name, m in models.items()}
+    if compiled:
+        stages = {name: [torch.compile(s) for s in ss] for name, ss in stages.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
     for i in range(len(STAGES)):
         fns = {name: (lambda s=stages[name][i], a=inputs[name][i]: s(a)) for name in models}
@@ -58,19 +67,26 @@ def stage_times(models: dict[str, nn.Module], x: torch.Tensor, rounds: int) -> d
     return times
 
 
-def top_operators(model: nn.Module, x: torch.Tensor, k: int = 8) -> list[list[str]]:
+def top_operators(model: nn.Module, x: torch.Tensor, k: int = 8, compiled: bool = False) -> list[list[str]]:
+    """The ``k`` operators (by input shapes) taking the most self CPU time in 3 passes of ``model``; with
+    ``compiled``, of ``torch.compile(model)``, Inductor's kernels grouped by kind (their fused ops)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.inference_mode():
+    with torch.inference_mode(), torch._inductor.config.patch({"cpp.enable_kernel_profile": compiled}):
+        model = torch.compile(model) if compiled else model
+        model(x)
         model(x)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for _ in range(3):
                 model(x)
-    events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    spent: dict[tuple[str, str], float] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        key = (re.sub(r"^graph_\d+_cpp_(.*?)(_\d+)?$", r"inductor: \1", e.key), str(e.input_shapes[:2]))
+        spent[key] = spent.get(key, 0.0) + e.self_cpu_time_total
+    total = sum(spent.values())
+    top = sorted(spent.items(), key=lambda kv: -kv[1])[:k]
     return [
-        [e.key, str(e.input_shapes[:2]).replace("|", "/"), f"{100 * e.self_cpu_time_total / total:.1f}%"]
-        for e in events[:k]
+        [op, shapes.replace("|", "/"), f"{100 * t / total:.1f}%", f"{t / 3e3:.2f}"] for (op, shapes), t in top
     ]
 
 
@@ -78,7 +94,13 @@ def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--model", default="repmlp_res50_light")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument(
+        "--compile", action="store_true", help="the stages and the profile through torch.compile"
+    )
+    parser.add_argument("--top", type=int, default=8, help="operators listed")
     args = parse_cpu_only(parser, "deployment")
+    # Every repmlp ResNet stage shares one forward's code: room for each model's compiled variants.
+    torch._dynamo.config.recompile_limit = 64
     rounds = 2 if args.quick else args.rounds
     net = fast_inference(
         reparameterize_model(create_model(args.model).eval()), batch_sizes=(args.batch_size,)
@@ -90,10 +112,11 @@ def main() -> None:
     }
     x = torch.randn(args.batch_size, 3, 224, 224)
     print(
-        f"**profile_deploy: {args.model} (deployed) stage by stage, batch {args.batch_size}, eager float32**"
+        f"**profile_deploy: {args.model} (deployed) stage by stage, batch {args.batch_size}, "
+        f"{'compiled' if args.compile else 'eager'} float32**"
     )
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}\n")
-    times = stage_times(models, x, rounds)
+    times = stage_times(models, x, rounds, args.compile)
     rows = [[s, *(f"{1000 * times[n][i]:.1f}" for n in models)] for i, s in enumerate(STAGES)]
     rows.append(["**total**", *(f"**{1000 * sum(times[n]):.1f}**" for n in models)])
     print(table(["stage", *(f"{n} (ms)" for n in models)], rows))
@@ -108,7 +131,8 @@ def main() -> None:
         f"{sum(times['our ResNet-50']) / rest:.2f}x vs ours.\n"
     )
     print(f"Top operators of deployed {args.model} (self CPU time, 3 passes):\n")
-    print(table(["operator", "input shapes (first two)", "share"], top_operators(net, x)))
+    rows = top_operators(net, x, args.top, args.compile)
+    print(table(["operator", "input shapes (first two)", "share", "ms per pass"], rows))
 
 
 if __name__ == "__main__":
