@@ -4,8 +4,10 @@ Times the stem and c2..c5 of a deployed RepMLP-Res50 family model, torchvision's
 own deployed ResNet-50 (`repmlp_res50` with ``stages=()``: same structure, BN fused), interleaved, each
 stage fed the activation its own model produces (so in the memory layout that model runs). Then the
 bound this puts on the whole-model ratio: the ratio if the stages holding RepMLPs took no time at all.
-Last, the deployed model's top operators (``torch.profiler``). ``--compile``: every stage and the
-profiled model through ``torch.compile`` (Inductor's generated kernels named in the profile, by kind).
+Beside each stage: the model's speed and MAC ratio against our ResNet-50 and their quotient, the model's
+MAC rate as a share of ResNet-50's there. Last, the deployed model's top operators (``torch.profiler``).
+``--compile``: every stage and the profiled model through ``torch.compile`` (Inductor's generated kernels
+named in the profile, by kind).
 
     python3 benchmarks/profile_deploy.py [--model repmlp_res50_light] [--batch-size 8] [--rounds 7] [--compile]
 """
@@ -21,6 +23,7 @@ from torch import nn
 
 from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
+from repmlp.bench.counts import count_macs
 from repmlp.bench.timing import time_interleaved
 from repmlp.speed import fast_inference
 
@@ -65,6 +68,12 @@ def stage_times(
         for name in models:
             times[name].append(secs[name])
     return times
+
+
+def stage_macs(model: nn.Module) -> list[int]:
+    """Multiply-accumulates of each stage of ``model`` for one 224x224 image."""
+    inputs = stage_inputs(model, torch.randn(1, 3, 224, 224))
+    return [count_macs(s, tuple(a.shape[1:])) for s, a in zip(stages_of(model), inputs, strict=True)]
 
 
 def top_operators(model: nn.Module, x: torch.Tensor, k: int = 8, compiled: bool = False) -> list[list[str]]:
@@ -117,9 +126,17 @@ def main() -> None:
     )
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}\n")
     times = stage_times(models, x, rounds, args.compile)
+    macs = {n: stage_macs(m) for n, m in models.items() if n != "torchvision ResNet-50"}
+    ours, mine = times["our ResNet-50"], times[args.model]
+    speed = [a / b for a, b in zip(ours, mine, strict=True)] + [sum(ours) / sum(mine)]
+    work = [a / b for a, b in zip(macs["our ResNet-50"], macs[args.model], strict=True)]
+    work.append(sum(macs["our ResNet-50"]) / sum(macs[args.model]))
     rows = [[s, *(f"{1000 * times[n][i]:.1f}" for n in models)] for i, s in enumerate(STAGES)]
     rows.append(["**total**", *(f"**{1000 * sum(times[n]):.1f}**" for n in models)])
-    print(table(["stage", *(f"{n} (ms)" for n in models)], rows))
+    for row, v, w in zip(rows, speed, work, strict=True):  # the speed ratio over the work ratio: rate's share
+        row += [f"{v:.2f}x", f"{w:.2f}x", f"{100 * v / w:.0f}%"]
+    extra = ["speed vs ours", "MAC ratio vs ours", "MAC rate vs ours"]
+    print(table(["stage", *(f"{n} (ms)" for n in models), *extra], rows))
     repmlp_stages = [i + 1 for i, s in enumerate(net.stages) if any("RepMLP" in type(b).__name__ for b in s)]
     rest = sum(t for i, t in enumerate(times[args.model]) if i not in repmlp_stages)
     ref = sum(times["torchvision ResNet-50"])
