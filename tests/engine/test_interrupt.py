@@ -201,6 +201,36 @@ def test_interrupts_at_an_epochs_end_at_the_last_step_and_twice(tmp_path):
     assert load_state(tmp_path / "twice" / "checkpoint.safetensors")["step"] == 4
 
 
+def test_a_dead_worker_is_one_line_though_child_exits_keep_signalling(tmp_path, monkeypatch):
+    """Once a DataLoader worker has died, torch's SIGCHLD handler raises again whenever any child process ends.
+    One may end while the loop reads the first error: the loop must stop listening before it reads it, and
+    still say what happened in one line."""
+    dead = "DataLoader worker (pid 12345) is killed by signal: Killed. "
+
+    def torchs_handler(signum, frame):  # as torch.utils.data's, with that worker dead
+        raise RuntimeError(dead)
+
+    def worker_dies(net: nn.Module) -> None:
+        raise RuntimeError(dead)
+
+    first_line = loop.first_line
+
+    def first_line_as_a_child_exits(exc: BaseException) -> str:
+        signal.raise_signal(signal.SIGCHLD)  # another child process ends now
+        return first_line(exc)
+
+    monkeypatch.setattr(loop, "first_line", first_line_as_a_child_exits)
+    previous = signal.signal(signal.SIGCHLD, torchs_handler)
+    try:
+        with pytest.raises(
+            loop.ProcessLost, match=r"a data loading worker process died during step 3 \(Data"
+        ):
+            toy_run(tmp_path / "run", Toy({2: worker_dies}), epochs=1)
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_weights_that_diverge_while_the_loss_is_finite_are_never_saved(tmp_path):
     def poison(net: nn.Module) -> None:  # BatchNorm statistics that overflowed
         net[1].running_var.fill_(math.inf)

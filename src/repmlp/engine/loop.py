@@ -233,6 +233,19 @@ class Diverged(UserError):
     """A run whose loss or weights became NaN/inf: a user's recipe (learning rate) that does not fit."""
 
 
+def _from_data_loading(exc: BaseException) -> bool:
+    """Whether ``exc`` says a data loading worker died: torch's DataLoader names it, or its pipes broke."""
+    return isinstance(exc, (ConnectionError, EOFError)) or "DataLoader worker" in str(exc)
+
+
+def _ignore_child_exits() -> None:
+    """SIGCHLD's default action again, in the main thread: once a worker has died, torch's DataLoader handler
+    raises anew whenever any child process of this one ends, even while the first error is being handled;
+    the run is over."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 class ProcessLost(UserError):
     """A run stopped because a process it needs died: one of its data loading workers, or (torchrun) another
     process of the run, killed (out of memory, a node lost) or failed; the message says what is kept."""
@@ -296,6 +309,8 @@ class _Loop:
         try:
             return self._run()
         except (RuntimeError, ConnectionError, EOFError) as exc:
+            if _from_data_loading(exc):  # first: before any more bytecode for a signal handler to interrupt
+                _ignore_child_exits()
             if (lost := self.lost(exc)) is None:
                 raise
             raise lost from exc
@@ -308,9 +323,7 @@ class _Loop:
         raw = first_line(exc)
         text = re.sub(r"^\[[^\]]*\]\s*", "", raw)[:160]  # without gloo's source file and line
         step = f"step {self.pos.step + 1}"
-        if "DataLoader worker" in raw or isinstance(exc, (ConnectionError, EOFError)):
-            if threading.current_thread() is threading.main_thread():  # torch's SIGCHLD handler would raise
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # again as each worker ends: the run is over
+        if _from_data_loading(exc):
             what = (
                 f"a data loading worker process died during {step} ({text}; out of memory? fewer --workers)"
             )
