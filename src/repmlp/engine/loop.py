@@ -238,14 +238,6 @@ def _from_data_loading(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, EOFError)) or "DataLoader worker" in str(exc)
 
 
-def _ignore_child_exits() -> None:
-    """SIGCHLD's default action again, in the main thread: once a worker has died, torch's DataLoader handler
-    raises anew whenever any child process of this one ends, even while the first error is being handled;
-    the run is over."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-
-
 class ProcessLost(UserError):
     """A run stopped because a process it needs died: one of its data loading workers, or (torchrun) another
     process of the run, killed (out of memory, a node lost) or failed; the message says what is kept."""
@@ -309,8 +301,10 @@ class _Loop:
         try:
             return self._run()
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            if _from_data_loading(exc):  # first: before any more bytecode for a signal handler to interrupt
-                _ignore_child_exits()
+            if _from_data_loading(exc) and threading.current_thread() is threading.main_thread():
+                # First: once a worker has died, torch's SIGCHLD handler raises anew as any child process
+                # ends, even while this error is read. The run is over.
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             if (lost := self.lost(exc)) is None:
                 raise
             raise lost from exc
