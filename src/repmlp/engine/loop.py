@@ -233,11 +233,6 @@ class Diverged(UserError):
     """A run whose loss or weights became NaN/inf: a user's recipe (learning rate) that does not fit."""
 
 
-def _from_data_loading(exc: BaseException) -> bool:
-    """Whether ``exc`` says a data loading worker died: torch's DataLoader names it, or its pipes broke."""
-    return isinstance(exc, (ConnectionError, EOFError)) or "DataLoader worker" in str(exc)
-
-
 class ProcessLost(UserError):
     """A run stopped because a process it needs died: one of its data loading workers, or (torchrun) another
     process of the run, killed (out of memory, a node lost) or failed; the message says what is kept."""
@@ -301,23 +296,25 @@ class _Loop:
         try:
             return self._run()
         except (RuntimeError, ConnectionError, EOFError) as exc:
-            if _from_data_loading(exc) and threading.current_thread() is threading.main_thread():
+            died = isinstance(exc, (ConnectionError, EOFError)) or "DataLoader worker" in str(exc)
+            if died and threading.current_thread() is threading.main_thread():
                 # First: once a worker has died, torch's SIGCHLD handler raises anew as any child process
                 # ends, even while this error is read. The run is over.
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            if (lost := self.lost(exc)) is None:
+            if (lost := self.lost(exc, died)) is None:
                 raise
             raise lost from exc
         finally:
             plain(unwrap(self.net))
 
-    def lost(self, exc: Exception) -> ProcessLost | None:
-        """:class:`ProcessLost` for ``exc`` raised by a data loading worker's death (torch's DataLoader says
-        so; its pipes break) or by a collective whose peer died (torch.distributed, gloo, NCCL), else ``None``."""
+    def lost(self, exc: Exception, worker_died: bool) -> ProcessLost | None:
+        """:class:`ProcessLost` for ``exc`` raised by a data loading worker's death (``worker_died``: torch's
+        DataLoader says so, or its pipes broke) or by a collective whose peer died (torch.distributed, gloo,
+        NCCL), else ``None``."""
         raw = first_line(exc)
         text = re.sub(r"^\[[^\]]*\]\s*", "", raw)[:160]  # without gloo's source file and line
         step = f"step {self.pos.step + 1}"
-        if _from_data_loading(exc):
+        if worker_died:
             what = (
                 f"a data loading worker process died during {step} ({text}; out of memory? fewer --workers)"
             )
