@@ -2,11 +2,11 @@
 threshold (``repmlp.engine.keep_freed_memory`` until 2026-11-28), and ``keep_freed_memory`` now (no mapped
 blocks at all).
 
-Each setting runs in a process of its own (the setting is process-wide): a registered model, random 224x224
-batches, the training speed pass, SGD with momentum, forward, cross-entropy, backward and step, as ``repmlp
-train`` runs a step on a CPU. Rounds take the settings in turn; each process times ``--steps`` steps after one
-warm-up step. The table gives each setting's median step over the rounds, its speed against glibc's defaults
-and the largest peak resident memory of its processes.
+Each setting runs in a process of its own (the setting is process-wide): a registered model in its training
+form (``repmlp.engine.forms.training_form``), random 224x224 batches, SGD with momentum, forward,
+cross-entropy, backward and step, as ``repmlp train`` runs a step on a CPU. Rounds take the settings in turn;
+each process times ``--steps`` steps after one warm-up step. The table gives each setting's median step over
+the rounds, its speed against glibc's defaults and the largest peak resident memory of its processes.
 
     python3 benchmarks/bench_allocator.py [--model repmlp_res50_light] [--batch-size 32] [--rounds 3] [--steps 3]
 """
@@ -32,7 +32,7 @@ def worker(setting: str, model: str, batch: int, steps: int) -> None:
 
     from repmlp import create_model
     from repmlp.engine import keep_freed_memory
-    from repmlp.speed import fast_training
+    from repmlp.engine.forms import training_form
 
     if setting == SETTINGS[1]:  # mallopt: M_MMAP_THRESHOLD -3, M_TRIM_THRESHOLD -1
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
@@ -40,7 +40,7 @@ def worker(setting: str, model: str, batch: int, steps: int) -> None:
     elif setting == SETTINGS[2]:
         assert keep_freed_memory()
     torch.manual_seed(0)
-    net = fast_training(create_model(model).train())
+    net = training_form(create_model(model).train())  # shares the model's parameters
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
     seconds = []

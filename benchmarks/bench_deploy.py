@@ -1,12 +1,15 @@
 """Deployed models under the standard inference treatments, against torchvision's ResNet-50.
 
 For each treatment and batch size, every model is timed interleaved with torchvision's ResNet-50 under
-the same treatment (same input size), and the table gives examples/s and the ratio to ResNet-50:
+the same treatment (same input size), and the table gives examples/s and the ratio to ResNet-50. Every
+model of a cell, torchvision's ResNet-50 included, gets the same treatment: BatchNorm fused
+(``repmlp.reparameterize_model``), the plain modules (no speed pass of repmlp's own), the same memory format
+(weights and input), precision and compile:
 
-* ``eager``: float32, NCHW;  ``channels_last``: float32, model and input channels_last;
-* ``compiled``: float32 ``torch.compile`` (inductor);  ``bf16``: bfloat16 weights and input, channels_last;
-* ``bf16_compiled``: the same compiled;  ``int8``: onnxruntime static int8 (``repmlp.deploy.precision``, calibrated
-  on random inputs: enough for speed).
+* ``eager``: float32, NCHW;  ``channels_last``: float32, eager, channels_last;
+* ``compiled``: float32 ``torch.compile`` (inductor), channels_last;  ``bf16``: bfloat16, eager, channels_last;
+* ``bf16_compiled``: the same compiled;  ``int8``: onnxruntime static int8, NCHW (``repmlp.deploy.precision``,
+  calibrated on random inputs: enough for speed).
 
 Models: deployed RepMLP-Res50 and RepMLP-Res50-Light (224x224), deployed ``repmlp_cifar`` (32x32; its
 ResNet-50 reference runs at 32x32 too); each also against *our* deployed ResNet-50 (same structure, built
@@ -35,9 +38,17 @@ from repmlp import create_model, reparameterize_model
 from repmlp.bench.counts import count_macs
 from repmlp.bench.timing import time_interleaved
 from repmlp.deploy.precision import native_support, to_precision
-from repmlp.speed import fast_inference
 
 TREATMENTS = ("eager", "channels_last", "compiled", "bf16", "bf16_compiled", "int8")
+# How each treatment runs every model of its cell, as the table names it.
+LABELS = {
+    "eager": "eager, fp32, NCHW",
+    "channels_last": "eager, fp32, channels_last",
+    "compiled": "compiled, fp32, channels_last",
+    "bf16": "eager, bf16, channels_last",
+    "bf16_compiled": "compiled, bf16, channels_last",
+    "int8": "onnxruntime, int8, NCHW",
+}
 MODELS = {"repmlp_res50": 224, "repmlp_res50_light": 224, "repmlp_cifar": 32}
 _GOALS = {"repmlp_res50": 1.0, "repmlp_res50_light": 1.55}
 _FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
@@ -53,8 +64,9 @@ def cpu_flags() -> str:
 
 
 def build(name: str) -> torch.nn.Module:
+    """Model ``name`` deployed: BN fused (torchvision's ResNet-50 too, as ``repmlp bench`` deploys it)."""
     if name == "resnet50":
-        return torchvision.models.resnet50().eval()
+        return reparameterize_model(torchvision.models.resnet50().eval())
     if name == "our_resnet50":  # torchvision's ResNet-50 structure in repmlp's code, BN fused
         return reparameterize_model(create_model("repmlp_res50", stages=(), num_classes=1000).eval())
     return reparameterize_model(create_model(name).eval())
@@ -67,7 +79,8 @@ def allocator() -> str:
 
 
 def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) -> tuple[object, torch.dtype]:
-    """(callable taking a float32 NCHW batch, the dtype the input is fed in)."""
+    """(callable taking a batch from :func:`make_input`, the dtype the input is fed in): ``model`` under
+    ``treatment``, the same for every model (:data:`LABELS`)."""
     model = copy.deepcopy(model)
     if treatment == "int8":
         gen = torch.Generator().manual_seed(0)
@@ -78,7 +91,6 @@ def treated(model: torch.nn.Module, treatment: str, size: tuple[int, int, int]) 
     model = model.to(dtype)
     if treatment != "eager":
         model = model.to(memory_format=torch.channels_last)
-    model = fast_inference(model)  # what repmlp predict and repmlp bench run
     if treatment.endswith("compiled"):
         # Every repmlp ResNet shares ResNet.forward's code: dynamo's default limit of 8 compiled variants
         # per code object (models x batch sizes) would silently leave the later ones running eager.
@@ -94,8 +106,8 @@ def make_input(batch: int, size: tuple[int, int, int], dtype: torch.dtype, treat
 
 def matmul_fns(dtype: torch.dtype, n: int = 2048) -> dict:
     """An ``n x n`` by ``n x n`` matmul in ``dtype`` (``n**3`` MACs), two ways, as zero-argument callables:
-    ``torch.mm`` (PyTorch's BLAS) and a oneDNN 1x1 conv over ``n`` channels_last pixels (the GEMM that
-    ``repmlp.speed.fc3.fc3_onednn`` uses). The machine's peak is the faster of the two."""
+    ``torch.mm`` (PyTorch's BLAS) and a oneDNN 1x1 conv over ``n`` channels_last pixels (oneDNN's own
+    GEMM). The machine's peak is the faster of the two."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     image = b.t().contiguous().reshape(1, n, 1, n).permute(0, 3, 1, 2)  # (1, n, n, 1), channels_last
     kernel = a.reshape(n, n, 1, 1)
@@ -130,7 +142,7 @@ def run_treatment(treatment: str, batches: list[int], rounds: int) -> list[list[
                 goal = f">= {_GOALS[name]}x: " + ("met" if ratio >= _GOALS[name] else "**not met**")
             rows.append(
                 [
-                    treatment,
+                    LABELS[treatment],
                     name,
                     f"{res}",
                     str(b),
@@ -195,7 +207,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rounds = 2 if args.quick else args.rounds
     batches = [1] if args.quick else args.batch_sizes
-    print("**bench_deploy: deployed models vs torchvision ResNet-50, per treatment**")
+    print(
+        "**bench_deploy: deployed models vs torchvision ResNet-50, per treatment; every model of a cell, "
+        "ResNet-50 included, BN fused and run alike (the treatment's runtime, precision and memory format)**"
+    )
     print(
         f"CPU: {cpu_name()}, flags: {cpu_flags()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}; "
         f"allocator: {allocator()}"
@@ -222,8 +237,9 @@ def main() -> None:
     print(
         f"\nMedians of {rounds} interleaved rounds (model, torchvision's ResNet-50 and ours alternate); ResNet-50 "
         "at the same input size. *Our ResNet-50* is torchvision's structure built by repmlp "
-        "(`repmlp_res50` with `stages=()`), deployed: BN fused, the same kernels and memory layout as the "
-        "RepMLP models, so that column isolates what the RepMLP blocks themselves gain."
+        "(`repmlp_res50` with `stages=()`), deployed: BN fused, the same kernels as the RepMLP models, so "
+        "that column isolates what the RepMLP blocks themselves gain. torchvision's ResNet-50 is BN fused too "
+        "(`repmlp.reparameterize_model`); every model of a row runs the treatment's memory format."
     )
     print(
         "\n**Deployed repmlp_cifar vs this machine's matmul peak (2048x2048 matmul, same dtype, the faster "

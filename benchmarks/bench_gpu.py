@@ -7,15 +7,17 @@ between two device synchronisations: ``repmlp.bench.timing.time_calls``). Result
 stdout and in ``OUT/summary.md``, every number in ``OUT/results.json``, torch.profiler kernel tables of the
 main configurations in ``OUT/profiles.txt``.
 
-Deployed (``--phase deploy``; eval, every conv-BN folded, batch 128, 224x224): torchvision's ResNet-50 (the
-reference: eager and ``torch.compile`` default mode, BN unfolded), repmlp's ResNet-50 (``repmlp_res50`` with
-no RepMLP stage), RepMLP-Res50 and the Light Block model, each ``eager`` and under CUDA graph replay
-(``graph``), cuDNN's fused conv-bias-ReLU(-add) (``fused``, eager), ``compile`` (default mode) and the
-compiled model replayed as a CUDA graph (``compile+graph``); fp16 (channels_last) and fp32 with TF32 off.
+Deployed (``--phase deploy``; eval, every conv-BN folded by ``repmlp.reparameterize_model``, torchvision's
+ResNet-50 too, batch 128, 224x224): torchvision's ResNet-50 (the reference), repmlp's ResNet-50
+(``repmlp_res50`` with no RepMLP stage), RepMLP-Res50 and the Light Block model, every one the same way (the
+plain modules, no speed pass of repmlp's own): ``eager`` and under CUDA graph replay (``graph``), cuDNN's
+fused conv-bias-ReLU(-add) (``fused``, eager), ``compile`` (default mode) and the compiled model replayed as
+a CUDA graph (``compile+graph``); fp16 (channels_last) and fp32 with TF32 off (channels_last and NCHW,
+weights and input alike).
 
 Training (``--phase train``; SGD with momentum, cross-entropy, batch 128, 224x224, channels_last): the same
 three models in AMP bf16 and in fp32 with TF32, eager and compiled, the RepMLP models in the paper's conv
-form and the dense form (:mod:`repmlp.speed.dense`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
+form and the dense form (:mod:`repmlp.engine.forms`); and the paper's pure MLP ``repmlp_cifar`` against the Wide
 ConvNet at 32x32. ``--graphs-only``: the steps as ``repmlp train`` runs them on one GPU (the module's forward
 and backward captured as CUDA graphs); ``--compiled-graphs``: the steps compiled with
 ``mode="reduce-overhead"`` (inductor's kernels, which fuse BatchNorm's elementwise work with its
@@ -110,14 +112,13 @@ def deploy_worker(spec: dict) -> dict:
     model = _build(spec["model"], img).eval()
     _randomize_bn(model)
     facts: dict = {}
-    if spec["model"] != "tv_r50" or spec.get("fold"):
-        trained = model.to(device)
-        deployed = reparameterize_model(trained)
-        with torch.no_grad():
-            x = torch.randn(4, 3, img, img, device=device)
-            ref, out = trained(x), deployed(x)
-            facts["conversion_rel_err"] = float((out - ref).norm() / ref.norm())
-        model = deployed
+    trained = model.to(device)  # every model deployed alike: BN folded, torchvision's ResNet-50 included
+    deployed = reparameterize_model(trained)
+    with torch.no_grad():
+        x = torch.randn(4, 3, img, img, device=device)
+        ref, out = trained(x), deployed(x)
+        facts["conversion_rel_err"] = float((out - ref).norm() / ref.norm())
+    model = deployed
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[spec["precision"]]
     model = model.to(device, dtype)
     x = torch.randn(batch, 3, img, img, device=device, dtype=dtype)
@@ -160,7 +161,7 @@ def train_worker(spec: dict) -> dict:
     from torch import Tensor
 
     from repmlp.engine import graph_module
-    from repmlp.speed import fast_training
+    from repmlp.engine.forms import training_form
 
     device = torch.device(spec["device"])
     img, batch = spec["img"], spec["batch"]
@@ -170,10 +171,9 @@ def train_worker(spec: dict) -> dict:
     for variant in spec["variants"]:
         graphed = variant.endswith("+graph")
         model_name, form = variant.removesuffix("+graph").partition(":")[::2]
-        model = _build(model_name, img).to(device).train()
-        if form:  # the training pass: "dense" its dense Local Perceptron, "conv" its convs (as graphs)
-            fast_training(model, dense=form == "dense")
-        model = model.to(memory_format=torch.channels_last)
+        model = _build(model_name, img).to(device).train().to(memory_format=torch.channels_last)
+        if form:  # the training form: "dense" its dense Local Perceptron, "conv" the plain convs
+            model = training_form(model, dense=form == "dense")  # a new tree sharing the parameters
         chans = 1 if model_name == "fmnist" else 3
         x = torch.randn(batch, chans, img, img, device=device).contiguous(memory_format=torch.channels_last)
         classes = 1000 if model_name in ("tv_r50", "r50", "rmr50", "light") else 10
@@ -535,20 +535,21 @@ def environment(device: str) -> str:
 
 def dense_check(device: str) -> str:
     """float64 forward and gradients of one block, conv form against dense form, on the device."""
-    import copy
-
     import torch
 
     from repmlp import RepMLPBlock
-    from repmlp.speed import fast_training
+    from repmlp.engine.forms import DenseLocalPerceptron, training_form
 
     torch.manual_seed(0)
     block = RepMLPBlock(64, 64, 28, 7, groups=8, kernel_sizes=(1, 3, 5)).double().to(device).train()
-    dense = fast_training(copy.deepcopy(block), dense=True)
+    dense = training_form(block, dense=True)  # a new tree sharing the block's parameters
+    if not any(isinstance(m, DenseLocalPerceptron) for m in dense.modules()):
+        return f"dense vs conv form on {device}: the block has no dense form"
     x = torch.randn(4, 64, 28, 28, dtype=torch.float64, device=device, requires_grad=True)
     y1, y2 = block(x), dense(x)
-    g1 = torch.autograd.grad(y1.square().sum(), [x, *block.parameters()])
-    g2 = torch.autograd.grad(y2.square().sum(), [x, *dense.parameters()])
+    params = [x, *block.parameters()]
+    g1 = torch.autograd.grad(y1.square().sum(), params)
+    g2 = torch.autograd.grad(y2.square().sum(), params)
     scale = max(float(b.abs().max()) for b in g2)
     grad_err = max(float((a - b).abs().max()) for a, b in zip(g1, g2, strict=True)) / scale
     out_err = float((y1 - y2).detach().abs().max() / y1.detach().abs().max())

@@ -109,13 +109,18 @@ def worker(src: str, case: str, model_name: str, compiled: bool, keep_memory: bo
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # name each generated kernel in the profile
-    try:  # the training speed pass, as repmlp train applies it (a baseline from before it has none)
-        from repmlp.speed import fast_training
+    try:  # the training form, as repmlp train builds it
+        from repmlp.engine.forms import training_form
 
-        fast_training(model)
-    except ImportError:
-        pass
-    net = torch.compile(model) if compiled else model
+        net = training_form(model)
+    except ImportError:  # a baseline with the training speed pass (or from before it: none)
+        try:
+            from repmlp.speed import fast_training
+
+            net = fast_training(model)
+        except ImportError:
+            net = model
+    net = torch.compile(net) if compiled else net
     position = 0
 
     def step() -> None:
@@ -190,7 +195,7 @@ def matmul_gmacs() -> float:
 
 def training_macs(model_name: str, size: int, model_args: dict) -> float:
     """Multiply-accumulates of one training image: forward x 3 (forward, input and weight gradients). The
-    convs' count: the dense FC form of narrow branches (repmlp.speed.dense) adds zeros, not maths."""
+    convs' count: the dense FC form of narrow branches (repmlp.engine.forms) adds zeros, not maths."""
     from repmlp.bench.counts import profile_model
 
     kwargs = dict(num_classes=10, in_chans=1, **model_args)

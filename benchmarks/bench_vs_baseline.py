@@ -2,12 +2,15 @@
 
 For a refactor that must leave every deployed model as fast as before: each (code, treatment) pair runs in
 a worker process of its own, with its own ``src/`` (the baseline extracted from git), and builds the same
-models with the same seeds, deployed by ``repmlp.reparameterize_model`` and run as ``repmlp bench`` runs
-them (this checkout: after the inference speed pass, ``repmlp.speed.fast_inference``; a baseline from
-before the passes chose its forms inside the forward). Treatments: ``eager`` (float32), ``compiled``
-(``torch.compile``, float32), ``bf16_compiled`` (bfloat16, channels_last, compiled) and ``onnxruntime``
-(the exported graph, float32). Every round asks every worker in turn for a block of passes of each model and
-batch; reported: images/s of the median round, "now" over "before" with the spread of the per-round ratios.
+models with the same seeds, deployed by ``repmlp.reparameterize_model`` and run as each side's code runs
+them: this checkout has no inference pass (the plain modules); a baseline with ``repmlp.speed`` gets its
+inference pass (``fast_inference``); one from before the passes chose its forms inside the forward. On both
+sides every model (torchvision's ResNet-50 included) runs in the treatment's memory format, weights and
+input alike, a flag of the run rather than a choice of the code. Treatments: ``eager`` (float32,
+channels_last), ``compiled`` (``torch.compile``, float32, channels_last), ``bf16_compiled`` (bfloat16,
+channels_last, compiled) and ``onnxruntime`` (the exported graph, float32, NCHW). Every round asks every
+worker in turn for a block of passes of each model and batch; reported: images/s of the median round, "now"
+over "before" with the spread of the per-round ratios.
 
     python3 benchmarks/bench_vs_baseline.py --baseline 0b1ba13 [--treatments eager onnxruntime] [--rounds 7]
 """
@@ -40,6 +43,16 @@ def _build(name: str):  # noqa: ANN202 - torch objects, imported in the worker
     return repmlp.reparameterize_model(net.eval())
 
 
+def inference_form(net, batches: list[int]):  # noqa: ANN001, ANN202 - torch objects, imported in the worker
+    """``net`` as this side's code runs it for inference: the plain modules in this checkout (no pass); a
+    baseline with ``repmlp.speed`` applies its inference pass (in place: FC3 kernels timed for ``batches``)."""
+    try:
+        from repmlp.speed import fast_inference
+    except ImportError:  # this checkout, or a baseline from before the passes: the modules as they are
+        return net
+    return fast_inference(net, batch_sizes=batches)
+
+
 def worker(treatment: str, batches: list[int], min_s: float) -> None:
     """Serve timing requests on stdin (one line: a round) with ``{model/batch: seconds per image}``."""
     import torch
@@ -47,14 +60,8 @@ def worker(treatment: str, batches: list[int], min_s: float) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from repmlp.deploy.runtimes import to_runtime
 
-    try:
-        from repmlp.speed import fast_inference
-    except ImportError:  # the baseline: no pass
-
-        def fast_inference(model, **kwargs):  # noqa: ANN001, ANN202
-            return model
-
     torch._dynamo.config.recompile_limit = 64  # every repmlp ResNet shares one forward's code
+    fmt = torch.contiguous_format if treatment == "onnxruntime" else torch.channels_last
     calls = {}
     for name in MODELS:
         net = _build(name)
@@ -63,15 +70,11 @@ def worker(treatment: str, batches: list[int], min_s: float) -> None:
         if treatment == "onnxruntime":
             run = to_runtime(net, "onnxruntime", size)
         else:
-            net = fast_inference(net.to(dtype), batch_sizes=batches)
-            if treatment == "bf16_compiled":
-                net = net.to(memory_format=torch.channels_last)
+            net = inference_form(net.to(dtype), batches).to(memory_format=fmt)
             run = torch.compile(net) if treatment.endswith("compiled") else net
         for b in batches:
             x = torch.randn(b, *size, generator=torch.Generator().manual_seed(1)).to(dtype)
-            if treatment == "bf16_compiled":
-                x = x.contiguous(memory_format=torch.channels_last)
-            calls[f"{name}/{b}"] = (run, x)
+            calls[f"{name}/{b}"] = (run, x.contiguous(memory_format=fmt))
     with torch.inference_mode():
         for run, x in calls.values():  # warm-up: compiles, oneDNN kernels, FC3 timings
             run(x)
@@ -116,6 +119,7 @@ def main() -> None:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
+                    # REPMLP_FC3: read by a baseline that chose FC3's kernel inside the forward only
                     env={**os.environ, "PYTHONPATH": src, "REPMLP_FC3": "auto"},
                 )  # fmt: skip
                 for side, src in sides.items()
@@ -141,7 +145,10 @@ def main() -> None:
                              f"{ratios[0]:.2f}-{ratios[-1]:.2f}"])  # fmt: skip
                 print(f"  {treatment} {key}: {statistics.median(ratios):.2f}x", file=sys.stderr, flush=True)
     print(
-        f"CPU: {cpu_name()}; baseline {args.baseline}; {args.rounds} interleaved rounds of {args.round_s} s"
+        f"CPU: {cpu_name()}; baseline {args.baseline}; {args.rounds} interleaved rounds of {args.round_s} s; "
+        "each side's own inference form (this checkout: the plain modules; a baseline with repmlp.speed: its "
+        "inference pass); every model, ResNet-50 included, channels_last (weights and input) on both sides, "
+        "onnxruntime NCHW"
     )
     header = [
         "treatment",

@@ -3,11 +3,16 @@
 For a refactor that must change no number: each of a few small models is built with the same seed by the
 baseline's code and by this checkout's (each in a process of its own, with its own ``src/``), in NCHW and
 channels_last, and run in eval mode without autograd, in training mode with autograd (outputs and every
-parameter's gradient of a fixed loss) and converted; every tensor must be equal to the bit. A checkout with
-speed passes (``repmlp.speed``) runs each mode as ``repmlp`` runs it: the training pass for the training
-step, the inference pass for evaluation and the deployed model. FC3 runs the batched matmul on both sides
-(``REPMLP_FC3=bmm`` for a baseline that timed its form inside the forward), since the form timed fastest
-may differ between processes.
+parameter's gradient of a fixed loss) and converted; every tensor must be equal to the bit. Each side runs
+each mode as its ``repmlp`` runs it: this checkout trains the training form
+(``repmlp.engine.forms.training_form``) and evaluates and deploys the plain modules (no inference pass); a
+baseline with speed passes (``repmlp.speed``) runs its training pass for the training step and its
+inference pass for evaluation and the deployed model; one from before the passes, the plain modules. FC3
+runs the batched matmul on both sides (``REPMLP_FC3=bmm`` for a baseline that timed its form inside the
+forward, no kernel timed for one with the inference pass), since the form timed fastest may differ between
+processes. Against a baseline with the passes, tensors may differ where its passes changed layouts or
+kernels (trunks run channels_last, patch stems as a matmul, 2x2 max pools as two maxima): their removal, not
+a refactor's change.
 
     python3 benchmarks/bitwise_vs_baseline.py --baseline d34241d
 """
@@ -19,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +48,24 @@ CASES = [
 ]
 
 
+def run_forms() -> tuple[Callable, Callable, Callable]:
+    """``(training, inference, plain)``: model -> the module this side's ``repmlp`` runs in that mode, and back
+    to the plain modules. This checkout: the training form (a new tree sharing the model's parameters), the
+    plain modules for inference; a baseline with the speed passes: its passes, in place; one from before
+    them: the modules as they are (their forms chosen inside the forward)."""
+    try:
+        from repmlp.engine.forms import training_form
+    except ImportError:
+        pass
+    else:
+        return training_form, lambda model: model, lambda model: model
+    try:
+        from repmlp.speed import fast_inference, fast_training, plain
+    except ImportError:
+        return (lambda model: model,) * 3
+    return fast_training, lambda model: fast_inference(model, batch_sizes=()), plain  # no FC3 timed: bmm
+
+
 def worker(out: str) -> None:
     """Every tensor of every case, by name, saved to ``out`` (runs with the ``src/`` on sys.path)."""
     import copy
@@ -50,14 +74,7 @@ def worker(out: str) -> None:
 
     import repmlp
 
-    try:
-        from repmlp.speed import fast_inference, fast_training, plain
-    except ImportError:  # a baseline from before the passes: its forms were chosen inside the forward
-        fast_training = fast_inference = plain = lambda model, **kwargs: model
-
-    def inference(model: torch.nn.Module) -> torch.nn.Module:
-        return fast_inference(model, batch_sizes=())  # no FC3 timed: the batched matmul
-
+    training, inference, plain = run_forms()
     tensors = {}
     for name, options, shape in CASES:
         for channels_last in (False, True):
@@ -69,7 +86,7 @@ def worker(out: str) -> None:
             x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
             with torch.no_grad():
                 tensors[f"{key}/eval"] = inference(copy.deepcopy(model).eval())(x)
-            y = fast_training(model.train())(x)
+            y = training(model.train())(x)
             y.square().sum().backward()
             tensors[f"{key}/train"] = y.detach()
             tensors.update({f"{key}/grad/{k}": p.grad for k, p in model.named_parameters()})

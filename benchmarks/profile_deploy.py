@@ -1,15 +1,17 @@
 """Where a deployed RepMLP-ResNet's time goes, stage by stage, against ResNet-50 (float32, CPU).
 
-Times the stem and c2..c5 of a deployed RepMLP-Res50 family model, torchvision's ResNet-50 and repmlp's
-own deployed ResNet-50 (`repmlp_res50` with ``stages=()``: same structure, BN fused), interleaved, each
-stage fed the activation its own model produces (so in the memory layout that model runs). Then the
-bound this puts on the whole-model ratio: the ratio if the stages holding RepMLPs took no time at all.
-Beside each stage: the model's speed and MAC ratio against our ResNet-50 and their quotient, the model's
-MAC rate as a share of ResNet-50's there. Last, the deployed model's top operators (``torch.profiler``).
-``--compile``: every stage and the profiled model through ``torch.compile`` (Inductor's generated kernels
-named in the profile, by kind).
+Times the stem and c2..c5 of a deployed RepMLP-Res50 family model, torchvision's ResNet-50 (each stage's
+BN fused by ``repmlp.reparameterize_model``) and repmlp's own deployed ResNet-50 (`repmlp_res50` with
+``stages=()``: same structure, BN fused), interleaved, each stage fed the activation its own model produces.
+Every model runs alike: the plain modules (no speed pass of repmlp's own), weights and input channels_last
+(``--nchw``: NCHW), eager or (``--compile``) compiled. Then the bound this puts on the whole-model ratio: the
+ratio if the stages holding RepMLPs took no time at all. Beside each stage: the model's speed and MAC ratio
+against our ResNet-50 and their quotient, the model's MAC rate as a share of ResNet-50's there. Last, the
+deployed model's top operators (``torch.profiler``). ``--compile``: every stage and the profiled model
+through ``torch.compile`` (Inductor's generated kernels named in the profile, by kind).
 
     python3 benchmarks/profile_deploy.py [--model repmlp_res50_light] [--batch-size 8] [--rounds 7] [--compile]
+        [--nchw]
 """
 
 from __future__ import annotations
@@ -25,39 +27,38 @@ from common import cpu_name, device_arg, parse_cpu_only, table
 from repmlp import create_model, reparameterize_model
 from repmlp.bench.counts import count_macs
 from repmlp.bench.timing import time_interleaved
-from repmlp.speed import fast_inference
 
 STAGES = ("stem", "c2", "c3", "c4", "c5")
 
 
 def stages_of(model: nn.Module) -> list[nn.Module]:
-    """The stem and the four stages of a torchvision or repmlp ResNet, in order."""
+    """The stem and the four stages of a torchvision or repmlp ResNet, in order; a torchvision ResNet's BN
+    fused stage by stage (``repmlp.reparameterize_model`` of the whole model folds it into one fx graph, with
+    no stage left to call)."""
     if isinstance(model, torchvision.models.ResNet):
         stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
-        return [stem, model.layer1, model.layer2, model.layer3, model.layer4]
+        stages = [stem, model.layer1, model.layer2, model.layer3, model.layer4]
+        return [reparameterize_model(s.eval()) for s in stages]
     return [model.stem, model.layer1, model.layer2, model.layer3, model.layer4]
 
 
-def stage_inputs(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """The input each stage sees when ``model`` runs on ``x`` (repmlp's trunks run channels_last after the
-    inference pass, :func:`repmlp.speed.fast_inference`)."""
-    if not isinstance(model, torchvision.models.ResNet):
-        x = x.contiguous(memory_format=torch.channels_last)
+def stage_inputs(stages: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """The input each of ``stages`` sees when they run one after the other on ``x``."""
     inputs = []
     with torch.inference_mode():
-        for stage in stages_of(model):
+        for stage in stages:
             inputs.append(x)
             x = stage(x)
     return inputs
 
 
 def stage_times(
-    models: dict[str, nn.Module], x: torch.Tensor, rounds: int, compiled: bool = False
+    models: dict[str, list[nn.Module]], x: torch.Tensor, rounds: int, compiled: bool = False
 ) -> dict[str, list[float]]:
-    """Seconds per call of every stage of every model, each stage's models interleaved; ``compiled``: each
-    stage through its own ``torch.compile``."""
-    inputs = {name: stage_inputs(m, x) for name, m in models.items()}
-    stages = {name: stages_of(m) for name, m in models.items()}
+    """Seconds per call of every stage of every model (name -> its stages), each stage's models
+    interleaved; ``compiled``: each stage through its own ``torch.compile``."""
+    inputs = {name: stage_inputs(ss, x) for name, ss in models.items()}
+    stages = dict(models)
     if compiled:
         stages = {name: [torch.compile(s) for s in ss] for name, ss in stages.items()}
     times: dict[str, list[float]] = {name: [] for name in models}
@@ -70,10 +71,10 @@ def stage_times(
     return times
 
 
-def stage_macs(model: nn.Module) -> list[int]:
-    """Multiply-accumulates of each stage of ``model`` for one 224x224 image."""
-    inputs = stage_inputs(model, torch.randn(1, 3, 224, 224))
-    return [count_macs(s, tuple(a.shape[1:])) for s, a in zip(stages_of(model), inputs, strict=True)]
+def stage_macs(stages: list[nn.Module]) -> list[int]:
+    """Multiply-accumulates of each of ``stages`` for one 224x224 image."""
+    inputs = stage_inputs(stages, torch.randn(1, 3, 224, 224))
+    return [count_macs(s, tuple(a.shape[1:])) for s, a in zip(stages, inputs, strict=True)]
 
 
 def top_operators(model: nn.Module, x: torch.Tensor, k: int = 8, compiled: bool = False) -> list[list[str]]:
@@ -107,22 +108,26 @@ def main() -> None:
         "--compile", action="store_true", help="the stages and the profile through torch.compile"
     )
     parser.add_argument("--top", type=int, default=8, help="operators listed")
+    parser.add_argument("--nchw", action="store_true", help="every model NCHW (default: channels_last)")
     args = parse_cpu_only(parser, "deployment")
     # Every repmlp ResNet stage shares one forward's code: room for each model's compiled variants.
     torch._dynamo.config.recompile_limit = 64
     rounds = 2 if args.quick else args.rounds
-    net = fast_inference(
-        reparameterize_model(create_model(args.model).eval()), batch_sizes=(args.batch_size,)
-    )
-    models = {
-        args.model: net,
-        "torchvision ResNet-50": torchvision.models.resnet50().eval(),
-        "our ResNet-50": fast_inference(reparameterize_model(create_model("repmlp_res50", stages=()).eval())),
+    fmt = torch.contiguous_format if args.nchw else torch.channels_last
+    net = reparameterize_model(create_model(args.model).eval()).to(memory_format=fmt)
+    ours = reparameterize_model(create_model("repmlp_res50", stages=()).eval())
+    models = {  # name -> its stages, every one BN fused, in the same memory format
+        args.model: stages_of(net),
+        "torchvision ResNet-50": stages_of(torchvision.models.resnet50().eval()),
+        "our ResNet-50": stages_of(ours),
     }
-    x = torch.randn(args.batch_size, 3, 224, 224)
+    models = {name: [s.to(memory_format=fmt) for s in ss] for name, ss in models.items()}
+    x = torch.randn(args.batch_size, 3, 224, 224).contiguous(memory_format=fmt)
+    layout = "NCHW" if args.nchw else "channels_last"
     print(
         f"**profile_deploy: {args.model} (deployed) stage by stage, batch {args.batch_size}, "
-        f"{'compiled' if args.compile else 'eager'} float32**"
+        f"{'compiled' if args.compile else 'eager'} float32, every model BN fused and {layout} (weights and "
+        "input)**"
     )
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} torch threads; torch {torch.__version__}\n")
     times = stage_times(models, x, rounds, args.compile)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 device_args=("$@")
 echo "Produced by \`bash benchmarks/run_all.sh${*:+ $*}\` on $(date -u +%Y-%m-%d)."
 echo
-for script in bench_block bench_fc3 bench_conversion; do
+for script in bench_block bench_conversion; do
     echo "### benchmarks/${script}.py"
     echo
     python3 "benchmarks/${script}.py" "${device_args[@]}"
@@ -32,23 +32,17 @@ echo "### benchmarks/bench_runtimes.py: deployed models vs ResNet-50 in PyTorch,
 echo
 python3 benchmarks/bench_runtimes.py --profile  # CPU only; OpenVINO rows need pip install 'repmlp[openvino]'
 echo
-for model in repmlp_res50_light repmlp_res50; do
-    echo "### benchmarks/bench_fc3_weights.py --model ${model}: FC3 at batch 1 with fewer weight bytes"
-    echo
-    python3 benchmarks/bench_fc3_weights.py --model "${model}"  # CPU only
-    echo
-done
 echo "### benchmarks/bench_train.py: the training step before and after issue 19's work"
 echo
 python3 benchmarks/bench_train.py --profile
 echo
+echo "### benchmarks/bench_forms.py: the training form against the plain model"
+echo
+python3 benchmarks/bench_forms.py
+echo
 echo "### benchmarks/bench_allocator.py: a training step under three settings of glibc's malloc"
 echo
 python3 benchmarks/bench_allocator.py  # CPU only
-echo
-echo "### benchmarks/bench_local_convs.py: a Local Perceptron branch's training layouts"
-echo
-python3 benchmarks/bench_local_convs.py  # CPU only
 echo
 echo "### benchmarks/bench_deploy.py with glibc malloc keeping freed memory (no page faults per call)"
 echo

@@ -92,9 +92,8 @@ def test_a_cycle_is_found_when_there_is_one():
 
 
 # The folders of the package, lowest first: a module imports only from its own folder and the folders below it.
-# ``speed`` (the speed passes) sits above the models it speeds up; ``io`` (model and state files) sits above
-# ``models`` too: a file names the model to build, and the models never read files; the two never import
-# each other. ``engine`` and ``deploy`` share a rank and never import each other (training knows no
+# ``io`` (model and state files) sits above ``models``: a file names the model to build, and the models never
+# read files. ``engine`` and ``deploy`` share a rank and never import each other (training knows no
 # deployment, and a deployed model needs no training loop); ``bench`` sits above both, since it measures
 # what they produce.
 RANKS = {
@@ -104,7 +103,6 @@ RANKS = {
     "repmlp.nn": 1,
     "repmlp.data": 2,
     "repmlp.models": 3,
-    "repmlp.speed": 4,
     "repmlp.io": 4,
     "repmlp.engine": 5,
     "repmlp.deploy": 5,
@@ -156,7 +154,7 @@ def test_every_module_is_in_a_ranked_folder():
 
 
 def test_imports_go_one_way_between_folders():
-    """commands -> tasks -> bench -> {deploy, engine} -> {speed, io} -> models -> data -> nn -> {errors, numerics}."""
+    """commands -> tasks -> bench -> {deploy, engine} -> io -> models -> data -> nn -> {errors, numerics}."""
     graph = import_graph()
     assert climbs(graph) == []
     assert folder_cycle(graph) is None, " -> ".join(folder_cycle(graph) or [])

@@ -63,11 +63,11 @@ def test_h200_ceilings_match_an_independent_calculation(h200_walks):
             expected_ratio = expected / PAPER_H200["ResNet-50"][3 + (precision == "fp32")]
             ratio = _ceiling(ops, precision) / _ceiling(base, precision)
             assert ratio == pytest.approx(expected_ratio, rel=0.01), (key, precision)
-        # Unfused: the note's figure plus exactly the copies it leaves out.
+        # Unfused: the note's figure, which counts each block's partition copies as a pass over memory.
         unfused = ceiling(ops, find_device("h200", "fp16"), "fp16", "unfused")
         copies = sum(b for op, (_, b) in zip(ops, unfused, strict=True) if op.kind == "copy")
         assert (copies > 0) == (key != "ResNet-50")
-        assert (sum(b for _, b in unfused) - copies) / 1e9 == pytest.approx(unfused_gb, rel=0.005)
+        assert sum(b for _, b in unfused) / 1e9 == pytest.approx(unfused_gb, rel=0.005)
 
 
 def test_torchvision_resnet50_is_the_baseline():

@@ -190,14 +190,14 @@ def test_paths_on_cuda_equal_eager(path):
 
 @pytest.mark.cuda
 @CUDA
-@pytest.mark.parametrize("dense", [False, True], ids=["plain", "dense-training-pass"])
+@pytest.mark.parametrize("dense", [False, True], ids=["plain", "dense-training-form"])
 def test_graphed_training_steps_equal_eager_on_cuda(dense: bool):
     """Three SGD steps with the module as CUDA graphs against eager: the same losses and weights, in full
-    float32 (TF32 would round the two alike only by chance); also under the training pass's dense version,
-    whose capture must copy nothing from the host."""
+    float32 (TF32 would round the two alike only by chance); also of the dense training form
+    (repmlp.engine.forms.training_form), whose capture must copy nothing from the host."""
     from repmlp.engine import graph_module
+    from repmlp.engine.forms import DenseLocalPerceptron, training_form
     from repmlp.numerics import full_float32
-    from repmlp.speed import fast_training
 
     torch.manual_seed(0)
     base = repmlp.create_model("repmlp_fmnist_patch2", num_classes=10, in_chans=1).cuda().train()
@@ -207,12 +207,12 @@ def test_graphed_training_steps_equal_eager_on_cuda(dense: bool):
     for graphs in (False, True):
         torch.manual_seed(1)
         net = copy.deepcopy(base)
-        if dense:
-            fast_training(net, dense=True)
+        form = training_form(net, dense=True) if dense else net  # the model's own parameters
+        assert any(isinstance(m, DenseLocalPerceptron) for m in form.modules()) is dense
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         losses = []
         with full_float32():  # around the capture too: a graph keeps the kernels it was captured with
-            step_net = graph_module(net, (x,), None) if graphs else net
+            step_net = graph_module(form, (x,), None) if graphs else form
             for _ in range(3):
                 loss = F.cross_entropy(step_net(x), y)
                 opt.zero_grad(set_to_none=True)
@@ -228,17 +228,19 @@ def test_graphed_training_steps_equal_eager_on_cuda(dense: bool):
 @pytest.mark.cuda
 @CUDA
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_bench_on_cuda_uses_the_fastest_path(precision, caplog):
-    """repmlp.bench.throughput on CUDA prepares every form by its precision's path, and times it."""
+def test_bench_on_cuda_runs_every_form_alike(precision):
+    """repmlp.bench.throughput on CUDA times every form the same way: the plain modules, eager, in the
+    precision, channels_last when asked (fp16 here), as each row's path says."""
     from repmlp.bench.throughput import benchmark, in_precision
 
     model = repmlp.create_model("repmlp_res50_light", **shallow("repmlp_res50_light")).eval()
     models = {"light": in_precision(model, precision, (3, 224, 224)) if precision != "fp32" else model}
     forms = ("deploy",) if precision != "fp32" else ("train", "deploy")
-    with caplog.at_level(logging.WARNING, logger="repmlp.deploy.gpu"):
-        rows = benchmark(models, (3, 224, 224), 8, device="cuda", warmup=1, repeats=2, forms=forms)
+    layout = "channels_last" if precision != "fp32" else "NCHW"
+    rows = benchmark(models, (3, 224, 224), 8, device="cuda", warmup=1, repeats=2, forms=forms,
+                     channels_last=precision != "fp32")  # fmt: skip
     assert [r.form for r in rows] == list(forms) and all(r.throughput > 0 for r in rows)
-    assert "failed" not in caplog.text  # the path was built as chosen, not a fallback
+    assert all(r.path.startswith(f"eager, {layout}, {precision}, ") for r in rows)
 
 
 @pytest.mark.cuda

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+import repmlp
 from repmlp.engine import (
     DistInfo,
     LoopHooks,
@@ -27,9 +28,11 @@ from repmlp.engine import (
     Position,
     check_output,
     check_resumable,
+    prepare_module,
     state_hash,
     train_loop,
 )
+from repmlp.engine.forms import DenseLocalPerceptron
 from repmlp.errors import UserError
 from repmlp.io.state import load_state
 from repmlp_testdata import subprocess_env
@@ -143,19 +146,21 @@ def test_compiled_steps_and_a_failed_compilation_that_falls_back_to_eager(tmp_pa
     assert state_hash(fallback) == state_hash(eager) and fallback_history == eager_history
 
 
-def test_the_training_speed_pass_runs_for_the_run_unless_turned_off(tmp_path, monkeypatch):
-    """``LoopOptions.fast`` (default on; ``repmlp train --no-fast-training`` turns it off) applies
-    repmlp.speed.fast_training to the module before its first step; repmlp.speed.plain gives every module its
-    own class back at the end either way."""
-    from repmlp.engine import loop
-
-    calls: list[tuple[str, nn.Module]] = []
-    monkeypatch.setattr(loop, "fast_training", lambda m, **kw: calls.append(("fast_training", m)))
-    monkeypatch.setattr(loop, "plain", lambda m: calls.append(("plain", m)))
-    for options, expected in (({}, ["fast_training", "plain"]), ({"fast": False}, ["plain"])):
-        calls.clear()
-        net, _ = run(tmp_path / str(len(expected)), ToyTask(), epochs=1, **options)
-        assert [name for name, _ in calls] == expected and all(m is net for _, m in calls)
+def test_prepare_module_hands_the_loop_the_training_form_unless_turned_off() -> None:
+    """``prepare_module`` (every task's run; ``repmlp train --no-fast-training`` is ``form=False``) hands the
+    loop the model's training form (:func:`repmlp.engine.forms.training_form`): a new tree holding the model's
+    own parameters, the model's modules keeping their classes; with ``form=False``, or where no form applies,
+    the model itself."""
+    narrow = repmlp.create_model("repmlp_cifar", width_multiplier=0.25)
+    classes = [type(m) for m in narrow.modules()]
+    net = prepare_module(narrow, DistInfo())
+    assert net is not narrow and any(isinstance(m, DenseLocalPerceptron) for m in net.modules())
+    assert [type(m) for m in narrow.modules()] == classes
+    assert list(net.state_dict(keep_vars=True)) == list(narrow.state_dict(keep_vars=True))
+    assert all(a is b for a, b in zip(net.parameters(), narrow.parameters(), strict=True))
+    assert prepare_module(narrow, DistInfo(), form=False) is narrow
+    toy = nn.Linear(5, 3)
+    assert prepare_module(toy, DistInfo()) is toy
 
 
 # Thirty rounds of a 64 MiB and a 32 MiB tensor (above glibc's largest mapping threshold), written then freed;

@@ -1,8 +1,10 @@
-"""RepMLPBlock: equivalence of the re-parameterized block, the paper's formulation, validation, round trip."""
+"""RepMLPBlock: equivalence of the re-parameterized block, the paper's formulation, validation, round trip;
+the blocks' memory formats (RepMLPBlock, PartitionConvBlock, RepMLPNetBlock) and their traces."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,9 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from equivalence import randomize, rel_err
-from repmlp import RepMLPBlock, reparameterize_model
+from repmlp import RepMLPBlock, create_model, reparameterize_model
+from repmlp.models.pure_mlp import PartitionConvBlock
+from repmlp.models.repmlpnet import RepMLPNetBlock
+from repmlp.nn.block import is_channels_last
 
 FAST = settings(max_examples=30, deadline=None)
 
@@ -283,3 +289,165 @@ def test_reparameterized_block_on_cuda(dtype):
     assert all(p.is_cuda and p.dtype == dtype for p in deployed.parameters())
     tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}[dtype]
     assert rel_err(out.double().cpu(), ref) < tol
+
+
+# ------------------------------------------------------------------------------------- memory format
+CL = torch.channels_last
+# Each block kind: deploy -> the block, its input (C, H, W), and whether its training-time / deployed form
+# computes a conv.
+LAYOUT_BLOCKS: dict[str, tuple[Callable[[bool], nn.Module], tuple[int, int, int], tuple[bool, bool]]] = {
+    "repmlp": (
+        lambda d: RepMLPBlock(4, 6, (8, 9), (4, 3), groups=2, kernel_sizes=(1, 3), deploy=d), (4, 8, 9), (True, False)
+    ),
+    "repmlp-no-global": (
+        lambda d: RepMLPBlock(4, 6, (8, 9), (4, 3), groups=2, kernel_sizes=(1, 3), global_perceptron=False, deploy=d),
+        (4, 8, 9), (True, False),
+    ),
+    "repmlp-fc3-only": (lambda d: RepMLPBlock(4, 6, 8, 4, kernel_sizes=(), deploy=d), (4, 8, 8), (False, False)),
+    "partition-conv": (
+        lambda d: PartitionConvBlock(4, 6, 8, 4, kernel_size=3, groups=2, kernel_sizes=(1, 3), deploy=d),
+        (4, 8, 8), (True, True),
+    ),
+    "partition-conv-no-global": (
+        lambda d: PartitionConvBlock(4, 6, 8, 4, kernel_size=3, kernel_sizes=(1,), global_perceptron=False, deploy=d),
+        (4, 8, 8), (True, True),
+    ),
+    "repmlpnet": (lambda d: RepMLPNetBlock(8, 8, 4, 2, deploy=d), (8, 8, 8), (True, True)),  # gate: 1x1 convs
+}  # fmt: skip
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` and ``b`` hold the same values to float64 round-off: a bare ``nn.Conv2d``, and a batched matmul
+    over rows strided otherwise, may differ in the last bit between an NCHW and a channels_last input."""
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _assert_layout(out: torch.Tensor, channels_last: bool) -> None:
+    """``out`` is dense in the memory format asked (a tensor of one channel or of 1x1 maps is dense in both)."""
+    assert out.is_contiguous(memory_format=CL if channels_last else torch.contiguous_format), out.stride()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval-mode", "train-mode"])
+@pytest.mark.parametrize("deploy", [False, True], ids=["training-time", "deployed"])
+@pytest.mark.parametrize("kind", list(LAYOUT_BLOCKS))
+def test_a_block_writes_its_output_in_its_inputs_memory_format(
+    kind: str, deploy: bool, training: bool
+) -> None:
+    """A RepMLP block, the pure MLP's partition-conv block and RepMLPNet's block, in either form and mode:
+    a channels_last input gives a channels_last output, an NCHW one an NCHW output, the same values."""
+    make, shape, _ = LAYOUT_BLOCKS[kind]
+    torch.manual_seed(0)
+    block = randomize(make(deploy), 0).double().train(training)
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    nchw, cl = block(x), block(x.contiguous(memory_format=CL))
+    _assert_layout(nchw, channels_last=False)
+    _assert_layout(cl, channels_last=True)
+    _same_values(cl, nchw)
+
+
+@st.composite
+def block_configs(draw: st.DrawFn) -> tuple[tuple, dict, int, bool]:
+    """A RepMLPBlock's arguments of any geometry: partitions from 1x1 up, a resolution that may need padding
+    (cropped back), one channel a group or more; a batch, and whether the block is built deployed."""
+    g = draw(st.integers(1, 3))
+    cin, cout = g * draw(st.integers(1, 3)), g * draw(st.integers(1, 3))
+    h, w = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    res = (draw(st.integers(h, 3 * h)), draw(st.integers(w, 3 * w)))
+    sizes = [
+        (
+            draw(st.sampled_from([k for k in (1, 3) if k <= h])),
+            draw(st.sampled_from([k for k in (1, 3) if k <= w])),
+        )
+        for _ in range(draw(st.integers(0, 2)))
+    ]
+    kwargs = dict(groups=g, kernel_sizes=tuple(sizes), global_perceptron=draw(st.booleans()))
+    return (cin, cout, res, (h, w)), kwargs, draw(st.integers(1, 3)), draw(st.booleans())
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=block_configs(), training=st.booleans())
+def test_any_repmlp_block_keeps_its_inputs_memory_format(
+    cfg: tuple[tuple, dict, int, bool], training: bool
+) -> None:
+    """Over shapes, groups, kernels, with and without the Global Perceptron, either form and mode: the output in
+    the input's memory format, the same values from either."""
+    args, kwargs, batch, deploy = cfg
+    torch.manual_seed(0)
+    block = randomize(RepMLPBlock(*args, **kwargs, deploy=deploy), 0).double().train(training)
+    batch = max(batch, 2) if training else batch  # BatchNorm1d trains on two rows or more
+    x = torch.randn(batch, args[0], *args[2], dtype=torch.float64)
+    x_cl = x.contiguous(memory_format=CL)
+    nchw, cl = block(x), block(x_cl)
+    _assert_layout(nchw, channels_last=False)
+    _assert_layout(cl, channels_last=is_channels_last(x_cl))  # one channel or 1x1 maps: NCHW as well
+    _same_values(cl, nchw)
+
+
+@pytest.mark.parametrize("deploy", [False, True], ids=["training-time", "deployed"])
+@pytest.mark.parametrize(
+    ("resolution", "partition", "channels_last"),
+    [
+        ((7, 9), (4, 3), False),
+        ((7, 9), (4, 3), True),
+        ((4, 4), (4, 4), True),
+        ((2, 4), (2, 1), False),
+        ((2, 4), (2, 1), True),
+        ((2, 2), (1, 1), False),
+    ],
+    ids=["padded-nchw", "padded-channels_last", "one-partition-channels_last", "partition-2x1-nchw",
+         "partition-2x1-channels_last", "partition-1x1-nchw"],
+)  # fmt: skip
+def test_a_block_of_odd_geometry_writes_its_output_in_its_inputs_memory_format(
+    resolution: tuple[int, int], partition: tuple[int, int], channels_last: bool, deploy: bool
+) -> None:
+    """A resolution padded to whole partitions (7x9 on 4x3, cropped back); one partition (as the last stage
+    of ``repmlp_cifar``); partitions one position wide."""
+    block = RepMLPBlock(4, 6, resolution, partition, kernel_sizes=(1,), deploy=deploy).double().eval()
+    x = torch.randn(2, 4, *resolution, dtype=torch.float64)
+    _assert_layout(block(x.contiguous(memory_format=CL) if channels_last else x), channels_last)
+
+
+@pytest.mark.parametrize("deploy", [False, True], ids=["training-time", "deployed"])
+def test_traces_of_a_channels_last_block_compute_the_block(deploy: bool) -> None:
+    """``torch.fx.symbolic_trace`` and ``make_fx`` of a block on channels_last input, in training and evaluation
+    mode, with and without autograd: the block's outputs (and input gradients) in its layout. The fx graph
+    keeps the layout choice a run-time call (a leaf), so it serves NCHW inputs as the block does."""
+    torch.manual_seed(0)
+    block = randomize(RepMLPBlock(4, 6, (8, 9), (4, 3), groups=2, kernel_sizes=(1, 3)), 0).double()
+    if deploy:
+        block.eval().reparameterize()
+    x = torch.randn(2, 4, 8, 9, dtype=torch.float64).contiguous(memory_format=CL)
+    for training in (True, False):
+        block.train(training)
+        graph = torch.fx.symbolic_trace(block)
+        _assert_layout(graph(x.contiguous()), channels_last=False)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                runs = {"fx": graph, "make_fx": make_fx(block)(x)}
+                for how, run in runs.items():
+                    xs = [x.clone().requires_grad_(grad) for _ in range(2)]
+                    got, want = run(xs[0]), block(xs[1])
+                    _assert_layout(got, channels_last=True)
+                    assert torch.equal(got, want), (how, training, grad)
+                    if grad:
+                        got.square().sum().backward()
+                        want.square().sum().backward()
+                        assert torch.equal(xs[0].grad, xs[1].grad), (how, training)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_scripted_channels_last_deployed_model_computes_the_model() -> None:
+    """``torch.jit.script`` of a deployed model stored channels_last, on channels_last input: the model's
+    outputs; a scripted deployed block keeps the layout."""
+    torch.manual_seed(0)
+    model = randomize(create_model("repmlp_cifar", width_multiplier=0.25), 0).double().eval()
+    deployed = reparameterize_model(model).to(memory_format=CL)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).contiguous(memory_format=CL)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.script(deployed)(x), deployed(x), rtol=1e-12, atol=1e-12)
+        block = randomize(RepMLPBlock(4, 6, (8, 9), (4, 3), groups=2, kernel_sizes=(1, 3)), 0).double().eval()
+        block.reparameterize()
+        xb = torch.randn(2, 4, 8, 9, dtype=torch.float64).contiguous(memory_format=CL)
+        out = torch.jit.script(block)(xb)
+    _assert_layout(out, channels_last=True)
+    assert torch.equal(out, block(xb))

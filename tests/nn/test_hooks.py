@@ -1,6 +1,6 @@
 """Every module that computes runs through its own call: forward hooks fire and ``torch.nn.utils.prune`` takes
 effect on every weighted layer of every registered model, in evaluation and training, with and without
-autograd (the speed passes' forms: tests/speed/test_passes.py)."""
+autograd (the training form's hooks and pruning: tests/engine/test_forms.py)."""
 
 from __future__ import annotations
 

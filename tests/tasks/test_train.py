@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib
 import io
 import json
 import os
@@ -26,16 +27,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from repmlp import cli
+from repmlp import cli, engine
+from repmlp.commands._parser import ArgumentParser
+from repmlp.commands.task_options import TASK_OPTIONS
 from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
 from repmlp.engine import state_hash
 from repmlp.io.model_file import load_model
 from repmlp.io.state import load_state, save_state
+from repmlp.tasks import TASK_MODULES
 from repmlp_testdata import (
+    FACE_TINY,
+    SEG_TINY,
     fault_env,
     make_cifar10,
+    make_cityscapes,
+    make_faces,
     make_fashion_mnist,
     make_image_folder,
+    model_arg_options,
     subprocess_env,
     write_idx,
 )
@@ -210,21 +219,36 @@ def test_train_config_defaults_are_the_fmnist_preset():
     assert {k: getattr(cfg, k) for k in recipe} == recipe
 
 
+class _Prepared(Exception):
+    """Raised in place of ``repmlp.engine.prepare_module``: the run stops before its first step."""
+
+
 @pytest.mark.parametrize("task", ["cls", "face", "seg"])
-def test_no_fast_training_reaches_every_tasks_loop(task, tmp_path):
+def test_no_fast_training_reaches_every_tasks_prepare_module(task, data, tmp_path, monkeypatch):
     """``repmlp train --no-fast-training`` (any task) is the config's ``fast_training``, a runtime option
-    (no change to the maths: a resumed run may change it), and every task's loop options carry it."""
-    import importlib
+    (no change to the maths: a resumed run may change it), and every task's run hands it to
+    ``prepare_module`` as ``form`` (which builds the training form: tests/engine/test_engine.py)."""
+    forms: list[bool] = []
 
-    from repmlp.commands._parser import ArgumentParser
-    from repmlp.commands.task_options import TASK_OPTIONS
-    from repmlp.engine import DistInfo
-    from repmlp.tasks import TASK_MODULES
-    from repmlp.tasks._common import loop_options
+    def prepare(module: torch.nn.Module, procs: engine.DistInfo, *, form: bool = True) -> torch.nn.Module:
+        forms.append(form)
+        raise _Prepared
 
+    monkeypatch.setattr(engine, "prepare_module", prepare)
     module = importlib.import_module(f"repmlp.tasks.{TASK_MODULES[task]}")
+    if task == "cls":
+        task_args = ["--data-dir", data["fmnist"], *FMNIST_TINY, "--train-limit", 32, "--val-limit", 16]
+    elif task == "face":
+        make_faces(tmp_path / "faces", 2, 2)
+        task_args = ["--data-dir", tmp_path / "faces", "--model", "repmlp_face_resnet",
+                     *model_arg_options(FACE_TINY), "--img-size", 32]  # fmt: skip
+    else:
+        make_cityscapes(tmp_path / "city", "train", 2, (64, 96), seed=0)
+        task_args = ["--data-dir", tmp_path / "city", "--model", "pspnet_repmlp_res50",
+                     *model_arg_options(SEG_TINY), "--crop-size", 64]  # fmt: skip
     for flags, fast in (([], True), (["--no-fast-training"], False)):
-        argv = ["--data-dir", str(tmp_path), "--output", str(tmp_path / "run"), *flags]
+        argv = [*map(str, task_args), "--batch-size", "2", "--workers", "0", "--output", str(tmp_path / str(fast)),
+                *flags]  # fmt: skip
         if task == "cls":
             args = cli.build_parser().parse_args(["train", *argv])
             fields = module.TrainConfig.__dataclass_fields__  # as commands/train.py takes them
@@ -234,7 +258,9 @@ def test_no_fast_training_reaches_every_tasks_loop(task, tmp_path):
             TASK_OPTIONS[task]["train"](parser)
             cfg = module.TrainConfig.from_args(parser.parse_args(argv))
         assert cfg.fast_training is fast and "fast_training" in cfg.RUNTIME
-        assert loop_options(cfg, DistInfo(), lambda step: [0.1], auto_graphs=False, iterations=1).fast is fast
+        with pytest.raises(_Prepared):
+            module.train(cfg)
+    assert forms == [True, False]  # one prepared module a run: the training form, then the plain model
 
 
 def test_cifar10_batches_run(data, tmp_path, capsys):

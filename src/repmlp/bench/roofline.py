@@ -149,7 +149,7 @@ class _Recorder(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not outs:  # nothing written (a size or a scalar read)
             return out
-        if func.is_view:  # the view's elements are its base's
+        if func.is_view or func is torch.ops.aten._unsafe_view.default:  # the view's elements are its base's
             self.src.update({id(t): (t, *self._source(ins[0])) for t in outs})
             return out
         name = func.__name__.split(".")[0]

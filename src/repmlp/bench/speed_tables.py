@@ -29,7 +29,6 @@ from repmlp.engine import hardware_summary
 from repmlp.errors import first_line
 from repmlp.models import create_model
 from repmlp.numerics import full_float32
-from repmlp.speed import fast_inference
 
 __all__ = ["SPEED_TABLES", "SPEED_PATHS", "SpeedOptions", "SpeedResult", "speed_rows", "speed_reference",
            "paper_batch", "measure_speed_rows", "render_speed_tables", "time_path"]  # fmt: skip
@@ -45,8 +44,8 @@ Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
 
 
 def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
-    """The module called as it is, after the inference speed pass (:func:`repmlp.speed.fast_inference`)."""
-    return fast_inference(model, batch_sizes=(example.shape[0],))
+    """The module called as it is: the plain modules, as every row's model (``example`` unused)."""
+    return model
 
 
 #: Inference paths by name. ``fast``: the path measured fastest for the device and precision

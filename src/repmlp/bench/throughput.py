@@ -1,34 +1,41 @@
 """Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's:
 examples/s at a fixed batch in inference, for each model as built (eval mode) and after
 :func:`repmlp.reparameterize_model`, with each form's parameters and multiply-accumulates.
+
+Every model and form of one call runs the same way, as timm's ``benchmark.py`` runs its models: the plain
+modules (no speed pass of repmlp's own), eager or compiled by ``torch.compile`` (``compile_backend``), NCHW or
+channels_last (``channels_last``: weights and input), in the model's precision with the input cast to it;
+and all are timed in one series of interleaved rounds (:func:`repmlp.bench.timing.time_rounds`), so that a
+drift in the machine's load hits them alike and each row's speed ratio to the first model's is taken round
+by round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from repmlp.bench.counts import profile, profile_model
 from repmlp.bench.timing import time_rounds
-from repmlp.deploy.gpu import prepare_for_device
 from repmlp.deploy.precision import precision_of, to_precision
-from repmlp.deploy.runtimes import to_runtime
+from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError, first_line
 from repmlp.io.model_file import ModelMetadata, load_model
 from repmlp.models.registry import build_model, check_forward, default_input_size
 from repmlp.nn.convert import reparameterize_model
-from repmlp.speed import fast_inference
 
-__all__ = ["BenchRow", "benchmark", "render_markdown", "models_to_bench", "in_precision", "timing_caveat"]
+__all__ = ["BenchRow", "benchmark", "render_markdown", "models_to_bench", "in_precision", "timing_caveat",
+           "run_path"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -47,71 +54,162 @@ class BenchRow:
     throughput: float
     latency_ms: float  # median time of one batch
     spread: float = 0.0  # interquartile range of the batch times / their median
+    path: str = ""  # how it ran (run_path): "eager, NCHW, fp32, BN fused"
+    # Its speed over the first model's in the same form: the median of the per-round ratios, and their
+    # quartiles (None: one model timed, or the first model has no row of this form).
+    vs_first: float | None = None
+    vs_first_quartiles: tuple[float, float] | None = None
+
+
+@dataclass
+class _Form:
+    """One form to time: its model's name, ``"train"`` or ``"deploy"``, the module (a copy), its counts."""
+
+    name: str
+    form: str
+    module: nn.Module
+    params: int
+    macs: int
 
 
 def benchmark(models: Mapping[str, nn.Module], input_size: Sequence[int], batch_size: int, *,
               device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 10,
-              forms: Sequence[str] = ("train", "deploy"), runtime: str = "torch", path: str = "auto",
-              ) -> list[BenchRow]:  # fmt: skip
-    """One :class:`BenchRow` per model and form of ``forms``, in input order.
+              forms: Sequence[str] = ("train", "deploy"), runtime: str = "torch", channels_last: bool = False,
+              compile_backend: str | None = None) -> list[BenchRow]:  # fmt: skip
+    """One :class:`BenchRow` per model and form of ``forms``, in input order, all timed in one series of
+    interleaved rounds.
 
     ``models``: name -> model (training-time; one already deployed is measured as ``deploy`` only), copied,
-    never modified. ``input_size``: ``(C, H, W)``. ``warmup`` untimed passes, then ``repeats`` timed ones
-    (the row reports the median). ``runtime``: ``"torch"`` (with the inference speed pass), or an ONNX
-    runtime running each form's exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only;
-    parameters and MACs are the PyTorch model's). ``path``: how PyTorch runs on a GPU
-    (:data:`repmlp.deploy.gpu.PATHS`; ``"auto"``: :func:`repmlp.deploy.gpu.fastest_path`).
+    never modified. ``input_size``: ``(C, H, W)``; the input ``(batch_size, C, H, W)`` is cast to each
+    form's parameter dtype. ``warmup`` untimed passes, then ``repeats`` timed ones (the row reports the
+    median). Every form runs the same way (module docstring): ``channels_last`` puts weights and input in
+    that layout; ``compile_backend`` (``"inductor"``, say) runs each form through ``torch.compile``, compiled
+    by a first call before the warm-up, untimed. ``runtime``: ``"torch"``, or an ONNX runtime running each
+    form's exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only, neither flag; parameters
+    and MACs are the PyTorch model's). With more than one model, each row carries its speed ratio to the
+    first model's row of the same form (``vs_first``).
     """
+    _check_args(batch_size, warmup, repeats)
+    device = torch.device(device)
+    if runtime != "torch" and (device.type != "cpu" or channels_last or compile_backend):
+        raise ValueError(f"runtime {runtime!r} runs NCHW graphs on the CPU; device {device}, channels_last and "
+                         "compile_backend are for runtime 'torch'")  # fmt: skip
+    input_size = tuple(int(s) for s in input_size)
+    x = torch.randn(batch_size, *input_size, generator=torch.Generator().manual_seed(0))
+    variants = _forms(models, forms, input_size)
+    with torch.inference_mode(), _cudnn_benchmark(device):
+        runs = [_prepare(v, x, device, runtime, channels_last, compile_backend) for v in variants]
+        # One pass of every form a round: a drift in the machine's load hits every form alike.
+        passes = {i: functools.partial(fn, inp) for i, (fn, inp, _) in enumerate(runs)}
+        times = list(time_rounds(passes, device, rounds=repeats, warmup=warmup).values())
+    rows = [_row(v, t, batch_size, input_size, device, path) for v, t, (_, _, path) in zip(variants, times, runs,
+                                                                                         strict=True)]  # fmt: skip
+    if len(models) > 1:
+        _ratios_to_first(rows, times, next(iter(models)))
+    for r in rows:
+        log.info("%s (%s, %s): %.1f examples/s (spread %.0f%%)", r.model, r.form, r.path, r.throughput,
+                 100 * r.spread)  # fmt: skip
+    caveat = timing_caveat(rows)
+    if caveat:
+        log.warning("%s", caveat)
+    return rows
+
+
+def _check_args(batch_size: int, warmup: int, repeats: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-    device = torch.device(device)
-    if runtime != "torch" and device.type != "cpu":
-        raise ValueError(f"runtime {runtime!r} runs on the CPU, not on {device}")
-    input_size = tuple(int(s) for s in input_size)
-    x = torch.randn(batch_size, *input_size, generator=torch.Generator().manual_seed(0)).to(device)
-    variants = _forms(models, forms, input_size)
-    nets = [to_runtime(v[2], runtime, input_size).to(device) for v in variants]
-    if runtime == "torch":  # the inference speed pass, as repmlp predict runs the models
-        nets = [fast_inference(net, batch_sizes=(batch_size,)) for net in nets]
-    inputs = [x] * len(nets)
-    if device.type == "cuda" and runtime == "torch":
-        nets, inputs = map(list, zip(*[prepare_for_device(net, x, path) for net in nets], strict=True))
-    # One pass of every form a round: a drift in the machine's load hits every form alike.
-    passes = {i: functools.partial(net, inp) for i, (net, inp) in enumerate(zip(nets, inputs, strict=True))}
-    with torch.inference_mode():
-        times = time_rounds(passes, device, rounds=repeats, warmup=warmup).values()
-    rows: list[BenchRow] = []
-    for (name, form, _, params, macs), t in zip(variants, times, strict=True):
-        median = statistics.median(t)
-        q = statistics.quantiles(t, n=4) if len(t) > 1 else [median, median, median]
-        rows.append(BenchRow(name, form, input_size, batch_size, str(device), int(params), int(macs),
-                             batch_size / median if median > 0 else math.inf, median * 1e3,
-                             (q[2] - q[0]) / median if median > 0 else 0.0))  # fmt: skip
-        log.info(
-            "%s (%s): %.1f examples/s (spread %.0f%%)", name, form, rows[-1].throughput, 100 * rows[-1].spread
-        )
-    caveat = timing_caveat(rows)
-    if caveat:
-        log.warning("%s", caveat)
-    for net in nets:
-        if isinstance(net, nn.Module):
-            net.to("cpu")
-    return rows
 
 
-def _forms(models: Mapping[str, nn.Module], forms: Sequence[str], input_size: tuple[int, ...]) -> list[tuple]:
-    """``(name, form, module, params, MACs)`` of each model's ``forms``, on copies (eval mode)."""
+@contextlib.contextmanager
+def _cudnn_benchmark(device: torch.device) -> Iterator[None]:
+    """cuDNN's autotuner on for CUDA timings (timm's benchmark.py does so too), restored afterwards."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = before or device.type == "cuda"
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def run_path(module: nn.Module, form: str, *, channels_last: bool = False, compile_backend: str | None = None,
+             runtime: str = "torch") -> str:  # fmt: skip
+    """How ``module`` (a ``form``) runs, as the table's Path column says it: ``"eager, NCHW, fp32, BN fused"``,
+    ``"compiled, channels_last, bf16, BN fused"``; ``"onnxruntime, NCHW, int8, BN fused"`` for a graph
+    an ONNX runtime runs. "BN unfused" when BatchNorm modules are left, "no BN" for a training-time form
+    without any."""
+    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    fused = "BN unfused" if bn else "BN fused" if form == "deploy" else "no BN"
+    if runtime != "torch" or isinstance(module, RuntimeModel):
+        engine = runtime if runtime != "torch" else getattr(module, "runtime", "onnxruntime")
+        return f"{engine}, NCHW, {precision_of(module)}, {fused}"
+    how = "eager" if not compile_backend else "compiled" if compile_backend == "inductor" else (
+        f"compiled ({compile_backend})")  # fmt: skip
+    layout = "channels_last" if channels_last else "NCHW"
+    return f"{how}, {layout}, {precision_of(module)}, {fused}"
+
+
+def _prepare(v: _Form, x: Tensor, device: torch.device, runtime: str, channels_last: bool,
+             compile_backend: str | None) -> tuple[Callable[[Tensor], Tensor], Tensor, str]:  # fmt: skip
+    """``v``'s module ready to time on ``device``: ``(callable, its input, its path)``. The input ``x``
+    ``(N, C, H, W)`` float32 is cast to the module's parameter dtype (the pre-hook of
+    :func:`repmlp.deploy.precision.to_precision` that would cast it does not survive a copy of an fx graph,
+    such as a deployed timm or torchvision ResNet), and put channels_last with the weights."""
+    if runtime != "torch" or isinstance(v.module, RuntimeModel):  # an ONNX graph: float32 NCHW in
+        return to_runtime(v.module, runtime, x.shape[1:]), x, run_path(v.module, v.form, runtime=runtime)
+    param = next((p for p in v.module.parameters() if p.is_floating_point()), None)
+    dtype = param.dtype if param is not None else torch.float32
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    net = v.module.to(device=device, memory_format=fmt)
+    inp = x.to(device=device, dtype=dtype).contiguous(memory_format=fmt)
+    path = run_path(net, v.form, channels_last=channels_last, compile_backend=compile_backend)
+    if not compile_backend:
+        return net, inp, path
+    fn = torch.compile(net, backend=compile_backend)
+    try:
+        fn(inp)  # compiles now: the compile time is no part of the warm-up or the timed passes
+    except Exception as exc:  # noqa: BLE001 - dynamo's and inductor's errors are many kinds
+        raise UserError(f"--compile {compile_backend}: torch.compile of {v.name} ({v.form}) failed: "
+                        f"{type(exc).__name__}: {first_line(exc)[:200]}") from None  # fmt: skip
+    return fn, inp, path
+
+
+def _row(v: _Form, t: Sequence[float], batch_size: int, input_size: tuple[int, ...], device: torch.device,
+         path: str) -> BenchRow:  # fmt: skip
+    """``v``'s row from its per-round pass times ``t`` (seconds)."""
+    median = statistics.median(t)
+    q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (median, median, median)
+    return BenchRow(v.name, v.form, input_size, batch_size, str(device), int(v.params), int(v.macs),
+                    batch_size / median if median > 0 else math.inf, median * 1e3,
+                    (q3 - q1) / median if median > 0 else 0.0, path)  # fmt: skip
+
+
+def _ratios_to_first(rows: list[BenchRow], times: Sequence[Sequence[float]], first: str) -> None:
+    """Set each row's ``vs_first``: its speed over ``first``'s row of the same form, round by round (the
+    first model's pass time over the row's, in the same round), the median and quartiles of those ratios."""
+    reference = {r.form: t for r, t in zip(rows, times, strict=True) if r.model == first}
+    for row, t in zip(rows, times, strict=True):
+        ref = reference.get(row.form)
+        if ref is None:
+            continue
+        ratios = [a / b if b > 0 else math.inf for a, b in zip(ref, t, strict=True)]
+        median = statistics.median(ratios)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (median, median, median)
+        row.vs_first, row.vs_first_quartiles = median, (q1, q3)
+
+
+def _forms(models: Mapping[str, nn.Module], forms: Sequence[str], input_size: tuple[int, ...]) -> list[_Form]:
+    """Each model's ``forms``, on copies (eval mode), with their parameters and MACs."""
     variants = []
     for name, model in models.items():
         base = copy.deepcopy(model).eval()
         deployed_already = _is_deployed(base)
         if "train" in forms and not deployed_already:
-            variants.append((name, "train", base, *profile(base, input_size)))
+            variants.append(_Form(name, "train", base, *profile(base, input_size)))
         if "deploy" in forms:
             net = base if deployed_already else reparameterize_model(base)
-            variants.append((name, "deploy", net, *profile(net, input_size)))
+            variants.append(_Form(name, "deploy", net, *profile(net, input_size)))
     return variants
 
 
@@ -150,24 +248,38 @@ def _millions(n: int) -> str:
 
 def render_markdown(rows: Sequence[BenchRow], *, note: str | None = None) -> str:
     """A Markdown table like the paper's: params (M), MACs (M, the paper's "FLOPs"), examples/s, the spread
-    (interquartile range of the batch times over their median) and each deployed row's speed over its
-    training-time row's; :func:`timing_caveat` and ``note`` (the hardware, say) below."""
+    (interquartile range of the batch times over their median), each deployed row's speed over its
+    training-time row's, with more than one model each row's speed over the first model's in the same form
+    (the median of the per-round ratios and their quartiles), and the path each row ran (:func:`run_path`);
+    :func:`timing_caveat` and ``note`` (the hardware and flags, say) below."""
     train_speed = {r.model: r.throughput for r in rows if r.form == "train"}
-    lines = [
-        "| Model | Form | Input | Params (M) | MACs (M) | Batch | Speed (examples/s) | spread | vs. train |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    first = any(r.vs_first is not None for r in rows)
+    head = (
+        "| Model | Form | Input | Params (M) | MACs (M) | Batch | Speed (examples/s) | spread | vs. train |"
+    )
+    lines = [head + (" vs. first |" if first else "") + " Path |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if first else "") + "---|"]  # fmt: skip
     for r in rows:
         rel = train_speed.get(r.model)
         ratio = f"{r.throughput / rel:.2f}x" if r.form == "deploy" and rel else ""
         size = "x".join(str(s) for s in r.input_size)
-        lines.append(
-            f"| {r.model} | {r.form} | {size} | {_millions(r.params)} | {_millions(r.macs)} | {r.batch_size} "
-            f"| {r.throughput:.1f} | {100 * r.spread:.0f}% | {ratio} |"
-        )
+        cells = [r.model, r.form, size, _millions(r.params), _millions(r.macs), str(r.batch_size),
+                 f"{r.throughput:.1f}", f"{100 * r.spread:.0f}%", ratio]  # fmt: skip
+        cells += [_ratio_cell(r)] if first else []
+        lines.append("| " + " | ".join([*cells, r.path]) + " |")
     caveat = timing_caveat(rows)
     lines += ["", f"**Caveat:** {caveat}."] if caveat else []
     return "\n".join(lines + (["", note] if note else []))
+
+
+def _ratio_cell(row: BenchRow) -> str:
+    """``"1.23x (1.18-1.27)"``: the median per-round ratio and its quartiles (the median alone where they
+    round alike); ``""`` without a ratio."""
+    if row.vs_first is None:
+        return ""
+    q1, q3 = row.vs_first_quartiles or (row.vs_first, row.vs_first)
+    spread = f" ({q1:.2f}-{q3:.2f})" if f"{q1:.2f}" != f"{q3:.2f}" else ""  # none: the reference itself, say
+    return f"{row.vs_first:.2f}x{spread}"
 
 
 def models_to_bench(

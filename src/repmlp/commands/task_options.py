@@ -51,7 +51,7 @@ def add_run_arguments(group: argparse._ActionsContainer, *, resume_help: str, st
         "--compile on; a failed capture falls back to eager with one logged line)",
     })  # fmt: skip
     group.add_argument("--no-fast-training", dest="fast_training", action="store_false",
-                       help="train the plain modules: no speed pass (repmlp.speed.fast_training)")  # fmt: skip
+                       help="train the plain modules, not their training form (repmlp.engine.forms)")  # fmt: skip
 
 
 def add_init_argument(group: argparse._ActionsContainer, help: str, *aliases: str) -> None:

@@ -10,8 +10,8 @@ On a CUDA device (``--device auto`` picks one when there is one) training runs i
 autocast (float16 with a gradient scaler on GPUs without bfloat16; ``--no-amp`` for float32) and
 channels_last activations. On one GPU the model's forward and backward are captured once as CUDA graphs
 and replayed every step (``--cuda-graphs auto``); with several GPUs, and for the face and segmentation
-tasks, the step is ``torch.compile``-d (``--compile auto``). Every task trains with the speed pass
-:func:`repmlp.speed.fast_training` applied for the run (``--no-fast-training``: the plain modules). The
+tasks, the step is ``torch.compile``-d (``--compile auto``). Every task's steps call the model's training
+form, :func:`repmlp.engine.forms.training_form` (``--no-fast-training``: the plain modules). The
 conversion check always runs in full float32. Measurements: docs/gpu.md.
 """
 

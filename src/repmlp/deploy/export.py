@@ -21,8 +21,10 @@ from torch import Tensor, nn
 
 from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_bytes, staged
+from repmlp.nn.block import RepMLPBlock
+from repmlp.nn.convert import swap_modules
+from repmlp.nn.layers import GroupwiseLinear
 from repmlp.numerics import full_float32
-from repmlp.speed import onnx_form
 
 __all__ = ["ExportError", "export_onnx", "export_torchscript", "export_program", "missing_onnx_packages",
            "write_int8_onnx", "DEFAULT_RTOL"]  # fmt: skip
@@ -101,17 +103,41 @@ def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike
         return float("nan") if got is None else _check_close(what, got, _first_tensor(net(x)), rtol)
 
 
+class PerGroupLinear(nn.Module):
+    """FC3 (a :class:`~repmlp.nn.layers.GroupwiseLinear`'s ``weight`` and ``bias``, the same tensors) as one 2-D
+    product per group, stacked: the form written to ONNX, whose runtimes pre-pack a constant 2-D weight once
+    when they load the graph, and a batched 3-D one on every run (docs/benchmarks.md, "FC3 per group in the
+    ONNX graph"). The same sums. Shapes: ``(g, B, P/g)`` -> ``(g, B, Q/g)``."""
+
+    def __init__(self, fc3: GroupwiseLinear) -> None:
+        super().__init__()
+        self.groups, self.weight, self.bias = fc3.groups, fc3.weight, fc3.bias
+
+    def forward(self, rows: Tensor) -> Tensor:
+        g = self.groups
+        kernels = self.weight.reshape(g, -1, self.weight.shape[1])
+        biases = [None] * g if self.bias is None else self.bias.reshape(g, -1)
+        return torch.stack([nn.functional.linear(rows[j], kernels[j], biases[j]) for j in range(g)])
+
+
+def per_group_fc3(model: nn.Module) -> nn.Module:
+    """``model`` as a new tree (:func:`~repmlp.nn.convert.swap_modules`) whose RepMLP blocks' FC3s are
+    :class:`PerGroupLinear`: the form :func:`export_onnx` writes. ``model`` is not changed."""
+    fc3s = {id(m.partition_perceptron.fc3) for m in model.modules() if isinstance(m, RepMLPBlock)}
+    return swap_modules(model, lambda m: PerGroupLinear(m) if id(m) in fc3s else None)
+
+
 def export_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, check: bool = True,
                 opset_version: int | None = None, rtol: float = DEFAULT_RTOL,
                 per_group: bool = True) -> float:  # fmt: skip
     """Export ``model`` (taking one ``(N, *input_size)`` tensor) to ONNX at ``path`` with the
     ``torch.export``-based exporter, dynamic batch, checked in onnxruntime (``check``); see :func:`_export`.
     Export the deployed model (:func:`repmlp.reparameterize_model`): it is the one meant for inference.
-    ``per_group``: FC3 in :func:`repmlp.speed.onnx_form` (one 2-D product per group), else one batched one."""
+    ``per_group``: FC3 as :func:`per_group_fc3` writes it (one 2-D product per group), else one batched one."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object] | None:
         batch = torch.export.Dim("batch", min=1)
-        net = onnx_form(net) if per_group else net
+        net = per_group_fc3(net) if per_group else net
         program = torch.onnx.export(net, (example,), dynamo=True, input_names=["input"], dynamic_shapes=({0: batch},),
                                     output_names=["output"], opset_version=opset_version, verbose=False)  # fmt: skip
         program.save(str(tmp))

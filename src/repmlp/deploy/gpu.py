@@ -29,9 +29,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from repmlp.errors import first_line
-from repmlp.speed import fast_inference
-
 __all__ = [
     "PATHS",
     "GraphReplay",
@@ -39,7 +36,6 @@ __all__ = [
     "prepare_inference",
     "fastest_path",
     "serving_format",
-    "prepare_for_device",
     "fused_or_plain",
     "prepare_fast",
 ]
@@ -156,15 +152,14 @@ def prepare_inference(
 ) -> Callable[[Tensor], Tensor]:
     """``model`` (deployed, in eval mode, on ``example``'s device and dtype) ready to run by ``path``.
 
-    Applies the inference speed pass to ``model`` in place (:func:`repmlp.speed.fast_inference`, for
-    ``example``'s batch), then builds what the path needs now (the fx rewrite, the compile, the graph
+    Builds what the path needs now (the fx rewrite, the compile, the graph
     capture: a first call with ``example``), so that calls afterwards are timed or served at full speed.
     ``graph`` paths need a CUDA device. Returns a callable ``(N, C, H, W) -> output``; with a graph, inputs
     of ``example``'s shape and dtype replay it (see :class:`GraphReplay`).
     """
     if path not in PATHS:
         raise ValueError(f"unknown inference path {path!r}: one of {', '.join(PATHS)}")
-    fn: Callable[[Tensor], Tensor] = fast_inference(model, batch_sizes=(example.shape[0],))
+    fn: Callable[[Tensor], Tensor] = model
     if path.startswith("fused"):
         fn = fuse_conv_epilogues(model)[0]
     elif path.startswith("compile"):
@@ -180,18 +175,18 @@ def fastest_path(device: torch.device, dtype: torch.dtype) -> str:
     """The path measured fastest for deployed models on ``device`` in ``dtype`` (docs/gpu.md, run 1: ResNet-50,
     RepMLP-Res50 and the Light model at batch 128): ``compile+graph`` in fp16/bf16, ``fused+graph`` in fp32
     (TF32 off: inductor's code was slower than cuDNN's fused kernels there);
-    ``eager`` on a CPU (with the inference speed pass, :func:`repmlp.speed.fast_inference`)."""
+    ``eager`` on a CPU."""
     if device.type != "cuda":
         return "eager"
     return "fused+graph" if dtype == torch.float32 else "compile+graph"
 
 
 def serving_format(device: torch.device, dtype: torch.dtype) -> torch.memory_format:
-    """The activations' layout for a deployed model: channels_last for half precision on CUDA (tensor-core
-    convolutions), NCHW for fp32 on CUDA (faster there: docs/gpu.md) and on a CPU (where the inference
-    speed pass puts the trunks that run faster so channels_last)."""
-    cuda_half = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    return torch.channels_last if cuda_half else torch.contiguous_format
+    """The activations' and weights' layout for a deployed model: channels_last on a CPU (oneDNN's native
+    layout: on NCHW tensors PyTorch reorders input and output around every conv, docs/benchmarks.md) and for
+    half precision on CUDA (tensor-core convolutions), NCHW for fp32 on CUDA (faster there: docs/gpu.md)."""
+    cuda_fp32 = device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16)
+    return torch.contiguous_format if cuda_fp32 else torch.channels_last
 
 
 def fused_or_plain(model: nn.Module) -> nn.Module:
@@ -201,33 +196,6 @@ def fused_or_plain(model: nn.Module) -> nn.Module:
     except Exception as exc:  # noqa: BLE001 - any tracing failure leaves the model as it is
         log.info("no fused conv epilogues (%s: %s): running the model as it is", type(exc).__name__, exc)
         return model
-
-
-def prepare_for_device(model: nn.Module, example: Tensor, path: str = "auto") -> tuple[Callable, Tensor]:
-    """``model`` (deployed, eval, on its device) and ``example`` in the layout and path for that device:
-    ``auto`` is :func:`fastest_path` for the model's device and parameter dtype. Returns the callable and
-    the example as the callable takes it (the model's dtype, :func:`serving_format`): time or serve it with
-    inputs like that. A path that cannot be built for this model (not traceable for ``fused``, a failed
-    compile) falls back to the next simpler one with a logged line.
-    """
-    param = next(model.parameters(), None)
-    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-    device = example.device
-    if path == "auto":
-        path = fastest_path(device, dtype)
-    example = example.to(dtype)
-    if device.type == "cuda":  # on a CPU the speed pass chooses the layouts
-        fmt = serving_format(device, dtype)
-        model = model.to(memory_format=fmt)
-        example = example.contiguous(memory_format=fmt)
-    for attempt in (path, "graph" if path.endswith("graph") else "eager", "eager"):
-        try:
-            return prepare_inference(model, example, attempt), example
-        except (RuntimeError, ValueError, TypeError) as exc:
-            if attempt == "eager":
-                raise
-            log.warning("inference path %s failed (%s): trying a simpler one", attempt, first_line(exc))
-    raise AssertionError("unreachable")
 
 
 def prepare_fast(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:

@@ -37,7 +37,6 @@ from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError
 from repmlp.io.model_file import ModelMetadata, atomic_write_text, device_of, load_model, model_metadata
 from repmlp.nn.convert import reparameterize_model
-from repmlp.speed import fast_inference
 
 __all__ = ["printable", "Prediction", "Predictor", "FileResult", "expand_inputs", "image_to_channels",
            "read_labels"]  # fmt: skip
@@ -226,9 +225,10 @@ def in_runtime(model: nn.Module, runtime: str) -> nn.Module:
 class Predictor:
     """Top-k classes of images under a model file (read by :func:`load_model`) or a model (with its
     ``metadata`` when it has one, else class indices and its timm config). ``device=None``: the model's own;
-    ``labels`` replaces the class names. ``runtime``: ``"torch"`` (the inference speed pass on a copy; on a
-    GPU :func:`repmlp.deploy.gpu.fused_or_plain` in the serving layout), or ``"onnxruntime"``/``"openvino"``
-    running the deployed model's ONNX graph. A face or segmentation model is a :class:`UserError`.
+    ``labels`` replaces the class names. ``runtime``: ``"torch"`` (a copy in the serving layout,
+    :func:`repmlp.deploy.gpu.serving_format`; on a GPU :func:`repmlp.deploy.gpu.fused_or_plain` of it), or
+    ``"onnxruntime"``/``"openvino"`` running the deployed model's ONNX graph. A face or segmentation model is a
+    :class:`UserError`.
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module, *, device: str | torch.device | None = None,
@@ -259,11 +259,10 @@ class Predictor:
         self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
         self._format = torch.contiguous_format
         self._run: Any = self.model
-        if runtime == "torch":  # on a copy: the caller's model stays as it is
-            self._run = fast_inference(copy.deepcopy(self.model) if given_module else self.model)
-            if self.device.type == "cuda":  # inputs in the model's dtype and layout (no input-casting hook)
-                self._format = serving_format(self.device, self._dtype)
-                self._run = fused_or_plain(self._run.to(memory_format=self._format))
+        if runtime == "torch":  # in the serving layout, on a copy: the caller's model stays as it is
+            self._format = serving_format(self.device, self._dtype)
+            run = (copy.deepcopy(self.model) if given_module else self.model).to(memory_format=self._format)
+            self._run = fused_or_plain(run) if self.device.type == "cuda" else run
 
     @property
     def input_size(self) -> tuple[int, int, int]:
@@ -274,7 +273,8 @@ class Predictor:
         """Top-k of a preprocessed float32 batch ``(N, C, H, W)`` (the model casts it to its precision)."""
         x = x.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
-            x = x.to(self._dtype).contiguous(memory_format=self._format)
+            x = x.to(self._dtype)  # inputs in the model's dtype (no input-casting hook)
+        x = x.contiguous(memory_format=self._format) if x.dim() == 4 else x
         probs = torch.softmax(self._run(x).float(), dim=1).cpu()
         top = probs.topk(self.top_k, dim=1)
         return [[Prediction(self.labels[i], i, float(p)) for p, i in zip(ps.tolist(), idx.tolist(), strict=True)]

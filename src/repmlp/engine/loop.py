@@ -43,7 +43,6 @@ from repmlp.engine.state import (
 from repmlp.errors import UserError, first_line
 from repmlp.io import state as state_file
 from repmlp.io.model_file import CheckpointError
-from repmlp.speed import fast_training, plain
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,6 @@ class LoopOptions:
     metric_fields: Sequence[str] = LOSS_FIELDS  # the columns of metrics.csv
     compile: bool = False  # torch.compile the task's step on the module (see resolve_compile)
     cuda_graphs: bool = False  # the module's forward and backward as CUDA graphs (see resolve_cuda_graphs)
-    fast: bool = True  # the training speed pass (repmlp.speed.fast_training) while the loop runs
 
     def __post_init__(self) -> None:
         if (self.iterations is None) == (self.epochs is None):
@@ -291,8 +289,6 @@ class _Loop:
     def run(self, state: dict[str, Any] | None) -> LoopResult:
         if state is not None:
             self.restore(state)
-        if self.opts.fast:
-            fast_training(unwrap(self.net))
         try:
             return self._run()
         except (RuntimeError, ConnectionError, EOFError) as exc:
@@ -304,8 +300,6 @@ class _Loop:
             if (lost := self.lost(exc, died)) is None:
                 raise
             raise lost from exc
-        finally:
-            plain(unwrap(self.net))
 
     def lost(self, exc: Exception, worker_died: bool) -> ProcessLost | None:
         """:class:`ProcessLost` for ``exc`` raised by a data loading worker's death (``worker_died``: torch's

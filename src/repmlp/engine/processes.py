@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repmlp.engine.devices import resolve_device
+from repmlp.engine.forms import training_form
 from repmlp.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -152,10 +153,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def prepare_module(module: nn.Module, procs: DistInfo) -> nn.Module:
-    """``module`` on the run's device; for multi-GPU runs with ``SyncBatchNorm`` (the paper's per-GPU
-    batches are small: 2 images for PSPNet) and wrapped in DDP."""
+def prepare_module(module: nn.Module, procs: DistInfo, *, form: bool = True) -> nn.Module:
+    """``module`` on the run's device as the steps call it: its training form
+    (:func:`~repmlp.engine.forms.training_form`, sharing its parameters and buffers) unless ``form`` is false;
+    for multi-GPU runs with ``SyncBatchNorm`` (the paper's per-GPU batches are small: 2 images for PSPNet) and
+    wrapped in DDP. ``module`` itself is moved to the device and otherwise left as it is."""
     module = module.to(procs.device)
+    if form:
+        module = training_form(module)
     if not procs.enabled:
         return module
     if procs.device.type == "cuda":

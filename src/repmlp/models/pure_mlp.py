@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from repmlp.data import NATIVE_SIZE, NORMALIZATION
 from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
 from repmlp.models.registry import register_model
+from repmlp.nn import block as rep
 from repmlp.nn import checks
-from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d, partition, unpartition
+from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
 from repmlp.nn.layers import ConvBN
 
 __all__ = ["PureMLP", "MixerSpec", "mixer_layer", "pure_mlp_stages", "PartitionConvBlock", "pure_mlp_cfg",
@@ -78,9 +79,9 @@ class PartitionConvBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         c, r = self.in_channels, self.resolution
         checks.check_input_shape(x, (c, r, r), f"block built for input (N, {c}, {r}, {r}), got {{shape}}")
-        n, c = x.shape[0], self.in_channels
-        h = self.partition
-        parts = partition(x, h, h)
+        n, h, cl = x.shape[0], self.partition, rep.is_channels_last(x)
+        # through the module, as torch.fx patches these leaves there (repmlp.nn.block)
+        parts = rep.partition(x, h, h, cl)
         if self.global_perceptron is not None:
             v = self.global_perceptron(x).permute(0, 2, 3, 1).reshape(parts.shape[0], c, 1, 1)
             parts = parts + v
@@ -88,7 +89,7 @@ class PartitionConvBlock(nn.Module):
         if self.local is not None:
             for branch in self.local:
                 out = out + branch(parts)
-        return unpartition(out, n, self.parts, self.parts)
+        return rep.unpartition(out, n, self.parts, self.parts, cl)
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -173,7 +174,9 @@ def mixer_layer(spec: MixerSpec, channels: int, size: int, dims: int = 2) -> nn.
     else:
         kinds = "repmlp, fc3_conv9 or conv" if dims == 2 else "repmlp or conv"
         raise ValueError(f"unknown mixer {spec.kind!r}: {kinds}")
-    return nn.Sequential(block, nn.ReLU(inplace=True))
+    # Not in place: a block may return a view of its own result (one partition), and an in-place op on a view
+    # makes autograd copy the whole base back in the backward pass.
+    return nn.Sequential(block, nn.ReLU())
 
 
 class PureMLP(PooledClassifierMixin, nn.Module):

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
 from repmlp.models.registry import register_model
+from repmlp.nn import block as rep
 from repmlp.nn.block import LocalPerceptron
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
 from repmlp.nn.reparam import merge_fc3, ntuple
@@ -123,7 +124,7 @@ class RepMLPNetBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         S, (h, w), (hp, wp) = self.sharesets, self.partition, self.parts
-        C, H, W = self.channels, *self.resolution
+        C = self.channels
         gate = self.gp(x)
         # (N, C/S, S, hp, h, wp, w) -> (S, N*hp*wp*C/S, h*w): one FC3 input row per (partition, set member).
         rows = x.reshape(-1, C // S, S, hp, h, wp, w).permute(2, 0, 3, 5, 1, 4, 6).reshape(S, -1, h * w)
@@ -132,8 +133,8 @@ class RepMLPNetBlock(nn.Module):
             y = self.fc3_bn(y.unsqueeze(-1)).squeeze(-1)
         if self.local is not None:
             y = y + self.local(rows.transpose(0, 1).reshape(-1, S, h, w)).reshape(-1, S, h * w)
-        out = y.reshape(-1, hp, wp, C // S, S, h, w).permute(0, 3, 4, 1, 5, 2, 6).reshape(-1, C, H, W)
-        return out * gate
+        t = y.reshape(-1, hp, wp, C // S, S, h, w).permute(0, 3, 4, 1, 5, 2, 6)  # (N, C/S, S, hp, h, wp, w)
+        return rep.merge_image(t, rep.is_channels_last(x)) * gate  # in x's memory format
 
     @torch.no_grad()
     def merged_fc3(self) -> tuple[Tensor, Tensor]:

@@ -9,7 +9,7 @@ Training-time block (2-D; the 1-D block is the same on sequences)::
 
 :meth:`RepMLPBlock.reparameterize` merges the Local Perceptron and every BatchNorm into FC1 and FC3, after
 which the block computes the same function with three FC layers (FC1, FC2, FC3). The block computes one
-way; faster versions of it are explicit passes outside the paper's modules (:mod:`repmlp.speed`).
+way, on inputs in either memory format, and writes its output in its input's.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ __all__ = [
     "LocalPerceptron",
     "RepMLPBlock",
     "RepMLPBlock1d",
+    "is_channels_last",
+    "merge_image",
     "partition",
     "unpartition",
     "to_group_rows",
@@ -39,34 +41,78 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------- partitions
-def partition(x: Tensor, h: int, w: int) -> Tensor:
+# The copies below write their output in the input's memory format, as PyTorch's own layers do: a
+# channels_last model stays channels_last from block to block, an NCHW one NCHW, with one copy either way.
+# Each takes the format as an argument, so each is a ``torch.fx`` leaf (a traced graph records the call).
+@torch.fx.wrap
+def is_channels_last(x: Tensor) -> bool:
+    """Whether ``x`` is stored channels_last and not also plain contiguous (as a tensor of one channel or of
+    1x1 maps is): the memory format the block's outputs take (``torch.channels_last`` if so, else NCHW)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+@torch.fx.wrap
+def merge_image(t: Tensor, channels_last: bool, size: tuple[int, int] | None = None) -> Tensor:
+    """``t`` ``(n, g, og, hp, h, wp, w)``-shaped as the image ``(n, g*og, hp*h, wp*w)``, cropped to ``size``
+    ``(H, W)`` if given, in one copy (two when cropped): NCHW, or channels_last (the channels innermost)."""
+    n, g, og, hp, h, wp, w = t.shape
+    if channels_last:
+        img = t.permute(0, 3, 4, 5, 6, 1, 2).contiguous().view(n, hp * h, wp * w, g * og)
+        img = img if size is None else img[:, : size[0], : size[1]].contiguous()
+        return img.permute(0, 3, 1, 2)
+    img = t.contiguous().view(n, g * og, hp * h, wp * w)
+    return img if size is None else img[:, :, : size[0], : size[1]].contiguous()
+
+
+@torch.fx.wrap
+def partition(x: Tensor, h: int, w: int, channels_last: bool = False) -> Tensor:
     """``(N, C, Hp*h, Wp*w)`` -> the partition map ``(N*Hp*Wp, C, h, w)``, partitions in ``(n, row, column)``
-    order (one copy)."""
+    order (one copy; channels_last if ``channels_last``)."""
     n, c, hh, ww = x.shape
     hp, wp = hh // h, ww // w
-    return x.reshape(n, c, hp, h, wp, w).permute(0, 2, 4, 1, 3, 5).reshape(n * hp * wp, c, h, w)
+    if channels_last:  # in (n, H, W, c) order, so that the gradient comes back channels_last too
+        t = x.permute(0, 2, 3, 1).reshape(n, hp, h, wp, w, c).permute(0, 1, 3, 2, 4, 5)
+        return t.reshape(n * hp * wp, h, w, c).contiguous().permute(0, 3, 1, 2)
+    return x.reshape(n, c, hp, h, wp, w).permute(0, 2, 4, 1, 3, 5).reshape(n * hp * wp, c, h, w).contiguous()
 
 
-def unpartition(p: Tensor, n: int, hp: int, wp: int) -> Tensor:
-    """Inverse of :func:`partition`: ``(N*hp*wp, C, h, w)`` -> ``(N, C, hp*h, wp*w)`` (one copy)."""
+@torch.fx.wrap
+def unpartition(
+    p: Tensor, n: int, hp: int, wp: int, channels_last: bool = False, size: tuple[int, int] | None = None
+) -> Tensor:
+    """Inverse of :func:`partition`: ``(N*hp*wp, C, h, w)`` -> ``(N, C, hp*h, wp*w)``, cropped to ``size``
+    if given (:func:`merge_image`)."""
     _, c, h, w = p.shape
-    return p.reshape(n, hp, wp, c, h, w).permute(0, 3, 1, 4, 2, 5).reshape(n, c, hp * h, wp * w)
+    if not channels_last:
+        return merge_image(p.reshape(n, hp, wp, 1, c, h, w).permute(0, 3, 4, 1, 5, 2, 6), False, size)
+    # in (n, H, W, c) order, so that the gradient comes back channels_last too
+    img = (
+        p.permute(0, 2, 3, 1)
+        .reshape(n, hp, wp, h, w, c)
+        .permute(0, 1, 3, 2, 4, 5)
+        .reshape(n, hp * h, wp * w, c)
+    )
+    return (img if size is None else img[:, : size[0], : size[1]]).contiguous().permute(0, 3, 1, 2)
 
 
 def to_group_rows(x: Tensor, h: int, w: int, groups: int) -> Tensor:
     """``(N, C, Hp*h, Wp*w)`` -> FC3's input rows per group, ``(g, N*Hp*Wp, C/g*h*w)``: partitioning and the
-    group split in one copy."""
+    group split in one copy, from either memory format."""
     n, c, hh, ww = x.shape
     hp, wp = hh // h, ww // w
     rows = x.reshape(n, groups, c // groups, hp, h, wp, w).permute(1, 0, 3, 5, 2, 4, 6)
     return rows.reshape(groups, n * hp * wp, (c // groups) * h * w)
 
 
-def from_group_rows(y: Tensor, n: int, hp: int, wp: int, h: int, w: int) -> Tensor:
-    """Inverse of :func:`to_group_rows`: ``(g, N*hp*wp, O/g*h*w)`` -> ``(N, O, hp*h, wp*w)`` (one copy)."""
+@torch.fx.wrap
+def from_group_rows(
+    y: Tensor, n: int, hp: int, wp: int, h: int, w: int, channels_last: bool = False,
+    size: tuple[int, int] | None = None,
+) -> Tensor:  # fmt: skip
+    """Inverse of :func:`to_group_rows`: ``(g, N*hp*wp, O/g*h*w)`` -> ``(N, O, hp*h, wp*w)``, cropped to
+    ``size`` if given (:func:`merge_image`)."""
     g, og = y.shape[0], y.shape[2] // (h * w)
-    y = y.reshape(g, n, hp, wp, og, h, w).permute(1, 0, 4, 2, 5, 3, 6)
-    return y.reshape(n, g * og, hp * h, wp * w)
+    return merge_image(y.reshape(g, n, hp, wp, og, h, w).permute(1, 0, 4, 2, 5, 3, 6), channels_last, size)
 
 
 # ------------------------------------------------------------------------------------- perceptrons
@@ -297,26 +343,24 @@ class RepMLPBlock(_RepMLP):
             x, (c, *self.resolution),
             f"RepMLPBlock expected input of shape (N, {c}, {self.resolution[0]}, {self.resolution[1]}), got {{shape}}",
         )  # fmt: skip
+        cl = is_channels_last(x)  # the output's memory format
+        crop: tuple[int, int] | None = None
         if self.padding != (0, 0):
             x = F.pad(x, (0, self.padding[1], 0, self.padding[0]))
+            crop = self.resolution
         n, b = x.shape[0], x.shape[0] * hp * wp
         if self.local_perceptron is None:  # the inference structure: FC3 straight on the partitions' rows
             rows = to_group_rows(x, h, w, g)
             if self.global_perceptron is not None:  # one value per partition and channel, over its h*w points
                 v = self.global_perceptron(x).reshape(n, g, c // g, hp, wp).permute(1, 0, 3, 4, 2)
                 rows = (rows.reshape(g, b, c // g, h * w) + v.reshape(g, b, c // g, 1)).reshape(rows.shape)
-            out = from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w)
-        else:
-            parts = partition(x, h, w)  # (B, C, h, w)
-            if self.global_perceptron is not None:
-                parts = parts + self.global_perceptron(x).permute(0, 2, 3, 1).reshape(b, c, 1, 1)
-            fc3 = self.partition_perceptron(parts.reshape(b, g, -1).transpose(0, 1))
-            out = unpartition(
-                fc3.transpose(0, 1).reshape(b, -1, h, w) + self.local_perceptron(parts), n, hp, wp
-            )
-        if self.padding != (0, 0):
-            out = out[:, :, : self.resolution[0], : self.resolution[1]]
-        return out
+            return from_group_rows(self.partition_perceptron(rows), n, hp, wp, h, w, cl, crop)
+        parts = partition(x, h, w, cl)  # (B, C, h, w), in x's memory format
+        if self.global_perceptron is not None:
+            parts = parts + self.global_perceptron(x).permute(0, 2, 3, 1).reshape(b, c, 1, 1)
+        fc3 = self.partition_perceptron(parts.reshape(b, g, -1).transpose(0, 1))
+        local = self.local_perceptron(parts)
+        return unpartition(local + fc3.transpose(0, 1).reshape(local.shape), n, hp, wp, cl, crop)
 
 
 class RepMLPBlock1d(_RepMLP):

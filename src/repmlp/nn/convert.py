@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import torch.fx as fx
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 from repmlp.nn.reparam import _BN, fuse_bn
 from repmlp.numerics import full_float32
 
-__all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport"]
+__all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport", "swap_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,23 @@ _PLAIN_BN = (nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 # unbatched Conv1d's (C, L) output that is L, and this walk cannot see the rank. Modules fold their own.
 _PAIRS = {nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm), nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm)}
 _FUSABLE = tuple(_PAIRS)
+
+
+def swap_modules(model: nn.Module, swap: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
+    """A new tree of ``model`` in which each module that ``swap`` maps to a module (rather than ``None``) is
+    that module, as ``torch.ao``'s convert builds one; ``model`` is left as it is, and returned itself where
+    nothing is swapped. The modules above a swapped one are shallow copies holding the same parameters,
+    buffers and hooks (training the tree trains ``model``); names, and so state-dict keys, stay."""
+    new = swap(model)
+    if new is not None:
+        return new
+    children = {name: swap_modules(child, swap) for name, child in model.named_children()}
+    if all(child is model._modules[name] for name, child in children.items()):
+        return model
+    tree = copy.copy(model)
+    tree._modules = {**model._modules, **children}
+    tree._parameters, tree._buffers = dict(model._parameters), dict(model._buffers)
+    return tree
 
 
 class ConversionReport(list):

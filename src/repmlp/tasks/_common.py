@@ -153,7 +153,7 @@ def loop_options(
     return engine.LoopOptions(output=Path(cfg.output), config=cfg.to_dict(), lr_at=lr_at, ckpt_every=cfg.ckpt_every,
                               amp=cfg.amp, runtime_keys=cfg.RUNTIME,
                               cuda_graphs=graphs, compile=engine.resolve_compile(cfg.compile, procs.device, graphs),
-                              fast=cfg.fast_training, **more)  # fmt: skip
+                              **more)  # fmt: skip
 
 
 def training_loader(
@@ -208,7 +208,7 @@ def train_run(cfg: Any, procs: engine.DistInfo, run: Run) -> RunResult:
     opts = loop_options(cfg, procs, run.lr_at, auto_graphs=False, iterations=run.iterations,
                         log_interval=cfg.log_interval, extra_state={"model_kwargs": run.kwargs})  # fmt: skip
     state = engine.check_output(opts.output, cfg.resume, procs)
-    net = engine.prepare_module(run.module, procs)
+    net = engine.prepare_module(run.module, procs, form=cfg.fast_training)
     optimizer = torch.optim.SGD(run.param_groups(engine.unwrap(net)), lr=cfg.lr, momentum=cfg.momentum)
     loop = engine.train_loop(net, optimizer, run.loader, opts, procs, state)
     if not procs.is_main:

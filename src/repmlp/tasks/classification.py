@@ -27,10 +27,10 @@ from torch import Tensor, nn
 from repmlp import engine
 from repmlp.data import Data, DataConfig, build_data, model_data_config
 from repmlp.data.loader import batch_generator
+from repmlp.deploy.gpu import serving_format
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, check_field, check_fit, check_model_kwargs, load_model
 from repmlp.models.registry import build_model, takes_img_size
-from repmlp.speed import fast_inference
 from repmlp.tasks._common import check_batchnorm_batch, loop_options, per_process_batch, require_task_model
 from repmlp.tasks.classification_report import finish_run, logit_batches
 from repmlp.tasks.config import EvalOptions, TrainOptions
@@ -233,7 +233,7 @@ def _train(
                         extra_state={"model_kwargs": model_kwargs, **({"init": init} if init else {})})  # fmt: skip
     hooks = _Hooks(cfg, procs, model, data, total)
     # SyncBatchNorm on multi-GPU runs (see repmlp.engine.prepare_module); the parameters stay model's.
-    net = engine.prepare_module(model, procs)
+    net = engine.prepare_module(model, procs, form=cfg.fast_training)
     hooks = engine.LoopHooks(hooks.step, hooks.end_epoch)
     loop = engine.train_loop(net, optimizer, data.train, opts, procs, state, hooks)
     model.eval()
@@ -429,8 +429,10 @@ def evaluate(args: EvalConfig) -> int:
                                     ("takes {}px images", kwargs.get("img_size"), data.img_size, "px")]:  # fmt: skip
         if own not in (None, theirs):
             raise CheckpointError(f"{args.checkpoint} {what.format(own)} but {dataset} has {theirs}{unit}")
-    # The inference speed pass, as predict and bench run the file (FC3's kernel may change the last bits).
-    res = evaluate_model(fast_inference(model, batch_sizes=(config.eval_batch_size,)), data.val, device)
+    # In the serving layout, as predict runs the file.
+    param = next(model.parameters(), None)
+    fmt = serving_format(device, param.dtype if param is not None else torch.float32)
+    res = evaluate_model(model.to(memory_format=fmt), data.val, device)
     res.update(model=meta.name, form=meta.form, precision=meta.precision, dataset=dataset,
                checkpoint=str(args.checkpoint))  # fmt: skip
     print(json.dumps(res, sort_keys=True) if args.json else
