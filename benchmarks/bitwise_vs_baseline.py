@@ -52,7 +52,10 @@ def run_forms() -> tuple[Callable, Callable, Callable]:
     """``(training, inference, plain)``: model -> the module this side's ``repmlp`` runs in that mode, and back
     to the plain modules. This checkout: the training form (a new tree sharing the model's parameters), the
     plain modules for inference; a baseline with the speed passes: its passes, in place; one from before
-    them: the modules as they are (their forms chosen inside the forward)."""
+    them: the modules as they are (their forms chosen inside the forward). ``--plain``: the plain modules on
+    both sides."""
+    if os.environ.get("BITWISE_PLAIN"):
+        return (lambda model: model,) * 3
     try:
         from repmlp.engine.forms import training_form
     except ImportError:
@@ -98,6 +101,7 @@ def worker(out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="git ref of the 'before' code")
+    parser.add_argument("--plain", action="store_true", help="both sides' plain modules (no form, no pass)")
     args = parser.parse_args()
     import torch
 
@@ -110,7 +114,7 @@ def main() -> None:
             out = str(Path(tmp) / f"{side}.pt")
             # A baseline that timed FC3's form inside the forward may pick another form in each process:
             # both sides run the batched matmul.
-            env = {**os.environ, "PYTHONPATH": src, "REPMLP_FC3": "bmm"}
+            env = {**os.environ, "PYTHONPATH": src, "REPMLP_FC3": "bmm", "BITWISE_PLAIN": "1" * args.plain}
             subprocess.run([sys.executable, __file__, "--worker", out], env=env, check=True, cwd=tmp)
             results[side] = torch.load(out)
     before, now = results["before"], results["now"]
