@@ -288,6 +288,16 @@ def test_hooks_on_the_models_modules_fire_when_the_form_runs() -> None:
     assert sorted(fired) == sorted([("grad", ""), *((w, p) for w in ("before", "after") for p in paths)])
 
 
+def _two_sgd_steps(runs: list[tuple[nn.Module, nn.Module]], x: torch.Tensor) -> None:
+    """Two SGD steps of each ``(net called, model whose parameters it trains)``."""
+    for net, owner in runs:
+        opt = torch.optim.SGD(owner.parameters(), lr=0.1)
+        for _ in range(2):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def test_a_pruned_conv_the_form_shares_trains_as_in_the_plain_model() -> None:
     """``torch.nn.utils.prune`` on the plain model's stem conv and on a wide block's Local Perceptron conv, then
     the training form: two SGD steps equal the pruned plain model's, and the mask takes effect."""
@@ -299,12 +309,7 @@ def test_a_pruned_conv_the_form_shares_trains_as_in_the_plain_model() -> None:
             prune.l1_unstructured(net.get_submodule(p), "weight", amount=0.5)
     form = training_form(model)
     x = _input()
-    for net, owner in ((form, model), (reference, reference)):
-        opt = torch.optim.SGD(owner.parameters(), lr=0.1)
-        for _ in range(2):
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    _two_sgd_steps([(form, model), (reference, reference)], x)
     _assert_same_state(model, reference)
     model.get_submodule(
         paths[1]
@@ -329,12 +334,7 @@ def test_a_watched_narrow_local_perceptron_trains_as_in_the_plain_model(how: str
         watched.register_forward_hook(lambda m, i, o: fired.append(how))
     form = training_form(model)
     x = _input()
-    for net, owner in ((form, model), (reference, reference)):
-        opt = torch.optim.SGD(owner.parameters(), lr=0.1)
-        for _ in range(2):
-            net(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    _two_sgd_steps([(form, model), (reference, reference)], x)
     assert fired or how == "prune"
     _assert_same_state(model, reference)
 
