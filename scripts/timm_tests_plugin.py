@@ -12,13 +12,10 @@ import timm
 
 import repmlp  # noqa: F401  (registers the models with timm)
 
-# In timm's registry like every repmlp model, but outside timm's image-model contract (docs/models.md): the
-# PSPNets (dense predictors) and the sequence models (1-D feature maps).
-OUTSIDE = {"pspnet_res50", "pspnet_repmlp_res50", "repmlp1d_fmnist", "conv1d_fmnist"}
+# Every repmlp model in timm's registry keeps timm's classifier contract: those outside it (the PSPNets, the
+# sequence models) are not registered with timm (docs/models.md).
 REPMLP_TIMM_MODELS = frozenset(
-    n
-    for n in timm.list_models()
-    if timm.models.model_entrypoint(n).__module__.startswith("repmlp.") and n not in OUTSIDE
+    n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("repmlp.")
 )
 
 

@@ -325,29 +325,6 @@ def test_tables_command():
     assert res.stdout.strip() in docs, "docs/models.md is stale: paste the output of `repmlp -q tables`"
 
 
-@pytest.mark.parametrize("args", [["--version"], ["--help"]])
-def test_version_and_help_import_no_torch(args):
-    """``repmlp --version`` and ``repmlp --help`` start without torch, timm or torchvision (seconds of start-up):
-    the package's names are imported on first use, and the CLI imports only the command it runs."""
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "repmlp", *args], capture_output=True,
-                         text=True, timeout=120, env=subprocess_env())  # fmt: skip
-    assert res.returncode == 0 and res.stdout, res.stderr
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in res.stderr.splitlines() if "|" in line}
-    assert "repmlp" in imported and not imported & {"torch", "timm", "torchvision"}, imported
-
-
-def test_the_first_public_name_imports_them_all():
-    """``import repmlp`` imports no torch; the first public name used imports every one, and with them what their
-    modules register: the models with timm, the loaders of reduced-precision model files."""
-    code = ("import sys, repmlp; assert 'torch' not in sys.modules; repmlp.create_model; import timm; "
-            "from repmlp.io.model_file import PRECISION_LOADERS; timm.create_model('repmlp_fmnist'); "
-            "assert set(PRECISION_LOADERS) == {'bf16', 'fp16', 'int8'}; "
-            "assert set(repmlp.__all__) <= set(dir(repmlp))")  # fmt: skip
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=subprocess_env())  # fmt: skip
-    assert res.returncode == 0, res.stderr
-
-
 def test_help_of_each_command(capsys):
     for command in ("convert", "export", "bench", "viz", "tables", "predict", "import"):
         with pytest.raises(SystemExit) as exc:
@@ -370,7 +347,8 @@ def bad_files(run_dir) -> dict[str, Path]:
         paths[name].write_bytes(data)
     # Another model's name over these weights: rebuilding repmlp_cifar(**KWARGS) cannot take them.
     paths["other-model"] = run_dir / "other.safetensors"
-    save_model(paths["other-model"], tiny_model(), name="repmlp_cifar", model_kwargs=KWARGS, form="train")
+    save_model(paths["other-model"], tiny_model(), name="repmlp_cifar", model_kwargs=KWARGS, form="train",
+               check=False)  # fmt: skip
     return paths
 
 

@@ -16,11 +16,14 @@ import threading
 
 from repmlp._version import __version__
 from repmlp.commands._parser import ArgumentParser, HelpFormatter
-from repmlp.errors import UserError
+from repmlp.errors import RunFinished, UserError
+
+RESULTS = "repmlp.results"  # the logger of what a command reports as its result (stdout), see _setup_logging
 
 # The commands in --help order: name -> (its module under repmlp.commands, its help line). The help lines are
-# here, not in the modules, so that `repmlp --help` and `repmlp --version` import no command module: the
-# commands import torch, which alone takes seconds (start-up time). A run imports the one command it runs.
+# here, not in the modules, so that `repmlp --help` and `repmlp --version` import no command module (their
+# tasks, data pipelines and report writers: start-up time; `import repmlp` costs torch and timm already).
+# A run, or a command's --help, imports the one command it runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train a model (default: the 5-minute Fashion-MNIST job)"),
     "eval": ("eval", "top-1/top-5 accuracy of a checkpoint"),
@@ -73,13 +76,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def _setup_logging(verbose: bool, quiet: bool) -> tuple[list[logging.Handler], int, bool]:
-    """Route repmlp's log records to stderr; returns the previous set-up for :func:`_restore_logging`."""
+    """Route repmlp's log records to stderr, except the results (``repmlp.results``: final metrics, conversion
+    check, run folder), which go to stdout as a command's output does (``repmlp train > out.txt`` keeps them);
+    returns the previous set-up for :func:`_restore_logging`."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    handlers = [logging.StreamHandler(sys.stderr), logging.StreamHandler(sys.stdout)]
+    handlers[0].addFilter(lambda record: not record.name.startswith(RESULTS))
+    handlers[1].addFilter(lambda record: record.name.startswith(RESULTS))
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(message)s"))
     root = logging.getLogger("repmlp")
     previous = (list(root.handlers), root.level, root.propagate)
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(level)
     root.propagate = False
     return previous
@@ -156,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         # signal's number, the shell's convention: 130 for Ctrl-C, 143 for SIGTERM.
         signum = int(getattr(exc, "signum", signal.SIGINT))
         message = str(exc).strip() or f"interrupted by {signal.Signals(signum).name}"
-        print(f"repmlp: {message}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):
+            print(f"repmlp: {message}", file=sys.stderr)
         return 128 + signum
     finally:
         if main_thread:
@@ -178,13 +187,17 @@ def _main(argv: list[str]) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
-    args.argv, args.extra = argv, extra
+    args.argv, args.extra, args.commands = argv, extra, tuple(COMMANDS)  # launch checks the command it runs
     previous_logging = _setup_logging(args.verbose, args.quiet)
     from repmlp.engine import keep_freed_memory  # here: its command's module has imported torch already
 
     keep_freed_memory()  # every command is an application: no large buffer faulted in again (docs/benchmarks.md)
     try:
         return int(args.func(args) or 0)
+    except RunFinished as exc:  # nothing left to do: a success (said once: by process 0 under torchrun)
+        if str(exc):
+            print(f"repmlp: {exc}")
+        return 0
     except UserError as exc:
         log.debug("user error", exc_info=True)
         print(f"repmlp: error: {_one_line(exc)}", file=sys.stderr)

@@ -11,6 +11,11 @@ class UserError(Exception):
     """A problem with the user's input, reported as one line without a traceback."""
 
 
+class RunFinished(Exception):
+    """Not an error: ``--resume auto`` of a run that has finished already (a scheduler rerunning a completed
+    job). The CLI prints its message, one line, and exits with 0."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of ``exc``'s message, or its type's name when it has none: how an error
     from a library (onnxruntime, PIL, torch) is quoted inside one of ours."""

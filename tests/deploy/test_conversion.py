@@ -90,7 +90,8 @@ def test_a_written_file_is_reloaded_and_compared(tmp_path):
     )
     assert seen[0] is model and seen[1] is check.deployed
     meta = check.deployed.metadata  # loaded from the file
-    assert (meta.path, meta.form, meta.name, meta.extra) == (str(path), "deploy", NAME, {"dataset": "x"})
+    extra = {"dataset": "x", "input_size": [1, 28, 28]}  # save_model records the size the model is built for
+    assert (meta.path, meta.form, meta.name, meta.extra) == (str(path), "deploy", NAME, extra)
     assert check.diff.max_rel_diff <= CONVERSION_RTOL and check.outputs.shape == (6, 10)
     assert torch.equal(repmlp.load_model(path, form="deploy")(x), check.outputs)
 

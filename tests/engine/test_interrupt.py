@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -293,3 +294,38 @@ def test_sigterm_after_training_is_one_line_and_resume_finishes_the_run(fmnist, 
     resumed = run_cli("train", "--output", out, "--resume", "--no-bench", "--no-export")
     assert resumed.returncode == 0, resumed.stderr
     assert (out / "report.md").is_file() and (out / "deploy.safetensors").is_file()
+
+
+def files_of(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every entry under ``folder``: its bytes (``b""`` for a folder) and modification time."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"", p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
+def test_resume_auto_clears_a_killed_writes_leftover_and_a_finished_run_is_a_success(fmnist, tmp_path):
+    """A SIGKILL (a scheduler's, after its grace period) during the first checkpoint write leaves only the
+    write's temporary folder (as ``staged()`` names it): the rerun starts the run and clears it; a rerun of the
+    finished run says so on one line and exits 0, touching nothing; a leftover beside a run killed after its
+    last checkpoint goes when the resumed run finishes."""
+    out = tmp_path / "run"
+    out.mkdir()
+    cut = Path(tempfile.mkdtemp(dir=out, prefix=".checkpoint.safetensors.tmp-"))
+    (cut / "checkpoint.safetensors").write_bytes(b"\0" * 100)  # the write's partial file
+    command = ["train", "--data-dir", fmnist, *ARGS, "--epochs", 1, "--output", out, "--resume", "auto"]
+    started = run_cli(*command)
+    assert started.returncode == 0, started.stderr
+    assert (out / "report.md").is_file() and not [p for p in out.iterdir() if ".tmp-" in p.name]
+    # The scheduler reruns the finished job: a success, one line, nothing written.
+    before = files_of(out)
+    again = run_cli(*command)
+    assert (again.returncode, again.stdout.splitlines()) == (0, [
+        f"repmlp: {out} holds a run that has finished already: nothing to do (its results: {out / 'report.md'})"
+    ]), again.stderr  # fmt: skip
+    assert "error" not in again.stderr and files_of(out) == before
+    # Killed while writing after the last checkpoint (the model file): resumed, finished, no leftover.
+    (out / "report.md").unlink()
+    cut = Path(tempfile.mkdtemp(dir=out, prefix=".model.safetensors.tmp-"))
+    (cut / "model.safetensors").write_bytes(b"\0" * 100)
+    resumed = run_cli(*command)
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "report.md").is_file() and not [p for p in out.iterdir() if ".tmp-" in p.name]

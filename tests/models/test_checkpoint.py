@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +42,8 @@ def test_model_round_trip_both_forms(tmp_path):
     )
     loaded = load_model(tmp_path / "m.safetensors")
     meta = loaded.metadata
-    assert meta.form == "train" and meta.name == "repmlp_fmnist" and meta.extra == {"dataset": "x"}
+    assert meta.form == "train" and meta.name == "repmlp_fmnist"
+    assert meta.extra == {"dataset": "x", "input_size": [1, 28, 28]}  # a model built for one size: recorded
     x = torch.randn(3, 1, 28, 28)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
@@ -71,7 +73,7 @@ def test_a_loaded_model_carries_its_files_metadata(tmp_path):
     assert isinstance(meta, repmlp.ModelMetadata)
     assert (meta.name, meta.form, meta.precision, meta.path) == ("repmlp_fmnist", "train", "fp32", str(path))
     assert (meta.num_classes, meta.input_size, meta.classes) == (10, (1, 28, 28), classes)
-    assert meta.model_kwargs == TINY and meta.extra == extra
+    assert meta.model_kwargs == TINY and meta.extra == {**extra, "input_size": [1, 28, 28]}
     # Not recorded: the data set's (Fashion-MNIST's one-channel normalisation, the image resized to 28x28).
     pre = dict(crop_pct=1.0, crop_mode="squash", interpolation="bilinear", mean=[0.286], std=[0.353])
     want = {"dataset": "fashion-mnist", "input_size": [1, 28, 28], "eval_preprocessing": pre}
@@ -84,7 +86,8 @@ def test_a_loaded_model_carries_its_files_metadata(tmp_path):
     meta = load_model(path, form="deploy").metadata
     assert (meta.form, meta.num_classes, meta.input_size, meta.classes) == ("deploy", 10, (1, 28, 28), None)
     own = {**pre, "crop_mode": "center"}  # repmlp_fmnist's timm config: crop_pct 1, Fashion-MNIST's mean, std
-    assert meta.extra == {"eval_preprocessing": own} and meta.preprocessing["eval_preprocessing"] == own
+    assert meta.extra == {"eval_preprocessing": own, "input_size": [1, 28, 28]}
+    assert meta.preprocessing["eval_preprocessing"] == own
     # A face or segmentation model loads like any other (prediction, not loading, wants a classifier).
     save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train", extra={"task": "face"})
     assert load_model(path).metadata.extra["task"] == "face"
@@ -95,14 +98,58 @@ def test_wrong_form_and_other_model_are_clear_errors(tmp_path):
     save_model(path, _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train")
     with pytest.raises(CheckpointError, match="'train' form.*expected the 'deploy'"):
         load_model(path, form="deploy")
-    # Weights of another architecture under this name: strict loading names the mismatch.
+    # Weights of another architecture under this name (save_model refuses to write them): load names it.
     other = repmlp.create_model("repmlp_fmnist", **{**TINY, "widths": [4, 8, 8]})
-    save_model(path, other, name="repmlp_fmnist", model_kwargs=TINY, form="train")
     with pytest.raises(CheckpointError, match="does not fit repmlp_fmnist.*with other shapes"):
-        load_model(path)
-    save_model(path, _tiny(), name="no_such_model_xyz", model_kwargs={}, form="train")
-    with pytest.raises(CheckpointError, match="field 'model' names no model .*no_such_model_xyz"):
-        load_model(path)
+        save_model(path, other, name="repmlp_fmnist", model_kwargs=TINY, form="train")
+    for model, meta in ((other, {}), (_tiny(), {"model": "no_such_model_xyz", "model_kwargs": "{}"})):
+        rewrite(path, model.state_dict(), **meta)
+        with pytest.raises(CheckpointError, match="does not fit repmlp_fmnist.*with other shapes|"
+                           "field 'model' names no model .*no_such_model_xyz"):  # fmt: skip
+            load_model(path)
+
+
+def rewrite(path, tensors, **meta) -> None:
+    """``path`` (a model file) with ``tensors`` and metadata fields changed: a file ``save_model`` refuses to
+    write, as an edited or damaged one would be."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={**read_metadata(path), **meta})
+
+
+def test_save_model_refuses_what_load_model_would(tmp_path):
+    """Metadata that does not describe the weights, NaN weights, an own network: refused when saved, one line,
+    nothing written."""
+    path, model = tmp_path / "m.safetensors", _tiny()
+    nan = _tiny()
+    with torch.no_grad():
+        nan.head.weight[0, 0] = float("nan")
+    cases = [
+        (model, {**TINY, "num_classes": 3}, {}, "does not fit repmlp_fmnist .* with other shapes"),
+        (model, {**TINY, "depth": 2}, {}, "model_kwargs.depth' is not an option of repmlp_fmnist"),
+        (model, TINY, {"classes": ["a", "b"]}, "extra.classes' names 2 classes, but the model has 10"),
+        (
+            model,
+            TINY,
+            {"input_size": [3, 28, 28]},
+            "extra.input_size' says 3 channels, but repmlp_fmnist takes 1",
+        ),
+        (nan, TINY, {}, "tensor 'head.weight' holds 1 NaN or infinite value"),
+    ]
+    for net, kwargs, extra, message in cases:
+        with pytest.raises(CheckpointError, match=message) as err:
+            save_model(path, net, name="repmlp_fmnist", model_kwargs=kwargs, form="train", extra=extra)
+        assert "\n" not in str(err.value) and "save_model" in str(err.value) and not path.exists()
+
+
+def test_save_model_of_an_own_network_says_what_to_do_instead(tmp_path):
+    """A network the user built is no model load_model can rebuild: refused when saved, saying to save its
+    state dict (docs/using.md says so too)."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    with pytest.raises(CheckpointError, match=r"'Mine' is not a model .*torch\.save\(model\.state_dict\(\)"):
+        save_model(tmp_path / "m.safetensors", net, name="Mine", model_kwargs={}, form="train")
+    assert not (tmp_path / "m.safetensors").exists()
+    assert "save_model refuses it" in (Path(__file__).parents[2] / "docs" / "using.md").read_text()
 
 
 @pytest.mark.parametrize("damage", ["missing", "empty", "text", "truncated", "bad_header", "state_file"])
@@ -163,7 +210,7 @@ def test_state_round_trip(tmp_path):
     assert torch.equal(back["torch"], state["torch"])
     assert back["history"] == state["history"] and back["none"] is None
     with pytest.raises(CheckpointError, match="not a repmlp training state"):
-        save_model(tmp_path / "m.safetensors", model, name="x", model_kwargs={}, form="train")
+        save_model(tmp_path / "m.safetensors", _tiny(), name="repmlp_fmnist", model_kwargs=TINY, form="train")
         load_state(tmp_path / "m.safetensors")
 
 

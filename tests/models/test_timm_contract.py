@@ -2,8 +2,9 @@
 
 Modelled on timm's own ``tests/models/test_models.py``: forward/backward, default cfg, forward_features /
 forward_head(pre_logits) / reset_classifier, features_only + feature_info, torch.fx symbolic tracing
-forward and backward. Every model is also traced and its feature maps extracted as timm and torchvision
-do it for detection and segmentation (torchvision's ``create_feature_extractor``, timm's fx features):
+forward and backward; test_timms_model_tests runs timm's own checks, at its input sizes, on real values.
+Every model is also traced and its feature maps extracted as timm and torchvision do it for detection and
+segmentation (torchvision's ``create_feature_extractor``, timm's fx features):
 in eval mode without autograd and in train mode with autograd, the two ways a backbone runs. Full-size
 models run on the meta device (shapes only, nothing computed, so every check is cheap at the paper's
 resolutions); numerical checks use small configurations.
@@ -11,28 +12,31 @@ resolutions); numerical checks use small configurations.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import timm
 import torch
 import torch.fx
+from timm.layers import get_notrace_functions, get_notrace_modules
 from torch import Tensor, nn
-from torchvision.models.feature_extraction import create_feature_extractor
+from torchvision.models.feature_extraction import create_feature_extractor, get_graph_node_names
 
 from repmlp import create_model, list_models
-from zoo import shallow
+from zoo import SMALL_BUILDS, shallow
 
-# In timm's registry like every model, but outside its image-model contract (docs/models.md): the PSPNets
-# (dense predictors) and the sequence models (1-D feature maps).
+# Outside timm's classifier contract, so not registered with timm (docs/models.md): the PSPNets (dense
+# predictors) and the sequence models (1-D feature maps); repmlp.create_model builds them.
 OUTSIDE = {"pspnet_res50", "pspnet_repmlp_res50", "repmlp1d_fmnist", "conv1d_fmnist"}
 
 
 def _timm_models() -> list[str]:
-    """Models registered with timm by repmlp's modules (whichever registry helper they used) that keep
-    timm's image-model contract."""
-    ours = {n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("repmlp.")}
-    return sorted(ours - OUTSIDE)
+    """Models registered with timm by repmlp's modules (whichever registry helper they used): all of them
+    must keep timm's classifier contract (timm's own tests and users take every timm model for one)."""
+    return sorted(
+        n for n in timm.list_models() if timm.models.model_entrypoint(n).__module__.startswith("repmlp.")
+    )
 
 
 TIMM = _timm_models()
@@ -180,17 +184,20 @@ def test_graphs_compute_the_models_bits_whatever_mode_they_were_traced_in(
 
 
 def test_models_outside_timms_image_contract() -> None:
-    """Every model of repmlp is a timm model (one registry: timm's); those outside timm's image-model
-    contract (docs/models.md) are the PSPNets (dense predictors) and the sequence models, whose feature maps
-    are 1-D. Those build with timm too, their feature levels too."""
+    """The models outside timm's classifier contract (docs/models.md), the PSPNets (dense predictors) and
+    the sequence models, whose feature maps are 1-D, are not timm models: repmlp lists and builds them,
+    their feature levels too, with timm's build_model_with_cfg."""
     one_d = {"repmlp1d_fmnist", "conv1d_fmnist"}
-    assert set(list_models()) - set(TIMM) == OUTSIDE and OUTSIDE <= set(timm.list_models())
+    assert set(list_models()) - set(TIMM) == OUTSIDE and not OUTSIDE & set(timm.list_models())
     assert {"repmlp_res50", "repmlp_cifar", "repmlp_fmnist_patch2", "mobilefacenet", "face_resnet"} <= set(
         TIMM
     )
+    for name in OUTSIDE:
+        with pytest.raises(RuntimeError, match="Unknown model"):
+            timm.create_model(name)
     for name in one_d:
         with torch.device("meta"):
-            features = timm.create_model(name, features_only=True).eval()
+            features = create_model(name, features_only=True).eval()
         maps = features(torch.randn(2, 1, 28, 28, device="meta"))
         assert [tuple(m.shape) for m in maps] == [(2, 64, 28), (2, 128, 14), (2, 128, 7)]
         assert features.feature_info.channels() == [64, 128, 128]
@@ -427,3 +434,122 @@ def test_torch_export_deployed(name: str) -> None:
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
     assert program.module()(_meta_input(model, batch=3)).shape == model(_meta_input(model, batch=3)).shape
+
+
+# timm's tests/test_models.py: the input size each test targets (a size a model not built for one
+# size must take) and the largest it runs (a fixed-size model above it is skipped there).
+_TIMM_SIZES = {"forward": (384, 384), "backward": (128, 320), "default_cfgs": (448, 448),
+               "forward_features": (96, 256), "forward_fx": (128, 256), "backward_fx": (128, 224)}  # fmt: skip
+
+
+def _timm_input_size(model: nn.Module, check: str) -> tuple[int, ...]:
+    """timm's ``_get_input_size``: a fixed-size model's own input size, else its size capped at the target."""
+    cfg, (target, limit) = model.default_cfg, _TIMM_SIZES[check]
+    size = tuple(cfg["input_size"])
+    if not cfg.get("fixed_input_size") and max(size) > target:
+        size = tuple(cfg.get("min_input_size") or (min(s, target) for s in size))
+    if max(size) > limit:
+        pytest.skip(f"timm skips a fixed-size model above {limit}")
+    return size
+
+
+def _small(name: str, **kwargs: object) -> nn.Module:
+    """``timm.create_model`` of ``name``'s small build (tests/zoo.py); a face model's ``num_classes`` is its
+    embedding width."""
+    build = {
+        k: v for k, v in SMALL_BUILDS[name].items() if not (k == "embedding_dim" and "num_classes" in kwargs)
+    }
+    return timm.create_model(name, **build, **kwargs)
+
+
+def _timm_fx_model(model: nn.Module) -> nn.Module:
+    """timm's ``_create_fx_model`` (one output): the graph's last node through torchvision's extractor,
+    traced with timm's leaf modules and functions."""
+    kwargs = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
+                  param_shapes_constant=True)  # fmt: skip
+    train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kwargs)
+    return create_feature_extractor(model, train_return_nodes=train_nodes[-1:], eval_return_nodes=eval_nodes[-1:],
+                                    tracer_kwargs=kwargs)  # fmt: skip
+
+
+def _timm_default_cfgs(name: str, model: nn.Module) -> None:
+    """timm's test_model_default_cfgs."""
+    assert model.num_classes >= 0 and model.num_features > 0 and model.head_hidden_size > 0
+    cfg, keys = model.default_cfg, model.state_dict().keys()
+    assert model.in_chans == cfg["input_size"][0]
+    pool = tuple(cfg["pool_size"])
+    x = torch.randn(1, *_timm_input_size(model, "default_cfgs"))
+    feats = model.forward_features(x)
+    pre = model.forward_head(feats, pre_logits=True)
+    assert tuple(feats.shape[2:]) == pool and feats.shape[1] == model.num_features
+    assert pre.shape[1] == model.head_hidden_size
+    model.reset_classifier(0)
+    assert model.num_classes == 0
+    assert model(x).shape == pre.shape == _small(name, num_classes=0).eval()(x).shape
+    assert pre.shape[1] == model.head_hidden_size
+    model.reset_classifier(0, "")
+    unpooled = _small(name, num_classes=0, global_pool="").eval()
+    for out in (model(x), unpooled(x)):
+        assert out.dim() == 4 and tuple(out.shape[2:]) == pool
+    assert all(c + ".weight" in keys for c in _names(cfg["classifier"]) if cfg["num_classes"])
+    assert all(c + ".weight" in keys for c in _names(cfg["first_conv"]))
+    placed = _small(name, device="meta", dtype=torch.float64)  # timm's factory options
+    assert all(t.device.type == "meta" for t in placed.state_dict().values())
+    assert all(p.dtype == torch.float64 for p in placed.parameters())
+    with pytest.raises(TypeError):  # an unknown option is an error, not ignored
+        _small(name, device="meta", not_a_model_arg=1)
+
+
+def _names(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _timm_backward(model: nn.Module, check: str) -> None:
+    """timm's test_model_backward and test_model_backward_fx (a 42-class model in training)."""
+    x = torch.randn(2, *_timm_input_size(model, check))
+    if check == "backward_fx":
+        model = _timm_fx_model(model)
+    out = model(x)
+    out = torch.cat(tuple(out.values())) if isinstance(out, dict) else out
+    out.mean().backward()
+    assert all(p.grad is not None for p in model.parameters()), "a parameter without a gradient"
+    assert out.shape[-1] == 42 and not out.isnan().any()
+
+
+def _timm_forward_features(name: str) -> None:
+    """timm's test_model_forward_features: at least 3 levels, of feature_info's channels and reductions."""
+    model = _small(name, features_only=True).eval()
+    channels, reductions = model.feature_info.channels(), model.feature_info.reduction()
+    assert len(channels) >= 3
+    size = _timm_input_size(model, "forward_features")
+    outs = model(torch.randn(1, *size))
+    assert len(outs) == len(channels)
+    for out, c, r in zip(outs, channels, reductions, strict=True):
+        assert out.shape[:2] == (1, c) and not out.isnan().any()
+        assert all(
+            s / (2 * r) < o <= math.ceil(s / r) + 1 for o, s in zip(out.shape[2:], size[1:], strict=True)
+        )
+
+
+@pytest.mark.parametrize("check", list(_TIMM_SIZES))
+@pytest.mark.parametrize("name", TIMM)
+def test_timms_model_tests(name: str, check: str, one_thread: None) -> None:
+    """timm's own model tests (its tests/test_models.py: forward, backward, default_cfgs, forward_features,
+    forward_fx, backward_fx) on every model timm.create_model builds of ours, small (tests/zoo.py) and on real
+    values, at the input sizes timm's tests feed: a model not built for one size must take theirs."""
+    torch.manual_seed(0)
+    if check == "forward_features":
+        return _timm_forward_features(name)
+    backward = check.startswith("backward")
+    model = _small(name, **({"num_classes": 42} if backward else {}))
+    if backward:
+        return _timm_backward(model.train(), check)
+    model.eval()
+    if check == "default_cfgs":
+        return _timm_default_cfgs(name, model)
+    with torch.inference_mode():
+        x = torch.randn(1, *_timm_input_size(model, check))
+        out = model(x)
+        assert out.shape[0] == 1 and not out.isnan().any()
+        if check == "forward_fx":
+            assert torch.equal(torch.cat(tuple(_timm_fx_model(model)(x).values())), out)

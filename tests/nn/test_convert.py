@@ -137,15 +137,30 @@ def test_linear_batchnorm1d_stays_whatever_the_input_rank(shape):
         assert rel_err(out, ref) < 1e-12
 
 
-def test_conv1d_batchnorm1d_stays_as_an_unbatched_input_would_change_it():
+@pytest.mark.parametrize("container", [True, False])
+def test_conv1d_batchnorm1d_folds_as_its_output_keeps_channels_in_dim_1(container):
+    """A Conv1d's batched output is (N, C, L): the BatchNorm1d after it folds, in a Sequential and through fx."""
     torch.manual_seed(0)
-    model = randomize_bn(nn.Sequential(nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4)).double()).eval()
-    x = torch.randn(4, 4, dtype=torch.float64)  # unbatched (C, L): BatchNorm1d normalises L
+    model = _ConvBN1d() if not container else nn.Sequential(nn.Conv1d(4, 6, 3), nn.BatchNorm1d(6), nn.ReLU())
+    model = randomize_bn(model.double()).eval()
+    x = torch.randn(3, 4, 9, dtype=torch.float64)
     with torch.no_grad():
         ref = model(x)
         converted = reparameterize_model(model)
-        assert rel_err(converted(x), ref) < 1e-12
-    assert list(converted.unfused_batchnorms) == ["1"]
+        out = converted(x)
+    assert count_bn(converted) == 0 and list(converted.unfused_batchnorms) == []
+    assert rel_err(out, ref) < 1e-12
+
+
+class _ConvBN1d(nn.Module):
+    """A Conv1d and a BatchNorm1d outside any Sequential: the torch.fx path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(4, 6, 3), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)).relu()
 
 
 class _LinearBN(nn.Module):

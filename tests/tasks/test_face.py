@@ -377,7 +377,7 @@ def test_face_eval_names_diverged_weights(face_data, trained_face, tmp_path, cap
 
     def save_eval(name: str, *extra: str) -> int:
         save_model(tmp_path / name, model, name=meta.name, model_kwargs=meta.model_kwargs, form="train",
-                   extra=meta.extra)  # fmt: skip
+                   extra=meta.extra, check=False)  # fmt: skip
         return cli_main(["eval", "--task", "face", "--checkpoint", str(tmp_path / name), *sets, *extra])
 
     assert_diverged_weights_are_clear_errors(model, save_eval, lambda: _user_error(capsys))

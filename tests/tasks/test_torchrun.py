@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from repmlp_testdata import fault_env, make_fashion_mnist, make_image_folder, run_cli, user_error_line
 
@@ -123,9 +124,9 @@ def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, referenc
 
 def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path):
     """SIGTERM to every process and to torchrun's agent (``repmlp launch``'s own process), as a scheduler
-    preempts a job: each process stops at the same step and says where the checkpoint is; the launch exits 143
-    (plain torchrun: 1); one process cannot resume the run; the same command (``--resume auto``) continues it
-    to the uninterrupted run's weights."""
+    preempts a job: every process stops at the same step, process 0 says (once) where the checkpoint is; the
+    launch exits 143 (plain torchrun: 1); one process cannot resume the run; the same command (``--resume
+    auto``) continues it to the uninterrupted run's weights."""
     out = tmp_path / "run"
     args = ["train", "--data-dir", str(fmnist), *RUN, "--output", str(out), "--resume", "auto"]
     command = ["-m", "repmlp", "launch", "--standalone", "--nproc-per-node", "2", *args]
@@ -133,7 +134,8 @@ def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, ref
     assert res.returncode == 143, res.stderr[-3000:]
     assert "holds no checkpoint: starting the run" in res.stderr
     said = "repmlp: interrupted by SIGTERM at epoch 2, batch 2 (step 6): checkpoint saved"
-    assert res.stderr.count(said) == 2  # both processes (their lines may meet on the shared stderr)
+    assert res.stderr.count(said) == 1  # once for the run: by process 0, none by the other or the launch
+    assert len(repmlp_lines(res.stderr)) == 1, res.stderr[-3000:]
     # One process: each process's share of a batch, and its BatchNorm statistics, would differ.
     files = {p.name: p.read_bytes() for p in out.iterdir()}
     alone = python(tmp_path, ["-m", "repmlp", *args], timeout=120)
@@ -197,8 +199,26 @@ def test_a_killed_data_loading_worker_stops_every_process_with_one_line(tmp_path
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("argv", [[], ["--nproc-per-node"], ["--bogus", "3", "train"]])
-def test_launch_refuses_bad_torchrun_options_in_one_line(argv):
-    res = run_cli("launch", *argv)
+BAD_LAUNCHES = [
+    [], ["--nproc-per-node"], ["--bogus", "3", "train"], ["--nproc-per-node", "abc", "train"],
+    ["--nproc-per-node", "0", "train"], ["--nnodes", "1:x", "train"], ["--nnodes", "3:1", "train"],
+    ["--rdzv-backend", "nope", "train"], ["--no-python", "train"], ["--rdzv-conf", "foo", "train"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:port", "train"], ["--max-restarts", "-1", "train"],
+    ["--monitor-interval", "0", "train"], ["nosuch"], ["--nproc-per-node", "2", "launch", "train"],
+    *(["--rdzv-conf", f"join_timeout={t}", "train"] for t in ("0", "-5", "abc", "3.7", "99999999999999999999")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", BAD_LAUNCHES, ids=" ".join)
+def test_launch_refuses_bad_torchrun_options_in_one_line(argv, monkeypatch):
+    """torchrun's own checks (its parser, its configuration, its agent's rendezvous and processes) and the
+    command's name: one line and exit 2 before any process starts."""
+
+    def start(*args: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", start)
+    res = run_cli("launch", *argv, "--epochs", "1")
     assert res.returncode == 2
     assert user_error_line(res.stderr).startswith("repmlp: error: launch: ")
+    assert res.stderr.count("\n") == 1, res.stderr  # nor torchrun's warnings

@@ -38,6 +38,7 @@ from repmlp.tasks import TASK_MODULES
 from repmlp_testdata import (
     FACE_TINY,
     SEG_TINY,
+    CliResult,
     fault_env,
     make_cifar10,
     make_cityscapes,
@@ -45,6 +46,7 @@ from repmlp_testdata import (
     make_fashion_mnist,
     make_image_folder,
     model_arg_options,
+    run_cli,
     subprocess_env,
     write_idx,
 )
@@ -135,14 +137,30 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 # --------------------------------------------------------------------------- one run per data format
 @pytest.fixture(scope="module")
-def fmnist_run(data, tmp_path_factory) -> Path:
+def fmnist_run_result(data, tmp_path_factory) -> tuple[Path, CliResult]:
     out = tmp_path_factory.mktemp("runs") / "fmnist"
-    status, err = train(
-        "--data-dir", data["fmnist"], *FMNIST_TINY, "--train-limit", 64, "--val-limit", 40,
+    res = run_cli(
+        "train", "--data-dir", data["fmnist"], *FMNIST_TINY, "--train-limit", 64, "--val-limit", 40,
         "--batch-size", 16, "--epochs", 1, "--no-bench", "--output", out,
     )  # fmt: skip
-    assert status == 0, err
-    return out
+    assert res.returncode == 0, res.stderr
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def fmnist_run(fmnist_run_result) -> Path:
+    return fmnist_run_result[0]
+
+
+def test_train_prints_its_results_on_stdout_and_its_progress_on_stderr(fmnist_run_result):
+    """``repmlp train > out.txt`` keeps what a user keeps (the final metrics and the conversion check, the run
+    folder), as other command-line tools do; the progress stays on the terminal."""
+    out, res = fmnist_run_result
+    results = res.stdout.splitlines()
+    assert any(ln.startswith("top-1 ") and ln.endswith("-> equivalent") for ln in results), res.stdout
+    assert any(ln.startswith(f"run folder: {out} (report.md)") for ln in results), res.stdout
+    assert "epoch 1/1: train loss" in res.stderr and "s this epoch" in res.stderr
+    assert "epoch 1/1" not in res.stdout and "training repmlp_fmnist" not in res.stdout
 
 
 def check_run_folder(out: Path, *, onnx: bool, classes: list[str], n_val: int) -> None:

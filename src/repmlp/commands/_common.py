@@ -22,7 +22,7 @@ import repmlp.deploy.precision  # noqa: F401 - registers the loaders of bf16/fp1
 from repmlp.data.inputs import not_regular
 from repmlp.deploy.runtimes import RUNTIMES, missing_runtime
 from repmlp.errors import UserError
-from repmlp.models.registry import resolve_model
+from repmlp.models.registry import list_models, resolve_model
 from repmlp.tasks.config import TaskConfig
 from repmlp.tasks.limits import OPTIONS, Range
 
@@ -34,7 +34,7 @@ def model_name(text: str) -> str:
         resolve_model(text)
     except ValueError as exc:
         names = dict.fromkeys(
-            [*timm.list_models(), *torchvision.models.list_models(module=torchvision.models)]
+            [*list_models(), *timm.list_models(), *torchvision.models.list_models(module=torchvision.models)]
         )
         close = difflib.get_close_matches(text.rpartition(":")[2], list(names), n=5, cutoff=0.6)
         raise argparse.ArgumentTypeError(

@@ -36,8 +36,8 @@ def add_run_arguments(group: argparse._ActionsContainer, *, resume_help: str, st
     """The run options every task's training shares; ``step`` names a training step in the help (optimizer
     step, iteration)."""
     add_option(group, "--resume", resume_help + "; --resume auto: continue it if --output holds a checkpoint, "
-               "else start it (for jobs a scheduler may preempt and rerun)", TrainOptions, action="store",
-               nargs="?", const=True, choices=["auto"])  # fmt: skip
+               "else start it, and exit 0 if it has finished (for jobs a scheduler may preempt and rerun)",
+               TrainOptions, action="store", nargs="?", const=True, choices=["auto"])  # fmt: skip
     add_option(group, "--ckpt-every", f"checkpoint every STEPS {step}s as well (0: only at the usual points; "
                "default: 200)", TrainOptions, default=200, metavar="STEPS")  # fmt: skip
     add_options(group, TrainOptions, {

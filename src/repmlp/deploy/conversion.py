@@ -118,9 +118,9 @@ def _write_and_reload(model: nn.Module, deployed: nn.Module, file: DeployedFile,
         if not fuse_bn:
             log.info("deploy=True %s keeps some BatchNorms; converting without folding them", file.name)
             deployed = nn_convert.reparameterize_model(model, fuse_bn=False)
-        model_file.save_model(file.path, deployed, name=file.name, model_kwargs=file.model_kwargs,
-                              form="deploy", extra=file.extra)  # fmt: skip
-        try:
+        try:  # save_model refuses weights that do not fit the deploy=True model, as load_model would
+            model_file.save_model(file.path, deployed, name=file.name, model_kwargs=file.model_kwargs,
+                                  form="deploy", extra=file.extra)  # fmt: skip
             return model_file.load_model(file.path, device=device, form="deploy")
         except CheckpointError as exc:
             error = exc

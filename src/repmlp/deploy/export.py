@@ -85,13 +85,14 @@ def _quoted(exc: BaseException) -> str:
 
 @full_float32()  # exported and compared in full float32, whatever the caller's TF32/autocast
 def _export(what: str, write: _Writer, model: nn.Module, path: str | os.PathLike, input_size: Sequence[int],
-            rtol: float) -> float:  # fmt: skip
+            rtol: float, force: bool = False) -> float:  # fmt: skip
     """``write`` an eval-mode float32 CPU copy of ``model`` to ``path``, atomically, once the file loaded back
     matched PyTorch; returns the relative difference (``nan`` when ``write`` returns no runner). An
-    :class:`ExportError` leaves the destination as it was."""
+    :class:`ExportError` leaves the destination as it was; ``force``: files written beside ``path`` (ONNX
+    external data) may replace existing ones (:func:`~repmlp.io.model_file.staged`)."""
     net = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
     example, x = _example(input_size, _TRACE_BATCH, seed=0), _example(input_size, _CHECK_BATCH, seed=1)
-    with staged(path) as tmp, torch.no_grad(), warnings.catch_warnings():
+    with staged(path, force=force) as tmp, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporters' deprecation and tracing notes
         try:
             reloaded = write(net, example, tmp)
@@ -129,11 +130,12 @@ def per_group_fc3(model: nn.Module) -> nn.Module:
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[int], *, check: bool = True,
                 opset_version: int | None = None, rtol: float = DEFAULT_RTOL,
-                per_group: bool = True) -> float:  # fmt: skip
+                per_group: bool = True, force: bool = False) -> float:  # fmt: skip
     """Export ``model`` (taking one ``(N, *input_size)`` tensor) to ONNX at ``path`` with the
     ``torch.export``-based exporter, dynamic batch, checked in onnxruntime (``check``); see :func:`_export`.
     Export the deployed model (:func:`repmlp.reparameterize_model`): it is the one meant for inference.
-    ``per_group``: FC3 as :func:`per_group_fc3` writes it (one 2-D product per group), else one batched one."""
+    ``per_group``: FC3 as :func:`per_group_fc3` writes it (one 2-D product per group), else one batched one.
+    ``force``: replace existing files of the external data written beside ``path`` (else refused)."""
 
     def write(net: nn.Module, example: Tensor, tmp: Path) -> Callable[[Tensor], object] | None:
         batch = torch.export.Dim("batch", min=1)
@@ -143,7 +145,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, input_size: Sequence[
         program.save(str(tmp))
         return _onnxruntime(tmp) if check else None
 
-    return _export("ONNX export", write, model, path, input_size, rtol)
+    return _export("ONNX export", write, model, path, input_size, rtol, force)
 
 
 def _onnxruntime(path: Path) -> Callable[[Tensor], Tensor]:

@@ -35,7 +35,14 @@ from repmlp.data.png import png_scanlines, unfilter
 from repmlp.deploy.gpu import fused_or_plain, serving_format
 from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError
-from repmlp.io.model_file import ModelMetadata, atomic_write_text, device_of, load_model, model_metadata
+from repmlp.io.model_file import (
+    ModelMetadata,
+    atomic_write_text,
+    device_of,
+    load_model,
+    model_metadata,
+    resolve_device,
+)
 from repmlp.nn.convert import reparameterize_model
 
 __all__ = ["printable", "Prediction", "Predictor", "FileResult", "expand_inputs", "image_to_channels",
@@ -233,11 +240,13 @@ class Predictor:
 
     def __init__(self, model: str | os.PathLike | nn.Module, *, device: str | torch.device | None = None,
                  top_k: int = 5, labels: Sequence[str] | None = None, runtime: str = "torch") -> None:  # fmt: skip
-        given_module = isinstance(model, nn.Module)
-        if not given_module:
+        device = None if device is None else resolve_device(device)
+        if not isinstance(model, nn.Module):
             model = load_model(model, device=device or "cpu")
-        elif getattr(model, "metadata", None) is None:
-            model.metadata = model_metadata(model.eval(), name=type(model).__name__, form="unknown")
+        else:  # a copy: the caller's module keeps its mode, device, layout and attributes
+            model = copy.deepcopy(model)
+            if getattr(model, "metadata", None) is None:
+                model.metadata = model_metadata(model.eval(), name=type(model).__name__, form="unknown")
         _check_classifier(model.metadata)
         if runtime != "torch":
             model = in_runtime(model, runtime)
@@ -259,9 +268,9 @@ class Predictor:
         self._dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
         self._format = torch.contiguous_format
         self._run: Any = self.model
-        if runtime == "torch":  # in the serving layout, on a copy: the caller's model stays as it is
+        if runtime == "torch":  # in the serving layout
             self._format = serving_format(self.device, self._dtype)
-            run = (copy.deepcopy(self.model) if given_module else self.model).to(memory_format=self._format)
+            run = self.model.to(memory_format=self._format)
             self._run = fused_or_plain(run) if self.device.type == "cuda" else run
 
     @property
@@ -270,10 +279,8 @@ class Predictor:
 
     @torch.inference_mode()
     def predict_batch(self, x: Tensor) -> list[list[Prediction]]:
-        """Top-k of a preprocessed float32 batch ``(N, C, H, W)`` (the model casts it to its precision)."""
-        x = x.to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            x = x.to(self._dtype)  # inputs in the model's dtype (no input-casting hook)
+        """Top-k of a preprocessed float32 batch ``(N, C, H, W)``, cast to the model's dtype (float64, bf16...)."""
+        x = x.to(self.device, self._dtype, non_blocking=True)
         x = x.contiguous(memory_format=self._format) if x.dim() == 4 else x
         probs = torch.softmax(self._run(x).float(), dim=1).cpu()
         top = probs.topk(self.top_k, dim=1)

@@ -11,29 +11,15 @@ import platform
 import torch
 
 from repmlp.errors import UserError
+from repmlp.io import model_file
 
 COMPILE_CHOICES = ("auto", "on", "off")
 
 
 def resolve_device(text: str) -> torch.device:
     """``--device`` -> ``torch.device`` (``auto``: CUDA when available); a device this machine lacks is a
-    :class:`UserError`."""
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device: unknown device {text!r} (use cpu, cuda, cuda:N, mps or auto)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {text}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {text}: Apple's MPS is not available on this machine")
-    elif device.type not in ("cpu", "mps"):
-        raise UserError(f"--device {text}: only cpu, cuda and mps are supported")
-    return device
+    :class:`UserError` (:func:`repmlp.io.model_file.resolve_device`, the one rule for every device argument)."""
+    return model_file.resolve_device(text, "--device")
 
 
 def cpu_name() -> str:

@@ -240,9 +240,10 @@ class RunInterrupted(KeyboardInterrupt):
     """A run stopped by SIGINT (Ctrl-C) or SIGTERM (``kill``, a batch system's time limit): its message says
     at which step and where the checkpoint is; the CLI exits with ``128 + signum`` (130, 143)."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, *, quiet: bool = False) -> None:
         super().__init__(message)
         self.signum = signum
+        self.quiet = quiet  # a process other than 0 of a run: process 0 says it, once for the run
 
 
 def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
@@ -456,7 +457,7 @@ class _Loop:
                 where = (f"epoch {pos.epoch + 1}/{opts.epochs} batch {pos.batch}/{self.steps_per_epoch}"
                          if opts.epochs is not None else f"step {pos.step}/{self.total}")  # fmt: skip
                 stats = "  ".join(f"{k} {v}" for k, v in means.items())
-                log.info("%s  %s  lr %.3g  %.0f s", where, stats, lr, now - self.start)
+                log.info("%s  %s  lr %.3g  %.0f s since the start", where, stats, lr, now - self.start)
         if opts.log_interval and (pos.step % opts.log_interval == 0 or pos.step == self.total):
             self.log_window()
         epoch_end = opts.epochs is not None and pos.batch == self.steps_per_epoch  # saved after end_epoch
@@ -472,12 +473,14 @@ class _Loop:
     def stop_requested(self) -> bool:
         """Whether a signal came, to this process or (torchrun) any other: every process then stops at the
         same step, as saving needs all of them (one small all-reduce a step; none for one process)."""
-        if not self.stopping:
-            flag = self.received is not None
-            if self.procs.enabled:
-                sums = all_reduce_sum(torch.tensor([float(flag)], device=self.procs.device), self.procs)
-                flag = bool(sums.item() > 0)
-            self.stopping = flag
+        if not self.stopping and not self.procs.enabled:
+            self.stopping = self.received is not None
+        elif not self.stopping:
+            # Which signals came, anywhere: every process then names the same one (SIGTERM before SIGINT).
+            came = torch.tensor([float(self.received == s) for s in (signal.SIGTERM, signal.SIGINT)])
+            came = all_reduce_sum(came.to(self.procs.device), self.procs).cpu()
+            if came.any():
+                self.stopping, self.received = True, signal.SIGTERM if came[0] > 0 else signal.SIGINT
         return self.stopping
 
     def stop(self) -> NoReturn:
@@ -486,11 +489,11 @@ class _Loop:
         if self.saved_at != self.pos.step:
             self.save()
         pos, signum = self.pos, self.received or signal.SIGINT
-        where = "" if self.procs.is_main else " by process 0"
         raise RunInterrupted(
             f"interrupted by {signal.Signals(signum).name} at epoch {pos.epoch + 1}, batch {pos.batch} "
-            f"(step {pos.step}): checkpoint saved{where} to {self.path}; continue with --resume",
+            f"(step {pos.step}): checkpoint saved to {self.path}; continue with --resume",
             signum,
+            quiet=not self.procs.is_main,
         )
 
     def interrupted_again(self, signum: int) -> RunInterrupted:

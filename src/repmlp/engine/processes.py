@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -42,18 +43,19 @@ class DistInfo:
         return self.world > 1
 
 
-def _env_int(name: str, lo: int, hi: int, default: str | None = None) -> int:
-    """The environment variable ``name`` as an integer in ``lo..hi``, else a :class:`UserError` naming it."""
+def _env_int(name: str, lo: int, hi: int, default: str | None = None, hint: str = _HINT) -> int:
+    """The environment variable ``name`` as an integer in ``lo..hi``, else a :class:`UserError` naming it and
+    ending in ``hint``."""
     text = os.environ.get(name, default)
     if text is None:
-        raise UserError(f"{name} is not set: a run of several processes needs it ({lo}..{hi}); {_HINT}")
+        raise UserError(f"{name} is not set: a run of several processes needs it ({lo}..{hi}); {hint}")
     try:
         value = int(text.strip())
     except ValueError:
         value = None
     if value is None or not lo <= value <= hi:
         shown = repr(text) if len(text) <= 40 else repr(text[:40]) + "..."  # a value of any length: cut
-        raise UserError(f"{name}={shown}: expected an integer in {lo}..{hi}; {_HINT}")
+        raise UserError(f"{name}={shown}: expected an integer in {lo}..{hi}; {hint}")
     return value
 
 
@@ -101,7 +103,10 @@ def setup_distributed(device_name: str) -> DistInfo:
 
 def _rendezvous(rank: int, world: int) -> dist.Store:
     """torchrun's ``env://`` rendezvous, said in one line, bounded by ``REPMLP_DIST_TIMEOUT`` s (default 300)."""
-    timeout = _env_int("REPMLP_DIST_TIMEOUT", 1, 86_400, default="300")
+    timeout = _env_int("REPMLP_DIST_TIMEOUT", 1, 86_400, default="300",
+                       hint="the seconds the processes wait for each other (default 300)")  # fmt: skip
+    # torchrun's processes carry its run id: the hint to start them with torchrun is for the others
+    hint = "" if os.environ.get("TORCHELASTIC_RUN_ID") else f"; {_HINT}"
     where = f"{os.environ['MASTER_ADDR'].strip()}:{os.environ['MASTER_PORT'].strip()}"
     (log.info if rank == 0 else log.debug)("process %d of %d: waiting for the other %d at %s, timeout %d s",
                                            rank, world, world - 1, where, timeout)  # fmt: skip
@@ -109,7 +114,7 @@ def _rendezvous(rank: int, world: int) -> dist.Store:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=timeout)))
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError (a timeout) is a RuntimeError
         raise UserError(f"process {rank} of {world}: the others did not all join at {where} within {timeout} s "
-                        f"({first_line(exc)[:200]}); {_HINT}; REPMLP_DIST_TIMEOUT sets the wait") from None  # fmt: skip
+                        f"({first_line(exc)[:200]}){hint}; REPMLP_DIST_TIMEOUT sets the wait") from None  # fmt: skip
     store.set_timeout(dist.default_pg_timeout)  # later store operations: torch's default
     # torchrun's agent keeps its store across restarts: a restarted group must not read the old one's keys
     return dist.PrefixStore(f"repmlp/attempt_{restart_count()}", store)
@@ -166,7 +171,20 @@ def prepare_module(module: nn.Module, procs: DistInfo, *, form: bool = True) -> 
     if procs.device.type == "cuda":
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
     ids = [procs.device.index] if procs.device.type == "cuda" else None
+    for p in module.parameters():
+        if p.requires_grad and p.dim() > 1:
+            p.register_hook(functools.partial(_in_layout_of, p))
     return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+
+
+def _in_layout_of(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s strides where the two differ only in dimensions of size 1 (the same memory,
+    another label: a conv weight of one input channel or a 1x1 kernel is both NCHW and channels_last, and
+    which of the two labels a kernel gives its gradient depends on oneDNN's layout for the CPU). autograd keeps
+    such a gradient as it comes; DDP's bucket views take the parameter's strides and compare them exactly
+    (torch's "Grad strides do not match bucket view strides" warning)."""
+    same = all(g == s for n, g, s in zip(grad.shape, grad.stride(), param.stride(), strict=True) if n != 1)
+    return grad.as_strided(grad.shape, param.stride()) if same and grad.stride() != param.stride() else grad
 
 
 def state_hash(model: nn.Module) -> str:

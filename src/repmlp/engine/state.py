@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import shutil
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ import torch
 
 from repmlp.data.inputs import not_regular
 from repmlp.engine.processes import DistInfo, restart_count
-from repmlp.errors import UserError
-from repmlp.io.model_file import check_field
+from repmlp.errors import RunFinished, UserError
+from repmlp.io.model_file import check_field, staging_leftovers
 from repmlp.io.state import load_state
 
 try:
@@ -39,11 +40,12 @@ def check_output(out: Path, resume: bool | str, procs: DistInfo, *,
     ``out`` must be missing or empty, or hold a run, never overwritten without ``resume``; a finished run
     (``report.md`` written) is not resumed unless ``finished_ok`` (``repmlp study`` redoing its end).
     ``resume="auto"`` resumes ``out``'s run if it holds a checkpoint and starts one otherwise (a job that a
-    scheduler reruns after a preemption); so do processes that torchrun restarted (:func:`restart_count`)."""
-    if resume == "auto" or (resume is False and restart_count() > 0):
+    scheduler reruns after a preemption); so do processes that torchrun restarted (:func:`restart_count`); of a
+    finished run it raises :class:`RunFinished`. The temporary folders of writes that a kill cut short
+    (:func:`staging_leftovers`) are the run's own: cleared once a finished run is ruled out."""
+    auto = resume == "auto"
+    if auto or (resume is False and restart_count() > 0):
         resume = not_regular(out / STATE_FILE) is None
-        if procs.is_main and not resume:
-            log.info("%s holds no checkpoint: starting the run", out)
     try:  # undecodable bytes in the name (surrogate escapes): the model files and the report could not hold it
         str(out).encode("utf-8")
     except UnicodeEncodeError:
@@ -54,13 +56,20 @@ def check_output(out: Path, resume: bool | str, procs: DistInfo, *,
     if kind == "a folder":
         lock_output(out, procs, create=False)
     finished = (out / REPORT_FILE).exists()
+    if auto and finished and not finished_ok:  # said by process 0 only
+        raise RunFinished(f"{out} holds a run that has finished already: nothing to do (its results: "
+                          f"{out / REPORT_FILE})" if procs.is_main else "")  # fmt: skip
     if resume and finished and not finished_ok:
         raise UserError(f"{out} holds a finished run ({REPORT_FILE} written): nothing to resume, and its files are "
                         "left as they are (train into another --output to run it again)")  # fmt: skip
+    for leftover in staging_leftovers(out) if procs.is_main else []:
+        shutil.rmtree(leftover, ignore_errors=True)
     if resume:
         if not_regular(out / STATE_FILE) is not None:
             raise UserError(f"nothing to resume: {out / STATE_FILE} does not exist or is not a regular file")
         return load_state(out / STATE_FILE)
+    if auto and procs.is_main:
+        log.info("%s holds no checkpoint: starting the run", out)
     if procs.is_main and kind == "a folder":
         if (out / STATE_FILE).is_file() or (out / MODEL_FILE).is_file():  # a run's, not merely a report.md
             raise UserError(f"{out} already holds a run, a finished one ({REPORT_FILE} written): its files are "

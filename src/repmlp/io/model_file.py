@@ -30,15 +30,15 @@ from torch.nn.modules import module as module_hooks
 
 from repmlp._version import __version__
 from repmlp.data import PREPROCESSING_KEYS, eval_preprocessing
-from repmlp.data.inputs import not_regular
+from repmlp.data.inputs import MAX_IMAGE_PIXELS, not_regular
 from repmlp.errors import UserError, first_line
-from repmlp.models.registry import FILE_LOADER, create_model
+from repmlp.models.registry import FILE_LOADER, create_model, resolve_model, takes_img_size
 from repmlp.numerics import full_float32
 
 __all__ = ["CheckpointError", "staged", "atomic_write_bytes", "atomic_write_text", "save_model", "load_model",
            "read_model_file", "read_tensors", "read_metadata", "ModelMetadata", "model_metadata", "FIELDS",
            "check_field", "check_model_kwargs", "check_fit", "meta_build", "ModelTooLarge", "check_finite",
-           "PRECISION_LOADERS"]  # fmt: skip
+           "PRECISION_LOADERS", "check_weights", "resolve_device"]  # fmt: skip
 
 FORMAT, STATE_FORMAT = "repmlp", "repmlp-state"
 FORMS = ("train", "deploy")  # a model file holds the training-time or the deployed form
@@ -64,9 +64,10 @@ _STAGING: set[Path] = set()  # the temporary paths of the staged() blocks runnin
 
 
 @contextlib.contextmanager
-def staged(path: str | os.PathLike) -> Iterator[Path]:
+def staged(path: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
     """A temporary path in ``path``'s folder that atomically replaces ``path`` when the ``with`` block ends without
-    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first. An
+    an error, and is removed otherwise; files the writer puts beside it (ONNX external data) are moved first, and
+    one whose name exists there already is a :class:`UserError` (nothing moved) unless ``force``. An
     ``OSError`` of the block or the move (a folder that cannot be written, a full disk, a name too long) is a
     :class:`UserError` naming ``path``. A ``path`` that is itself a staged temporary path is written directly."""
     path = Path(path)
@@ -82,9 +83,12 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
     _STAGING.add(tmp)
     try:
         yield tmp
-        for extra in sorted(folder.iterdir()):
-            if extra != tmp:
-                os.replace(extra, path.parent / extra.name)
+        extras = [p for p in sorted(folder.iterdir()) if p != tmp]
+        if not force and (taken := [p.name for p in extras if os.path.lexists(path.parent / p.name)]):
+            raise UserError(f"cannot write {path}: {path.parent / taken[0]}, a file written with it, exists already: "
+                            "add --force to replace it, or choose another name")  # fmt: skip
+        for extra in extras:
+            os.replace(extra, path.parent / extra.name)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -99,6 +103,16 @@ def staged(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def staging_leftovers(folder: Path) -> list[Path]:
+    """The temporary folders :func:`staged` left in ``folder`` (its process killed while writing): this package's
+    own, to clear before the folder is written again."""
+    ours = re.compile(r"\..{1,32}\.tmp-[a-z0-9_]{8}", re.DOTALL)  # staged()'s prefix, mkdtemp's 8 characters
+    try:
+        return [p for p in folder.iterdir() if ours.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -129,22 +143,41 @@ def with_own_preprocessing(model: nn.Module, extra: Mapping[str, Any] | None = N
 
 
 def save_model(path: str | os.PathLike, model: nn.Module, *, name: str, model_kwargs: dict[str, Any],
-               form: Form, extra: dict[str, Any] | None = None, precision: str = "fp32") -> None:  # fmt: skip
+               form: Form, extra: dict[str, Any] | None = None, precision: str = "fp32",
+               check: bool = True) -> None:  # fmt: skip
     """Save ``model.state_dict()`` to ``path`` with what :func:`load_model` needs: the options of
     ``create_model(name, deploy=form == "deploy", **model_kwargs)``, ``extra`` (classes, input size,
     preprocessing, the run's data set: :data:`FIELDS`) and a deployed file's reduced ``precision``. An
     ``extra`` that names neither a data set nor an evaluation preprocessing gets the model's own (its timm
-    config's), so that the file says how to read images for it."""
+    config's), and one without an input size that of a model built for one: the file says how to read images
+    for it. What :func:`load_model` would refuse (a ``name`` repmlp cannot build, metadata that does not
+    describe these weights, NaN weights) is refused here, with nothing written: a :class:`CheckpointError`
+    (``check=False``: written as given, as the damaged files tests hand to ``load_model``)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
     extra = with_own_preprocessing(model, extra)
+    if takes_img_size(name):  # a model built for one input size: the file says which (eval reads images so)
+        extra.setdefault("input_size", list(input_size_of(model, model_kwargs, extra)))
     meta = {"format": FORMAT, "model": name, "model_kwargs": json.dumps(model_kwargs, sort_keys=True),
             "form": form, "repmlp_version": __version__}  # fmt: skip
     if extra:
         meta["extra"] = json.dumps(extra, sort_keys=True)
     if precision != "fp32":
         meta["precision"] = precision
-    atomic_write_bytes(path, st_save(cpu_tensors(model.state_dict()), metadata=meta))
+    tensors, where = cpu_tensors(model.state_dict()), f"save_model({os.fspath(path)!r})"
+    if check:  # load_model's checks, before anything is written
+        try:
+            resolve_model(name)
+        except ValueError:
+            raise CheckpointError(
+                f"save_model: {name!r} is not a model repmlp.create_model builds, so load_model could not rebuild "
+                "it; save your own network's state dict instead (torch.save(model.state_dict(), path) or "
+                "safetensors.torch.save_file) and load it into your module (docs/using.md, Python)"
+            ) from None
+        fm = parse_metadata(where, meta)
+        if precision != "int8":
+            check_weights(where, tensors, fm)
+    atomic_write_bytes(path, st_save(tensors, metadata=meta))
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -411,9 +444,21 @@ def check_fit(where: object, name: str, kwargs: dict[str, Any], tensors: Mapping
     return ghost
 
 
+def check_normalisation(where: object, recorded: Mapping[str, Any] | None, channels: int) -> None:
+    """A recorded ``mean``/``std`` holds one value (every channel) or one per channel (RGB's three on a
+    one-channel model: the first, as for a timm config's); else a :class:`CheckpointError`, not values cut."""
+    for key in ("mean", "std"):
+        n = len(v) if isinstance(v := (recorded or {}).get(key), (list, tuple)) else 1
+        if n not in (1, channels) and (n, channels) != (3, 1):
+            why = f"holds {n} values for a {channels}-channel model (give one, or one per channel)"
+            raise _bad(where, f"{_PRE}.{key}", why)
+
+
 def _check_described(fm: ModelFileMeta, ghost: nn.Module) -> None:
     """What the file records besides its weights must fit the model (``ghost``, on the ``meta`` device): the
-    input size (its channels, and the size of a model built for one) and the number of class names."""
+    input size (its channels, and the size of a model built for one), the number of class names, the
+    normalisation's values (:func:`check_normalisation`) and the resize the crop asks for (the input side over
+    ``crop_pct``, its square within the decoding limit of an image, ``MAX_IMAGE_PIXELS``)."""
     chans, size, n = (getattr(ghost, k, None) for k in ("in_chans", "img_size", "num_classes"))
     recorded, classes = fm.extra.get("input_size"), fm.extra.get("classes")
     size = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (tuple, list)) else None
@@ -424,6 +469,12 @@ def _check_described(fm: ModelFileMeta, ghost: nn.Module) -> None:
                                                 f"is built for {size[0]}x{size[1]}")  # fmt: skip
     if classes and isinstance(n, int) and n > 0 and len(classes) != n:
         raise _bad(fm.path, "extra.classes", f"names {len(classes)} classes, but the model has {n}")
+    c, h, w = input_size_of(ghost, fm.model_kwargs, fm.extra)
+    pre = eval_preprocessing(fm.extra.get("eval_preprocessing"), fm.extra.get("dataset"), c)
+    check_normalisation(fm.path, fm.extra.get("eval_preprocessing"), c)
+    if (side := max(h, w) / pre["crop_pct"]) ** 2 > MAX_IMAGE_PIXELS:
+        raise _bad(fm.path, f"{_PRE}.crop_pct", f"{pre['crop_pct']:g} of a {h}x{w} input resizes every image to "
+                   f"{side:.0f} pixels a side, more than the {MAX_IMAGE_PIXELS}-pixel limit of an image")  # fmt: skip
 
 
 def check_finite(path: object, tensors: Mapping[str, Tensor]) -> None:
@@ -449,14 +500,21 @@ def read_model_file(path: str | os.PathLike, *, form: Form | None = None,
         if not int8:
             raise CheckpointError(f"{path} is an int8 (ONNX) file: it holds a graph, not weights to train")
         return tensors, fm
+    check_weights(path, tensors, fm)
+    return tensors, fm
+
+
+def check_weights(where: object, tensors: Mapping[str, Tensor], fm: ModelFileMeta) -> None:
+    """The float weights of a model file (``where``) with checked metadata ``fm``: real dense tensors, those
+    of the model ``fm`` describes (:func:`check_fit`, :func:`_check_described`), finite (what :func:`load_model`
+    checks when it reads a file and :func:`save_model` before it writes one)."""
     for key, t in tensors.items():  # complex, sparse or quantized tensors are no weights repmlp writes
         if t.layout != torch.strided or t.is_complex() or t.is_quantized:
             raise CheckpointError(
-                f"{path}: tensor {key!r} is {t.dtype} ({t.layout}), not a real dense weight"
+                f"{where}: tensor {key!r} is {t.dtype} ({t.layout}), not a real dense weight"
             )
-    _check_described(fm, check_fit(path, fm.model, fm.model_kwargs, tensors, deploy=fm.form == "deploy"))
-    check_finite(path, tensors)
-    return tensors, fm
+    _check_described(fm, check_fit(where, fm.model, fm.model_kwargs, tensors, deploy=fm.form == "deploy"))
+    check_finite(where, tensors)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -488,6 +546,42 @@ class ModelMetadata:
         return (c, h, w) if img_size is None else (c, img_size, img_size)
 
 
+def input_size_of(
+    model: nn.Module, kwargs: Mapping[str, Any], extra: Mapping[str, Any]
+) -> tuple[int, int, int]:
+    """``(C, H, W)`` of ``model``'s inputs: ``extra``'s ``input_size`` (a file's), else its options' ``in_chans``
+    and ``img_size`` over its timm config's (``(3, 224, 224)`` without one)."""
+    size = extra.get("input_size")
+    if not (isinstance(size, Sequence) and len(size) == 3):
+        c, h, w = (getattr(model, "pretrained_cfg", None) or {}).get("input_size") or (3, 224, 224)
+        given = kwargs.get("img_size")
+        h, w = (given, given) if isinstance(given, int) else given if isinstance(given, Sequence) else (h, w)
+        size = (kwargs.get("in_chans", c), h, w)
+    return tuple(int(s) for s in size)
+
+
+def resolve_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """``device`` (``"auto"``: CUDA when available) as a ``torch.device`` this machine has; an unknown or missing
+    one is a :class:`UserError` naming ``what`` (the argument or option it came from), not torch's error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(
+            f"{what}: unknown device {str(device)!r} (use cpu, cuda, cuda:N, mps or auto)"
+        ) from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        raise UserError(f"{what} {dev}: " + (f"this machine has {count} CUDA device(s)" if count else
+                                             "CUDA is not available on this machine"))  # fmt: skip
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"{what} {dev}: Apple's MPS is not available on this machine")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"{what} {dev}: only cpu, cuda and mps are supported")
+    return dev
+
+
 def device_of(model: nn.Module) -> torch.device:
     """The device of ``model``'s first parameter (the CPU for a model without parameters)."""
     param = next(model.parameters(), None)
@@ -503,14 +597,10 @@ def model_metadata(model: nn.Module, *, name: str, form: str, model_kwargs: Mapp
     :func:`~repmlp.data.eval_preprocessing`'s, whatever the precision (``extra=None``, a model read from no
     file: its own timm config's)."""
     extra, kwargs = with_own_preprocessing(model) if extra is None else dict(extra), dict(model_kwargs or {})
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    size = extra.get("input_size")
-    if not (isinstance(size, Sequence) and len(size) == 3):
-        c, h, w = cfg.get("input_size") or (3, 224, 224)
-        given = kwargs.get("img_size")
-        h, w = (given, given) if isinstance(given, int) else given if isinstance(given, Sequence) else (h, w)
-        size = (kwargs.get("in_chans", c), h, w)
-    size = tuple(int(s) for s in size)
+    size = input_size_of(model, kwargs, extra)
+    if takes_img_size(name):  # a file saved before files recorded it: eval reads images at the built size
+        extra.setdefault("input_size", list(size))
+    check_normalisation(path or name, extra.get("eval_preprocessing"), size[0])
     n = kwargs.get("num_classes") or getattr(model, "num_classes", None)
     if not (isinstance(n, int) and n > 0):  # a torchvision model or an int8 graph: ask the model itself
         with torch.inference_mode(), full_float32():
@@ -541,7 +631,9 @@ def load_model(
 ) -> nn.Module:
     """The model of a :func:`save_model` file (any form and precision, ``form`` if given the file's), loaded
     strictly, on ``device`` in eval mode, with ``model.metadata`` (:class:`ModelMetadata`); everything checked
-    before it is built (:func:`read_model_file`). Every problem is one :class:`CheckpointError`."""
+    before it is built (:func:`read_model_file`). Every problem is one :class:`CheckpointError` (a device
+    this machine lacks a :class:`UserError`: :func:`resolve_device`)."""
+    device = resolve_device(device)
     tensors, fm = read_model_file(path, form=form, int8=True)
     if fm.precision == "int8":
         model = _int8_model(fm, tensors)

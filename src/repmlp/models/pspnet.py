@@ -133,9 +133,12 @@ class PSPNet(nn.Module):
 
 
 # timm's pretrained_cfg of both PSPNets: Cityscapes' 19 classes, the paper's 713x713 crops (ImageNet statistics).
+# Not registered with timm (in_timm=False): a dense predictor has no pooled classifier, so timm's classifier
+# contract (num_features, forward_head, reset_classifier, pool_size) has no meaning for it.
 _PSPNET_CFG = dict(
-    input_size=(3, 713, 713), num_classes=19, classifier="head.2", first_conv="backbone.stem.conv.conv"
-)
+    input_size=(3, 713, 713), num_classes=19, classifier="head.2", first_conv="backbone.stem.conv.conv",
+    in_timm=False,
+)  # fmt: skip
 
 
 @register_model(**_PSPNET_CFG)

@@ -1,8 +1,15 @@
 """repmlp's models in timm's registry (``@register_model``), and any model by name: :func:`create_model`, a thin
-wrapper over timm's and torchvision's that adds ``deploy=True``, and :func:`build_model`, sized for a run."""
+wrapper over timm's and torchvision's that adds ``deploy=True``, and :func:`build_model`, sized for a run.
+
+Only models that keep timm's classifier contract are registered with timm (``timm.create_model``, and timm's
+own model tests, take every timm model for an image classifier); the others (the PSPNets, dense predictors,
+and the sequence models, whose maps are 1-D) are registered here only, in :data:`OUTSIDE_TIMM`:
+:func:`create_model` builds them (with timm's ``build_model_with_cfg`` too) and :func:`list_models` lists them."""
 
 from __future__ import annotations
 
+import copy
+import fnmatch
 import functools
 import numbers
 import sys
@@ -14,7 +21,7 @@ import torch
 import torchvision
 from timm.data import IMAGENET_DEFAULT_MEAN as IMAGENET_MEAN
 from timm.data import IMAGENET_DEFAULT_STD as IMAGENET_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs
+from timm.models import PretrainedCfg, build_model_with_cfg, generate_default_cfgs
 from torch import nn
 
 from repmlp.errors import UserError, first_line
@@ -22,11 +29,14 @@ from repmlp.nn.convert import reparameterize_model
 from repmlp.numerics import full_float32
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "resolve_model",
-           "build_model", "takes_img_size", "default_input_size", "check_forward"]  # fmt: skip
+           "build_model", "takes_img_size", "default_input_size", "check_forward", "get_pretrained_cfg"]  # fmt: skip
 
 # How ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)`` reads a repmlp model file: repmlp.io
 # (which reads model files, above the models) sets ``FILE_LOADER["file"]``; ``import repmlp`` imports it.
 FILE_LOADER: dict[str, Callable[[str, str, dict[str, Any]], nn.Module]] = {}
+
+# repmlp's models outside timm's classifier contract: name -> (entrypoint, its pretrained cfg).
+OUTSIDE_TIMM: dict[str, tuple[Callable[..., nn.Module], PretrainedCfg]] = {}
 
 
 def _no_pretrained(name: str) -> ValueError:
@@ -36,12 +46,17 @@ def _no_pretrained(name: str) -> ValueError:
 
 
 def register_model(
-    fn: Callable[..., nn.Module] | None = None, *, feature_cfg: dict | None = None, **cfg: Any
+    fn: Callable[..., nn.Module] | None = None,
+    *,
+    feature_cfg: dict | None = None,
+    in_timm: bool = True,
+    **cfg: Any,
 ) -> Any:
     """Register ``fn(pretrained=False, **kwargs) -> nn.Module`` with timm under its name, bare or as
     ``@register_model(**cfg)``: ``cfg`` overrides fields of its ``pretrained_cfg`` (the builder's defaults; no
     weights). timm's ``build_model_with_cfg`` builds it: ``features_only=True`` wraps it in the extractor
-    ``feature_cfg`` chooses (``FeatureListNet`` on the model's ``feature_info`` by default)."""
+    ``feature_cfg`` chooses (``FeatureListNet`` on the model's ``feature_info`` by default). ``in_timm=False``:
+    a model outside timm's classifier contract, registered in :data:`OUTSIDE_TIMM` only."""
 
     def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         name = fn.__name__
@@ -62,14 +77,17 @@ def register_model(
                 return FILE_LOADER["file"](
                     name, str(path), {k: v for k, v in kwargs.items() if k not in skip}
                 )
+            if not in_timm:  # timm's registry does not hold its cfg: build_model_with_cfg takes it here
+                kwargs["pretrained_cfg"] = kwargs.get("pretrained_cfg") or OUTSIDE_TIMM[name][1]
             return _build(fn, name, dict(feature_cfg or {}), **kwargs)
 
+        cfgs = generate_default_cfgs({name: {**default, **cfg}})
+        if not in_timm:
+            OUTSIDE_TIMM[name] = (entrypoint, cfgs[name].default)
+            return fn
         # timm reads the default cfg from ``sys.modules[fn.__module__].default_cfgs`` when registering.
         module = sys.modules[fn.__module__]
-        module.default_cfgs = {
-            **getattr(module, "default_cfgs", {}),
-            **generate_default_cfgs({name: {**default, **cfg}}),
-        }
+        module.default_cfgs = {**getattr(module, "default_cfgs", {}), **cfgs}
         timm.models.register_model(entrypoint)
         return fn
 
@@ -77,35 +95,54 @@ def register_model(
 
 
 def _build(fn: Callable[..., nn.Module], name: str, feature_cfg: dict, **kwargs: Any) -> nn.Module:
-    """``fn`` built by timm's ``build_model_with_cfg``, its cfg then holding its own class count and input size."""
+    """``fn`` built by timm's ``build_model_with_cfg`` (on timm's ``device``, in its ``dtype``), its cfg (its
+    feature extractor's too) then holding the network's own class count, input size and final map size
+    (``pool_size``)."""
     kwargs.pop("cache_dir", None)
+    built: list[nn.Module] = []
 
     def call(**kw: Any) -> nn.Module:
         size = kw.get("img_size")  # timm passes fixed-size models (H, W): ours take an int for a square
         if isinstance(size, (tuple, list)) and len(size) == 2 and size[0] == size[1]:
             kw["img_size"] = int(size[0])
-        return fn(pretrained=False, **kw)
+        built.append(fn(pretrained=False, **kw))
+        return built[-1]
 
-    model = build_model_with_cfg(call, name, pretrained=False, feature_cfg=feature_cfg, **kwargs)
-    if not kwargs.get("features_only"):
-        cfg = model.pretrained_cfg
-        if getattr(model, "num_classes", None) is not None:
-            cfg["num_classes"] = model.num_classes
-        size = getattr(model, "img_size", None)
-        if size is not None:
-            size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-            cfg["input_size"] = (getattr(model, "in_chans", cfg["input_size"][0]), *size)
+    dtype = kwargs.pop("dtype", None)  # timm's factory options: where and in which float type to build
+    with torch.device(kwargs.pop("device", None) or torch.get_default_device()):
+        model = build_model_with_cfg(call, name, pretrained=False, feature_cfg=feature_cfg, **kwargs)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    net, cfg = built[0], model.pretrained_cfg
+    if "num_classes" in cfg and getattr(net, "num_classes", None) is not None:  # features: no classes
+        cfg["num_classes"] = net.num_classes
+    size = getattr(net, "img_size", None)
+    if size is not None:
+        size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+        cfg["input_size"] = (getattr(net, "in_chans", cfg["input_size"][0]), *size)
+        pool = cfg.get("pool_size")
+        if pool and getattr(net, "feature_info", None):  # the final map at that size (1-D: its length)
+            cfg["pool_size"] = tuple(s // net.feature_info[-1]["reduction"] for s in size[-len(pool) :])
     return model
 
 
 def is_model(name: str) -> bool:
-    """Whether ``name`` is one of repmlp's models (registered with timm by a module of this package)."""
-    return timm.is_model(name) and timm.models.model_entrypoint(name).__module__.startswith("repmlp.")
+    """Whether ``name`` is one of repmlp's models (registered with timm by a module of this package, or
+    outside timm: :data:`OUTSIDE_TIMM`)."""
+    return name in OUTSIDE_TIMM or (
+        timm.is_model(name) and timm.models.model_entrypoint(name).__module__.startswith("repmlp.")
+    )
 
 
 def list_models(pattern: str = "") -> list[str]:
     """Sorted names of repmlp's models, optionally filtered by a shell-style ``pattern``."""
-    return sorted(n for n in timm.list_models(pattern) if is_model(n))
+    outside = fnmatch.filter(OUTSIDE_TIMM, pattern) if pattern else list(OUTSIDE_TIMM)
+    return sorted([*(n for n in timm.list_models(pattern) if is_model(n)), *outside])
+
+
+def get_pretrained_cfg(name: str) -> PretrainedCfg | None:
+    """timm's ``get_pretrained_cfg``, which knows repmlp's models outside timm too (``None``: no cfg)."""
+    return copy.deepcopy(OUTSIDE_TIMM[name][1]) if name in OUTSIDE_TIMM else timm.get_pretrained_cfg(name)
 
 
 def resolve_model(name: str) -> tuple[str, str]:
@@ -139,6 +176,8 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
             floor = "a positive integer" if lowest else "an integer >= 0 (0: no classifier)"
             raise ValueError(f"{key} must be {floor}, got {value!r}")
     opts = {k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None}
+    if source == "repmlp" and bare in OUTSIDE_TIMM:
+        return OUTSIDE_TIMM[bare][0](pretrained=pretrained, deploy=deploy, **opts, **kwargs)
     if source == "repmlp":
         return timm.create_model(bare, pretrained=pretrained, deploy=deploy, **opts, **kwargs)
     if pretrained:  # this package never downloads weights

@@ -161,9 +161,9 @@ class RowSequenceMLP(SequenceMLP):
         self.in_chans, self.img_size = in_chans, img_size
 
 
-# In timm's registry like every model, but outside its image-model contract: their feature maps are 1-D,
-# (N, C, L), where timm's forward_features and features_only give (N, C, H, W) maps (docs/models.md).
-_FMNIST_CFG = pure_mlp_cfg("fashion-mnist", (7,), levels=3)
+# Not registered with timm (in_timm=False), whose classifier contract they cannot keep: their feature maps
+# are 1-D, (N, C, L), where timm's forward_features and features_only give (N, C, H, W) maps (docs/models.md).
+_FMNIST_CFG = {**pure_mlp_cfg("fashion-mnist", (7,), levels=3), "in_timm": False}
 
 # Shared by both Fashion-MNIST models, so that only the mixer differs.
 _FMNIST_DEFAULTS = dict(img_size=28, in_chans=1, widths=(32, 64, 128), partition=7, groups=2, num_classes=10)

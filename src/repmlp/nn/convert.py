@@ -18,11 +18,17 @@ __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport", "swap_mod
 log = logging.getLogger(__name__)
 
 # The flavours whose forward only normalises (a fold leaves nothing behind).
-_PLAIN_BN = (nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-# The BatchNorms a fold into each layer kind is exact for: BatchNorm2d/3d take only a batched conv's 4-D/5-D
-# output (channels in dim 1). BatchNorm1d normalises dim 1 of a 2-D or 3-D input: on a Linear's (N, L, F) or an
-# unbatched Conv1d's (C, L) output that is L, and this walk cannot see the rank. Modules fold their own.
-_PAIRS = {nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm), nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm)}
+_PLAIN_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# The BatchNorms each layer kind folds: the channels of a conv's batched output (dim 1), as torch.ao's
+# fuse_modules pairs them. BatchNorm1d after a Linear stays: it normalises dim 1 of a 2-D or 3-D input, which on a
+# Linear's (N, L, F) output is L, and this walk cannot see the rank. After a Conv1d it folds: its channels are
+# dim 1 of the (N, C, L) output; only an unbatched (C, L) input with L == C (the one shape on which BatchNorm1d
+# takes a Conv1d's unbatched output) would make the unfused model normalise the length instead.
+_PAIRS = {
+    nn.Conv1d: (nn.BatchNorm1d, nn.SyncBatchNorm),
+    nn.Conv2d: (nn.BatchNorm2d, nn.SyncBatchNorm),
+    nn.Conv3d: (nn.BatchNorm3d, nn.SyncBatchNorm),
+}
 _FUSABLE = tuple(_PAIRS)
 
 
@@ -143,7 +149,7 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
 
 
 def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
-    """Fold every BatchNorm2d/3d that directly follows a 2-D/3-D conv into it (eval mode): inside
+    """Fold every BatchNorm1d/2d/3d that directly follows a 1-D/2-D/3-D conv into it (eval mode): inside
     ``nn.Sequential`` containers (the model keeps its class), then anywhere else through a ``torch.fx`` trace
     (torchvision's ResNet calls ``self.conv1`` then ``self.bn1``). Returns the model and the BatchNorms left."""
     fused: set[str] = set()
@@ -197,9 +203,9 @@ def reparameterize_model(model: nn.Module, *, inplace: bool = False, fuse_bn: bo
 
     Runs every module's conversion hook, parents before children (``reparameterize()``: RepMLP blocks,
     :class:`ConvBN`, timm's MobileOne/RepVGG/FastViT; ``switch_to_deploy()``; ``fuse()``, whose result
-    replaces the module), then, with ``fuse_bn``, folds every BatchNorm2d/3d left after a conv
+    replaces the module), then, with ``fuse_bn``, folds every BatchNorm left after a conv
     (:func:`fuse_conv_bn`); those it cannot fold are logged and listed in ``model.unfused_batchnorms``
-    (a BatchNorm1d after a Linear or Conv1d among them: what it normalises depends on its input's rank).
+    (a BatchNorm1d after a Linear among them: what it normalises depends on its input's rank).
     ``inplace=True`` converts in place, but use the returned module (``fuse()`` or an fx fold may replace
     the root); otherwise the copy carries none of ``model``'s forward, pre-forward and backward hooks (its
     modules are new: register hooks on the result).

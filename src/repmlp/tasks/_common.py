@@ -29,6 +29,8 @@ from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import report_lines
 
 log = logging.getLogger(__name__)
+# What a run reports as its result (the conversion check, the run folder): on stdout from the CLI (repmlp.cli).
+results = logging.getLogger("repmlp.results")
 
 
 def per_process_batch(global_batch: int, procs: engine.DistInfo, flag: str = "--batch-size") -> int:
@@ -219,14 +221,14 @@ def train_run(cfg: Any, procs: engine.DistInfo, run: Run) -> RunResult:
     diff = save_forms(out, trained, cfg.model, run.kwargs, run.meta, x).diff
     write_json(out / "train_log.json", {"task": task, "model": cfg.model, "model_kwargs": run.kwargs,
                                          "history": loop.history})  # fmt: skip
-    log.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
+    results.info("saved %s and %s", out / "model.safetensors", out / "deploy.safetensors")
     ok = diff.max_rel_diff <= CONVERSION_RTOL
     check = (
         f"conversion check on {len(x)} random inputs, both forms in full float32 (no autocast, no TF32): max "
         f"|output diff| {diff.max_abs_diff:.2e} (relative {diff.max_rel_diff:.2e}, tolerance {CONVERSION_RTOL:g}) "
         f"-> {'equivalent' if ok else 'NOT EQUIVALENT'}"
     )
-    (log.info if ok else log.error)("%s", check)
+    (results.info if ok else results.error)("%s", check)
     lines = [*run.lines, f"- Processes: {procs.world}; {loop.mode} training step",
              "- Files: `model.safetensors` (training form), `deploy.safetensors` (converted), "
              f"`checkpoint.safetensors` (for --resume); evaluate with `repmlp eval --task {task}`",

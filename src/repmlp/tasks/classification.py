@@ -388,7 +388,8 @@ class _Hooks:
                "val_loss": val["loss"], "val_top1": val["top1"], "val_top5": val["top5"],
                "epoch_s": acc.get("seconds", 0.0)}  # fmt: skip
         if procs.is_main:
-            log.info("epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | %.0f s",
+            log.info("epoch %d/%d: train loss %.4f acc %.2f%% | val loss %.4f top-1 %.2f%% top-5 %.2f%% | "
+                     "%.0f s this epoch",
                      pos.epoch + 1, cfg.epochs, row["train_loss"], row["train_acc"], val["loss"], val["top1"],
                      val["top5"], row["epoch_s"])  # fmt: skip
         return row

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from repmlp.bench.throughput import benchmark, render_markdown
@@ -28,7 +27,7 @@ from repmlp.engine.report import save_figure
 from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_text
 from repmlp.numerics import run_precision
-from repmlp.tasks._common import save_forms
+from repmlp.tasks._common import results, save_forms
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy
 
@@ -63,6 +62,8 @@ def predict(model: nn.Module, loader, device: torch.device, *, amp: bool = False
 
 def plot_curves(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """Loss and top-1 accuracy per epoch (train and validation) as a PNG, written atomically."""
+    from matplotlib.figure import Figure  # slow to import (half a second): `repmlp train --help` needs none
+
     epochs = [r["epoch"] for r in history]
     fig = Figure(figsize=(10, 4))
     # The training loss includes label smoothing (and mixup), so it can sit above the validation loss.
@@ -133,7 +134,7 @@ def finish_run(result: TrainResult, started: float) -> bool:
     atomic_write_text(
         out / "report.md", render_report(result, outcome, cfg.run_command or ["repmlp", "train"])
     )
-    log.info("run folder: %s (report.md); total %.0f s", out, outcome.total_s)
+    results.info("run folder: %s (report.md); total %.0f s", out, outcome.total_s)
     return outcome.equivalent and len(set(result.replica_hashes)) == 1 and not outcome.failed
 
 
@@ -175,7 +176,7 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     outcome = Outcome(accuracy(check.reference, labels[0]), accuracy(check.outputs, labels[0]),
                       check.diff.as_dict(), check.seconds)  # fmt: skip
     cmp, verdict = outcome.cmp, "equivalent" if outcome.equivalent else "NOT EQUIVALENT"
-    log.info("top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), %d "
+    results.info("top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), %d "
              "predictions changed -> %s", outcome.train_acc["top1"], outcome.dep_acc["top1"], cmp["max_abs_diff"],
              cmp["max_rel_diff"], cmp["changed_predictions"], verdict)  # fmt: skip
     return model, check.deployed, outcome
@@ -190,7 +191,10 @@ def _export(out: Path, deployed: nn.Module, size: tuple[int, int, int], outcome:
         log.warning("%s", msg)
         outcome.notes.append(msg)
         return None
-    return _optional("ONNX export", lambda: export.export_onnx(deployed, out / "deploy.onnx", size), outcome)
+    # force: the run folder is the run's own (an end redone after a kill finds its earlier external data)
+    return _optional(
+        "ONNX export", lambda: export.export_onnx(deployed, out / "deploy.onnx", size, force=True), outcome
+    )
 
 
 def _fc3(result: TrainResult, model: nn.Module, notes: list[str]):

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import timm
 from torch import Tensor, nn
 
 from repmlp.errors import UserError
 from repmlp.io.model_file import CheckpointError, ModelFileMeta, compare_state, read_model_file
+from repmlp.models.registry import get_pretrained_cfg
 
 __all__ = ["InitReport", "init_from_file", "init_model_options", "init_preprocessing", "head_prefixes",
            "file_sha256", "read_training_file", "report_lines"]  # fmt: skip
@@ -97,7 +97,7 @@ def head_prefixes(model: nn.Module | str, *, embedding_head: bool = False) -> li
     """State-dict prefixes of a model's head: its classifier (``get_classifier()``, else its timm config's
     ``classifier``; of a model's name, its config's); with ``embedding_head``, a face model's ``head`` module."""
     if isinstance(model, str):
-        names = getattr(timm.get_pretrained_cfg(model), "classifier", None)
+        names = getattr(get_pretrained_cfg(model), "classifier", None)
         return [n + "." for n in ([names] if isinstance(names, str) else names or []) if n]
     if embedding_head and isinstance(getattr(model, "head", None), nn.Module):
         return ["head."]

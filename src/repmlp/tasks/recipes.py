@@ -19,13 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import timm
-
 from repmlp.data import eval_preprocessing
 from repmlp.data.folder import IMG_EXTENSIONS
 from repmlp.data.inputs import not_regular, open_image, walk_files
 from repmlp.errors import UserError
-from repmlp.models.registry import resolve_model
+from repmlp.models.registry import get_pretrained_cfg, resolve_model
 from repmlp.tasks.finetune import init_preprocessing
 
 __all__ = ["Recipe", "PRESETS", "DEFAULT_PRESET", "preset_for_model", "folder_batch_size", "folder_lr",
@@ -204,7 +202,7 @@ def model_input(name: str, model_args: dict[str, Any] | None) -> tuple[int, int,
         source, bare = resolve_model(name)
     except ValueError:
         return None
-    size = getattr(timm.get_pretrained_cfg(bare), "input_size", None) if source != "torchvision" else None
+    size = getattr(get_pretrained_cfg(bare), "input_size", None) if source != "torchvision" else None
     if not size:
         return None
     args = model_args or {}
