@@ -9,17 +9,20 @@ cell runs alike: PyTorch (``eager``, ``compiled``) runs the plain modules (no sp
 weights and input channels_last for every model (``--nchw``: NCHW for every model), the runtime's name in
 the table saying which; the ONNX runtimes get the graph of ``repmlp.deploy.runtimes.to_runtime`` (the
 ``repmlp export`` file, checked against PyTorch; NCHW), int8 the QDQ graph of
-``repmlp.deploy.precision.quantize_int8`` (calibrated on random inputs: enough for speed).
+``repmlp.deploy.precision.quantize_int8`` (calibrated on random inputs: enough for speed). bf16: PyTorch's
+runtimes run the models and the input in bfloat16, OpenVINO the float32 graph at its bf16 inference precision;
+ONNX Runtime has no bf16 CPU kernels (no row).
 
     python3 benchmarks/bench_runtimes.py [--runtimes eager compiled onnxruntime openvino] [--nchw]
-        [--precisions fp32 int8] [--batch-sizes 1 8 32] [--profile [--profile-shapes]] [--quick]
+        [--precisions fp32 bf16 int8] [--batch-sizes 1 8 32] [--profile [--profile-shapes]] [--quick]
 
 Every model runs alike (issue 62's fair footing): BN fused, the same runtime, precision and threads, and in
 PyTorch the same memory format (channels_last; ``--nchw`` for NCHW). Beside each ratio
-stands the ceiling ratio of ``repmlp.bench.roofline`` for this CPU (its peak and bandwidth measured at the
-start, fused accounting) and the measured ratio's share of it: the model's share of its own roofline over
-ResNet-50's share, which the goal wants at 95% or more for Light and RepMLP-Res50 at batches 8 and 32 in
-float32 (at batch 1, where the weights' bytes bound FC3, the ceiling ratio is below the MAC ratio). ``--profile``
+stands the ceiling ratio of ``repmlp.bench.roofline`` for this CPU and the cell's precision (its peak and
+bandwidth measured at the start in each precision, int8's with the fastest int8 GEMM; fused accounting) and the
+measured ratio's share of it: the model's share of its own roofline over ResNet-50's share, which the goal
+wants at 95% or more for Light and RepMLP-Res50 at batches 8 and 32 in every runtime and precision (at batch
+1, where the weights' bytes bound FC3, the ceiling ratio is below the MAC ratio). ``--profile``
 then lists, per ONNX runtime, the operator types that take the time of each model (at
 ``--profile-batches``, default 8), from the runtime's own profiler; ``--profile-shapes`` splits ONNX Runtime's
 by the operators' input shapes, in milliseconds too (a convolution's input and weight: enough to tell a model's
@@ -79,12 +82,16 @@ def variants(
     nets: dict[str, torch.nn.Module], runtime: str, precision: str, batched_fc3: bool = False,
     channels_last: bool = True,
 ) -> dict[str, object] | None:  # fmt: skip
-    """name -> callable on a float32 batch (channels_last for PyTorch's runtimes with ``channels_last``), for
-    one runtime and precision; ``None`` when it has no such form. Every model gets the same treatment."""
+    """name -> callable on a batch (float32; bf16 for PyTorch's runtimes in bf16; channels_last for them with
+    ``channels_last``), for one runtime and precision; ``None`` when it has no such form. Every model gets the
+    same treatment."""
     if precision == "int8" and runtime not in ("onnxruntime", "openvino"):
         return (
             None  # PyTorch's CPU int8 is onnxruntime's graph here (repmlp.deploy.precision): see those rows
         )
+    if precision == "bf16" and runtime == "onnxruntime":
+        return None  # no bf16 CPU kernels: OpenVINO's and PyTorch's rows
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if runtime in ("onnxruntime", "openvino") and missing_runtime(runtime):
         print(f"  skipped {runtime}: {missing_runtime(runtime)}", file=sys.stderr)
         return None
@@ -92,15 +99,16 @@ def variants(
     out = {}
     for name, net in nets.items():
         if runtime == "eager":  # the plain modules, every model in the same memory format
-            out[name] = copy.deepcopy(net).to(memory_format=fmt)
+            out[name] = copy.deepcopy(net).to(dtype=dtype, memory_format=fmt)
         elif runtime == "compiled":
             # All repmlp ResNets share one forward's code: raise dynamo's per-code limit of compiled variants.
             torch._dynamo.config.recompile_limit = 64
-            out[name] = torch.compile(copy.deepcopy(net).to(memory_format=fmt))
+            out[name] = torch.compile(copy.deepcopy(net).to(dtype=dtype, memory_format=fmt))
         else:
-            onnx, int8 = graphs(name, net, precision)
-            out[name] = RuntimeModel(onnx, runtime, int8=int8)
-            if batched_fc3 and not int8 and name in GOAL_MODELS:
+            # bf16: OpenVINO runs the float32 graph at its bf16 inference precision
+            onnx, int8 = graphs(name, net, "int8" if precision == "int8" else "fp32")
+            out[name] = RuntimeModel(onnx, runtime, int8=int8, bf16=precision == "bf16")
+            if batched_fc3 and precision == "fp32" and name in GOAL_MODELS:
                 out[f"{name} (batched FC3)"] = RuntimeModel(batched_graph(name, net), runtime)
     return out
 
@@ -131,41 +139,53 @@ def batched_graph(name: str, net: torch.nn.Module) -> bytes:
 
 
 def measure(
-    fns: dict[str, object], batch: int, rounds: int, channels_last: bool = False
+    fns: dict[str, object],
+    batch: int,
+    rounds: int,
+    channels_last: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, list[float]]:
     """Seconds per call of each model in each of ``rounds`` interleaved rounds (0.2 s or more each), on one
-    float32 batch (``channels_last``: in that memory format)."""
-    x = torch.randn(batch, *SIZE)
+    batch in ``dtype`` (``channels_last``: in that memory format)."""
+    x = torch.randn(batch, *SIZE, dtype=dtype)
     x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
     calls = {name: (lambda f=f: f(x)) for name, f in fns.items()}
     with torch.inference_mode():
         return time_rounds(calls, torch.device("cpu"), rounds=rounds, warmup=2, min_round_s=0.2)
 
 
-def ceiling_ratios(batches: list[int]) -> tuple[str, dict[tuple[str, int], float]]:
-    """This CPU as the roofline measures it, and each model's float32 ceiling ratio to ResNet-50 (fused
-    accounting) at each batch: ``(name, batch) -> ratio``."""
-    device = measure_cpu("fp32")
-    ratios = {(n, b): roofline(n, b, "fp32", device).ratio("fused") for n in MODELS for b in batches}
-    return f"{device.peak / 1e9:.0f} GFLOP/s, {device.bandwidth / 1e9:.1f} GB/s", ratios
+def ceiling_ratios(
+    batches: list[int], precisions: list[str]
+) -> tuple[str, dict[tuple[str, int, str], float]]:
+    """This CPU as the roofline measures it in each precision, and each model's ceiling ratio to ResNet-50
+    (fused accounting) at each batch and precision: ``(name, batch, precision) -> ratio``."""
+    said, ratios = [], {}
+    for precision in precisions:
+        device = measure_cpu(precision)
+        said.append(f"{precision} {device.peak / 1e9:.0f} G(FL)OP/s, {device.bandwidth / 1e9:.1f} GB/s")
+        ratios.update({(n, b, precision): roofline(n, b, precision, device).ratio("fused")
+                       for n in MODELS for b in batches})  # fmt: skip
+    return "; ".join(said), ratios
 
 
 def rows_for(
     runtime: str, precision: str, fns: dict[str, object], batches: list[int], rounds: int,
-    ceilings: dict[tuple[str, int], float], channels_last: bool = False,
+    ceilings: dict[tuple[str, int, str], float], channels_last: bool = False,
 ) -> list:  # fmt: skip
     """The table's rows of one runtime and precision: each model against ResNet-50 at each batch
     (``channels_last``: the input in that format, for PyTorch's runtimes)."""
     rows, label = [], runtime_label(runtime, channels_last)
     for b in batches:
-        secs = measure(fns, b, rounds, channels_last and runtime in TORCH_RUNTIMES)
+        torch_bf16 = precision == "bf16" and runtime in TORCH_RUNTIMES
+        secs = measure(fns, b, rounds, channels_last and runtime in TORCH_RUNTIMES,
+                       torch.bfloat16 if torch_bf16 else torch.float32)  # fmt: skip
         ref = secs[REFERENCE]
         for name in [n for n in fns if n != REFERENCE]:
             ratios = [r / s for r, s in zip(ref, secs[name], strict=True)]  # each round's own ratio
             ratio, goal = statistics.median(ratios), ""
-            roof = ceilings[name.split(" (")[0], b]  # float32's ceiling: int8's share is only a reading
+            roof = ceilings[name.split(" (")[0], b, precision]  # this precision's ceiling ratio
             share = f"{roof:.2f}x; {100 * ratio / roof:.0f}%"
-            if name in GOAL_MODELS and precision == "fp32" and b >= 8:
+            if name in GOAL_MODELS and b >= 8:
                 share += " (met)" if ratio >= SHARE_GOAL * roof else " (**not met**)"
             if name.endswith(" (batched FC3)"):  # the graph the runtimes get against this one, round by round
                 gains = [t / u for t, u in zip(secs[name], secs[name.split(" (")[0]], strict=True)]
@@ -250,7 +270,9 @@ def main() -> None:
     parser = device_arg(__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
-    parser.add_argument("--precisions", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"])
+    parser.add_argument(
+        "--precisions", nargs="+", choices=("fp32", "bf16", "int8"), default=["fp32", "bf16", "int8"]
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="threads of every runtime (default: torch's)"
     )
@@ -275,7 +297,7 @@ def main() -> None:
     batches = [1] if args.quick else args.batch_sizes
     nets = {name: build(name) for name in (*MODELS, REFERENCE)}
     macs = {name: count_macs(net, SIZE) for name, net in nets.items()}
-    rates, ceilings = ceiling_ratios(batches)
+    rates, ceilings = ceiling_ratios(batches, args.precisions)
     layout = "NCHW" if args.nchw else "channels_last"
     print(
         "**bench_runtimes: deployed models vs ResNet-50 in each CPU runtime; every model BN fused and run "
@@ -310,7 +332,8 @@ def main() -> None:
         "MACs / the model's, the speed ratio "
         f"at equal work per second): {ratios}. Deployed parameters (the bytes a batch-1 pass reads): "
         f"{params}. int8: the QDQ graph of repmlp.deploy.precision.quantize_int8 (per-channel weights, FC3's "
-        "per tensor), run by each ONNX runtime with its own int8 kernels; eager/compiled are PyTorch "
+        "per tensor, reshapes and transposes in float), run by each ONNX runtime with its own int8 kernels; "
+        "bf16: OpenVINO's inference precision on the float32 graph; eager/compiled are PyTorch "
         f"(compiled: torch.compile), every model {layout}, the plain modules."
     )
     if args.profile:

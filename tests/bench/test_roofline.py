@@ -22,6 +22,7 @@ from repmlp.bench.roofline import (
     roofline,
     walk,
 )
+from repmlp.deploy.runtimes import missing_runtime
 from repmlp.errors import UserError
 from repmlp_testdata import run_cli, user_error_line
 
@@ -115,8 +116,12 @@ def test_devices(monkeypatch):
     assert find_device("h200", "fp32", peak=2.0).peak == 2.0
     with pytest.raises(UserError, match="not in the roofline's table"):
         find_device("NVIDIA L40S", "fp16")  # not an L4
-    cpu = measure_cpu("fp32", size=64)
-    assert cpu.peak > 0 and cpu.bandwidth > 0 and math.isfinite(cpu.peak + cpu.bandwidth)
+    for precision in ("fp32", "int8"):
+        cpu = measure_cpu(precision, size=64)
+        assert cpu.peak > 0 and cpu.bandwidth > 0 and math.isfinite(cpu.peak + cpu.bandwidth)
+    with pytest.raises(UserError, match="holds no int8 peak"):
+        find_device("h200", "int8")
+    assert find_device("h200", "int8", peak=1.0, bandwidth=2.0) == Device("NVIDIA H200", 1.0, 2.0)
 
 
 def _ceilings(out: str) -> list[float]:
@@ -154,9 +159,23 @@ def test_cli_cpu_measures_the_share():
         assert abs(share - exact) <= 0.051 + exact * 0.051 / speed
 
 
-@pytest.mark.parametrize(
-    "args", [("--model", "repmlp_fmnist", "--precision", "int8"), ("--checkpoint", "m.pt")]
-)
-def test_cli_refusals(args):
-    res = run_cli("bench", "--roofline", *args)
-    assert res.returncode == 2 and user_error_line(res.stderr)
+def test_cli_refuses_a_checkpoint():
+    res = run_cli("bench", "--roofline", "--checkpoint", "m.pt")
+    assert res.returncode == 2 and "--roofline takes registered models" in user_error_line(res.stderr)
+
+
+def test_int8_moves_one_byte_an_element():
+    """int8's ceiling: the same operators as float32's, a quarter of the bytes, at int8's peak."""
+    dev = Device("cpu", 1e12, 1e10)
+    r8, r32 = (roofline("repmlp_fmnist", 4, p, dev, (1, 28, 28)) for p in ("int8", "fp32"))
+    assert r8.parts["total"][0] == r32.parts["total"][0]  # MACs
+    assert r8.parts["total"][1:4] == pytest.approx([b / 4 for b in r32.parts["total"][1:4]])
+
+
+@pytest.mark.skipif(missing_runtime("onnxruntime") is not None, reason="needs onnxruntime (repmlp[export])")
+def test_cli_int8_measures_the_share():
+    res = run_cli("bench", "--model", "repmlp_fmnist", "--device", "cpu", "--roofline", "--precision", "int8",
+                  "--peak", 0.04, "--bandwidth", 1, "--batch-size", 4, "--warmup", 0, "--repeats", 1)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "repmlp_fmnist: batch 4, input 1x28x28, int8 on" in res.stdout
+    assert re.search(r"Measured [\d.,]+ examples/s: [\d.]+% / ", res.stdout), res.stdout

@@ -117,6 +117,12 @@ def test_int8_exports_its_onnx_graph(converted, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     # The file's own graph, byte for byte.
     assert onnx_path.read_bytes() == load_model(src).onnx.numpy().tobytes()
+    # The partition maps' reshapes and transposes move float32 values: no Q/DQ pair between them.
+    graph = pytest.importorskip("onnx").load(str(onnx_path)).graph
+    made_by = {out: n.op_type for n in graph.node for out in n.output}
+    transposes = [n for n in graph.node if n.op_type == "Transpose"]
+    assert transposes and all(made_by.get(n.input[0]) == "Reshape" for n in transposes)
+    assert sum(n.op_type == "QuantizeLinear" for n in graph.node) > 4  # and the rest is quantized
     res = cli("export", "--checkpoint", src, "--format", "torchscript", "--output", tmp_path / "m.pt")
     assert res.returncode == 2 and "ONNX only" in user_error_line(res.stderr)
     assert not (tmp_path / "m.pt").exists()

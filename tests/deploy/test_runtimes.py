@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import repmlp
-from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, to_runtime
+from repmlp.deploy.runtimes import RuntimeModel, missing_runtime, onnx_bytes_of, to_runtime
 from repmlp.errors import UserError
 from repmlp.io.model_file import save_model
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
@@ -56,7 +56,7 @@ def test_openvino_tests_in_their_own_process():
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert "3 passed" in res.stdout, res.stdout[-1000:]  # the three openvino cases, not skipped
+    assert "4 passed" in res.stdout, res.stdout[-1000:]  # the four openvino cases, not skipped
 
 
 def deployed(seed: int = 0) -> torch.nn.Module:
@@ -84,6 +84,20 @@ def test_runtime_model_gives_pytorchs_logits_at_every_batch_size(runtime):
     if runtime == "openvino":
         # to_runtime's check ran batch 3; batches 1 and 5 added one engine each, the second 1 none.
         assert sorted(shape[0] for shape in wrapped._engines) == [1, 3, 5]
+
+
+@pytest.mark.parametrize("runtime", ONNX_RUNTIMES[1:])
+def test_openvino_runs_a_float_graph_in_bf16(runtime):
+    """bf16: OpenVINO's inference precision for a float32 graph (where the CPU has no bf16, float32): the
+    logits within bf16's rounding (8 bits of mantissa) of PyTorch's float32 ones; no such setting elsewhere."""
+    model = deployed()
+    graph, _ = onnx_bytes_of(model, SIZE)
+    x = torch.randn(4, *SIZE, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(RuntimeModel(graph, runtime, bf16=True)(x), model(x), rtol=0.05, atol=0.05)
+    for other in ({"runtime": "onnxruntime"}, {"runtime": runtime, "int8": True}):
+        with pytest.raises(ValueError, match="bf16 is OpenVINO's inference precision for a float32 graph"):
+            RuntimeModel(graph, bf16=True, **other)
 
 
 def test_torch_runtime_is_the_model_itself():

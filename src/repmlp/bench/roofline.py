@@ -14,6 +14,7 @@ accountings of the bytes:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ __all__ = [
 
 ACCOUNTINGS = ("fused", "onepass", "unfused")
 KINDS = ("conv", "matmul", "elementwise", "pooling", "copy")
-ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2}
+ITEMSIZE = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 _COPIES = {"clone", "_to_copy", "copy_", "cat", "stack", "constant_pad_nd"}
 _REDUCTIONS = {"mean", "sum", "amax"}
 
@@ -89,7 +90,8 @@ def find_device(device: str | torch.device, precision: str, peak: float | None =
     """The roofline's :class:`Device`: a GPU of :data:`GPUS` by key or by a CUDA name holding one (``"NVIDIA
     GeForce RTX 4090"``; it need not be here), this machine's CUDA GPU, or its CPU measured now
     (:func:`measure_cpu`); ``peak`` (FLOP/s) and ``bandwidth`` (bytes/s) replace the table's or measured figures
-    (both given: nothing is measured). A GPU not in the table without both is a :class:`UserError`."""
+    (both given: nothing is measured). A GPU not in the table, or int8 on a GPU, without both is a
+    :class:`UserError`."""
     name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else str(device)
     words = name.lower().replace("-", " ").split()
     spans = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
@@ -98,6 +100,9 @@ def find_device(device: str | torch.device, precision: str, peak: float | None =
         return Device(GPUS[key][0] if key else cpu_name() if name == "cpu" else name, peak, bandwidth)
     if name == "cpu":
         found = measure_cpu(precision)
+    elif precision == "int8":
+        raise UserError(f"the roofline's table of GPUs holds no int8 peak: pass the peak and bandwidth of {name} "
+                        "(--peak, --bandwidth)")  # fmt: skip
     elif key is None:
         raise UserError(f"{name} is not in the roofline's table of GPUs ({', '.join(GPUS)}): pass the peak and "
                         "bandwidth (--peak, --bandwidth)")  # fmt: skip
@@ -109,25 +114,44 @@ def find_device(device: str | torch.device, precision: str, peak: float | None =
 
 def measure_cpu(precision: str, size: int = 2048) -> Device:
     """This CPU's :class:`Device` at torch's thread count, measured: peak from the faster of a ``size``-square
-    ``torch.mm`` and a channels-last 1x1 convolution (oneDNN's kernels beat the BLAS on some CPUs), bandwidth
-    from a copy of ``16 * size**2`` elements (bytes read + written per second)."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    ``torch.mm`` and a channels-last 1x1 convolution (oneDNN's kernels beat the BLAS on some CPUs); int8's from
+    the faster of ``torch._int_mm`` and the quantized engine's ``Linear`` (the VNNI/AMX kernels an int8 graph's
+    runtime calls); bandwidth from a copy of ``16 * size**2`` elements (bytes read + written per second)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}.get(precision, torch.float32)
+    src = torch.ones(16 * size * size, dtype=dtype)
+    dst = torch.empty_like(src)
+    with torch.inference_mode():
+        peak = _int8_peak(size) if precision == "int8" else _float_peak(dtype, size)
+        bandwidth = 2 * src.numel() * src.element_size() / _seconds(lambda: dst.copy_(src))
+    return Device(f"{cpu_name()}, {torch.get_num_threads()} threads (measured)", peak, bandwidth)
+
+
+def _seconds(fn) -> float:
+    """The best of three calls of ``fn`` after a warm-up: noise only ever slows a kernel down."""
+    return min(time_calls(fn, 1, warmup=1 if i == 0 else 0) for i in range(3))
+
+
+def _float_peak(dtype: torch.dtype, size: int) -> float:
     a = torch.randn(size, size, dtype=dtype)
     c = max(size // 8, 8)
     conv = nn.Conv2d(c, c, 1).to(dtype=dtype, memory_format=torch.channels_last)
     x = torch.randn(32, c, 56, 56, dtype=dtype).to(memory_format=torch.channels_last)
-    src = torch.randn(16 * size * size, dtype=dtype)
-    dst = torch.empty_like(src)
+    return max(2 * size**3 / _seconds(lambda: torch.mm(a, a)), 2 * x.numel() * c / _seconds(lambda: conv(x)))
 
-    def seconds(fn) -> float:  # the best of three: noise only ever slows a kernel down
-        return min(time_calls(fn, 1, warmup=1 if i == 0 else 0) for i in range(3))
 
-    with torch.inference_mode():
-        peak = max(
-            2 * size**3 / seconds(lambda: torch.mm(a, a)), 2 * x.numel() * c / seconds(lambda: conv(x))
-        )
-        bandwidth = 2 * src.numel() * src.element_size() / seconds(lambda: dst.copy_(src))
-    return Device(f"{cpu_name()}, {torch.get_num_threads()} threads (measured)", peak, bandwidth)
+def _int8_peak(size: int) -> float:
+    a = torch.randint(-64, 64, (size, size), dtype=torch.int8)
+    rates = [2 * size**3 / _seconds(lambda: torch._int_mm(a, a))]
+    with warnings.catch_warnings():  # quantized tensors are deprecated in torch: measured while they exist
+        warnings.simplefilter("ignore")
+        try:
+            fc = torch.ao.nn.quantized.Linear(size, size)
+            fc.set_weight_bias(torch.quantize_per_tensor(a.float(), 1.0, 0, torch.qint8), None)
+            x = torch.quantize_per_tensor(a.float(), 1.0, 64, torch.quint8)
+            rates.append(2 * size**3 / _seconds(lambda: fc(x)))
+        except (AttributeError, RuntimeError, NotImplementedError):  # this torch has no quantized engine
+            pass
+    return max(rates)
 
 
 class _Recorder(TorchDispatchMode):
@@ -270,7 +294,8 @@ class Roofline:
 def roofline(name: str, batch_size: int, precision: str, device: Device, input_size: tuple[int, ...] = (3, 224, 224),
              num_classes: int | None = None, **kwargs) -> Roofline:  # fmt: skip
     """The :class:`Roofline` of registered model ``name`` (``kwargs`` to its constructor), deployed, on batches
-    ``(batch_size, *input_size)`` in ``precision`` (fp32, tf32, fp16, bf16) on ``device``."""
+    ``(batch_size, *input_size)`` in ``precision`` (fp32, tf32, fp16, bf16, int8: every element one byte, at
+    the int8 GEMM's peak) on ``device``."""
     if precision not in ITEMSIZE:
         raise ValueError(f"the roofline knows precisions {', '.join(ITEMSIZE)}, not {precision!r}")
     shape, size = (batch_size, *input_size), tuple(input_size)

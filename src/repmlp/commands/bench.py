@@ -95,8 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output_file(args.output, args.checkpoint or [], force=args.force)
-    if args.roofline and (args.checkpoint or args.precision == "int8"):
-        raise UserError("--roofline takes registered models (--model) in fp32, bf16 or fp16")
+    if args.roofline and args.checkpoint:
+        raise UserError("--roofline takes registered models (--model)")
     if args.runtime != "torch" and (args.channels_last or args.compile):
         raise UserError(f"--channels-last and --compile apply to --runtime torch, not {args.runtime}")
     named = args.roofline and args.device.lower() in GPUS  # ceilings only: that GPU need not be here

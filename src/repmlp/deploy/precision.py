@@ -92,9 +92,13 @@ def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iter
         ranks = {t.name: len(t.dims) for t in graph.initializer}
         batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}
         overrides = {name: [{"quant_type": q.QuantType.QInt8, "symmetric": True}] for name in sorted(batched)}
+        # The partition maps' reshapes and transposes (7-D around FC3) stay in float: OpenVINO runs the Q/DQ
+        # pairs the quantizer would put around them as separate passes (1.3x of Light's int8 time; ONNX
+        # Runtime is as fast either way: docs/benchmarks.md).
+        moves = [n.name for n in graph.node if n.op_type in ("Reshape", "Transpose")]
         q.quantize_static(str(pre), str(q8), _Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
                           weight_type=q.QuantType.QInt8, activation_type=q.QuantType.QUInt8,
-                          calibrate_method=q.CalibrationMethod.MinMax,
+                          calibrate_method=q.CalibrationMethod.MinMax, nodes_to_exclude=moves,
                           extra_options={"TensorQuantOverrides": overrides})  # fmt: skip
         return Int8OnnxModel(q8.read_bytes())
 

@@ -39,23 +39,28 @@ class RuntimeModel(nn.Module):
     :func:`repmlp.profile`). Not trainable. The graph's bytes live in the ``onnx`` buffer (``uint8``), so a
     model file can hold them; the engine is built from them at once, and again after a copy, unpickling or
     a ``load_state_dict`` of other bytes. ``threads``: intra-op threads (default
-    ``torch.get_num_threads()``); ``int8``: the graph is quantized (OpenVINO picks its own precision).
+    ``torch.get_num_threads()``); ``int8``: the graph is quantized (OpenVINO picks its own precision);
+    ``bf16``: OpenVINO runs the float32 graph in bfloat16 (its inference precision; onnxruntime has no such
+    setting).
     """
 
     def __init__(self, onnx: bytes | Tensor, runtime: str = "onnxruntime", *, threads: int | None = None,
-                 int8: bool = False) -> None:  # fmt: skip
+                 int8: bool = False, bf16: bool = False) -> None:  # fmt: skip
         super().__init__()
         if runtime not in ONNX_RUNTIMES:
             raise ValueError(f"RuntimeModel runs onnxruntime or openvino, not {runtime!r}")
+        if bf16 and (runtime != "openvino" or int8):
+            raise ValueError("bf16 is OpenVINO's inference precision for a float32 graph")
         data = onnx if isinstance(onnx, Tensor) else torch.frombuffer(bytearray(onnx), dtype=torch.uint8)
         self.register_buffer("onnx", data.detach().clone())
-        self.runtime, self.threads, self.int8 = runtime, threads or torch.get_num_threads(), int8
+        self.runtime, self.threads = runtime, threads or torch.get_num_threads()
+        self.int8, self.bf16 = int8, bf16
         self._drop_engines()
         self._build_engine()
         self.register_load_state_dict_post_hook(_graph_loaded)
 
     def extra_repr(self) -> str:
-        return f"runtime={self.runtime}, threads={self.threads}, int8={self.int8}"
+        return f"runtime={self.runtime}, threads={self.threads}, int8={self.int8}, bf16={self.bf16}"
 
     def _drop_engines(self) -> None:
         self._built_from: bytes | None = None  # the graph bytes the engines below were built from
@@ -94,7 +99,7 @@ class RuntimeModel(nn.Module):
             model.reshape({model.inputs[0].get_any_name(): ov.PartialShape(list(shape))})
             config = {"INFERENCE_NUM_THREADS": self.threads, "PERFORMANCE_HINT": "LATENCY"}
             if not self.int8:
-                config["INFERENCE_PRECISION_HINT"] = "f32"
+                config["INFERENCE_PRECISION_HINT"] = "bf16" if self.bf16 else "f32"
             engine = self._engines[shape] = (
                 ov.Core().compile_model(model, "CPU", config).create_infer_request()
             )
