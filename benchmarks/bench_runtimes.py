@@ -26,7 +26,8 @@ wants at 95% or more for Light and RepMLP-Res50 at batches 8 and 32 in every run
 then lists, per ONNX runtime, the operator types that take the time of each model (at
 ``--profile-batches``, default 8), from the runtime's own profiler; ``--profile-shapes`` splits ONNX Runtime's
 by the operators' input shapes, in milliseconds too (a convolution's input and weight: enough to tell a model's
-layers apart and compute each one's rate). ``--batched-fc3`` adds, in the ONNX
+layers apart and compute each one's rate). ``--int8-fc3 per_group float`` adds, in the int8 cells, Light and
+RepMLP-Res50 with FC3 as one int8 product per group, or left in float32. ``--batched-fc3`` adds, in the ONNX
 runtimes' float32 cells, Light and RepMLP-Res50 exported with FC3 as one batched MatMul
 (``export_onnx(per_group=False)``) beside the graph the runtimes get (one 2-D product per group).
 The header says whether the process was started with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647``
@@ -80,7 +81,7 @@ def runtime_label(runtime: str, channels_last: bool) -> str:
 
 def variants(
     nets: dict[str, torch.nn.Module], runtime: str, precision: str, batched_fc3: bool = False,
-    channels_last: bool = True,
+    channels_last: bool = True, int8_fc3: tuple[str, ...] = (),
 ) -> dict[str, object] | None:  # fmt: skip
     """name -> callable on a batch (float32; bf16 for PyTorch's runtimes in bf16; channels_last for them with
     ``channels_last``), for one runtime and precision; ``None`` when it has no such form. Every model gets the
@@ -110,20 +111,25 @@ def variants(
             out[name] = RuntimeModel(onnx, runtime, int8=int8, bf16=precision == "bf16")
             if batched_fc3 and precision == "fp32" and name in GOAL_MODELS:
                 out[f"{name} (batched FC3)"] = RuntimeModel(batched_graph(name, net), runtime)
+            for form in int8_fc3 if precision == "int8" and name in GOAL_MODELS else ():
+                out[f"{name} (int8 FC3 {form})"] = RuntimeModel(
+                    graphs(name, net, "int8", form)[0], runtime, int8=True
+                )
     return out
 
 
 _GRAPHS: dict[tuple[str, str], tuple[bytes, bool]] = {}
 
 
-def graphs(name: str, net: torch.nn.Module, precision: str) -> tuple[bytes, bool]:
-    """The ONNX graph of ``net`` in ``precision``, built once for both runtimes."""
-    key = (name, precision)
+def graphs(name: str, net: torch.nn.Module, precision: str, fc3: str = "batched") -> tuple[bytes, bool]:
+    """The ONNX graph of ``net`` in ``precision`` (int8: with FC3 in the form ``fc3`` of ``quantize_int8``),
+    built once for both runtimes."""
+    key = (name, precision if precision != "int8" or fc3 == "batched" else f"int8 FC3 {fc3}")
     if key not in _GRAPHS:
         model = net
         if precision == "int8":
             gen = torch.Generator().manual_seed(0)
-            model = quantize_int8(net, SIZE, [torch.randn(4, *SIZE, generator=gen)])
+            model = quantize_int8(net, SIZE, [torch.randn(4, *SIZE, generator=gen)], fc3=fc3)
         _GRAPHS[key] = onnx_bytes_of(model, SIZE)
     return _GRAPHS[key]
 
@@ -187,9 +193,10 @@ def rows_for(
             share = f"{roof:.2f}x; {100 * ratio / roof:.0f}%"
             if name in GOAL_MODELS and b >= 8:
                 share += " (met)" if ratio >= SHARE_GOAL * roof else " (**not met**)"
-            if name.endswith(" (batched FC3)"):  # the graph the runtimes get against this one, round by round
+            if " (" in name:  # the graph the runtimes get against this form, round by round
                 gains = [t / u for t, u in zip(secs[name], secs[name.split(" (")[0]], strict=True)]
-                goal = f"per-group FC3: {statistics.median(gains):.2f}x ({min(gains):.2f}-{max(gains):.2f})"
+                default = "per-group FC3" if name.endswith(" (batched FC3)") else "batched int8 FC3"
+                goal = f"{default}: {statistics.median(gains):.2f}x ({min(gains):.2f}-{max(gains):.2f})"
             rows.append([label, precision, str(b), name, f"{b / statistics.median(secs[name]):.1f}",
                          f"{b / statistics.median(ref):.1f}", f"**{ratio:.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})",
                          share, goal])  # fmt: skip
@@ -286,6 +293,8 @@ def main() -> None:
     parser.add_argument(
         "--batched-fc3", action="store_true", help="also the graphs with FC3 as a batched MatMul"
     )
+    parser.add_argument("--int8-fc3", nargs="+", choices=("per_group", "float"), default=[],
+                        help="also the int8 graphs with FC3 in these forms (quantize_int8's fc3)")  # fmt: skip
     parser.add_argument(
         "--nchw", action="store_true", help="PyTorch's runtimes: every model NCHW (default: channels_last)"
     )
@@ -310,7 +319,7 @@ def main() -> None:
     rows = []
     for precision in args.precisions:
         for runtime in args.runtimes:
-            fns = variants(nets, runtime, precision, args.batched_fc3, not args.nchw)
+            fns = variants(nets, runtime, precision, args.batched_fc3, not args.nchw, tuple(args.int8_fc3))
             if fns is not None:
                 rows += rows_for(runtime, precision, fns, batches, rounds, ceilings, not args.nchw)
     header = [

@@ -86,6 +86,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 FAULTS = Path(__file__).resolve().parent / "faults"  # its sitecustomize injects one fault into training
 
 
+def lonely_process(monkeypatch, **extra: str) -> int:
+    """The environment of process 0 of 2 as torchrun sets it (``extra`` added), its peer never coming;
+    returns the free port it waits on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    for key, value in {**env, **extra}.items():
+        monkeypatch.setenv(key, value)
+    return port
+
+
 def fault_env(**fault: str) -> dict[str, str]:
     """:func:`subprocess_env` with ``tests/faults`` first on ``PYTHONPATH`` and ``fault`` as its ``FAULT_*``
     variables (``step=5``: ``FAULT_STEP=5``; see ``tests/faults/sitecustomize.py``)."""

@@ -38,7 +38,7 @@ from PIL import Image
 import repmlp
 from repmlp.io.model_file import save_model
 from repmlp.io.state import load_state, save_state
-from repmlp_testdata import make_fashion_mnist, make_image_folder, run_cli, subprocess_env
+from repmlp_testdata import lonely_process, make_fashion_mnist, make_image_folder, run_cli, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -1176,13 +1176,7 @@ def test_ctrl_c_in_any_phase_of_a_command_is_one_line(world, tmp_path, monkeypat
 
 def test_a_process_whose_peers_never_come_says_so_and_stops(world, tmp_path, monkeypatch, caplog):
     """WORLD_SIZE=2 with no second process: one line saying what it waits for, then one error line."""
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "REPMLP_DIST_TIMEOUT": "2"}  # fmt: skip
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    port = lonely_process(monkeypatch, REPMLP_DIST_TIMEOUT="2")
     res = cli("train", "--data-dir", world["fm"], "--epochs", 1, "--workers", 0, "--output", tmp_path / "r")
     assert f"waiting for the other 1 at 127.0.0.1:{port}, timeout 2 s" in res.stderr, res.stderr
     assert_one_line(res, "did not all join", "within 2 s", "REPMLP_DIST_TIMEOUT")

@@ -182,6 +182,35 @@ def test_int8_fc3_runs_as_an_int8_matmul(tmp_path):
     assert len(fused) == len(blocks)
 
 
+def test_int8_fc3_forms_of_quantize_int8():
+    """The two other int8 forms of FC3 bench_runtimes compares: left in float32 (a float MatMul on its 3-D
+    weight, every convolution still int8), and one int8 product per group (no 3-D weight left); both give
+    the float model's logits within int8's rounding."""
+    import onnx
+
+    from repmlp.deploy.precision import quantize_int8
+
+    model = deployed()
+    gen = torch.Generator().manual_seed(1)
+    calibration = [torch.randn(8, *SIZE, generator=gen)]
+    x = torch.randn(4, *SIZE, generator=gen)
+    for fc3 in ("float", "per_group"):
+        int8 = quantize_int8(model, SIZE, calibration, fc3=fc3)
+        graph = onnx.load_from_string(int8.onnx.numpy().tobytes()).graph
+        weights = {t.name: (t.data_type, len(t.dims)) for t in graph.initializer}
+        matmul_weights = [weights.get(n.input[1]) for n in graph.node if n.op_type == "MatMul"]
+        if fc3 == "float":
+            assert (onnx.TensorProto.FLOAT, 3) in matmul_weights
+        else:
+            assert all(rank != 3 for _, rank in weights.values())
+        assert any(n.op_type == "QuantizeLinear" for n in graph.node)
+        with torch.inference_mode():
+            ref = model(x)
+            assert (int8(x) - ref).abs().max() <= 0.2 * ref.abs().max()
+    with pytest.raises(ValueError, match="fc3 must be"):
+        quantize_int8(model, SIZE, calibration, fc3="int4")
+
+
 def test_float_graph_has_fc3_as_constant_2d_products(tmp_path):
     """The float graph the runtimes run holds FC3 as one product per group on a constant 2-D weight (which
     onnxruntime pre-packs once at load), after onnxruntime's optimizations: no batched MatMul is left."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +10,7 @@ from torch import nn
 from repmlp.engine import DistInfo, prepare_module
 from repmlp.engine.processes import setup_distributed
 from repmlp.errors import UserError
+from repmlp_testdata import lonely_process
 
 TORCHRUN_HINT = "start the processes with torchrun"
 
@@ -19,13 +18,7 @@ TORCHRUN_HINT = "start the processes with torchrun"
 @pytest.fixture
 def two_processes(monkeypatch) -> None:
     """Process 0 of 2, as torchrun starts it (its run id set), its peer never coming."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    lonely_process(monkeypatch, TORCHELASTIC_RUN_ID="test")
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "86401"])

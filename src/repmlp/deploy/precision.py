@@ -63,10 +63,14 @@ class Int8OnnxModel(RuntimeModel):
 
 
 def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iterable[Tensor], *,
-                  per_channel: bool = True) -> Int8OnnxModel:  # fmt: skip
+                  per_channel: bool = True, fc3: str = "batched") -> Int8OnnxModel:  # fmt: skip
     """Post-training static int8 quantization of a deployed float32 ``model`` (a copy is exported) with
     onnxruntime, calibrated on ``calibration`` batches ``(N, C, H, W)`` (the run's training images; none is
-    a ``ValueError``); ``input_size``: ``(C, H, W)``."""
+    a ``ValueError``); ``input_size``: ``(C, H, W)``. ``fc3``: FC3 as one batched int8 product (measured the
+    fastest in both runtimes: docs/benchmarks.md), ``"per_group"`` (one 2-D int8 product per group) or
+    ``"float"`` (left in float32)."""
+    if fc3 not in ("batched", "per_group", "float"):
+        raise ValueError(f"fc3 must be 'batched', 'per_group' or 'float', got {fc3!r}")
     import onnx  # optional, as the two below: the repmlp[export] extra
     from onnxruntime import quantization as q
 
@@ -84,7 +88,7 @@ def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iter
 
     with tempfile.TemporaryDirectory(prefix="repmlp-int8-") as tmp:
         fp32, pre, q8 = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
-        export_onnx(model, fp32, input_size, check=False, per_group=False)
+        export_onnx(model, fp32, input_size, check=False, per_group=fc3 == "per_group")
         q.quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
         # One scale for each constant 3-D MatMul weight (FC3's (g, P/g, Q/g), batched): per-channel scales would
         # keep onnxruntime from its int8 kernel (QLinearMatMul), dequantizing the weight on every run instead.
@@ -93,12 +97,14 @@ def quantize_int8(model: nn.Module, input_size: Sequence[int], calibration: Iter
         batched = {n.input[1] for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3}
         overrides = {name: [{"quant_type": q.QuantType.QInt8, "symmetric": True}] for name in sorted(batched)}
         # The partition maps' reshapes and transposes (7-D around FC3) stay in float: OpenVINO runs the Q/DQ
-        # pairs the quantizer would put around them as separate passes (1.3x of Light's int8 time; ONNX
+        # pairs the quantizer would put around them as passes of their own (a fifth of Light's int8 time; ONNX
         # Runtime is as fast either way: docs/benchmarks.md).
-        moves = [n.name for n in graph.node if n.op_type in ("Reshape", "Transpose")]
+        in_float = [n.name for n in graph.node if n.op_type in ("Reshape", "Transpose")]
+        if fc3 == "float":
+            in_float += [n.name for n in graph.node if n.op_type == "MatMul" and ranks.get(n.input[1]) == 3]
         q.quantize_static(str(pre), str(q8), _Reader(), quant_format=q.QuantFormat.QDQ, per_channel=per_channel,
                           weight_type=q.QuantType.QInt8, activation_type=q.QuantType.QUInt8,
-                          calibrate_method=q.CalibrationMethod.MinMax, nodes_to_exclude=moves,
+                          calibrate_method=q.CalibrationMethod.MinMax, nodes_to_exclude=in_float,
                           extra_options={"TensorQuantOverrides": overrides})  # fmt: skip
         return Int8OnnxModel(q8.read_bytes())
 
