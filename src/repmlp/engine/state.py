@@ -43,8 +43,8 @@ def check_output(out: Path, resume: bool | str, procs: DistInfo, *,
     scheduler reruns after a preemption); so do processes that torchrun restarted (:func:`restart_count`); of a
     finished run it raises :class:`RunFinished`. The temporary folders of writes that a kill cut short
     (:func:`staging_leftovers`) are the run's own: cleared once a finished run is ruled out."""
-    auto = resume == "auto"
-    if auto or (resume is False and restart_count() > 0):
+    auto, decided = resume == "auto", resume == "auto" or (resume is False and restart_count() > 0)
+    if decided:
         resume = not_regular(out / STATE_FILE) is None
     try:  # undecodable bytes in the name (surrogate escapes): the model files and the report could not hold it
         str(out).encode("utf-8")
@@ -68,7 +68,7 @@ def check_output(out: Path, resume: bool | str, procs: DistInfo, *,
         if not_regular(out / STATE_FILE) is not None:
             raise UserError(f"nothing to resume: {out / STATE_FILE} does not exist or is not a regular file")
         return load_state(out / STATE_FILE)
-    if auto and procs.is_main:
+    if decided and procs.is_main:
         log.info("%s holds no checkpoint: starting the run", out)
     if procs.is_main and kind == "a folder":
         if (out / STATE_FILE).is_file() or (out / MODEL_FILE).is_file():  # a run's, not merely a report.md
