@@ -205,6 +205,8 @@ BAD_LAUNCHES = [
     ["--rdzv-backend", "nope", "train"], ["--no-python", "train"], ["--rdzv-conf", "foo", "train"],
     ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:port", "train"], ["--max-restarts", "-1", "train"],
     ["--monitor-interval", "0", "train"], ["nosuch"], ["--nproc-per-node", "2", "launch", "train"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "nosuchhost.invalid:29400", "train"],
+    ["--local-addr", "nosuchhost.invalid", "train"],
     *(["--rdzv-conf", f"join_timeout={t}", "train"] for t in ("0", "-5", "abc", "3.7", "99999999999999999999")),
 ]  # fmt: skip
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import uuid
 from typing import NoReturn
@@ -98,7 +99,13 @@ def _check_agent(config: LaunchConfig) -> None:
     params = RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id or "-",
                                   config.min_nodes, config.max_nodes, config.local_addr,
                                   **config.rdzv_configs)  # fmt: skip
-    parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    for option, name in (("--rdzv-endpoint", host), ("--local-addr", config.local_addr)):
+        try:  # torch would retry a name that does not resolve until its timeouts end (minutes)
+            if name:
+                socket.getaddrinfo(name, None)
+        except (OSError, UnicodeError) as exc:
+            raise ValueError(f"{option} {name}: the host name does not resolve ({first_line(exc)})") from None
     for key in params.config:  # the timeouts (seconds) and keep-alive settings torch reads as integers
         if key.endswith("timeout") or key.startswith("keep_alive"):
             value = params.get_as_int(key)
