@@ -18,7 +18,6 @@ import timm
 import torch
 import torchvision
 
-import repmlp.deploy.precision  # noqa: F401 - registers the loaders of bf16/fp16/int8 model files
 from repmlp.data.inputs import not_regular
 from repmlp.deploy.runtimes import RUNTIMES, missing_runtime
 from repmlp.errors import UserError

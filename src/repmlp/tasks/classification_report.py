@@ -176,9 +176,9 @@ def _convert_and_check(result: TrainResult) -> tuple[nn.Module, nn.Module, Outco
     outcome = Outcome(accuracy(check.reference, labels[0]), accuracy(check.outputs, labels[0]),
                       check.diff.as_dict(), check.seconds)  # fmt: skip
     cmp, verdict = outcome.cmp, "equivalent" if outcome.equivalent else "NOT EQUIVALENT"
-    results.info("top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), %d "
-             "predictions changed -> %s", outcome.train_acc["top1"], outcome.dep_acc["top1"], cmp["max_abs_diff"],
-             cmp["max_rel_diff"], cmp["changed_predictions"], verdict)  # fmt: skip
+    results.info("top-1 %.2f%% (training-time) vs %.2f%% (converted); max |logit diff| %.2e (relative %.2e), "
+                 "%d predictions changed -> %s", outcome.train_acc["top1"], outcome.dep_acc["top1"],
+                 cmp["max_abs_diff"], cmp["max_rel_diff"], cmp["changed_predictions"], verdict)  # fmt: skip
     return model, check.deployed, outcome
 
 
