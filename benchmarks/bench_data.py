@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-import common  # noqa: F401 - puts src/ on sys.path
+import common  # first: puts src/ on sys.path
+from repmlp.bench.timing import sync_device, time_calls
 from repmlp.data import DataConfig, build_data
 from repmlp.data.loader import default_workers
 
@@ -82,8 +83,7 @@ def loader_rate(loader, epochs: int) -> float:
     for epoch in range(1, epochs + 1):
         for x, _ in loader.batches(epoch):
             n += len(x)
-    if loader.device.type == "cuda":
-        torch.cuda.synchronize(loader.device)
+    sync_device(loader.device)
     return n / (time.perf_counter() - start)
 
 
@@ -108,15 +108,7 @@ def train_step_rate(model_name: str, batch: int, size: int, device: torch.device
         loss.backward()
         opt.step()
 
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return batch * steps / (time.perf_counter() - start)
+    return batch / time_calls(step, steps, device, warmup=1)
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +57,10 @@ def worker(treatment: str, batches: list[int], min_s: float) -> None:
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_train import load_timing  # this checkout's timing, beside either side's repmlp
     from repmlp.deploy.runtimes import to_runtime
+
+    timing = load_timing()
 
     torch._dynamo.config.recompile_limit = 64  # every repmlp ResNet shares one forward's code
     fmt = torch.contiguous_format if treatment == "onnxruntime" else torch.channels_last
@@ -79,15 +81,10 @@ def worker(treatment: str, batches: list[int], min_s: float) -> None:
         for run, x in calls.values():  # warm-up: compiles, oneDNN kernels, FC3 timings
             run(x)
             run(x)
-        for _ in sys.stdin:
-            times = {}
-            for key, (run, x) in calls.items():
-                n, start = 0, time.perf_counter()
-                while n == 0 or time.perf_counter() - start < min_s:
-                    run(x)
-                    n += 1
-                times[key] = (time.perf_counter() - start) / (n * x.shape[0])
-            print(json.dumps(times), flush=True)
+        fns = {key: (lambda run=run, x=x: run(x)) for key, (run, x) in calls.items()}
+        for _ in sys.stdin:  # a round: every model and batch in turn, each for at least min_s
+            times = timing.time_rounds(fns, rounds=1, warmup=0, min_round_s=min_s)
+            print(json.dumps({key: t[0] / calls[key][1].shape[0] for key, t in times.items()}), flush=True)
 
 
 def main() -> None:

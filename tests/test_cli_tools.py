@@ -136,6 +136,7 @@ def test_convert_keeps_existing_output_when_the_check_fails(run_dir, tmp_path, c
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+@pytest.mark.slow
 def test_export_onnx_and_torchscript_match_pytorch(run_dir, tmp_path):
     import onnxruntime as ort
 
@@ -283,6 +284,7 @@ def test_export_of_a_runs_model_does_not_duplicate_its_deploy_onnx(run_dir, tmp_
     assert sorted(p.name for p in run.iterdir()) == ["deploy.onnx", "model.safetensors"]
 
 
+@pytest.mark.slow
 def test_export_exported_program_pt2(run_dir, tmp_path):
     """``--format exported-program`` writes a ``torch.export`` program: loadable, dynamic batch, deployed."""
     out = tmp_path / "m.pt2"

@@ -35,7 +35,6 @@ from safetensors.torch import load_file
 from repmlp import create_model, list_models, reparameterize_model, to_precision
 from repmlp.data.fashion_mnist import DEBIAN_DIR, load_fashion_mnist
 from repmlp.io.model_file import load_model
-from repmlp.models.registry import default_input_size
 from repmlp.numerics import full_float32
 from repmlp_testdata import fault_env, make_fashion_mnist, model_arg_options, run_cli, subprocess_env
 from zoo import shallow
@@ -110,7 +109,8 @@ def test_every_registered_model_converts_on_the_device(name: str):
     model = create_model(name, **shallow(name)).eval()
     _randomize_bn(model)
     model = model.to(DEVICE)
-    x = torch.randn(2, *default_input_size(model), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    size = model.pretrained_cfg["input_size"]
+    x = torch.randn(2, *size, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     deployed = reparameterize_model(model)
     with torch.inference_mode(), full_float32():
         ref, out = _first(model(x)), _first(deployed(x))

@@ -1096,22 +1096,43 @@ def mount(tmp_path) -> Iterator[Callable[[str, str], Path]]:
         subprocess.run(["umount", str(folder)], check=False)
 
 
-@pytest.mark.slow
+# Each command line of argv[1] (JSON) through repmlp.cli.main, one after the other in this one process; prints
+# each one's exit status and stderr (JSON). A writer that aborts the process (torch's own file writer did on a
+# full disk) ends it before the summary.
+WRITERS_IN_ONE_PROCESS = """
+import contextlib, io, json, sys
+from repmlp.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        results.append((main(argv), err.getvalue()))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow  # mounts two tmpfs and starts a process that imports torch
 def test_full_disks_and_read_only_folders_are_one_line(world, mount):
-    """Each writer on a full tmpfs (in its own process: torch's file writer aborted it) and a read-only one."""
+    """Each writer on a full tmpfs (in a process of their own: torch's file writer aborted it) and a
+    read-only one."""
     full, read_only = mount("full", "size=256k"), mount("ro", "ro,size=64k")
     with contextlib.suppress(OSError):  # fill it: every later write fails
         with open(full / "filler", "wb") as f:
             while True:
                 f.write(bytes(4096))
                 f.flush()
-    for writer, argv in WRITERS.items():
-        argv = argv(world["model"], full)
-        res = subprocess.run([sys.executable, "-m", "repmlp", *map(str, argv)], capture_output=True, text=True,
-                             env=subprocess_env(), timeout=300)  # fmt: skip
-        assert_one_line(res, f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")
-        assert sorted(p.name for p in full.iterdir()) == ["filler"], writer
-        argv = WRITERS[writer](world["model"], read_only)
+    argvs = [[str(a) for a in writer(world["model"], full)] for writer in WRITERS.values()]
+    res = subprocess.run([sys.executable, "-c", WRITERS_IN_ONE_PROCESS, json.dumps(argvs)], capture_output=True,
+                         text=True, env=subprocess_env(), timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.splitlines()[-1])
+    assert len(results) == len(WRITERS)
+    for argv, (status, err) in zip(argvs, results, strict=True):
+        assert_one_line(subprocess.CompletedProcess(argv, status, "", err),
+                        f"cannot write {argv[-1]}: {os.strerror(errno.ENOSPC)}")  # fmt: skip
+    assert sorted(p.name for p in full.iterdir()) == ["filler"]
+    for writer in WRITERS.values():
+        argv = writer(world["model"], read_only)
         assert_one_line(cli(*argv), f"cannot write {argv[-1]}: {os.strerror(errno.EROFS)}")
 
 

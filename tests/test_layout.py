@@ -1,6 +1,6 @@
 """The package's import graph, read from the source with ``ast``: no cycles, and imports go one way
-(commands -> tasks -> engine -> io -> models -> core). Imports under ``if TYPE_CHECKING:`` are for annotations
-only and do not count."""
+(commands -> tasks -> engine -> io -> models -> core). Imports under ``if TYPE_CHECKING:`` count too: a reader
+follows them as any other."""
 
 from __future__ import annotations
 
@@ -33,28 +33,28 @@ def _targets(mod: str, path: Path, node: ast.ImportFrom, mods: dict[str, Path]) 
     return {f"{name}.{a.name}" if f"{name}.{a.name}" in mods else name for a in node.names} & set(mods)
 
 
+def imports(mod: str, path: Path, source: str, mods: dict[str, Path]) -> set[str]:
+    """The repmlp modules that module ``mod`` (``source``, read from ``path``) imports, at any depth: lazy and
+    type-only (``if TYPE_CHECKING:``) imports count."""
+    deps: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            deps |= _targets(mod, path, node, mods)
+        elif isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names if a.name in mods}
+    return deps - {mod}
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the repmlp modules it imports at run time (at any depth: lazy imports count)."""
+    """Module -> the repmlp modules it imports (:func:`imports`)."""
     mods = _modules()
-    graph = {}
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text())
-        annotation_only = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)
-        }
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in annotation_only:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                deps |= _targets(mod, path, node, mods)
-            elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name in mods}
-        graph[mod] = deps - {mod}
-    return graph
+    return {mod: imports(mod, path, path.read_text(), mods) for mod, path in mods.items()}
+
+
+def test_a_type_only_import_counts():
+    mods = _modules()
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from repmlp.io.model_file import ModelMetadata\n"
+    assert imports("repmlp.data", mods["repmlp.data"], source, mods) == {"repmlp.io.model_file"}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

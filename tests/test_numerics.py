@@ -157,8 +157,10 @@ def test_the_conversion_itself_computes_in_full_float32(caller_tf32, monkeypatch
     import repmlp.nn.convert as convert
 
     seen = []
-    fuse_bn = convert.fuse_bn
-    monkeypatch.setattr(convert, "fuse_bn", lambda *a, **k: (seen.append(flags()), fuse_bn(*a, **k))[1])
+    fold = convert.fuse_conv_bn_eval  # torch's fold, as repmlp.nn.convert calls it
+    monkeypatch.setattr(
+        convert, "fuse_conv_bn_eval", lambda *a, **k: (seen.append(flags()), fold(*a, **k))[1]
+    )
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
     reparameterize_model(model)
     assert seen and set(seen) == {FULL}
@@ -265,7 +267,7 @@ def test_convert_and_export_checks_run_in_full_float32(caller_tf32, tiny_checkpo
 
 
 def test_selfcheck_and_bench_input_check_run_in_full_float32(caller_tf32, tiny_checkpoint):
-    from repmlp.models.registry import check_forward
+    from repmlp.io.model_file import check_forward
 
     with recorded() as seen:
         res = run_cli("selfcheck")

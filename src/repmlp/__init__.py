@@ -10,7 +10,7 @@ from repmlp.bench.counts import profile
 from repmlp.deploy.precision import PRECISIONS, to_precision
 from repmlp.deploy.predict import Prediction, Predictor
 from repmlp.io import ModelMetadata, load_model, save_model
-from repmlp.models import create_model, list_models, register_model
+from repmlp.models import create_model, list_models
 from repmlp.nn.block import GlobalPerceptron, LocalPerceptron, PartitionPerceptron, RepMLPBlock, RepMLPBlock1d
 from repmlp.nn.convert import fuse_conv_bn, reparameterize_model
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
@@ -19,5 +19,5 @@ from repmlp.nn.reparam import absorb_bn_into_fc, conv_to_fc, conv_to_fc_identity
 __all__ = ["RepMLPBlock", "RepMLPBlock1d", "GlobalPerceptron", "PartitionPerceptron", "LocalPerceptron",
            "ConvBN", "GroupwiseLinear", "fuse_bn", "conv_to_fc", "conv_to_fc_identity", "absorb_bn_into_fc",
            "reparameterize_model", "fuse_conv_bn", "to_precision", "PRECISIONS", "create_model", "list_models",
-           "register_model", "profile", "load_model", "save_model", "Predictor", "Prediction",
+           "profile", "load_model", "save_model", "Predictor", "Prediction",
            "ModelMetadata"]  # fmt: skip

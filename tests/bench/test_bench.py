@@ -16,7 +16,7 @@ from torch import nn
 
 import repmlp
 from repmlp.bench import throughput
-from repmlp.models.registry import build_model
+from repmlp.io.model_file import build_model
 from repmlp.nn.convert import reparameterize_model
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 
@@ -39,6 +39,7 @@ def table_rows(stdout: str) -> dict[tuple[str, str], dict[str, str]]:
     return {(r["Model"], r["Form"]): r for r in rows}
 
 
+@pytest.mark.slow  # times ResNet-50 beside a RepMLP model
 def test_bf16_baseline_beside_a_repmlp_model_through_the_entry_point():
     """The baseline's deployed form in bf16 (once a traceback: the input stayed float32) beside a RepMLP
     model's, each row's path and ratio printed, and nothing of repmlp.speed imported on the way."""
@@ -60,6 +61,7 @@ def test_bf16_baseline_beside_a_repmlp_model_through_the_entry_point():
     assert not {m for m in imported if m == "repmlp.speed" or m.startswith("repmlp.speed.")}
 
 
+@pytest.mark.slow  # torch.compile
 def test_channels_last_and_compile_apply_to_every_row_and_show_in_the_path():
     res = run_cli("bench", "--model", TINY, "resnet18", "--in-chans", "1", "--img-size", "28", "--batch-size", "2",
                   "--warmup", "0", "--repeats", "2", "--channels-last", "--compile", "eager")  # fmt: skip

@@ -173,6 +173,7 @@ def test_int8_moves_one_byte_an_element():
 
 
 @pytest.mark.skipif(missing_runtime("onnxruntime") is not None, reason="needs onnxruntime (repmlp[export])")
+@pytest.mark.slow  # quantises, exports and times an int8 model
 def test_cli_int8_measures_the_share():
     res = run_cli("bench", "--model", "repmlp_fmnist", "--device", "cpu", "--roofline", "--precision", "int8",
                   "--peak", 0.04, "--bandwidth", 1, "--batch-size", 4, "--warmup", 0, "--repeats", 1)  # fmt: skip

@@ -46,6 +46,7 @@ ONNX_RUNTIMES = [
 
 
 @pytest.mark.skipif(not HAS_OPENVINO or OPENVINO_PROCESS, reason="openvino not installed")
+@pytest.mark.slow  # a pytest process that imports torch and OpenVINO
 def test_openvino_tests_in_their_own_process():
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "openvino"],
@@ -106,6 +107,7 @@ def test_torch_runtime_is_the_model_itself():
 
 
 @pytest.mark.parametrize("runtime", ONNX_RUNTIMES)
+@pytest.mark.slow
 def test_int8_graph_runs_as_it_is(runtime):
     """An int8 model's own QDQ graph goes to the runtime: onnxruntime gives the int8 model's own logits."""
     model = deployed()
@@ -122,6 +124,7 @@ def test_int8_graph_runs_as_it_is(runtime):
     assert (got - fp32).abs().max() <= 0.1 * fp32.abs().max()
 
 
+@pytest.mark.slow
 def test_one_onnx_wrapper_for_runtimes_and_int8_models():
     """``--runtime``'s wrapper and the int8 model are one class: both keep the graph in the ``onnx`` buffer
     (the state dict round-trips the bytes), survive a copy (the engine is rebuilt), answer shape-only
@@ -157,6 +160,7 @@ def test_one_onnx_wrapper_for_runtimes_and_int8_models():
         RuntimeModel(fp32.onnx, "torch")
 
 
+@pytest.mark.slow
 def test_int8_fc3_runs_as_an_int8_matmul(tmp_path):
     """onnxruntime fuses every FC3 of the int8 graph (one per RepMLP block) into its int8 matmul kernel,
     with int8 weights: no float MatMul is left behind a weight dequantizer running on every call."""
@@ -182,6 +186,7 @@ def test_int8_fc3_runs_as_an_int8_matmul(tmp_path):
     assert len(fused) == len(blocks)
 
 
+@pytest.mark.slow
 def test_int8_fc3_forms_of_quantize_int8():
     """The two other int8 forms of FC3 bench_runtimes compares: left in float32 (a float MatMul on its 3-D
     weight, every convolution still int8), and one int8 product per group (no 3-D weight left); both give
@@ -211,6 +216,7 @@ def test_int8_fc3_forms_of_quantize_int8():
         quantize_int8(model, SIZE, calibration, fc3="int4")
 
 
+@pytest.mark.slow
 def test_float_graph_has_fc3_as_constant_2d_products(tmp_path):
     """The float graph the runtimes run holds FC3 as one product per group on a constant 2-D weight (which
     onnxruntime pre-packs once at load), after onnxruntime's optimizations: no batched MatMul is left."""
@@ -262,6 +268,7 @@ def test_bench_runtime_through_the_entry_point(runtime, monkeypatch):
     assert "repmlp[openvino]" in user_error_line(res.stderr)
 
 
+@pytest.mark.slow
 def test_predict_runtime_gives_the_same_top_k(tmp_path):
     """``repmlp predict --runtime onnxruntime`` on a training-time file: converted, exported, and the same
     classes and probabilities (to the export check's tolerance) as PyTorch."""

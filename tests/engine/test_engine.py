@@ -124,6 +124,7 @@ def test_epoch_counted_run_calls_the_hooks_and_resumes_bitwise_mid_epoch(tmp_pat
     assert resumed_history == history
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_steps_and_a_failed_compilation_that_falls_back_to_eager(tmp_path, monkeypatch, caplog):
     eager_task, compiled_task, fallback_task = ToyTask(), ToyTask(), ToyTask()
     eager, eager_history = run(tmp_path / "eager", eager_task, epochs=2)
@@ -180,6 +181,7 @@ print(*faults)
 """
 
 
+@pytest.mark.slow  # two processes that fault hundreds of MB in
 def test_keep_freed_memory_stops_large_buffers_faulting_in_again():
     """With glibc's defaults every round maps the two tensors afresh and faults all their pages in; after
     keep_freed_memory() (both mallopt settings taken) the rounds reuse the heap's pages once it has grown (a
@@ -231,7 +233,7 @@ def test_resume_rules_runtime_keys_may_change_the_others_not(tmp_path):
 
 
 def test_build_model_passes_img_size_only_to_models_built_for_one_size():
-    from repmlp.models.registry import build_model, takes_img_size
+    from repmlp.io.model_file import build_model, takes_img_size
 
     assert takes_img_size("repmlp_fmnist") and takes_img_size("repmlp:repmlp_cifar")
     assert takes_img_size("vit_tiny_patch16_224")  # timm's config: fixed_input_size
@@ -243,8 +245,8 @@ def test_build_model_passes_img_size_only_to_models_built_for_one_size():
 
 
 def test_build_model_errors_are_user_errors_and_bugs_keep_their_traceback(monkeypatch):
-    import repmlp.models.registry as models
-    from repmlp.models.registry import build_model
+    import repmlp.io.model_file as models
+    from repmlp.io.model_file import build_model
 
     with pytest.raises(UserError, match="cannot build model 'no_such_model'"):
         build_model("no_such_model")

@@ -255,6 +255,7 @@ def test_the_form_and_the_plain_model_copy_pickle_trace_and_export(which: str, h
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools")
+@pytest.mark.slow  # torch.compile
 def test_the_training_form_compiles_as_one_graph() -> None:
     """No graph break in the form (``repmlp train --compile`` compiles the step on it)."""
     torch._dynamo.reset()

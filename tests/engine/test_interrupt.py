@@ -70,6 +70,7 @@ def python(*args: object, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)  # fmt: skip
 
 
+@pytest.mark.slow  # real signals to training processes
 def test_ctrl_c_keeps_the_step_reached_and_resume_continues_bitwise(fmnist, tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     argv = ["train", "--data-dir", fmnist, *ARGS, "--epochs", 2]
@@ -101,6 +102,7 @@ def test_ctrl_c_keeps_the_step_reached_and_resume_continues_bitwise(fmnist, tmp_
     assert losses(cut) == losses(full) and len(losses(full)) == 3
 
 
+@pytest.mark.slow
 def test_sigterm_while_training_exits_143_with_a_resumable_checkpoint(fmnist, tmp_path):
     out = tmp_path / "run"
     # 8 steps an epoch for 100 epochs: still training when the signal comes.
@@ -282,6 +284,7 @@ runpy.run_module("repmlp", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_sigterm_after_training_is_one_line_and_resume_finishes_the_run(fmnist, tmp_path):
     out = tmp_path / "run"
     run = python(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 import repmlp
 from repmlp import create_model, list_models, reparameterize_model
 from repmlp.models import RepMLPBottleneck, RepMLPLightBlock, ResNet
-from repmlp.models.resnet import RepMLPSpec, StageSpec, make_stage, parse_stages
+from repmlp.models.registry import OUTSIDE_TIMM, get_pretrained_cfg
+from repmlp.models.resnet import RepMLPSpec, StageSpec, gc_block, make_stage, parse_stages
 from zoo import SMALL_BUILDS, shallow
 
 # Models this helper owns, with kwargs that keep a float64 forward pass cheap while exercising the same
@@ -157,6 +159,15 @@ def test_nl_and_gc_placement() -> None:
     assert with_gc == [[False] * 3, [True] * 4, [True] * 6, [True] * 3]
 
 
+def test_gc_block_is_gcnets_setting() -> None:
+    """timm's GlobalContext as GCNet's ImageNet block: add fusion only, a C/16 bottleneck with LayerNorm (eps
+    1e-5, GCNet's), and the identity at the start (its last conv all zeros, the bias too)."""
+    gc = gc_block(256).eval()
+    assert gc.mlp_scale is None and gc.mlp_add.fc1.out_channels == 16 and gc.mlp_add.norm.eps == 1e-5
+    x = torch.randn(2, 256, 5, 5)
+    assert torch.equal(gc(x), x)
+
+
 def test_num_classes_in_chans_img_size_honoured() -> None:
     model = create_model("repmlp_res50", num_classes=7, in_chans=1, img_size=128, widths=(64, 128, 256, 512))
     assert model.stage_resolutions == [(32, 32), (16, 16), (8, 8), (4, 4)]
@@ -195,6 +206,16 @@ def test_timm_create_model() -> None:
         timm.create_model("repmlp_cifar", pretrained=True)
 
 
+def test_every_family_registers_its_models_as_timms_do() -> None:
+    """Each model's cfg is its family module's ``default_cfgs`` entry (where timm's ``register_model`` reads
+    it), also for the models outside timm, and the entrypoint timm (or repmlp) holds is the module's own."""
+    for name in list_models():
+        entry = OUTSIDE_TIMM.get(name) or timm.models.model_entrypoint(name)
+        module = sys.modules[entry.__module__]
+        assert getattr(module, name) is entry and name in module.default_cfgs, name
+        assert get_pretrained_cfg(name) == replace(module.default_cfgs[name].default, architecture=name), name
+
+
 def test_create_model_fallbacks_and_unknown_names() -> None:
     tm = create_model("resnet18", num_classes=4)  # timm's
     assert tm.get_classifier().out_features == 4
@@ -211,5 +232,6 @@ def test_create_model_fallbacks_and_unknown_names() -> None:
 
 def test_package_exports() -> None:
     assert repmlp.create_model is create_model and repmlp.list_models is list_models
-    assert callable(repmlp.register_model) and callable(repmlp.profile)
+    assert callable(repmlp.profile)
+    assert timm.models.model_entrypoint("repmlp_res50").__module__ == "repmlp.models.resnet"
     assert isinstance(create_model("repmlp_res50", stages=(), widths=(64, 128, 256, 512)), ResNet)

@@ -26,6 +26,8 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 from repmlp import create_model, list_models
 from zoo import SMALL_BUILDS, shallow
 
+pytestmark = pytest.mark.slow  # timm's contract, about 300 cases (a minute and a half on 2 cores)
+
 # Outside timm's classifier contract, so not registered with timm (docs/models.md): the PSPNets (dense
 # predictors) and the sequence models (1-D feature maps); repmlp.create_model builds them.
 OUTSIDE = {"pspnet_res50", "pspnet_repmlp_res50", "repmlp1d_fmnist", "conv1d_fmnist"}
@@ -225,31 +227,6 @@ def test_default_cfg(name: str) -> None:
         assert model(torch.randn(2, c, h + 32, w + 32, device="meta")).shape == (2, model.num_classes)
 
 
-@pytest.mark.parametrize("name", TIMM)
-def test_forward_backward_head_and_reset_classifier(name: str) -> None:
-    """Forward + backward, forward_head(pre_logits), reset_classifier (timm's forward/default-cfg tests);
-    built shallow (every block kind: tests/zoo.py)."""
-    model = _meta_model(name, num_classes=3, **shallow(name)).train()
-    x = _meta_input(model)
-    out = model(x)
-    assert out.shape == (2, 3) and model.num_classes == 3
-    out.sum().backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    model.eval()
-    feats = model.forward_features(x)
-    assert model.forward_head(feats, pre_logits=True).shape == (2, model.head_hidden_size)
-    assert model.forward_head(feats).shape == (2, 3)
-    with torch.device("meta"):  # the new classifier is created on the default device
-        model.reset_classifier(5)
-        assert model(x).shape == (2, 5) and model.num_classes == 5
-        model.reset_classifier(0)
-        assert model(x).shape == (2, model.head_hidden_size) and model.num_classes == 0
-        model.reset_classifier(0, "")  # timm's "no pooling": the unpooled map (face models: unflattened)
-        assert model(x).shape == feats.shape
-    unpooled = _meta_model(name, num_classes=0, global_pool="", **shallow(name)).eval()
-    assert unpooled(x).shape == feats.shape
-
-
 @pytest.mark.parametrize(
     "name, kwargs",
     [
@@ -285,10 +262,12 @@ def test_scripts_with_torchscript(name: str) -> None:
 
 @pytest.mark.parametrize("name", TIMM)
 def test_reset_classifier_matches_the_model(name: str) -> None:
-    """A classifier put in by ``reset_classifier`` takes the model's device, dtype and mode (timm)."""
+    """A classifier put in by ``reset_classifier`` takes the model's device, dtype and mode (timm), and gives
+    the new number of classes (forward, backward, pre-logits and no-pooling: test_timms_model_tests)."""
     model = _meta_model(name).to(torch.float64).eval()
     model.reset_classifier(0)
     model.reset_classifier(2)
+    assert model(_meta_input(model).double()).shape == (2, 2) and model.num_classes == 2
     classifier = model.get_classifier()
     params = list(classifier.parameters())
     assert params and all(p.device.type == "meta" and p.dtype == torch.float64 for p in params)

@@ -205,6 +205,16 @@ def test_reports_batchnorms_it_could_not_fuse(caplog):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_a_batchnorm_without_running_statistics_stays():
+    """In eval mode it normalises with each batch's own statistics: nothing to fold, and no error."""
+    pair = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False))
+    model = nn.Sequential(pair, nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, track_running_stats=False)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    fused = reparameterize_model(model)  # the first pair inside a Sequential, the second through torch.fx
+    assert list(fused.unfused_batchnorms) == ["0.1", "2"]
+    torch.testing.assert_close(fused(x), model(x))
+
+
 class _Untraceable(nn.Module):
     """Data-dependent control flow: torch.fx cannot trace it, so only Sequential pairs are folded."""
 

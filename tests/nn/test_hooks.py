@@ -14,7 +14,6 @@ from torch.nn.utils import prune
 
 import repmlp
 from repmlp.models.pure_mlp import PartitionConvBlock
-from repmlp.models.registry import default_input_size
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.layers import ConvBN
 from zoo import SMALL_BUILDS, shallow
@@ -52,7 +51,7 @@ def test_every_weighted_leaf_runs_its_own_call(name: str, device: str) -> None:
     modules run in every mode, but for training-only heads."""
     torch.manual_seed(0)
     model = repmlp.create_model(name, **SMALL_BUILDS.get(name, shallow(name))).to(device)
-    x = torch.randn(2, *default_input_size(model), device=device)
+    x = torch.randn(2, *model.pretrained_cfg["input_size"], device=device)
     leaves = weighted_leaves(model)
     fired: set[str] = set()
     for key, m in leaves.items():

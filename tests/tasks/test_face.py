@@ -187,6 +187,7 @@ def test_face_training_loss_falls(trained_face):
     assert history[-1]["loss"] < history[0]["loss"]  # measured about 0.05x: a wide margin
 
 
+@pytest.mark.slow  # a killed training process
 def test_face_kill_and_resume_gives_the_same_weights(face_data, tmp_path):
     """Killed and continued with ``--resume auto`` (segmentation's test: plain ``--resume``)."""
     args = ["train", "--task", "face", "--data-dir", str(face_data / "train"), *TRAIN_ARGS]

@@ -26,7 +26,8 @@ from repmlp.io.model_file import save_model
 from repmlp.tasks.classification import resolve_config
 from repmlp_testdata import make_image_folder, run_cli, subprocess_env, user_error_line
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# Whole workflows, several trainings each, and a predict process (the suite's slow tier).
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 TINY = ["--model-arg", "widths=[4,8]", "--model-arg", "kernel_sizes=[3]"]
 QUICK = ["--epochs", "1", "--no-bench", "--no-export", "--workers", "0"]
@@ -70,7 +71,7 @@ def ok(*args: object):
     return res
 
 
-def convert_eval_export_predict(run: Path, folder: Path, channels: int, in_subprocess: bool) -> None:
+def convert_eval_export_predict(run: Path, folder: Path, channels: int) -> None:
     """The rest of the workflow for the run's ``model.safetensors``: every command reads the run's own
     folder in the model's channels (the conversion check and int8 calibration too)."""
     model = run / "model.safetensors"
@@ -96,12 +97,10 @@ def convert_eval_export_predict(run: Path, folder: Path, channels: int, in_subpr
     int8 = run / "deploy-int8.safetensors"
     int8_top1 = json.loads(ok("eval", "--checkpoint", int8, "--json", "--workers", 0).stdout)["top1"]
     argv = ["predict", "--checkpoint", int8, folder / "val", "--json", "--top-k", 1, "--workers", 0]
-    if in_subprocess:  # the real program once: python -m repmlp
-        res = subprocess.run([sys.executable, "-m", "repmlp", *map(str, argv)], capture_output=True, text=True,
-                             timeout=300, env=subprocess_env())  # fmt: skip
-        assert res.returncode == 0, res.stderr
-    else:
-        res = ok(*argv)
+    # the real program once: python -m repmlp
+    res = subprocess.run([sys.executable, "-m", "repmlp", *map(str, argv)], capture_output=True, text=True,
+                         timeout=300, env=subprocess_env())  # fmt: skip
+    assert res.returncode == 0, res.stderr
     records = json.loads(res.stdout)
     hits = [r["top_k"][0]["label"] == Path(r["path"]).parent.name for r in records]
     assert len(records) == n_val
@@ -148,11 +147,13 @@ def test_one_channel_model_from_the_main_job_to_predict(tmp_path):
     data = model_data_config(repmlp.load_model(init).metadata, "imagefolder", data_dir=str(folder))
     assert (data.channels, data.img_size, data.eval_preprocessing["crop_mode"]) == (1, 28, "squash")
     assert data.eval_preprocessing["mean"] == pytest.approx([0.2860])
-    convert_eval_export_predict(run, folder, channels=1, in_subprocess=True)
+    convert_eval_export_predict(run, folder, channels=1)
 
 
 def test_three_channel_model_from_scratch_to_predict(tmp_path):
-    """RGB images of another size: a small CIFAR model trains at its own 3x32x32 with its own recipe."""
+    """RGB images of another size: a small CIFAR model trains at its own 3x32x32 with its own recipe. (The
+    rest of the workflow on an RGB folder, every precision: test_every_precision_and_command_reads_an_rgb_file_alike.)
+    """
     folder = make_image_folder(tmp_path / "rgb", classes=3, per_class=4, size=36)
     run = tmp_path / "run"
     res = ok("train", "--dataset", "imagefolder", "--data-dir", folder, "--model", "repmlp_cifar",
@@ -161,7 +162,6 @@ def test_three_channel_model_from_scratch_to_predict(tmp_path):
     assert f"training repmlp_cifar ({own}) on imagefolder" in res.stderr
     assert "recipe cifar (repmlp_cifar's recipe), input 3x32x32 (repmlp_cifar's), batch 8" in res.stderr
     assert repmlp.load_model(run / "model.safetensors").metadata.input_size == (3, 32, 32)
-    convert_eval_export_predict(run, folder, channels=3, in_subprocess=False)
 
 
 def colour_folder(root: Path, classes: int = 3, per_class: int = 8, size: int = 28) -> Path:

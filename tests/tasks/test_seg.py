@@ -201,6 +201,7 @@ def test_seg_batch_of_one_is_a_clear_error(city, capsys):
     assert "BatchNorm needs at least 2 examples per batch" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a killed training process
 def test_seg_kill_and_resume_gives_the_same_weights(city, tmp_path):
     args = [
         "train",

@@ -75,6 +75,7 @@ def studied(tmp_path_factory):
     return data, out, first
 
 
+@pytest.mark.slow  # the killed run and the study are processes (~15 s on 2 cores)
 def test_study_writes_every_row_and_resumes_the_killed_run(studied):
     _, out, first = studied
     assert "resuming" in first.stderr and "at epoch 2" in first.stderr
@@ -100,6 +101,7 @@ def test_study_writes_every_row_and_resumes_the_killed_run(studied):
         assert f"| {label} | {top1[0]:.2f} | {top1[1]:.2f} |" in curves, (label, top1)
 
 
+@pytest.mark.slow
 def test_second_call_reuses_finished_runs(studied):
     data, out, _ = studied
     before = {row.key: mtimes(out / row.key) for row in trained_rows()}
@@ -113,6 +115,7 @@ def test_second_call_reuses_finished_runs(studied):
     assert "one run: no spread" in text and "| Pure MLP | " in text
 
 
+@pytest.mark.slow
 def test_reusing_runs_of_other_options_is_refused(studied):
     data, out, _ = studied
     args = ["study", "ablation", "--output", str(out), "--data-dir", str(data), "--seeds", "1"]
@@ -144,6 +147,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+@pytest.mark.slow  # a study process and its two worker processes
 def test_a_killed_study_leaves_no_worker_training(tmp_path):
     """SIGKILL the study process mid-run: its worker processes end too, instead of training on into run
     folders that the next call resumes."""
@@ -187,7 +191,9 @@ def test_a_killed_study_leaves_no_worker_training(tmp_path):
         (["--jobs", "0"], "--jobs"),
         (["--dataset", "cifar10"], "needs --data-dir"),  # StudyOptions.validate
         (["--data-dir", "/nonexistent/fmnist"], "not found"),  # the first run's data loading
-        (["--data-dir", "/nonexistent/fmnist", "--jobs", "2"], "not found"),  # raised in a worker process
+        pytest.param(  # raised in a worker process (started with spawn: it imports torch)
+            ["--data-dir", "/nonexistent/fmnist", "--jobs", "2"], "not found", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_bad_options_are_one_error_line(tmp_path, args, message):

@@ -6,10 +6,12 @@ Every run trains the same tiny Fashion-MNIST model for 2 epochs of 4 steps, with
 on two processes (gloo on the CPU), and is compared with an uninterrupted ``torchrun --standalone`` run:
 a run continued from a checkpoint must end with the same weights, bitwise. Faults come from
 ``tests/faults/sitecustomize.py``, loaded into every process: one fault injected once, after a given step.
+The uninterrupted run also records every file write of each process (only process 0 writes the run).
 """
 
 from __future__ import annotations
 
+import csv
 import re
 import socket
 import subprocess
@@ -21,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from repmlp.engine import state_hash
+from repmlp.io.model_file import load_model
 from repmlp_testdata import fault_env, make_fashion_mnist, make_image_folder, run_cli, user_error_line
-
-pytestmark = pytest.mark.slow  # each test starts torchrun and two processes that import torch (~10 s)
 
 TORCHRUN = ["-m", "torch.distributed.run"]
 STEPS = [
@@ -81,16 +83,82 @@ def repmlp_lines(stderr: str) -> list[str]:
     return ["repmlp:" + part.split("\n")[0] for part in stderr.split("repmlp:")[1:]]
 
 
+# repmlp's CLI with an audit hook that records every file write (open for writing, rename, mkdir, remove)
+# inside the run folder, per rank, to show that only rank 0 writes there.
+AUDITED_CLI = """
+import os, sys
+run_dir = os.path.realpath(os.environ["RUN_DIR"])
+writes = []
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def hook(event, args):
+    if event == "open":
+        if not isinstance(args[2], int) or not args[2] & WRITE_FLAGS:
+            return
+        path = args[0]
+    elif event in ("os.rename", "os.remove", "os.mkdir", "os.rmdir"):
+        path = args[1] if event == "os.rename" else args[0]
+    else:
+        return
+    if isinstance(path, (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(path))
+        if path == run_dir or path.startswith(run_dir + os.sep):
+            writes.append(event + " " + os.path.basename(path))
+
+sys.addaudithook(hook)
+from repmlp.cli import main
+status = main(sys.argv[1:])
+with open(os.path.join(os.environ["AUDIT_DIR"], "rank%s.txt" % os.environ["RANK"]), "w") as f:
+    f.write("\\n".join(writes))
+sys.exit(status)
+"""
+
+
 @pytest.fixture(scope="module")
-def reference(fmnist, tmp_path_factory) -> Path:
-    """The uninterrupted run: ``torchrun --standalone --nproc_per_node 2``."""
+def reference_result(fmnist, tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """The uninterrupted run, ``torchrun --standalone --nproc_per_node 2``, through the audited CLI: the run
+    folder, the folder of each rank's writes, the finished process."""
     tmp = tmp_path_factory.mktemp("reference")
-    res = torchrun(tmp, ["--standalone", "--nproc_per_node", "2"],
-                   ["train", "--data-dir", str(fmnist), *RUN, "--output", str(tmp / "run")])  # fmt: skip
+    out, audit, script = tmp / "run", tmp / "audit", tmp / "audited_cli.py"
+    audit.mkdir()
+    script.write_text(AUDITED_CLI)
+    env = {**fault_env(), "RUN_DIR": str(out), "AUDIT_DIR": str(audit)}
+    res = subprocess.run([sys.executable, *TORCHRUN, "--standalone", "--nproc_per_node", "2", str(script), "train",
+                          "--data-dir", str(fmnist), *RUN, "--output", str(out)],
+                         capture_output=True, text=True, env=env, timeout=240, cwd=tmp)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    return tmp / "run"
+    return out, audit, res
 
 
+@pytest.fixture(scope="module")
+def reference(reference_result) -> Path:
+    return reference_result[0]
+
+
+@pytest.mark.slow
+def test_two_processes_keep_replicas_identical_and_only_process_0_writes(reference_result):
+    out, audit, res = reference_result
+    files = {"model.safetensors", "deploy.safetensors", "checkpoint.safetensors", "metrics.csv", "curves.png",
+             "fc3.png", "report.md"}  # fmt: skip
+    assert {p.name for p in out.iterdir()} == files
+    # Rank 0 wrote the run (temp file + rename for each file); rank 1 wrote nothing there.
+    rank0 = (audit / "rank0.txt").read_text().splitlines()
+    assert "os.rename model.safetensors" in rank0 and "os.rename checkpoint.safetensors" in rank0
+    assert (audit / "rank1.txt").read_text() == ""
+    # Each rank's final weights hash (gathered by rank 0 into the report) equals the saved weights' hash.
+    report = (out / "report.md").read_text()
+    (line,) = [ln for ln in report.splitlines() if ln.startswith("- Replicas:")]
+    assert line.startswith("- Replicas: 2 process(es)") and line.endswith("(identical)"), line
+    hashes = [part.split("`")[1] for part in line.split("rank ")[1:]]
+    assert hashes == [state_hash(load_model(out / "model.safetensors"))[:16]] * 2, line
+    assert f"final weights identical on all 2 processes (sha256 {hashes[0]})" in res.stderr
+    assert "2 processes (DDP)" in report
+    # 64 examples, global batch 16 = 8 per process: 4 steps an epoch, each process saw half of every batch.
+    with open(out / "metrics.csv", newline="") as f:
+        assert next(csv.DictReader(f))["step"] == "4"
+
+
+@pytest.mark.slow
 def test_two_nodes_with_a_c10d_rendezvous_train_the_standalone_run(fmnist, reference, tmp_path):
     """Two torchrun agents of one process each (two "nodes" on 127.0.0.1) meet at a c10d rendezvous."""
     out, port = tmp_path / "run", str(free_port())
@@ -108,6 +176,7 @@ def test_two_nodes_with_a_c10d_rendezvous_train_the_standalone_run(fmnist, refer
     assert len(said) == 1  # by global rank 0 only
 
 
+@pytest.mark.slow
 def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, reference, tmp_path):
     """SIGKILL one process after step 5 (checkpoint at 4): torchrun restarts both, which resume at step 4."""
     out = tmp_path / "run"
@@ -122,6 +191,7 @@ def test_a_restarted_worker_group_continues_from_the_checkpoint(fmnist, referenc
     assert_same_weights(out, reference)
 
 
+@pytest.mark.slow
 def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, reference, tmp_path):
     """SIGTERM to every process and to torchrun's agent (``repmlp launch``'s own process), as a scheduler
     preempts a job: every process stops at the same step, process 0 says (once) where the checkpoint is; the
@@ -148,6 +218,7 @@ def test_a_preempted_run_checkpoints_and_the_same_command_resumes_it(fmnist, ref
     assert_same_weights(out, reference)
 
 
+@pytest.mark.slow
 def test_launch_says_in_one_line_that_a_node_never_joined(fmnist, tmp_path):
     """Two nodes expected, one started: the rendezvous times out after join_timeout, in one line."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -163,6 +234,7 @@ def test_launch_says_in_one_line_that_a_node_never_joined(fmnist, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_loss_that_diverges_on_one_process_stops_every_process(fmnist, tmp_path):
     """Process 1's loss becomes NaN at step 4: both stop there with one line each, no one waits for the other."""
     res = torchrun(tmp_path, ["--standalone", "--nproc_per_node", "2"],
@@ -177,6 +249,7 @@ def test_a_loss_that_diverges_on_one_process_stops_every_process(fmnist, tmp_pat
     assert all("the checkpoint of step 2 is kept" in ln for ln in lines)
 
 
+@pytest.mark.slow
 def test_a_killed_data_loading_worker_stops_every_process_with_one_line(tmp_path):
     """SIGKILL process 1's DataLoader worker after step 2 (as the kernel's OOM killer does): process 1 says so,
     process 0 that its peer stopped, each in one line naming the checkpoint kept; ``repmlp launch`` lists both.

@@ -4,8 +4,8 @@ Every data set is written in its real on-disk format (Fashion-MNIST IDX .gz file
 ``cifar-10-batches-py`` pickles, ImageNet-style ``train/`` and ``val/`` folders; see ``repmlp_testdata``).
 Models are tiny variants of the paper's pure MLP (``--model-arg widths=...``) and runs last one or two
 epochs of a few batches, so the file stays well under a minute and a half on two cores. Most runs call
-``repmlp.cli.main`` in-process (the function the console script runs); the killed run of the resume test
-and the torchrun test start ``python -m repmlp`` in subprocesses.
+``repmlp.cli.main`` in-process (the function the console script runs); the killed runs of the resume tests
+start ``python -m repmlp`` in subprocesses. Training under torchrun: tests/tasks/test_torchrun.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from repmlp import cli, engine
 from repmlp.commands._parser import ArgumentParser
 from repmlp.commands.task_options import TASK_OPTIONS
 from repmlp.data import CIFAR10_CLASSES, FMNIST_CLASSES
-from repmlp.engine import state_hash
 from repmlp.io.model_file import load_model
 from repmlp.io.state import load_state, save_state
 from repmlp.tasks import TASK_MODULES
@@ -300,6 +299,7 @@ def test_cifar10_batches_run(data, tmp_path, capsys):
     assert res["dataset"] == "cifar10" and res["n"] == 8
 
 
+@pytest.mark.slow  # a DataLoader worker process, the imagenet preset's augmentations
 def test_image_folder_run(data, tmp_path):
     out = tmp_path / "folder"
     # The ImageNet preset brings mixup and AutoAugment; one DataLoader worker process decodes the images.
@@ -392,6 +392,7 @@ def reference_run(data, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a killed training process
 def test_resume_after_a_kill_mid_epoch_gives_the_uninterrupted_weights(reference_run, data, tmp_path,
                                                                        monkeypatch):  # fmt: skip
     out = tmp_path / "killed"
@@ -452,70 +453,6 @@ def test_seeded_runs_are_reproducible(reference_run, data, tmp_path):
     assert status == 0, err
     a, b = weights(reference_run / "model.safetensors"), weights(tmp_path / "seed1" / "model.safetensors")
     assert not all(torch.equal(a[k], b[k]) for k in a)
-
-
-# --------------------------------------------------------------------------------------- torchrun
-# Runs repmlp's CLI with an audit hook that records every file write (open for writing, rename, mkdir,
-# remove) inside the run folder, per rank, to show that only rank 0 writes there.
-AUDITED_CLI = """
-import os, sys
-run_dir = os.path.realpath(os.environ["RUN_DIR"])
-writes = []
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-def hook(event, args):
-    if event == "open":
-        if not isinstance(args[2], int) or not args[2] & WRITE_FLAGS:
-            return
-        path = args[0]
-    elif event in ("os.rename", "os.remove", "os.mkdir", "os.rmdir"):
-        path = args[1] if event == "os.rename" else args[0]
-    else:
-        return
-    if isinstance(path, (str, bytes, os.PathLike)):
-        path = os.path.abspath(os.fsdecode(path))
-        if path == run_dir or path.startswith(run_dir + os.sep):
-            writes.append(event + " " + os.path.basename(path))
-
-sys.addaudithook(hook)
-from repmlp.cli import main
-status = main(sys.argv[1:])
-with open(os.path.join(os.environ["AUDIT_DIR"], "rank%s.txt" % os.environ["RANK"]), "w") as f:
-    f.write("\\n".join(writes))
-sys.exit(status)
-"""
-
-
-@pytest.mark.slow  # two processes importing torch and training (~15 s on 2 cores)
-def test_torchrun_two_processes_keep_replicas_identical(data, tmp_path):
-    out, audit = tmp_path / "ddp", tmp_path / "audit"
-    audit.mkdir()
-    (tmp_path / "audited_cli.py").write_text(AUDITED_CLI)
-    env = subprocess_env(RUN_DIR=str(out), AUDIT_DIR=str(audit))  # this checkout's repmlp, one thread
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(tmp_path / "audited_cli.py"), "train", "--data-dir", str(data["fmnist"]), *map(str, FMNIST_TINY),
-         "--train-limit", "64", "--val-limit", "16", "--batch-size", "16", "--epochs", "1",
-         "--ckpt-every", "2", "--device", "cpu", "--no-bench", "--no-export", "--output", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == RUN_FILES
-    # Rank 0 wrote the run (temp file + rename for each file); rank 1 wrote nothing there.
-    rank0 = (audit / "rank0.txt").read_text().splitlines()
-    assert "os.rename model.safetensors" in rank0 and "os.rename checkpoint.safetensors" in rank0
-    assert (audit / "rank1.txt").read_text() == ""
-    # Each rank's final weights hash (gathered by rank 0 into the report) equals the saved weights' hash.
-    report = (out / "report.md").read_text()
-    (line,) = [ln for ln in report.splitlines() if ln.startswith("- Replicas:")]
-    assert line.startswith("- Replicas: 2 process(es)") and line.endswith("(identical)"), line
-    hashes = [part.split("`")[1] for part in line.split("rank ")[1:]]
-    model = load_model(out / "model.safetensors")
-    assert hashes == [state_hash(model)[:16]] * 2, line
-    assert f"final weights identical on all 2 processes (sha256 {hashes[0]})" in res.stderr
-    assert "2 processes (DDP)" in report
-    # 64 examples, global batch 16 = 8 per process: 4 steps, each process saw half of every batch.
-    assert metrics_rows(out)[0]["step"] == "4"
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -26,20 +26,11 @@ from torch.utils.flop_counter import flop_registry
 from repmlp.bench.timing import time_calls
 from repmlp.engine.devices import cpu_name
 from repmlp.errors import UserError
-from repmlp.models.registry import build_model
+from repmlp.io.model_file import build_model
 from repmlp.nn.convert import reparameterize_model
 
-__all__ = [
-    "ACCOUNTINGS",
-    "GPUS",
-    "Device",
-    "Roofline",
-    "find_device",
-    "walk",
-    "ceiling",
-    "roofline",
-    "render",
-]
+__all__ = ["ACCOUNTINGS", "GPUS", "Device", "Roofline", "find_device", "walk", "ceiling", "roofline",
+           "render"]  # fmt: skip
 
 ACCOUNTINGS = ("fused", "onepass", "unfused")
 KINDS = ("conv", "matmul", "elementwise", "pooling", "copy")

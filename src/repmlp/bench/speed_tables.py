@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from repmlp.bench.tables import PAPER_ROWS, TABLE_TITLES, PaperRow
+from repmlp.bench.throughput import cudnn_benchmark
 from repmlp.bench.timing import time_rounds
 from repmlp.deploy.conversion import CONVERSION_RTOL, convert_and_check
 from repmlp.deploy.gpu import prepare_fast
@@ -43,14 +44,9 @@ _REFERENCE = {"c4_rg": "Original Res50", "stages": "Original Res50", "comparison
 Prepare = Callable[[nn.Module, Tensor], Callable[[Tensor], Tensor]]
 
 
-def _eager(model: nn.Module, example: Tensor) -> Callable[[Tensor], Tensor]:
-    """The module called as it is: the plain modules, as every row's model (``example`` unused)."""
-    return model
-
-
-#: Inference paths by name. ``fast``: the path measured fastest for the device and precision
-#: (:func:`repmlp.deploy.gpu.fastest_path`).
-SPEED_PATHS: dict[str, Prepare] = {"eager": _eager, "fast": prepare_fast}
+#: Inference paths by name. ``eager``: the module called as it is; ``fast``: the path measured fastest for the
+#: device and precision (:func:`repmlp.deploy.gpu.fastest_path`).
+SPEED_PATHS: dict[str, Prepare] = {"eager": lambda model, example: model, "fast": prepare_fast}
 
 
 @dataclass(frozen=True)
@@ -165,44 +161,34 @@ def _measure(row: PaperRow, model: nn.Module, opts: SpeedOptions) -> SpeedResult
     return SpeedResult(batch, check.diff.max_rel_diff, _time_precisions(check.deployed, x, opts))
 
 
-def _failure(exc: BaseException) -> str:
-    name = type(exc).__name__
-    return "out of memory" if name == "OutOfMemoryError" else f"{name}: {first_line(exc)[:160]}"
-
-
 def measure_speed_rows(rows: Sequence[PaperRow], opts: SpeedOptions) -> list[tuple[PaperRow, SpeedResult]]:
     """Every row measured (module docstring), rows of the same module tree, input and batch once; a row
     that fails (out of memory, say) gets its error instead of figures, and the others go on."""
-    benchmark = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = opts.device.type == "cuda"  # the paper's practice; restored below
     done: dict[tuple, SpeedResult] = {}
     results: list[tuple[PaperRow, SpeedResult]] = []
-    try:
+    with cudnn_benchmark(opts.device):  # on CUDA: the paper's practice
         for i, row in enumerate(rows, 1):
             try:
                 model = _build(row)
                 key = (repr(model), row.input_size, opts.batch(row))
                 if key not in done:
                     done[key] = _measure(row, model, opts)
-                result = done[key]
+                res = done[key]
             except Exception as exc:  # noqa: BLE001 - one row's failure is reported in its row
                 log.debug("%s failed", row.label, exc_info=True)
-                result = SpeedResult(opts.batch(row), error=_failure(exc))
+                name = type(exc).__name__
+                error = "out of memory" if name == "OutOfMemoryError" else f"{name}: {first_line(exc)[:160]}"
+                res = SpeedResult(opts.batch(row), error=error)
             finally:
                 model = None
                 if opts.device.type == "cuda":
                     torch.cuda.empty_cache()
-            results.append((row, result))
-            _log_row(i, len(rows), row, result)
-    finally:
-        torch.backends.cudnn.benchmark = benchmark
+            results.append((row, res))
+            figures = res.error or ", ".join(f"{p} {v:,.1f}/s" for p, v in res.speed.items())
+            title = TABLE_TITLES[row.table].split(" (")[0]
+            log.info("[%d/%d] %s: %s @%d, batch %d: check %.1e; %s", i, len(rows), title, row.label,
+                     row.input_size, res.batch, res.check_rel_diff, figures)  # fmt: skip
     return results
-
-
-def _log_row(i: int, n: int, row: PaperRow, res: SpeedResult) -> None:
-    figures = res.error or ", ".join(f"{p} {v:,.1f}/s" for p, v in res.speed.items())
-    log.info("[%d/%d] %s: %s @%d, batch %d: check %.1e; %s", i, n, TABLE_TITLES[row.table].split(" (")[0],
-             row.label, row.input_size, res.batch, res.check_rel_diff, figures)  # fmt: skip
 
 
 def _ratio(value: float | None, reference: float | None) -> str:

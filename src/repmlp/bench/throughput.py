@@ -1,13 +1,8 @@
 """Throughput of training-time and deployed forms side by side, as a Markdown table like the paper's:
-examples/s at a fixed batch in inference, for each model as built (eval mode) and after
-:func:`repmlp.reparameterize_model`, with each form's parameters and multiply-accumulates.
-
-Every model and form of one call runs the same way, as timm's ``benchmark.py`` runs its models: the plain
-modules (no speed pass of repmlp's own), eager or compiled by ``torch.compile`` (``compile_backend``), NCHW or
-channels_last (``channels_last``: weights and input), in the model's precision with the input cast to it;
-and all are timed in one series of interleaved rounds (:func:`repmlp.bench.timing.time_rounds`), so that a
-drift in the machine's load hits them alike and each row's speed ratio to the first model's is taken round
-by round.
+examples/s at a fixed batch in inference, with each form's parameters and multiply-accumulates. Every model
+and form of one call runs the same way, as timm's ``benchmark.py`` runs its models, and all are timed in one
+series of interleaved rounds (:func:`repmlp.bench.timing.time_rounds`): a drift in the machine's load hits
+them alike, and each row's speed ratio to the first model's is taken round by round.
 """
 
 from __future__ import annotations
@@ -23,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from timm.data import resolve_model_data_config
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from repmlp.bench.counts import profile, profile_model
 from repmlp.bench.timing import time_rounds
 from repmlp.deploy.precision import precision_of, to_precision
 from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError, first_line
-from repmlp.io.model_file import ModelMetadata, load_model
-from repmlp.models.registry import build_model, check_forward, default_input_size
+from repmlp.io.model_file import ModelMetadata, build_model, check_forward, load_model
 from repmlp.nn.convert import reparameterize_model
 
 __all__ = ["BenchRow", "benchmark", "render_markdown", "models_to_bench", "in_precision", "timing_caveat",
@@ -76,20 +72,17 @@ def benchmark(models: Mapping[str, nn.Module], input_size: Sequence[int], batch_
               device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 10,
               forms: Sequence[str] = ("train", "deploy"), runtime: str = "torch", channels_last: bool = False,
               compile_backend: str | None = None) -> list[BenchRow]:  # fmt: skip
-    """One :class:`BenchRow` per model and form of ``forms``, in input order, all timed in one series of
-    interleaved rounds.
+    """One :class:`BenchRow` per model and form of ``forms``, in input order, timed in interleaved rounds.
 
-    ``models``: name -> model (training-time; one already deployed is measured as ``deploy`` only), copied,
-    never modified. ``input_size``: ``(C, H, W)``; the input ``(batch_size, C, H, W)`` is cast to each
-    form's parameter dtype. ``warmup`` untimed passes, then ``repeats`` timed ones (the row reports the
-    median). Every form runs the same way (module docstring): ``channels_last`` puts weights and input in
-    that layout; ``compile_backend`` (``"inductor"``, say) runs each form through ``torch.compile``, compiled
-    by a first call before the warm-up, untimed. ``runtime``: ``"torch"``, or an ONNX runtime running each
-    form's exported graph (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only, neither flag; parameters
-    and MACs are the PyTorch model's). With more than one model, each row carries its speed ratio to the
-    first model's row of the same form (``vs_first``).
+    ``models``: name -> model (training-time; one already deployed is measured as ``deploy`` only), copied.
+    The input ``(batch_size, *input_size)`` is cast to each form's parameter dtype; ``warmup`` untimed passes,
+    then ``repeats`` timed ones (the row reports the median). ``channels_last``: weights and input in that
+    layout; ``compile_backend``: each form through ``torch.compile``, compiled before the warm-up, untimed;
+    ``runtime``: ``"torch"``, or an ONNX runtime (:func:`repmlp.deploy.runtimes.to_runtime`, CPU only).
     """
-    _check_args(batch_size, warmup, repeats)
+    if batch_size < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"need batch_size >= 1, repeats >= 1 and warmup >= 0, got batch_size={batch_size}, "
+                         f"repeats={repeats}, warmup={warmup}")  # fmt: skip
     device = torch.device(device)
     if runtime != "torch" and (device.type != "cpu" or channels_last or compile_backend):
         raise ValueError(f"runtime {runtime!r} runs NCHW graphs on the CPU; device {device}, channels_last and "
@@ -97,7 +90,7 @@ def benchmark(models: Mapping[str, nn.Module], input_size: Sequence[int], batch_
     input_size = tuple(int(s) for s in input_size)
     x = torch.randn(batch_size, *input_size, generator=torch.Generator().manual_seed(0))
     variants = _forms(models, forms, input_size)
-    with torch.inference_mode(), _cudnn_benchmark(device):
+    with torch.inference_mode(), cudnn_benchmark(device):
         runs = [_prepare(v, x, device, runtime, channels_last, compile_backend) for v in variants]
         # One pass of every form a round: a drift in the machine's load hits every form alike.
         passes = {i: functools.partial(fn, inp) for i, (fn, inp, _) in enumerate(runs)}
@@ -115,15 +108,8 @@ def benchmark(models: Mapping[str, nn.Module], input_size: Sequence[int], batch_
     return rows
 
 
-def _check_args(batch_size: int, warmup: int, repeats: int) -> None:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
-
-
 @contextlib.contextmanager
-def _cudnn_benchmark(device: torch.device) -> Iterator[None]:
+def cudnn_benchmark(device: torch.device) -> Iterator[None]:
     """cuDNN's autotuner on for CUDA timings (timm's benchmark.py does so too), restored afterwards."""
     before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = before or device.type == "cuda"
@@ -139,7 +125,7 @@ def run_path(module: nn.Module, form: str, *, channels_last: bool = False, compi
     ``"compiled, channels_last, bf16, BN fused"``; ``"onnxruntime, NCHW, int8, BN fused"`` for a graph
     an ONNX runtime runs. "BN unfused" when BatchNorm modules are left, "no BN" for a training-time form
     without any."""
-    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    bn = any(isinstance(m, _BatchNorm) for m in module.modules())
     fused = "BN unfused" if bn else "BN fused" if form == "deploy" else "no BN"
     if runtime != "torch" or isinstance(module, RuntimeModel):
         engine = runtime if runtime != "torch" else getattr(module, "runtime", "onnxruntime")
@@ -178,8 +164,7 @@ def _prepare(v: _Form, x: Tensor, device: torch.device, runtime: str, channels_l
 def _row(v: _Form, t: Sequence[float], batch_size: int, input_size: tuple[int, ...], device: torch.device,
          path: str) -> BenchRow:  # fmt: skip
     """``v``'s row from its per-round pass times ``t`` (seconds)."""
-    median = statistics.median(t)
-    q1, _, q3 = statistics.quantiles(t, n=4) if len(t) > 1 else (median, median, median)
+    median, (q1, q3) = _median_quartiles(t)
     return BenchRow(v.name, v.form, input_size, batch_size, str(device), int(v.params), int(v.macs),
                     batch_size / median if median > 0 else math.inf, median * 1e3,
                     (q3 - q1) / median if median > 0 else 0.0, path)  # fmt: skip
@@ -194,9 +179,13 @@ def _ratios_to_first(rows: list[BenchRow], times: Sequence[Sequence[float]], fir
         if ref is None:
             continue
         ratios = [a / b if b > 0 else math.inf for a, b in zip(ref, t, strict=True)]
-        median = statistics.median(ratios)
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (median, median, median)
-        row.vs_first, row.vs_first_quartiles = median, (q1, q3)
+        row.vs_first, row.vs_first_quartiles = _median_quartiles(ratios)
+
+
+def _median_quartiles(values: Sequence[float]) -> tuple[float, tuple[float, float]]:
+    median = statistics.median(values)
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (median, median, median)
+    return median, (q1, q3)
 
 
 def _forms(models: Mapping[str, nn.Module], forms: Sequence[str], input_size: tuple[int, ...]) -> list[_Form]:
@@ -204,7 +193,9 @@ def _forms(models: Mapping[str, nn.Module], forms: Sequence[str], input_size: tu
     variants = []
     for name, model in models.items():
         base = copy.deepcopy(model).eval()
-        deployed_already = _is_deployed(base)
+        # Nothing would change on re-parameterization: no BatchNorm, no training-time branch.
+        deployed_already = not any(getattr(m, "deploy", None) is False or isinstance(m, _BatchNorm)
+                                   for m in base.modules())  # fmt: skip
         if "train" in forms and not deployed_already:
             variants.append(_Form(name, "train", base, *profile(base, input_size)))
         if "deploy" in forms:
@@ -233,12 +224,6 @@ def timing_caveat(rows: Sequence[BenchRow]) -> str | None:
         return None
     return (f"{'; '.join(signs)}: the machine is busy or the batches too short to time; the speeds and their "
             "ratio are not reliable here: rerun `repmlp bench` on an idle machine")  # fmt: skip
-
-
-def _is_deployed(model: nn.Module) -> bool:
-    """True when nothing in ``model`` would change on re-parameterization (no BN, no training-time branch)."""
-    bn = nn.modules.batchnorm._BatchNorm
-    return not any(getattr(m, "deploy", None) is False or isinstance(m, bn) for m in model.modules())
 
 
 def _millions(n: int) -> str:
@@ -300,7 +285,7 @@ def models_to_bench(
         for name in dict.fromkeys(names):
             model, _ = build_model(name, num_classes=num_classes, in_chans=in_chans, img_size=img_size)
             model.eval()  # measured and exported as an inference model
-            c, h, w = default_input_size(model)
+            c, h, w = resolve_model_data_config(model)["input_size"]  # its timm cfg's, else 3x224x224
             size = (in_chans or c, img_size or h, img_size or w)
             models[name], sizes[name], forms[name] = model, size, "train"
     else:

@@ -4,8 +4,8 @@
 their figures mean the same thing. Every figure comes from *blocks*: ``k`` back-to-back calls between two
 readings of a clock that first waits for the device's queued work (:func:`sync_device`), run by
 :class:`timeit.Timer` (garbage collection off). ``torch.utils.benchmark.Timer`` is not used: it cannot time
-exactly ``k`` calls (it adds untimed ones) and its device check lands inside the timed block (see
-``benchmarks/bench_timing.py`` and docs/benchmarks.md). Alternatives are timed in *interleaved rounds*
+exactly ``k`` calls (it adds untimed ones) and its device check lands inside the timed block
+(docs/benchmarks.md). Alternatives are timed in *interleaved rounds*
 (:func:`time_rounds`), so a drift in the machine's load hits them all alike.
 
 This module imports nothing from ``repmlp``: ``benchmarks/bench_train.py`` loads the file alone into worker

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from repmlp.engine.report import save_figure
+from repmlp.engine.report import pyplot, save_figure
 from repmlp.models.repmlpnet import RepMLPNetBlock
 from repmlp.nn.block import RepMLPBlock, RepMLPBlock1d
 
@@ -172,11 +172,8 @@ def plot_fc3(block_or_model: nn.Module, path: str | os.PathLike, *, block_name: 
     :func:`sample_fc3`). Left the training-time FC3, right FC3 merged with the Local Perceptron; darker is a
     larger ``ln(|W| / min |W|)``; the sampled point is the dashed red square, the largest Local Perceptron
     kernel centred on it the blue one."""
-    import matplotlib  # slow to import, and only this figure needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
+    plt = pyplot()
+    from matplotlib.patches import Rectangle  # slow to import: only this figure needs it
 
     sample = sample_fc3(block_or_model, block_name=block_name, out_channel=out_channel, point=point,
                         in_channel=in_channel)  # fmt: skip
@@ -198,11 +195,7 @@ def plot_fc3(block_or_model: nn.Module, path: str | os.PathLike, *, block_name: 
         ax.set_xticks(range(w))
         ax.set_yticks(range(h))
         ax.tick_params(labelsize=7)
-    kernel = (
-        f", largest kernel {sample.largest_kernel[0]}x{sample.largest_kernel[1]}"
-        if sample.largest_kernel
-        else ""
-    )
+    kernel = f", largest kernel {'x'.join(map(str, sample.largest_kernel))}" if sample.largest_kernel else ""
     fig.suptitle(title or f"{sample.block_name or 'RepMLP block'}: {describe(sample)}{kernel})", fontsize=10)
     save_figure(fig, path, dpi=dpi)
     return sample

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,9 +31,6 @@ from repmlp.data.folder import (
 )
 from repmlp.data.loader import FolderLoader, InMemoryLoader
 from repmlp.errors import UserError
-
-if TYPE_CHECKING:
-    from repmlp.io.model_file import ModelMetadata
 
 __all__ = ["DATASETS", "DataConfig", "Data", "build_data", "NORMALIZATION", "NATIVE_SIZE",
            "folder_eval_transform", "folder_eval_pixels", "GpuTrainBatch", "PixelEvalTransform", "eval_preprocessing",
@@ -294,7 +291,15 @@ def eval_preprocessing(recorded: Mapping[str, Any] | None, dataset: str | None, 
     return out
 
 
-def model_data_config(meta: ModelMetadata, dataset: str, *, data_dir: str | None = None,
+class ModelFields(Protocol):
+    """What :func:`model_data_config` reads of a model file's metadata (``load_model(path).metadata``)."""
+
+    model_kwargs: dict[str, Any]
+    input_size: tuple[int, int, int]
+    extra: dict[str, Any]
+
+
+def model_data_config(meta: ModelFields, dataset: str, *, data_dir: str | None = None,
                       img_size: int | None = None, **options: Any) -> DataConfig:  # fmt: skip
     """How ``repmlp eval`` and ``repmlp convert`` (its check batch, its int8 calibration) read ``dataset`` for
     the model of a file (``meta``), so that every command sees the pixels the model was trained on.

@@ -1,9 +1,7 @@
 """Fast inference paths for a deployed model on a GPU: CUDA graphs, cuDNN-fused epilogues, torch.compile.
 
-A deployed RepMLP model (or any CNN with its BatchNorms folded) run eagerly on a GPU spends much of its
-time outside the convolutions and FCs: every conv's bias, ReLU and residual addition is a separate
-elementwise kernel (a large share of a ResNet-50's GPU time in fp16: docs/gpu.md), and every kernel is
-launched from Python. The paths here remove that overhead; :data:`PATHS` names them:
+Run eagerly on a GPU, a deployed model spends much of its time launching kernels from Python and in the
+separate elementwise kernels of every conv's bias, ReLU and residual addition (docs/gpu.md). :data:`PATHS`:
 
 * ``eager``: the model as it is;
 * ``graph``: the model's kernels captured once as a CUDA graph and replayed (no launch overhead);
@@ -13,9 +11,7 @@ launched from Python. The paths here remove that overhead; :data:`PATHS` names t
 * ``compile``: ``torch.compile`` (default mode: inductor fuses the elementwise work into the convs'
   neighbours); ``compile+graph`` replays the compiled model as a CUDA graph.
 
-Which is fastest depends on the GPU, the precision and the model: ``benchmarks/bench_gpu.py`` measures them
-side by side, and docs/gpu.md records which path ``repmlp bench`` and ``repmlp predict`` use. A graph
-replays one input shape; :class:`GraphReplay` runs other shapes through the un-captured function.
+Which is fastest depends on the GPU, the precision and the model (``benchmarks/bench_gpu.py``, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -29,16 +25,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = [
-    "PATHS",
-    "GraphReplay",
-    "fuse_conv_epilogues",
-    "prepare_inference",
-    "fastest_path",
-    "serving_format",
-    "fused_or_plain",
-    "prepare_fast",
-]
+__all__ = ["PATHS", "GraphReplay", "fuse_conv_epilogues", "prepare_inference", "fastest_path", "serving_format",
+           "fused_or_plain", "prepare_fast"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +73,11 @@ class GraphReplay:
 
     def __call__(self, x: Tensor) -> Tensor:
         s = self.static_input
-        if x.shape != s.shape or x.dtype != s.dtype or x.device != s.device:
-            with torch.inference_mode():
-                return self.fn(x)
         with torch.inference_mode():
+            if x.shape != s.shape or x.dtype != s.dtype or x.device != s.device:
+                return self.fn(x)
             s.copy_(x)
-            self.graph.replay()
-            return self.static_output.clone()
+            return self.replay().clone()
 
 
 def _conv_module(node: fx.Node, modules: dict[str, nn.Module]) -> nn.Conv2d | None:

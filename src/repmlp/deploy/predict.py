@@ -1,11 +1,9 @@
 """Putting a model file to use: :class:`Predictor` (what ``repmlp predict`` runs), and its output files.
 
-A model file carries what a prediction needs besides its weights (``model.metadata``: name, options, class
-names, evaluation preprocessing). :class:`Predictor` turns image files, PIL images or a batch into the top-k
-``(label, index, probability)`` of each image, with the preprocessing ``repmlp eval`` applies (the same
-functions of :mod:`repmlp.data`). Files are decoded a batch at a time (plain PNGs together,
-:mod:`repmlp.data.png`), in ``DataLoader`` workers where the model leaves CPU cores free
-(:func:`auto_workers`); an undecodable file is yielded with its reason and does not stop the others.
+:class:`Predictor` turns image files, PIL images or a batch into the top-k ``(label, index, probability)`` of
+each image, with the preprocessing ``repmlp eval`` applies (the file's ``model.metadata``). Files are decoded
+a batch at a time, in ``DataLoader`` workers where the model leaves CPU cores free (:func:`auto_workers`); an
+undecodable file is yielded with its reason and does not stop the others.
 """
 
 from __future__ import annotations

@@ -249,17 +249,11 @@ class RunInterrupted(KeyboardInterrupt):
 def train_loop(net: nn.Module, optimizer, loader, opts: LoopOptions, procs: DistInfo,
                state: dict[str, Any] | None = None, hooks: LoopHooks | None = None) -> LoopResult:  # fmt: skip
     """Train ``net`` (prepared by :func:`~repmlp.engine.processes.prepare_module`) over ``loader``
-    (``loader.batches(epoch, start)`` yields this process's ``(images, labels)`` of an epoch from batch
-    ``start``; ``len(loader)`` batches an epoch) per ``opts``, with the task's ``hooks``; continue bitwise
-    from ``state`` (:func:`~repmlp.engine.state.check_output`) if given: model, optimizer, gradient scaler,
-    every process's RNG states, the position in the epoch's data order, the history and the epoch's sums.
-
-    Every step: learning rates from ``opts.lr_at``, the task's step under autocast, backward, the optimizer
-    step. ``checkpoint.safetensors`` every ``ckpt_every`` steps, after every epoch of an epoch-counted run and
-    at the end; ``metrics.csv`` holds the history; DDP replicas are checked to end identical. SIGINT or
-    SIGTERM stops the run at the next step boundary with a checkpoint (:class:`RunInterrupted`); a run whose
-    loss or weights become NaN/inf raises :class:`Diverged` and writes no checkpoint of them.
-    """
+    (``loader.batches(epoch, start)``: this process's ``(images, labels)`` of an epoch from batch ``start``;
+    ``len(loader)`` batches an epoch) per ``opts``, with the task's ``hooks``; continue bitwise from ``state``
+    (:func:`~repmlp.engine.state.check_output`) if given. ``checkpoint.safetensors`` every ``ckpt_every``
+    steps, after every epoch of an epoch-counted run and at the end; SIGINT or SIGTERM stops the run at the
+    next step boundary with a checkpoint (:class:`RunInterrupted`); NaN/inf is :class:`Diverged`."""
     return _Loop(net, optimizer, loader, opts, procs, hooks or LoopHooks()).run(state)
 
 
@@ -523,9 +517,8 @@ class _Loop:
         if not named:
             return
         finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named])
-        if (
-            all_reduce_sum((~finite).sum().reshape(1), self.procs).item() == 0
-        ):  # every process raises, or none
+        # Every process raises, or none.
+        if all_reduce_sum((~finite).sum().reshape(1), self.procs).item() == 0:
             return
         names = [k for (k, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
         shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else "on another process"

@@ -32,7 +32,7 @@ from repmlp.io.model_file import (
     read_metadata,
     save_model,
 )
-from repmlp.models.registry import create_model, is_model
+from repmlp.models import create_model, is_model
 
 __all__ = ["WeightsImportError", "read_state_dict", "import_checkpoint", "import_to_file", "ImportResult",
            "detect_layout", "eval_preprocessing", "imagenet_class_names"]  # fmt: skip

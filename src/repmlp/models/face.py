@@ -11,15 +11,16 @@ Every model returns an embedding ``(N, embedding_dim)``; the classification laye
 loss (:class:`repmlp.tasks.losses.AMSoftmax`), so the deployed model is the embedding network alone.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
+from timm.models import generate_default_cfgs, register_model
 from torch import Tensor, nn
 
-from repmlp.models.layers import ConvBNReLU, check_input_size, layer_like
-from repmlp.models.registry import register_model
+from repmlp.models.layers import ConvBNReLU, build, cfg, check_input_size, layer_like
 from repmlp.models.resnet import RepMLPSpec, ResNet, StageSpec, parse_stages, per_stage
 from repmlp.nn.layers import ConvBN
 from repmlp.nn.reparam import absorb_bn_into_fc, fuse_bn
@@ -385,31 +386,43 @@ def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any], default: 
 _FACE_CFG: dict[str, Any] = dict(
     input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, fixed_input_size=True
 )
-_FACE_RESNET_CFG: dict[str, Any] = dict(
-    num_classes=1024, first_conv="trunk.stem.convs.0.conv", classifier="head.fc", pool_size=(3, 3), **_FACE_CFG,
-    feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3, 4)),
-)  # fmt: skip
+_FACE_RESNET_CFG = cfg(num_classes=1024, first_conv="trunk.stem.convs.0.conv", classifier="head.fc",
+                       pool_size=(3, 3), **_FACE_CFG)  # fmt: skip
+default_cfgs = generate_default_cfgs({
+    "mobilefacenet": cfg(num_classes=128, first_conv="features.0.0.conv", classifier="features.19.0.conv",
+                         pool_size=(6, 6), **_FACE_CFG),
+    "face_resnet": _FACE_RESNET_CFG,
+    "repmlp_face_resnet": _FACE_RESNET_CFG,
+})  # fmt: skip
 
 
-@register_model(num_classes=128, first_conv="features.0.0.conv", classifier="features.19.0.conv", pool_size=(6, 6),
-                feature_cfg=dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)), **_FACE_CFG)  # fmt: skip
-def mobilefacenet(
-    pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
-) -> MobileFaceNet:
+def _create_face(cls: Callable[..., nn.Module], variant: str, pretrained: bool, **kwargs: Any) -> nn.Module:
+    """timm's ``num_classes`` is the embedding width; ``features_only``: MobileFaceNet's layers (timm's
+    FeatureListNet), FaceResNet's stages (its own ``forward_intermediates``, timm's FeatureGetterNet)."""
+    default = default_cfgs[variant].default.num_classes
+
+    def make(*, num_classes: int | None = None, **kw: Any) -> nn.Module:
+        return cls(**_embedding_kwargs(num_classes, kw, default))
+
+    feature_cfg = (dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)) if variant == "mobilefacenet"
+                   else dict(feature_cls="getter", out_indices=(0, 1, 2, 3, 4)))  # fmt: skip
+    return build(make, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+
+
+@register_model
+def mobilefacenet(pretrained: bool = False, **kwargs: Any) -> MobileFaceNet:
     """MobileFaceNet at 96x96 (the paper's face table), 128-d embedding."""
-    return MobileFaceNet(**_embedding_kwargs(num_classes, kwargs, 128))
+    return _create_face(MobileFaceNet, "mobilefacenet", pretrained, **kwargs)
 
 
-@register_model(**_FACE_RESNET_CFG)
-def face_resnet(pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any) -> FaceResNet:
+@register_model
+def face_resnet(pretrained: bool = False, **kwargs: Any) -> FaceResNet:
     """FaceResNet (paper Sec. 4.3): blocks 3,2,2,2, widths 128..1024, 1024-d embedding, 96x96."""
-    return FaceResNet(**_embedding_kwargs(num_classes, kwargs, 1024))
+    return _create_face(FaceResNet, "face_resnet", pretrained, **kwargs)
 
 
-@register_model(**_FACE_RESNET_CFG)
-def repmlp_face_resnet(
-    pretrained: bool = False, *, num_classes: int | None = None, **kwargs: Any
-) -> FaceResNet:
+@register_model
+def repmlp_face_resnet(pretrained: bool = False, **kwargs: Any) -> FaceResNet:
     """RepMLP-FaceRes (paper Sec. 4.3): FaceResNet with RepMLP Bottlenecks (h=w=6, r=2, g=4) in c2, c3, c4."""
-    kwargs.setdefault("repmlp_stages", ("c2", "c3", "c4"))
-    return FaceResNet(**_embedding_kwargs(num_classes, kwargs, 1024))
+    cls = partial(FaceResNet, repmlp_stages=("c2", "c3", "c4"))
+    return _create_face(cls, "repmlp_face_resnet", pretrained, **kwargs)

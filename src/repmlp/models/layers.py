@@ -1,15 +1,61 @@
-"""What every model family shares: the conv-BN-ReLU, the input-size check, timm's classifier methods."""
+"""What every model family shares: how its models are built (timm's ``build_model_with_cfg``, :func:`build`),
+the conv-BN-ReLU, the input-size check, timm's classifier methods."""
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg
 from torch import Tensor, nn
 
+from repmlp.models.registry import get_pretrained_cfg
 from repmlp.nn import checks
 from repmlp.nn.layers import ConvBN
 
-__all__ = ["ConvBNReLU", "check_input_size", "PooledClassifierMixin", "layer_like"]
+__all__ = ["cfg", "build", "FILE_LOADER", "ConvBNReLU", "check_input_size", "PooledClassifierMixin",
+           "layer_like"]  # fmt: skip
+
+# ``FILE_LOADER["file"](name, kwargs)``: the model of ``pretrained=True, pretrained_cfg_overlay=dict(file=PATH)``
+# from a repmlp model file, with the file's options; set by repmlp.io, which reads the files (above the models).
+FILE_LOADER: dict[str, Callable[[str, dict[str, Any]], nn.Module]] = {}
+
+
+def cfg(**kwargs: Any) -> dict[str, Any]:
+    """A family's pretrained cfg: no weights (no URL), ImageNet's by default."""
+    base = dict(url="", num_classes=1000, input_size=(3, 224, 224), crop_pct=0.875, interpolation="bilinear")
+    return {**base, "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "license": "mit", **kwargs}
+
+
+def build(cls: Callable[..., nn.Module], variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
+    """timm's ``build_model_with_cfg(cls, variant, pretrained, **kwargs)`` for a family's ``_create_*``, with
+    what repmlp adds: ``pretrained=True`` reads a repmlp model file (:data:`FILE_LOADER`; no weights are
+    distributed), timm's ``device``/``dtype`` place the model (no options of repmlp's classes), and its
+    ``pretrained_cfg`` says the classes, input size and final map size it was built for."""
+    if pretrained:
+        return FILE_LOADER["file"](variant, kwargs)
+    built: list[nn.Module] = []
+
+    def call(img_size: Any = None, **kw: Any) -> nn.Module:
+        if isinstance(img_size, (tuple, list)) and len(img_size) == 2 and img_size[0] == img_size[1]:
+            img_size = img_size[0]  # timm passes a fixed-size model (H, W); ours take an int for a square
+        built.append(cls(**kw) if img_size is None else cls(img_size=img_size, **kw))
+        return built[-1]
+
+    kwargs["pretrained_cfg"] = kwargs.get("pretrained_cfg") or get_pretrained_cfg(variant)  # outside timm too
+    device, dtype, _ = kwargs.pop("device", None), kwargs.pop("dtype", None), kwargs.pop("cache_dir", None)
+    with torch.device(device or torch.get_default_device()):
+        model = build_model_with_cfg(call, variant, False, **kwargs).to(dtype=dtype)
+    net, pc = built[0], model.pretrained_cfg
+    if "num_classes" in pc and getattr(net, "num_classes", None) is not None:  # features: no classes
+        pc["num_classes"] = net.num_classes
+    if (size := getattr(net, "img_size", None)) is not None:
+        size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+        pc["input_size"] = (getattr(net, "in_chans", pc["input_size"][0]), *size)
+        if (pool := pc.get("pool_size")) and getattr(net, "feature_info", None):  # the final map at that size
+            pc["pool_size"] = tuple(s // net.feature_info[-1]["reduction"] for s in size[-len(pool) :])
+    return model
 
 
 class ConvBNReLU(ConvBN):

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.models import FeatureListNet
+from timm.models import FeatureListNet, generate_default_cfgs
 from torch import Tensor, nn
 
-from repmlp.models.layers import ConvBNReLU, check_input_size
-from repmlp.models.registry import register_model
+from repmlp.models.layers import ConvBNReLU, build, cfg, check_input_size
+from repmlp.models.registry import register_outside
 from repmlp.models.resnet import (
     ResNet,
     StageSpec,
@@ -133,15 +134,15 @@ class PSPNet(nn.Module):
 
 
 # timm's pretrained_cfg of both PSPNets: Cityscapes' 19 classes, the paper's 713x713 crops (ImageNet statistics).
-# Not registered with timm (in_timm=False): a dense predictor has no pooled classifier, so timm's classifier
+# Not registered with timm (register_outside): a dense predictor has no pooled classifier, so timm's classifier
 # contract (num_features, forward_head, reset_classifier, pool_size) has no meaning for it.
-_PSPNET_CFG = dict(
-    input_size=(3, 713, 713), num_classes=19, classifier="head.2", first_conv="backbone.stem.conv.conv",
-    in_timm=False,
-)  # fmt: skip
+default_cfgs = generate_default_cfgs({
+    name: cfg(input_size=(3, 713, 713), num_classes=19, classifier="head.2", first_conv="backbone.stem.conv.conv")
+    for name in ("pspnet_res50", "pspnet_repmlp_res50")
+})  # fmt: skip
 
 
-@register_model(**_PSPNET_CFG)
+@register_outside
 def pspnet_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     """PSPNet with a ResNet-50 backbone, c4/c5 dilated 2/4 (output stride 8), 19 Cityscapes classes.
 
@@ -149,10 +150,11 @@ def pspnet_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     ``aux_channels``, ``dropout``, ``aux``; the stage options of
     :func:`~repmlp.models.resnet.repmlp_res50_stages` (``widths``, ``layers``, ``strides``, ``dilations``, ...).
     """
-    return _pspnet(lambda options: repmlp_res50_stages(stages=(), **options), (1, 1, 2, 4), **kwargs)
+    stages = partial(repmlp_res50_stages, stages=())
+    return build(partial(_pspnet, stages, (1, 1, 2, 4)), "pspnet_res50", pretrained, **kwargs)
 
 
-@register_model(**_PSPNET_CFG)
+@register_outside
 def pspnet_repmlp_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     """PSPNet with a RepMLP-Res50-g4/8 backbone (c4 neither strided nor dilated, c5 dilated 2).
 
@@ -160,17 +162,17 @@ def pspnet_repmlp_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
     """
 
-    def stages(options: dict[str, Any]) -> Sequence[StageSpec]:
+    def stages(**options: Any) -> Sequence[StageSpec]:
         return repmlp_res50_stages(**{**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **options})
 
-    return _pspnet(stages, (1, 1, 1, 2), **kwargs)
+    return build(partial(_pspnet, stages, (1, 1, 1, 2)), "pspnet_repmlp_res50", pretrained, **kwargs)
 
 
 _HEAD_OPTIONS = ("bins", "head_channels", "aux_channels", "dropout", "aux")
 
 
 def _pspnet(
-    stages: Callable[[dict[str, Any]], Sequence[StageSpec]],
+    stages: Callable[..., Sequence[StageSpec]],
     dilations: tuple[int, ...],
     *,
     num_classes: int = 19,
@@ -178,14 +180,14 @@ def _pspnet(
     deploy: bool = False,
     **kwargs: Any,
 ) -> PSPNet:
-    """A PSPNet on the ImageNet backbone ``stages(stage_options)`` made dense for segmentation: c3 strided
+    """A PSPNet on the ImageNet backbone ``stages(**stage_options)`` made dense for segmentation: c3 strided
     (the default ``strides``), c4/c5 at the given default ``dilations``. ``kwargs``: PSPNet's head options,
     the ResNet's model options and the stage options."""
     own = {k: kwargs.pop(k) for k in _HEAD_OPTIONS if k in kwargs}
     model_options, stage_options = split_resnet_kwargs(kwargs)
     widths = stage_options.get("widths", (256, 512, 1024, 2048))
     strides = stage_options.pop("strides", (1, 2, 1, 1))
-    specs = _dilated(stages(stage_options), strides, stage_options.pop("dilations", dilations))
+    specs = _dilated(stages(**stage_options), strides, stage_options.pop("dilations", dilations))
     backbone = ResNet(specs, num_classes=0, img_size=img_size, deploy=deploy, **model_options)
     return PSPNet(backbone, widths[2], widths[3], num_classes=num_classes, deploy=deploy, **own)
 

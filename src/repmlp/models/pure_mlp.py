@@ -14,15 +14,16 @@ is what the paper's variants change:
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models import generate_default_cfgs, register_model
 from torch import Tensor, nn
 
 from repmlp.data import NATIVE_SIZE, NORMALIZATION
-from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
-from repmlp.models.registry import register_model
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, build, cfg, check_input_size
 from repmlp.nn import block as rep
 from repmlp.nn import checks
 from repmlp.nn.block import GlobalPerceptron, RepMLPBlock, RepMLPBlock1d
@@ -262,67 +263,80 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         return self.stages(self.stem(x))
 
 
-def pure_mlp_cfg(dataset: str, pool_size: tuple[int, ...], levels: int) -> dict[str, Any]:
+def pure_mlp_cfg(dataset: str, pool_size: tuple[int, ...]) -> dict[str, Any]:
     """timm's ``pretrained_cfg`` of a pure MLP for ``dataset`` (``"cifar10"`` or ``"fashion-mnist"``: its
-    size and normalisation, 10 classes) whose last features are ``pool_size`` and which has ``levels``
-    feature levels (its ``feature_info``: the stages, after a downsampling stem)."""
+    size and normalisation, 10 classes) whose last features are ``pool_size``."""
     mean, std = NORMALIZATION[dataset]
     size = NATIVE_SIZE[dataset]
-    return dict(input_size=(len(mean), size, size), num_classes=10, mean=mean, std=std, crop_pct=1.0,
-                classifier="head", first_conv="stem.conv", pool_size=pool_size, fixed_input_size=True,
-                feature_cfg=dict(flatten_sequential=True, out_indices=tuple(range(levels))))  # fmt: skip
+    return cfg(input_size=(len(mean), size, size), num_classes=10, mean=mean, std=std, crop_pct=1.0,
+               classifier="head", first_conv="stem.conv", pool_size=pool_size, fixed_input_size=True)  # fmt: skip
 
 
-_CIFAR_CFG = pure_mlp_cfg("cifar10", (8, 8), levels=3)
+_CIFAR = ("repmlp_cifar", "repmlp_cifar_no_local", "repmlp_cifar_no_global", "repmlp_cifar_fc3_conv9",
+          "repmlp_cifar_conv9", "wide_convnet_cifar")  # fmt: skip
+default_cfgs = generate_default_cfgs({
+    **{name: pure_mlp_cfg("cifar10", (8, 8)) for name in _CIFAR},
+    "repmlp_fmnist": pure_mlp_cfg("fashion-mnist", (7, 7)),
+    "repmlp_fmnist_patch2": pure_mlp_cfg("fashion-mnist", (7, 7)),  # the patch stem and two stages
+})  # fmt: skip
 
 
-@register_model(**_CIFAR_CFG)
+def _create_pure_mlp(variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: Any) -> PureMLP:
+    """A :class:`PureMLP` of the variant's ``defaults`` (under ``kwargs``; a model file's options, with
+    ``pretrained``); ``features_only``: timm's FeatureListNet over the stem and the stages (``feature_info``)."""
+    feature_cfg = dict(flatten_sequential=True, out_indices=(0, 1, 2))
+    return build(partial(PureMLP, **defaults), variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+
+
+@register_model
 def repmlp_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP on CIFAR-10 (paper Table "pure MLP"): RepMLPs with g=2, h=w=8, K=1,3,5,7."""
-    return PureMLP(**kwargs)
+    return _create_pure_mlp("repmlp_cifar", pretrained, {}, **kwargs)
 
 
-@register_model(**_CIFAR_CFG)
+@register_model
 def repmlp_cifar_no_local(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """Row B, "w/o Local": the pure MLP without Local Perceptron."""
-    return PureMLP(**{"kernel_sizes": (), **kwargs})
+    return _create_pure_mlp("repmlp_cifar_no_local", pretrained, {"kernel_sizes": ()}, **kwargs)
 
 
-@register_model(**_CIFAR_CFG)
+@register_model
 def repmlp_cifar_no_global(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """Row C, "w/o Global": the pure MLP without Global Perceptron (no FC1/FC2)."""
-    return PureMLP(**{"global_perceptron": False, **kwargs})
+    return _create_pure_mlp("repmlp_cifar_no_global", pretrained, {"global_perceptron": False}, **kwargs)
 
 
-@register_model(**_CIFAR_CFG)
+@register_model
 def repmlp_cifar_fc3_conv9(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """Row D, "FC3 as conv9": FC3 replaced by a groupwise 9x9 conv (p=4) + BN."""
-    return PureMLP(**{"mixer": "fc3_conv9", "conv_kernel": 9, **kwargs})
+    options = {"mixer": "fc3_conv9", "conv_kernel": 9}
+    return _create_pure_mlp("repmlp_cifar_fc3_conv9", pretrained, options, **kwargs)
 
 
-@register_model(**_CIFAR_CFG)
+@register_model
 def repmlp_cifar_conv9(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """Row E, "RepMLP as conv9": every RepMLP replaced by a groupwise 9x9 conv + BN."""
-    return PureMLP(**{"mixer": "conv", "conv_kernel": 9, **kwargs})
+    return _create_pure_mlp("repmlp_cifar_conv9", pretrained, {"mixer": "conv", "conv_kernel": 9}, **kwargs)
 
 
-@register_model(**_CIFAR_CFG)
+@register_model
 def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The Wide ConvNet: the pure MLP with 3x3 convs instead of RepMLPs and widths 32, 64, 128."""
-    return PureMLP(**{"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128), **kwargs})
+    options = {"mixer": "conv", "conv_kernel": 3, "groups": 1, "widths": (32, 64, 128)}
+    return _create_pure_mlp("wide_convnet_cifar", pretrained, options, **kwargs)
 
 
-@register_model(**pure_mlp_cfg("fashion-mnist", (7, 7), levels=3))
+@register_model
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes; small
     widths and only the K=3 Local Perceptron branch by default (every :class:`PureMLP` option can be given)."""
     defaults: dict[str, Any] = dict(
         widths=(8, 16, 32), img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10
     )
-    return PureMLP(**{**defaults, **kwargs})
+    return _create_pure_mlp("repmlp_fmnist", pretrained, defaults, **kwargs)
 
 
-@register_model(**pure_mlp_cfg("fashion-mnist", (7, 7), levels=3))  # the patch stem and two stages
+@register_model
 def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """:func:`repmlp_fmnist` with an FC on 2x2 patches as its stem, so that its two stages run at 14 and 7
     (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron, at 7 one partition); the
@@ -330,4 +344,4 @@ def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     (``features_only``): the stem's 14x14 map and both stages' (strides 2, 2, 4)."""
     defaults: dict[str, Any] = dict(widths=(16, 32), img_size=28, patch_size=2, in_chans=1, partition=7, groups=2,
                                     kernel_sizes=(3,), num_classes=10)  # fmt: skip
-    return PureMLP(**{**defaults, **kwargs})
+    return _create_pure_mlp("repmlp_fmnist_patch2", pretrained, defaults, **kwargs)

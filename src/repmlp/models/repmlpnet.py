@@ -15,14 +15,15 @@ gives smaller ones. Key names are our own; ``repmlp import`` maps the authors' a
 """
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models import generate_default_cfgs, register_model
 from torch import Tensor, nn
 
-from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
-from repmlp.models.registry import register_model
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, build, cfg, check_input_size
 from repmlp.nn import block as rep
 from repmlp.nn.block import LocalPerceptron
 from repmlp.nn.layers import ConvBN, GroupwiseLinear
@@ -307,53 +308,60 @@ class RepMLPNet(PooledClassifierMixin, nn.Module):
 
 # ------------------------------------------------------------------------------- registered models
 def _cfg(size: int) -> dict[str, Any]:
-    """timm's cfg at ``size``; the rest is the registry's default (ImageNet, bilinear, crop_pct 0.875).
+    """timm's cfg at ``size``; the rest is the family default (ImageNet, bilinear, crop_pct 0.875).
 
     Evaluation as in the authors' test.py: at 224 resize to 256x256 (a square "squash") then centre-crop
-    224; above 224 resize the short side to 256 * size // 224, centre-crop ``size``. ``features_only``:
-    timm's FeatureListNet over the four stages (``feature_info``), strides 4..32.
+    224; above 224 resize the short side to 256 * size // 224, centre-crop ``size``.
     """
-    return dict(input_size=(3, size, size), fixed_input_size=True, pool_size=(size // 32, size // 32),
-                crop_mode="squash" if size <= 224 else "center", first_conv="stem.conv", classifier="head",
-                paper_ids="arXiv:2112.11081",
-                feature_cfg=dict(out_indices=(0, 1, 2, 3), flatten_sequential=True))  # fmt: skip
+    return cfg(input_size=(3, size, size), fixed_input_size=True, pool_size=(size // 32, size // 32),
+               crop_mode="squash" if size <= 224 else "center", first_conv="stem.conv", classifier="head",
+               paper_ids="arXiv:2112.11081")  # fmt: skip
 
 
-def _build(arch: str, size: int, **kwargs: Any) -> RepMLPNet:
-    return RepMLPNet(**{**REPMLPNET_ARCHS[arch], "img_size": size, **kwargs})
+_ARCHS = {"t224": ("t", 224), "t256": ("t", 256), "b224": ("b", 224), "b256": ("b", 256), "d256": ("d", 256),
+          "l256": ("l", 256)}  # fmt: skip
+default_cfgs = generate_default_cfgs({f"repmlpnet_{name}": _cfg(size) for name, (_, size) in _ARCHS.items()})
 
 
-@register_model(**_cfg(224))
+def _create_repmlpnet(variant: str, pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
+    """``features_only``: timm's FeatureListNet over the four stages (``feature_info``), strides 4..32."""
+    arch, size = _ARCHS[variant.removeprefix("repmlpnet_")]
+    feature_cfg = dict(out_indices=(0, 1, 2, 3), flatten_sequential=True)
+    cls = partial(RepMLPNet, **REPMLPNET_ARCHS[arch], img_size=size)
+    return build(cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+
+
+@register_model
 def repmlpnet_t224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 224x224: channels 64-512, depths 2,2,6,2, sharesets 1,4,16,128."""
-    return _build("t", 224, **kwargs)
+    return _create_repmlpnet("repmlpnet_t224", pretrained, **kwargs)
 
 
-@register_model(**_cfg(256))
+@register_model
 def repmlpnet_t256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-T at 256x256."""
-    return _build("t", 256, **kwargs)
+    return _create_repmlpnet("repmlpnet_t256", pretrained, **kwargs)
 
 
-@register_model(**_cfg(224))
+@register_model
 def repmlpnet_b224(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 224x224: channels 96-768, depths 2,2,12,2, sharesets 1,4,32,128."""
-    return _build("b", 224, **kwargs)
+    return _create_repmlpnet("repmlpnet_b224", pretrained, **kwargs)
 
 
-@register_model(**_cfg(256))
+@register_model
 def repmlpnet_b256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-B at 256x256."""
-    return _build("b", 256, **kwargs)
+    return _create_repmlpnet("repmlpnet_b256", pretrained, **kwargs)
 
 
-@register_model(**_cfg(256))
+@register_model
 def repmlpnet_d256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-D at 256x256: channels 80-640, depths 2,2,18,2, sharesets 1,4,16,128."""
-    return _build("d", 256, **kwargs)
+    return _create_repmlpnet("repmlpnet_d256", pretrained, **kwargs)
 
 
-@register_model(**_cfg(256))
+@register_model
 def repmlpnet_l256(pretrained: bool = False, **kwargs: Any) -> RepMLPNet:
     """RepMLPNet-L at 256x256: channels 96-768, depths 2,2,18,2, sharesets 1,4,32,256."""
-    return _build("l", 256, **kwargs)
+    return _create_repmlpnet("repmlpnet_l256", pretrained, **kwargs)

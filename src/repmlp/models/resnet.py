@@ -1,7 +1,7 @@
 """The ResNet-50 family (paper Sec. 3.5, 4.2, Appendix A): its blocks, its stages and the network.
 
 - blocks: torchvision's :class:`Bottleneck`, the paper's :class:`RepMLPBottleneck` and
-  :class:`RepMLPLightBlock`, the baselines' :class:`NonLocalBlock` and :class:`GlobalContextBlock`;
+  :class:`RepMLPLightBlock`, the baselines' :class:`NonLocalBlock` and :func:`gc_block`;
 - :class:`StageSpec` (with :class:`RepMLPSpec`) says what a stage holds, :func:`make_stage` builds it and
   :class:`ResNet` stacks a stem, four stages (c2..c5) and a pooled classifier;
 - :func:`repmlp_res50_stages`: torchvision's ResNet-50 stages with RepMLP, Non-local or GC blocks where a
@@ -16,19 +16,21 @@ or one value for all stages.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
+from timm.layers import GlobalContext
+from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import Tensor, nn
 
-from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, check_input_size
-from repmlp.models.registry import register_model
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, build, cfg, check_input_size
 from repmlp.nn.block import RepMLPBlock
 from repmlp.nn.layers import ConvBN
 
-__all__ = ["Bottleneck", "RepMLPBottleneck", "RepMLPLightBlock", "NonLocalBlock", "GlobalContextBlock",
+__all__ = ["Bottleneck", "RepMLPBottleneck", "RepMLPLightBlock", "NonLocalBlock", "gc_block",
            "RepMLPSpec", "StageSpec", "make_stage", "ResNet", "parse_stages", "per_stage", "conv_out_size",
            "repmlp_res50_stages", "split_resnet_kwargs", "repmlp_res50", "repmlp_res50_g8_16",
            "repmlp_res50_g8_8", "repmlp_res50_g4_8", "repmlp_res50_light", "nl_res50", "gc_res50"]  # fmt: skip
@@ -208,6 +210,8 @@ class NonLocalBlock(nn.Module):
     ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C/2``; the softmax over position pairs weighs ``g``; ``W``
     (1x1 conv-BN ``C/2 -> C``, BN scale zero-initialised so the block starts as the identity) and a residual
     addition. With ``subsample`` (the paper's trick) ``phi`` and ``g`` are 2x2 max-pooled.
+    Not timm's ``NonLocalAttn``: it cannot subsample ``phi``/``g`` (4x the attention's MACs) and its ``W`` conv
+    has a bias before the BN (``C`` more parameters than the table's count).
 
     Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
     """
@@ -249,33 +253,16 @@ def _subsample(x: Tensor) -> Tensor:
     return x
 
 
-class GlobalContextBlock(nn.Module):
-    """Global context (GC) block (Cao et al., GCNet 2019): attention pooling + bottleneck transform.
-
-    A 1x1 conv ``C -> 1`` and a softmax over positions pool ``x`` into ``(N, C, 1, 1)``; 1x1 ``C -> C/ratio``,
-    LayerNorm, ReLU, 1x1 ``C/ratio -> C`` (zero-initialised) transform it; it is added to every position.
-
-    Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
-    """
-
-    def __init__(self, channels: int, *, ratio: int = 16) -> None:
-        super().__init__()
-        hidden = max(channels // ratio, 1)
-        self.conv_mask = nn.Conv2d(channels, 1, 1)
-        self.transform = nn.Sequential(
-            nn.Conv2d(channels, hidden, 1),
-            nn.LayerNorm([hidden, 1, 1]),
-            nn.ReLU(inplace=True),
-            nn.Conv2d(hidden, channels, 1),
-        )
-        nn.init.zeros_(self.transform[-1].weight)
-        nn.init.zeros_(self.transform[-1].bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
-        attn = torch.softmax(self.conv_mask(x).reshape(n, 1, h * w), dim=-1)  # (N, 1, HW)
-        context = (x.reshape(n, c, h * w) @ attn.transpose(1, 2)).reshape(n, c, 1, 1)
-        return x + self.transform(context)
+def gc_block(channels: int, ratio: int = 16) -> GlobalContext:
+    """Global context (GC) block (Cao et al., GCNet 2019), GCNet's ImageNet setting in timm's module: a 1x1 conv
+    ``C -> 1`` and a softmax over positions pool ``x`` into ``(N, C, 1, 1)``; 1x1 ``C -> C/ratio``, LayerNorm,
+    ReLU, 1x1 ``C/ratio -> C`` transform it; it is added to every position (add fusion, no scaling). As
+    GCNet's code: LayerNorm's eps 1e-5 (timm's: 1e-6) and the last conv all zeros (the block starts as the
+    identity; timm zeroes its weight only)."""
+    gc = GlobalContext(channels, fuse_add=True, fuse_scale=False, rd_channels=max(channels // ratio, 1))
+    gc.mlp_add.norm.eps = 1e-5
+    nn.init.zeros_(gc.mlp_add.fc2.bias)
+    return gc
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -347,7 +334,7 @@ def make_stage(
                                                **options))  # fmt: skip
         else:
             # Built before its bottleneck: the parameters are created (and drawn) in module order.
-            gc = GlobalContextBlock(spec.width, ratio=spec.gc_ratio) if spec.gc_ratio else None
+            gc = gc_block(spec.width, spec.gc_ratio) if spec.gc_ratio else None
             blocks.append(Bottleneck(c_in, spec.width, mid_channels=spec.mid_channels, stride=stride,
                                      dilation=dilation, context=gc, deploy=deploy))  # fmt: skip
         c_in = spec.width
@@ -572,7 +559,7 @@ def split_resnet_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     return own, {k: v for k, v in kwargs.items() if k not in _MODEL_OPTIONS}
 
 
-def _resnet(kwargs: dict[str, Any], deploy: bool) -> ResNet:
+def _resnet(*, deploy: bool = False, **kwargs: Any) -> ResNet:
     """A ResNet of the stages and model options in ``kwargs`` (the registered models' arguments)."""
     own, stage_options = split_resnet_kwargs(kwargs)
     return ResNet(repmlp_res50_stages(**stage_options), deploy=deploy, **own)
@@ -580,39 +567,43 @@ def _resnet(kwargs: dict[str, Any], deploy: bool) -> ResNet:
 
 def _cfg(size: int, fixed: bool = True) -> dict[str, Any]:
     """timm pretrained cfg at ``size`` x ``size``; ``fixed``: the RepMLP layers fix the input size."""
-    return dict(input_size=(3, size, size), pool_size=(size // 32, size // 32), fixed_input_size=fixed,
-                classifier="fc", first_conv="stem.conv.conv",
-                feature_cfg=dict(out_indices=(0, 1, 2, 3, 4)))  # fmt: skip
+    return cfg(input_size=(3, size, size), pool_size=(size // 32, size // 32), fixed_input_size=fixed,
+               classifier="fc", first_conv="stem.conv.conv")  # fmt: skip
 
 
-@register_model(**_cfg(224))
-def repmlp_res50(
-    pretrained: bool = False,
-    *,
-    stages: Sequence[int | str] | str = ("c3", "c4"),
-    reduction: int | Sequence[int] = (2, 2, 4, 4),
-    groups: int | Sequence[int] = 8,
-    partition: int | Sequence[Any] = 7,
-    kernel_sizes: Sequence[int] | Sequence[Sequence[int]] = (1, 3, 5),
-    global_reduction: int | Sequence[int] = 1,
-    block: str = "bottleneck",
-    img_size: int | Sequence[int] = 224,
-    num_classes: int = 1000,
-    in_chans: int = 3,
-    deploy: bool = False,
-    **kwargs: Any,
-) -> ResNet:
+default_cfgs = generate_default_cfgs({
+    "repmlp_res50": _cfg(224),
+    "repmlp_res50_g8_16": _cfg(320),
+    "repmlp_res50_g8_8": _cfg(320),
+    "repmlp_res50_g4_8": _cfg(320),
+    "repmlp_res50_light": _cfg(224),
+    "nl_res50": _cfg(320, fixed=False),
+    "gc_res50": _cfg(320, fixed=False),
+})  # fmt: skip
+
+
+def _nl_resnet(*, layers: Sequence[int] = _LAYERS_50, **kwargs: Any) -> ResNet:
+    """:func:`_resnet` with one Non-local block before c4's last block, whatever its ``layers``."""
+    return _resnet(**{"nonlocal_blocks": {4: (layers[2] - 1,)}, "layers": layers, **kwargs})
+
+
+def _create_resnet(variant: str, pretrained: bool, make: Callable[..., ResNet], **kwargs: Any) -> ResNet:
+    """The ResNet ``make(**kwargs)`` (the variant's defaults in ``make``, so that a model file's options come
+    before them, with ``pretrained``); ``features_only``: timm's FeatureListNet over the stem and c2..c5."""
+    return build(make, variant, pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3, 4)), **kwargs)
+
+
+@register_model
+def repmlp_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50: torchvision's ResNet-50 with RepMLP Bottlenecks in ``stages`` (paper Sec. 4.2).
 
     Defaults: the paper's 78.55% model of its Table 4 (c3+c4, ``r = 2,2,4,4`` for c2..c5, ``g = 8``,
     ``h = w = 7``, ``K = 1,3,5``, 224x224). ``stages=()`` is torchvision's ``resnet50``. ``reduction``,
-    ``groups``, ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); other keyword
-    arguments go to :func:`repmlp_res50_stages` (``layers``, ...) or :class:`ResNet` (``global_pool``, ...).
+    ``groups``, ``partition``, ``global_reduction`` take one value or one per stage (c2..c5); the keyword
+    arguments are :func:`repmlp_res50_stages`'s (``stages``, ``block``, ``kernel_sizes``, ``layers``, ...) and
+    :class:`ResNet`'s (``num_classes``, ``in_chans``, ``img_size``, ``global_pool``, ``deploy``, ...).
     """
-    options = dict(stages=stages, block=block, reduction=reduction, groups=groups, partition=partition,
-                   kernel_sizes=kernel_sizes, global_reduction=global_reduction, img_size=img_size,
-                   num_classes=num_classes, in_chans=in_chans)  # fmt: skip
-    return _resnet({**options, **kwargs}, deploy)
+    return _create_resnet("repmlp_res50", pretrained, _resnet, **kwargs)
 
 
 def res50_320_options(c3_groups: int, c4_groups: int) -> dict[str, Any]:
@@ -623,46 +614,48 @@ def res50_320_options(c3_groups: int, c4_groups: int) -> dict[str, Any]:
     )
 
 
-def _res50_320(c3_groups: int, c4_groups: int, **kwargs: Any) -> ResNet:
-    return repmlp_res50(**{**res50_320_options(c3_groups, c4_groups), "img_size": 320, **kwargs})
-
-
-@register_model(**_cfg(320))
+@register_model
 def repmlp_res50_g8_16(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/16 (320x320): ``g = 8`` in c3, 16 in c4."""
-    return _res50_320(8, 16, **kwargs)
+    return _create_resnet(
+        "repmlp_res50_g8_16", pretrained, partial(_resnet, **res50_320_options(8, 16)), **kwargs
+    )
 
 
-@register_model(**_cfg(320))
+@register_model
 def repmlp_res50_g8_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/8 (320x320): ``g = 8`` in c3 and c4."""
-    return _res50_320(8, 8, **kwargs)
+    return _create_resnet(
+        "repmlp_res50_g8_8", pretrained, partial(_resnet, **res50_320_options(8, 8)), **kwargs
+    )
 
 
-@register_model(**_cfg(320))
+@register_model
 def repmlp_res50_g4_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g4/8 (320x320): ``g = 4`` in c3, 8 in c4 (the PSPNet backbone of Sec. 4.4)."""
-    return _res50_320(4, 8, **kwargs)
+    return _create_resnet(
+        "repmlp_res50_g4_8", pretrained, partial(_resnet, **res50_320_options(4, 8)), **kwargs
+    )
 
 
-@register_model(**_cfg(224))
+@register_model
 def repmlp_res50_light(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """ResNet-50 with RepMLP Light Blocks in c3+c4 (paper Appendix A): 8x channel reduction and expansion by
     1x1 convs around each RepMLP, ``g = 8``, ``h = w = 7``, ``K = 1,3,5``."""
-    return repmlp_res50(**{"block": "light", "reduction": 8, "groups": 8, "partition": 7, **kwargs})
+    make = partial(_resnet, block="light", reduction=8, groups=8, partition=7)
+    return _create_resnet("repmlp_res50_light", pretrained, make, **kwargs)
 
 
-@register_model(**_cfg(320, fixed=False))
-def nl_res50(pretrained: bool = False, *, deploy: bool = False, **kwargs: Any) -> ResNet:
+@register_model
+def nl_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """NL-Res50 (320x320): ResNet-50 + one Non-local block (embedded Gaussian, subsampled ``phi``/``g``) in
     c4, right before its last residual block: the Non-local paper's ImageNet "1 block in res4"."""
-    layers = kwargs.pop("layers", _LAYERS_50)
-    options = dict(stages=(), layers=layers, nonlocal_blocks={4: (layers[2] - 1,)}, img_size=320)
-    return _resnet({**options, **kwargs}, deploy)
+    return _create_resnet("nl_res50", pretrained, partial(_nl_resnet, stages=(), img_size=320), **kwargs)
 
 
-@register_model(**_cfg(320, fixed=False))
-def gc_res50(pretrained: bool = False, *, deploy: bool = False, **kwargs: Any) -> ResNet:
+@register_model
+def gc_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """GC-Res50 (320x320): ResNet-50 with a GC block (ratio 1/16, ``gc_ratio``) after the last 1x1 conv of
     every bottleneck of c3, c4 and c5 (GCNet's ImageNet setting)."""
-    return _resnet({"stages": (), "gc_stages": ("c3", "c4", "c5"), "img_size": 320, **kwargs}, deploy)
+    make = partial(_resnet, stages=(), gc_stages=("c3", "c4", "c5"), img_size=320)
+    return _create_resnet("gc_res50", pretrained, make, **kwargs)

@@ -12,13 +12,15 @@ FC3 by :func:`repmlp.reparameterize_model`, or a groupwise conv1d-BN (``"conv"``
 """
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
+from timm.models import generate_default_cfgs
 from torch import Tensor, nn
 
-from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin
+from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, build
 from repmlp.models.pure_mlp import MixerSpec, mixer_layer, pure_mlp_cfg, pure_mlp_stages
-from repmlp.models.registry import register_model
+from repmlp.models.registry import register_outside
 from repmlp.nn import checks
 
 __all__ = ["SequenceMLP", "RowSequenceMLP", "SequenceInput", "RowsAsSequence", "rows_as_sequence",
@@ -161,23 +163,36 @@ class RowSequenceMLP(SequenceMLP):
         self.in_chans, self.img_size = in_chans, img_size
 
 
-# Not registered with timm (in_timm=False), whose classifier contract they cannot keep: their feature maps
+# Not registered with timm (register_outside), whose classifier contract they cannot keep: their feature maps
 # are 1-D, (N, C, L), where timm's forward_features and features_only give (N, C, H, W) maps (docs/models.md).
-_FMNIST_CFG = {**pure_mlp_cfg("fashion-mnist", (7,), levels=3), "in_timm": False}
+default_cfgs = generate_default_cfgs(
+    dict.fromkeys(("repmlp1d_fmnist", "conv1d_fmnist"), pure_mlp_cfg("fashion-mnist", (7,)))
+)
 
 # Shared by both Fashion-MNIST models, so that only the mixer differs.
 _FMNIST_DEFAULTS = dict(img_size=28, in_chans=1, widths=(32, 64, 128), partition=7, groups=2, num_classes=10)
 
 
-@register_model(**_FMNIST_CFG)
+def _create_sequence_mlp(
+    variant: str, pretrained: bool, mixer: dict[str, Any], **kwargs: Any
+) -> RowSequenceMLP:
+    """A :class:`RowSequenceMLP` of the ``mixer`` options (under ``kwargs``; a model file's options, with
+    ``pretrained``); ``features_only``: timm's FeatureListNet over the stem and the stages, 1-D maps."""
+    feature_cfg = dict(flatten_sequential=True, out_indices=(0, 1, 2))
+    cls = partial(RowSequenceMLP, **_FMNIST_DEFAULTS, **mixer)
+    return build(cls, variant, pretrained, feature_cfg=feature_cfg, **kwargs)
+
+
+@register_outside
 def repmlp1d_fmnist(pretrained: bool = False, **kwargs: Any) -> RowSequenceMLP:
     """The sequence pure MLP on Fashion-MNIST read as 28 rows of 28 pixels: RepMLP1d mixers with
     ``l = 7``, ``g = 2``, Local Perceptron ``K = 1, 3, 5``; stages at 28, 14, 7 steps."""
-    return RowSequenceMLP(**{**_FMNIST_DEFAULTS, "mixer": "repmlp", "kernel_sizes": (1, 3, 5), **kwargs})
+    options = {"mixer": "repmlp", "kernel_sizes": (1, 3, 5)}
+    return _create_sequence_mlp("repmlp1d_fmnist", pretrained, options, **kwargs)
 
 
-@register_model(**_FMNIST_CFG)
+@register_outside
 def conv1d_fmnist(pretrained: bool = False, **kwargs: Any) -> RowSequenceMLP:
     """The baseline of ``repmlp1d_fmnist``: the same network with groupwise conv1d-BN mixers (``g = 2``)
     of a kernel size giving about the same deployed MACs (docs/sequences.md)."""
-    return RowSequenceMLP(**{**_FMNIST_DEFAULTS, "mixer": "conv", "conv_kernel": 7, **kwargs})
+    return _create_sequence_mlp("conv1d_fmnist", pretrained, {"mixer": "conv", "conv_kernel": 7}, **kwargs)

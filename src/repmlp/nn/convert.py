@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-from repmlp.nn.reparam import _BN, fuse_bn
+from repmlp.nn.reparam import _BN
 from repmlp.numerics import full_float32
 
 __all__ = ["reparameterize_model", "fuse_conv_bn", "ConversionReport", "swap_modules"]
@@ -72,21 +73,12 @@ def _after_fold(bn: nn.Module) -> nn.Module | None:
     return None
 
 
-def _fused_layer(layer: nn.Module, bn: nn.Module) -> nn.Module:
-    weight, bias = fuse_bn(layer.weight, bn, layer.bias)
-    new = copy.deepcopy(layer)
-    if new.bias is None:
-        new.bias = nn.Parameter(bias.detach().clone())
-    else:
-        new.bias.data = bias.detach().clone()
-    new.weight.data = weight.detach().clone()
-    return new
-
-
 def _bn_matches(layer: nn.Module, bn: nn.Module) -> bool:
-    """Whether folding ``bn`` into ``layer`` computes the same function for every input (see ``_PAIRS``)."""
+    """Whether folding ``bn`` into ``layer`` (torch's ``fuse_conv_bn_eval``) computes the same function for every
+    input: a BatchNorm of the layer's channels (see ``_PAIRS``), in eval mode with running statistics."""
     kinds = next((v for k, v in _PAIRS.items() if isinstance(layer, k)), ())
-    return isinstance(bn, kinds) and layer.out_channels == bn.num_features
+    stats = not (layer.training or bn.training) and bn.running_var is not None
+    return stats and isinstance(bn, kinds) and layer.out_channels == bn.num_features
 
 
 def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
@@ -101,7 +93,7 @@ def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
                     continue
                 rest = _after_fold(bn)
                 if rest is not None:
-                    child._modules[a] = _fused_layer(layer, bn)
+                    child._modules[a] = fuse_conv_bn_eval(layer, bn)
                     child._modules[b] = rest
                     fused.add(f"{path}.{b}")
         _fuse_sequential(child, path + ".", fused)
@@ -130,7 +122,7 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
             continue
         parent_name, _, attr = src.target.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _fused_layer(layer, bn))
+        setattr(parent, attr, fuse_conv_bn_eval(layer, bn))
         if isinstance(rest, nn.Identity):
             node.replace_all_uses_with(src)
             graph.erase_node(node)
@@ -149,9 +141,10 @@ def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
 
 
 def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
-    """Fold every BatchNorm1d/2d/3d that directly follows a 1-D/2-D/3-D conv into it (eval mode): inside
-    ``nn.Sequential`` containers (the model keeps its class), then anywhere else through a ``torch.fx`` trace
-    (torchvision's ResNet calls ``self.conv1`` then ``self.bn1``). Returns the model and the BatchNorms left."""
+    """Fold every eval-mode BatchNorm1d/2d/3d that directly follows a 1-D/2-D/3-D conv into it (torch's
+    ``fuse_conv_bn_eval``): inside ``nn.Sequential`` containers (the model keeps its class), then anywhere else
+    through a ``torch.fx`` trace (torchvision's ResNet calls ``self.conv1`` then ``self.bn1``). Returns the
+    model and the BatchNorms left (also those in training mode or without running statistics)."""
     fused: set[str] = set()
     _fuse_sequential(model, "", fused)
     remaining = [n for n, m in model.named_modules() if isinstance(m, _BN)]

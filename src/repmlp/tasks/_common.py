@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from repmlp import engine
-from repmlp.data.folder import stratified_subset
+from repmlp.data.folder import sample_seed, stratified_subset
 from repmlp.data.loader import FolderLoader
 from repmlp.deploy.conversion import CONVERSION_RTOL, Conversion, DeployedFile, convert_and_check
 from repmlp.errors import UserError
@@ -136,9 +135,8 @@ class EpochSeeded(Dataset):
 
     def __getitem__(self, item: tuple[int, int]):
         index, epoch = item
-        seed = int(np.random.SeedSequence([self.seed, epoch, index, int(self.train)]).generate_state(1)[0])
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            torch.manual_seed(sample_seed(self.seed, epoch, index, self.train))
             return self.dataset[index]
 
 

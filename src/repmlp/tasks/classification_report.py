@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -28,11 +28,9 @@ from repmlp.errors import first_line
 from repmlp.io.model_file import atomic_write_text
 from repmlp.numerics import run_precision
 from repmlp.tasks._common import results, save_forms
+from repmlp.tasks.classification_config import TrainResult
 from repmlp.tasks.finetune import report_lines
 from repmlp.tasks.metrics import accuracy
-
-if TYPE_CHECKING:
-    from repmlp.tasks.classification import TrainResult
 
 __all__ = ["Outcome", "finish_run", "predict", "render_report"]
 

@@ -112,9 +112,7 @@ class TrainOptions(TaskConfig):
     ckpt_every: int = 0
     compile: str = "auto"  # --compile: auto, on, off (see repmlp.engine.resolve_compile)
     cuda_graphs: str = "auto"  # --cuda-graphs: auto, on, off (see repmlp.engine.resolve_cuda_graphs)
-    fast_training: bool = (
-        True  # the training form (repmlp.engine.forms.training_form); off: the plain modules
-    )
+    fast_training: bool = True  # the training form (repmlp.engine.forms.training_form); off: plain modules
     resume: bool | str = False  # continue the run in output from its checkpoint; "auto": if it holds one
 
     RUNTIME = frozenset(

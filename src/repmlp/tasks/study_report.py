@@ -16,7 +16,7 @@ from repmlp.bench.throughput import benchmark
 from repmlp.engine import hardware_summary, resolve_device
 from repmlp.engine.report import save_figure
 from repmlp.io.model_file import atomic_write_text
-from repmlp.models.registry import create_model
+from repmlp.models import create_model
 from repmlp.tasks.recipes import PRESETS
 from repmlp.tasks.study import CLAIMS, IMG_SIZE, ROWS, Row, StudyOptions, trained_rows
 
