@@ -32,13 +32,10 @@ STAGES = ("stem", "c2", "c3", "c4", "c5")
 
 
 def stages_of(model: nn.Module) -> list[nn.Module]:
-    """The stem and the four stages of a torchvision or repmlp ResNet, in order; a torchvision ResNet's BN
-    fused stage by stage (``repmlp.reparameterize_model`` of the whole model folds it into one fx graph, with
-    no stage left to call)."""
+    """The stem and the four stages of a torchvision or repmlp ResNet, in order (BN fused by the caller)."""
     if isinstance(model, torchvision.models.ResNet):
         stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
-        stages = [stem, model.layer1, model.layer2, model.layer3, model.layer4]
-        return [reparameterize_model(s.eval()) for s in stages]
+        return [stem, model.layer1, model.layer2, model.layer3, model.layer4]
     return [model.stem, model.layer1, model.layer2, model.layer3, model.layer4]
 
 
@@ -118,7 +115,7 @@ def main() -> None:
     ours = reparameterize_model(create_model("repmlp_res50", stages=()).eval())
     models = {  # name -> its stages, every one BN fused, in the same memory format
         args.model: stages_of(net),
-        "torchvision ResNet-50": stages_of(torchvision.models.resnet50().eval()),
+        "torchvision ResNet-50": stages_of(reparameterize_model(torchvision.models.resnet50().eval())),
         "our ResNet-50": stages_of(ours),
     }
     models = {name: [s.to(memory_format=fmt) for s in ss] for name, ss in models.items()}

@@ -103,6 +103,29 @@ def test_folds_batchnorm_in_torchvision_resnet50(dtype):
         out = fused(x)
     assert count_bn(fused) == 0 and list(fused.unfused_batchnorms) == []
     assert rel_err(out, ref) < (1e-10 if dtype == torch.float64 else 1e-4)
+    # The model keeps its class and so torchvision's own forward (its in-place residual adds), as torch.ao's
+    # fuse_modules leaves it: a baseline timmed after the fold runs as torchvision runs it.
+    assert type(fused) is torchvision.models.ResNet and isinstance(fused.layer1[0].bn1, torch.nn.Identity)
+
+
+def test_a_conv_called_twice_keeps_its_batchnorm():
+    """The fold swaps modules in place, so a conv (or BN) that the forward calls twice is not folded: its
+    other call would see the fused weights."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.conv(x)) + self.conv(x)
+
+    torch.manual_seed(0)
+    model = randomize_bn(Twice()).eval()
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        ref, fused = model(x), reparameterize_model(model)
+        assert list(fused.unfused_batchnorms) == ["bn"] and torch.equal(fused(x), ref)
 
 
 def test_folds_timm_batchnorm_act_keeping_its_activation():

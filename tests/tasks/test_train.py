@@ -639,3 +639,19 @@ def test_image_folder_flip_follows_the_option(data, flip):
         DataConfig(dataset="imagefolder", data_dir=str(data["folder"]), flip=flip, img_size=32)
     )
     assert built.train.dataset.transform.flip == flip
+
+
+def test_a_folder_counted_only_in_part_says_at_least(tmp_path, monkeypatch, caplog):
+    """An image folder's batch is fitted on its first images only (counted up to a few batches): the log line
+    says "at least" for a folder that holds more, and the exact count for one counted to its end."""
+    from repmlp.tasks import recipes
+
+    folder = make_image_folder(tmp_path / "imgs", classes=3, per_class=12, size=28)  # 36 training images
+    options = {"dataset": "imagefolder", "data_dir": str(folder), "model": "repmlp_fmnist_patch2"}
+    monkeypatch.setattr(recipes, "FOLDER_COUNT_STEPS", 0.125)  # count up to 32 images (256 x 0.125)
+    with caplog.at_level("INFO", logger=recipes.log.name):
+        recipes.folder_recipe(dict(options))
+        recipes.folder_recipe({**options, "train_limit": 32})  # the run uses exactly 32
+    capped, exact = [r.getMessage() for r in caplog.records if r.getMessage().startswith("image folder:")]
+    assert "batch 8 (at least 4 steps an epoch on at least 32 training images)" in capped, capped
+    assert "batch 8 (4 steps an epoch on 32 training images)" in exact, exact

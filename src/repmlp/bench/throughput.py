@@ -140,8 +140,8 @@ def _prepare(v: _Form, x: Tensor, device: torch.device, runtime: str, channels_l
              compile_backend: str | None) -> tuple[Callable[[Tensor], Tensor], Tensor, str]:  # fmt: skip
     """``v``'s module ready to time on ``device``: ``(callable, its input, its path)``. The input ``x``
     ``(N, C, H, W)`` float32 is cast to the module's parameter dtype (the pre-hook of
-    :func:`repmlp.deploy.precision.to_precision` that would cast it does not survive a copy of an fx graph,
-    such as a deployed timm or torchvision ResNet), and put channels_last with the weights."""
+    :func:`repmlp.deploy.precision.to_precision` that would cast it does not survive a copy of an fx graph),
+    and put channels_last with the weights."""
     if runtime != "torch" or isinstance(v.module, RuntimeModel):  # an ONNX graph: float32 NCHW in
         return to_runtime(v.module, runtime, x.shape[1:]), x, run_path(v.module, v.form, runtime=runtime)
     param = next((p for p in v.module.parameters() if p.is_floating_point()), None)

@@ -99,45 +99,29 @@ def _fuse_sequential(module: nn.Module, prefix: str, fused: set[str]) -> None:
         _fuse_sequential(child, path + ".", fused)
 
 
-def _fuse_fx(model: nn.Module, fused: set[str]) -> nn.Module:
-    """Fold BN that follows a conv/linear anywhere in the traced graph, also across containers."""
+def _fuse_fx(model: nn.Module, fused: set[str]) -> None:
+    """Fold a BN that follows a conv anywhere, also across containers: a ``torch.fx`` trace finds each conv
+    whose one use is a BN (each called once), then both are swapped in place (the fused conv, and an
+    ``nn.Identity`` or what a BN subclass leaves) so the model keeps its own forward (its in-place adds...)."""
     graph = _Tracer().trace(model)
     modules = dict(model.named_modules())
-    changed = False
-    for node in list(graph.nodes):
-        if node.op != "call_module" or not isinstance(modules.get(node.target), _BN):
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    for node in graph.nodes:
+        src = node.args[0] if node.op == "call_module" and node.args else None
+        if not isinstance(modules.get(node.target), _BN) or not isinstance(src, fx.Node):
             continue
-        src = node.args[0]
-        if not isinstance(src, fx.Node) or src.op != "call_module":
-            continue
-        layer = modules.get(src.target)
-        bn = modules[node.target]
+        layer, bn = modules.get(src.target) if src.op == "call_module" else None, modules[node.target]
         rest = _after_fold(bn)
-        if (
-            not isinstance(layer, _FUSABLE)
-            or not _bn_matches(layer, bn)
-            or len(src.users) != 1
-            or rest is None
-        ):
+        once = calls.get(src.target) == 1 and calls[node.target] == 1 and len(src.users) == 1
+        if not (isinstance(layer, _FUSABLE) and once and rest is not None and _bn_matches(layer, bn)):
             continue
-        parent_name, _, attr = src.target.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, fuse_conv_bn_eval(layer, bn))
-        if isinstance(rest, nn.Identity):
-            node.replace_all_uses_with(src)
-            graph.erase_node(node)
-        else:
-            bn_parent_name, _, bn_attr = node.target.rpartition(".")
-            bn_parent = model.get_submodule(bn_parent_name) if bn_parent_name else model
-            setattr(bn_parent, bn_attr, rest)
+        for target, new in ((src.target, fuse_conv_bn_eval(layer, bn)), (node.target, rest)):
+            parent, _, attr = target.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
         fused.add(node.target)
-        changed = True
-    if not changed:
-        return model
-    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
 
 
 def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
@@ -150,7 +134,7 @@ def fuse_conv_bn(model: nn.Module) -> tuple[nn.Module, ConversionReport]:
     remaining = [n for n, m in model.named_modules() if isinstance(m, _BN)]
     if remaining:
         try:
-            model = _fuse_fx(model, fused)
+            _fuse_fx(model, fused)
         except Exception as exc:  # noqa: BLE001 - untraceable forward: report, keep what was fused
             log.warning(
                 "torch.fx could not trace %s (%s); BatchNorms outside Sequentials stay",

@@ -154,7 +154,9 @@ def folder_recipe(options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     n = _count_images(options.get("data_dir"), at_most) if "batch_size" not in options else None
     if n:
         values["batch_size"] = batch = folder_batch_size(recipe.batch_size, n)
-        said.append(f"batch {batch} ({max(1, n // batch)} steps an epoch on {n} training images)")
+        capped = n >= recipe.batch_size * FOLDER_COUNT_STEPS and n != options.get("train_limit")
+        more = "at least " if capped else ""  # the count stopped there: the folder may hold more
+        said.append(f"batch {batch} ({more}{max(1, n // batch)} steps an epoch on {more}{n} training images)")
         if batch < recipe.batch_size and "lr" not in options:
             values["lr"] = lr = folder_lr(recipe.lr, recipe.batch_size, batch)
             said.append(f"lr {lr:.3g} (the recipe's {recipe.lr:g} x sqrt({batch}/{recipe.batch_size}))")
