@@ -557,8 +557,7 @@ class ModelMetadata:
 
     def input_size_at(self, img_size: int | None = None) -> tuple[int, int, int]:
         """:attr:`input_size` ``(C, H, W)``, with ``H = W = img_size`` when given (an ``--img-size``)."""
-        c, h, w = self.input_size
-        return (c, h, w) if img_size is None else (c, img_size, img_size)
+        return self.input_size if img_size is None else (self.input_size[0], img_size, img_size)
 
 
 def input_size_of(

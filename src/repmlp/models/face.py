@@ -1,11 +1,8 @@
 """Face-recognition models of the paper's Sec. 4.3 (96x96 aligned faces -> embedding).
 
 - :class:`MobileFaceNet` (Chen et al. 2018) at 96x96: the global depthwise conv covers the 6x6 map.
-- :class:`FaceResNet`: the paper's customised ResNet (blocks 3,2,2,2 in c2..c5, widths 128..1024,
-  1x1 convs neither reducing nor expanding; deep 3x3 stem and a flattened-map embedding head, the
-  two parts the paper does not describe, as its parameter and FLOP counts require), optionally with
-  RepMLP Bottlenecks replacing the stride-1 bottlenecks of chosen stages (``repmlp_face_resnet``:
-  c2, c3, c4 with h=w=6, r=2, g=4).
+- :class:`FaceResNet`: the paper's customised ResNet, optionally with RepMLP Bottlenecks replacing the
+  stride-1 bottlenecks of chosen stages (``repmlp_face_resnet``: c2, c3, c4 with h=w=6, r=2, g=4).
 
 Every model returns an embedding ``(N, embedding_dim)``; the classification layer lives in the
 loss (:class:`repmlp.tasks.losses.AMSoftmax`), so the deployed model is the embedding network alone.
@@ -369,20 +366,6 @@ def face_stages(
     )
 
 
-def _embedding_kwargs(num_classes: int | None, kwargs: dict[str, Any], default: int) -> dict[str, Any]:
-    """timm's ``num_classes`` (the output width) is the embedding width of these models.
-
-    timm's builder passes the cfg's ``num_classes`` (``default``) to every model, so that value next
-    to an explicit ``embedding_dim`` defers to it; any other disagreement is an error.
-    """
-    if num_classes is None or (num_classes == default and "embedding_dim" in kwargs):
-        return kwargs
-    if kwargs.get("embedding_dim", num_classes) != num_classes:
-        raise ValueError("give embedding_dim or num_classes (the same thing for a face model), not both")
-    kwargs["embedding_dim"] = num_classes
-    return kwargs
-
-
 _FACE_CFG: dict[str, Any] = dict(
     input_size=(3, 96, 96), mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), crop_pct=1.0, fixed_input_size=True
 )
@@ -402,7 +385,15 @@ def _create_face(cls: Callable[..., nn.Module], variant: str, pretrained: bool, 
     default = default_cfgs[variant].default.num_classes
 
     def make(*, num_classes: int | None = None, **kw: Any) -> nn.Module:
-        return cls(**_embedding_kwargs(num_classes, kw, default))
+        # timm's builder passes the cfg's num_classes (default) to every model: next to an explicit
+        # embedding_dim that value defers to it; any other disagreement is an error.
+        if num_classes is not None and not (num_classes == default and "embedding_dim" in kw):
+            if kw.get("embedding_dim", num_classes) != num_classes:
+                raise ValueError(
+                    "give embedding_dim or num_classes (the same thing for a face model), not both"
+                )
+            kw["embedding_dim"] = num_classes
+        return cls(**kw)
 
     feature_cfg = (dict(flatten_sequential=True, out_indices=(0, 1, 2, 3)) if variant == "mobilefacenet"
                    else dict(feature_cls="getter", out_indices=(0, 1, 2, 3, 4)))  # fmt: skip

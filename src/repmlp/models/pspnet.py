@@ -161,10 +161,7 @@ def pspnet_repmlp_res50(pretrained: bool = False, **kwargs: Any) -> PSPNet:
     FC1/FC2 of the Global Perceptrons are reduced 4x in c3 and 8x in c4 (``global_reduction``). Options as
     :func:`pspnet_res50`, plus the RepMLP-Res50 ones (``groups``, ``partition``, ...).
     """
-
-    def stages(**options: Any) -> Sequence[StageSpec]:
-        return repmlp_res50_stages(**{**res50_320_options(4, 8), "global_reduction": (1, 4, 8, 1), **options})
-
+    stages = partial(repmlp_res50_stages, **res50_320_options(4, 8), global_reduction=(1, 4, 8, 1))
     return build(partial(_pspnet, stages, (1, 1, 1, 2)), "pspnet_repmlp_res50", pretrained, **kwargs)
 
 
@@ -203,10 +200,8 @@ def _dilated(
     RepMLP-Res50 keeps each stage's first (stride-2) bottleneck, and un-striding c4 must not turn it into a
     RepMLP Bottleneck, or the backbone would no longer be the pretrained one (and c4 would gain a sixth RepMLP).
     """
-    strides, dilations = (
-        per_stage(strides, len(specs), "strides"),
-        per_stage(dilations, len(specs), "dilations"),
-    )
+    strides = per_stage(strides, len(specs), "strides")
+    dilations = per_stage(dilations, len(specs), "dilations")
     previous = (1, *dilations[:-1])
     return tuple(
         replace(spec, stride=s, dilation=d, first_dilation=p, keep_first=True)

@@ -12,7 +12,7 @@ is what the paper's variants change:
   with ``K = 3``, ``g = 1`` and doubled widths).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -130,23 +130,21 @@ class MixerSpec:
 
 
 def pure_mlp_stages(
-    widths: Sequence[int],
-    size: int,
-    mixer: Callable[[int, int], nn.Module],
-    fc: Callable[[int, int], nn.Module],
-    pool: Callable[[], nn.Module],
+    widths: Sequence[int], size: int, spec: MixerSpec, dims: int = 2
 ) -> tuple[nn.Sequential, list[dict[str, Any]]]:
-    """The stages of the pure MLP (paper Sec. 4.1), in 2-D or 1-D: stage ``i`` runs at ``size // 2**i`` as
-    ``[pool,] mixer(C, s), fc(C, C), mixer(C, s), fc(C, C_next)``, ``C = widths[i]``.
-
-    ``mixer(channels, size)`` and ``fc(c_in, c_out)`` build the layers (each with its ReLU), ``pool()`` the
-    halving between stages. Returns the stages and timm's ``feature_info`` for them.
+    """The stages of the pure MLP (paper Sec. 4.1), in 2-D or 1-D (``dims``): stage ``i`` runs at
+    ``size // 2**i`` as ``[max pool by 2,] mixer(C), FC(C, C), mixer(C), FC(C, C_next)``, ``C = widths[i]``,
+    each mixer (:func:`mixer_layer` of ``spec``) and FC (a 1x1 conv-BN) with its ReLU. Returns the stages
+    and timm's ``feature_info`` for them.
     """
     stages, info = [], []
+    pool = nn.MaxPool2d if dims == 2 else nn.MaxPool1d
+    fc = partial(ConvBNReLU, kernel_size=1, deploy=spec.deploy, dims=dims)
     for i, c in enumerate(widths):
         c_next = widths[i + 1] if i + 1 < len(widths) else c
-        layers: list[nn.Module] = [] if i == 0 else [pool()]
-        layers += [mixer(c, size), fc(c, c), mixer(c, size), fc(c, c_next)]
+        layers: list[nn.Module] = [] if i == 0 else [pool(2)]
+        mixer = partial(mixer_layer, spec, c, size, dims)
+        layers += [mixer(), fc(c, c), mixer(), fc(c, c_next)]
         stages.append(nn.Sequential(*layers))
         info.append(dict(num_chs=c_next, reduction=2**i, module=f"stages.{i}"))
         size //= 2
@@ -241,13 +239,7 @@ class PureMLP(PooledClassifierMixin, nn.Module):
         spec = MixerSpec(
             mixer, partition, groups, tuple(kernel_sizes), global_perceptron, conv_kernel, deploy
         )
-        self.stages, self.feature_info = pure_mlp_stages(
-            widths,
-            img_size // patch_size,
-            mixer=lambda c, res: mixer_layer(spec, c, res),
-            fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy),
-            pool=lambda: nn.MaxPool2d(2),
-        )
+        self.stages, self.feature_info = pure_mlp_stages(widths, img_size // patch_size, spec)
         for info in self.feature_info:
             info["reduction"] *= patch_size
         if patch_size > 1:
@@ -326,14 +318,14 @@ def wide_convnet_cifar(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     return _create_pure_mlp("wide_convnet_cifar", pretrained, options, **kwargs)
 
 
+_FMNIST = dict(img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10)  # both
+
+
 @register_model
 def repmlp_fmnist(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     """The pure MLP adapted to Fashion-MNIST (28x28x1): stages at 28/14/7, ``h = w = 7``, 10 classes; small
     widths and only the K=3 Local Perceptron branch by default (every :class:`PureMLP` option can be given)."""
-    defaults: dict[str, Any] = dict(
-        widths=(8, 16, 32), img_size=28, in_chans=1, partition=7, groups=2, kernel_sizes=(3,), num_classes=10
-    )
-    return _create_pure_mlp("repmlp_fmnist", pretrained, defaults, **kwargs)
+    return _create_pure_mlp("repmlp_fmnist", pretrained, {**_FMNIST, "widths": (8, 16, 32)}, **kwargs)
 
 
 @register_model
@@ -342,6 +334,5 @@ def repmlp_fmnist_patch2(pretrained: bool = False, **kwargs: Any) -> PureMLP:
     (widths 16, 32; ``h = w = 7``: at 14 four partitions and the Global Perceptron, at 7 one partition); the
     main job's model, cheaper to train than ``repmlp_fmnist`` (docs/benchmarks.md). Its feature levels
     (``features_only``): the stem's 14x14 map and both stages' (strides 2, 2, 4)."""
-    defaults: dict[str, Any] = dict(widths=(16, 32), img_size=28, patch_size=2, in_chans=1, partition=7, groups=2,
-                                    kernel_sizes=(3,), num_classes=10)  # fmt: skip
+    defaults = {**_FMNIST, "widths": (16, 32), "patch_size": 2}
     return _create_pure_mlp("repmlp_fmnist_patch2", pretrained, defaults, **kwargs)

@@ -582,14 +582,10 @@ default_cfgs = generate_default_cfgs({
 })  # fmt: skip
 
 
-def _nl_resnet(*, layers: Sequence[int] = _LAYERS_50, **kwargs: Any) -> ResNet:
-    """:func:`_resnet` with one Non-local block before c4's last block, whatever its ``layers``."""
-    return _resnet(**{"nonlocal_blocks": {4: (layers[2] - 1,)}, "layers": layers, **kwargs})
-
-
-def _create_resnet(variant: str, pretrained: bool, make: Callable[..., ResNet], **kwargs: Any) -> ResNet:
-    """The ResNet ``make(**kwargs)`` (the variant's defaults in ``make``, so that a model file's options come
-    before them, with ``pretrained``); ``features_only``: timm's FeatureListNet over the stem and c2..c5."""
+def _create_resnet(variant: str, pretrained: bool, defaults: dict[str, Any], **kwargs: Any) -> ResNet:
+    """The ResNet of the variant's ``defaults`` under ``kwargs`` (so that a model file's options, with
+    ``pretrained``, come before them); ``features_only``: timm's FeatureListNet over the stem and c2..c5."""
+    make = partial(_resnet, **defaults)
     return build(make, variant, pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3, 4)), **kwargs)
 
 
@@ -603,7 +599,7 @@ def repmlp_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     arguments are :func:`repmlp_res50_stages`'s (``stages``, ``block``, ``kernel_sizes``, ``layers``, ...) and
     :class:`ResNet`'s (``num_classes``, ``in_chans``, ``img_size``, ``global_pool``, ``deploy``, ...).
     """
-    return _create_resnet("repmlp_res50", pretrained, _resnet, **kwargs)
+    return _create_resnet("repmlp_res50", pretrained, {}, **kwargs)
 
 
 def res50_320_options(c3_groups: int, c4_groups: int) -> dict[str, Any]:
@@ -617,45 +613,41 @@ def res50_320_options(c3_groups: int, c4_groups: int) -> dict[str, Any]:
 @register_model
 def repmlp_res50_g8_16(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/16 (320x320): ``g = 8`` in c3, 16 in c4."""
-    return _create_resnet(
-        "repmlp_res50_g8_16", pretrained, partial(_resnet, **res50_320_options(8, 16)), **kwargs
-    )
+    return _create_resnet("repmlp_res50_g8_16", pretrained, res50_320_options(8, 16), **kwargs)
 
 
 @register_model
 def repmlp_res50_g8_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g8/8 (320x320): ``g = 8`` in c3 and c4."""
-    return _create_resnet(
-        "repmlp_res50_g8_8", pretrained, partial(_resnet, **res50_320_options(8, 8)), **kwargs
-    )
+    return _create_resnet("repmlp_res50_g8_8", pretrained, res50_320_options(8, 8), **kwargs)
 
 
 @register_model
 def repmlp_res50_g4_8(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """RepMLP-Res50-g4/8 (320x320): ``g = 4`` in c3, 8 in c4 (the PSPNet backbone of Sec. 4.4)."""
-    return _create_resnet(
-        "repmlp_res50_g4_8", pretrained, partial(_resnet, **res50_320_options(4, 8)), **kwargs
-    )
+    return _create_resnet("repmlp_res50_g4_8", pretrained, res50_320_options(4, 8), **kwargs)
 
 
 @register_model
 def repmlp_res50_light(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """ResNet-50 with RepMLP Light Blocks in c3+c4 (paper Appendix A): 8x channel reduction and expansion by
     1x1 convs around each RepMLP, ``g = 8``, ``h = w = 7``, ``K = 1,3,5``."""
-    make = partial(_resnet, block="light", reduction=8, groups=8, partition=7)
-    return _create_resnet("repmlp_res50_light", pretrained, make, **kwargs)
+    return _create_resnet("repmlp_res50_light", pretrained, dict(block="light", reduction=8), **kwargs)
 
 
 @register_model
 def nl_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """NL-Res50 (320x320): ResNet-50 + one Non-local block (embedded Gaussian, subsampled ``phi``/``g``) in
     c4, right before its last residual block: the Non-local paper's ImageNet "1 block in res4"."""
-    return _create_resnet("nl_res50", pretrained, partial(_nl_resnet, stages=(), img_size=320), **kwargs)
+    nonlocal_blocks = {4: (kwargs.get("layers", _LAYERS_50)[2] - 1,)}  # c4's last block, whatever its layers
+    return _create_resnet(
+        "nl_res50", pretrained, dict(stages=(), img_size=320, nonlocal_blocks=nonlocal_blocks), **kwargs
+    )
 
 
 @register_model
 def gc_res50(pretrained: bool = False, **kwargs: Any) -> ResNet:
     """GC-Res50 (320x320): ResNet-50 with a GC block (ratio 1/16, ``gc_ratio``) after the last 1x1 conv of
     every bottleneck of c3, c4 and c5 (GCNet's ImageNet setting)."""
-    make = partial(_resnet, stages=(), gc_stages=("c3", "c4", "c5"), img_size=320)
-    return _create_resnet("gc_res50", pretrained, make, **kwargs)
+    defaults = dict(stages=(), gc_stages=("c3", "c4", "c5"), img_size=320)
+    return _create_resnet("gc_res50", pretrained, defaults, **kwargs)

@@ -19,7 +19,7 @@ from timm.models import generate_default_cfgs
 from torch import Tensor, nn
 
 from repmlp.models.layers import ConvBNReLU, PooledClassifierMixin, build
-from repmlp.models.pure_mlp import MixerSpec, mixer_layer, pure_mlp_cfg, pure_mlp_stages
+from repmlp.models.pure_mlp import MixerSpec, pure_mlp_cfg, pure_mlp_stages
 from repmlp.models.registry import register_outside
 from repmlp.nn import checks
 
@@ -124,13 +124,7 @@ class SequenceMLP(PooledClassifierMixin, nn.Module):
         spec = MixerSpec(
             mixer, partition, groups, tuple(kernel_sizes), global_perceptron, conv_kernel, deploy
         )
-        self.stages, self.feature_info = pure_mlp_stages(
-            widths,
-            length,
-            mixer=lambda c, size: mixer_layer(spec, c, size, dims=1),
-            fc=lambda c_in, c_out: ConvBNReLU(c_in, c_out, 1, deploy=deploy, dims=1),
-            pool=lambda: nn.MaxPool1d(2),
-        )
+        self.stages, self.feature_info = pure_mlp_stages(widths, length, spec, dims=1)
         self.num_features = self.head_hidden_size = widths[-1]
         self.reset_classifier(num_classes, global_pool)
 

@@ -274,10 +274,8 @@ def _speed_lines(bench: tuple[list[Any], str] | None) -> list[str]:
 
 def _file_lines(result: TrainResult, outcome: Outcome) -> list[str]:
     out, diff = Path(result.config.output), outcome.onnx_diff
-    block, checked = (
-        getattr(outcome.fc3_sample, "block_name", None),
-        isinstance(diff, float) and math.isfinite(diff),
-    )
+    block = getattr(outcome.fc3_sample, "block_name", None)
+    checked = isinstance(diff, float) and math.isfinite(diff)
     files = {
         "model.safetensors": "training-time weights (`repmlp eval --checkpoint`)",
         "deploy.safetensors": "converted weights, loads into `create_model(..., deploy=True)`",

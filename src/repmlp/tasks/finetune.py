@@ -50,11 +50,8 @@ class InitReport:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_training_file(path: str | os.PathLike, flag: str = "--init") -> tuple[dict[str, Any], ModelFileMeta]:
