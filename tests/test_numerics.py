@@ -267,7 +267,7 @@ def test_convert_and_export_checks_run_in_full_float32(caller_tf32, tiny_checkpo
 
 
 def test_selfcheck_and_bench_input_check_run_in_full_float32(caller_tf32, tiny_checkpoint):
-    from repmlp.io.model_file import check_forward
+    from repmlp.models import check_forward
 
     with recorded() as seen:
         res = run_cli("selfcheck")

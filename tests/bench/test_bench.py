@@ -16,7 +16,7 @@ from torch import nn
 
 import repmlp
 from repmlp.bench import throughput
-from repmlp.io.model_file import build_model
+from repmlp.models import build_model
 from repmlp.nn.convert import reparameterize_model
 from repmlp_testdata import run_cli, subprocess_env, user_error_line
 

@@ -233,7 +233,7 @@ def test_resume_rules_runtime_keys_may_change_the_others_not(tmp_path):
 
 
 def test_build_model_passes_img_size_only_to_models_built_for_one_size():
-    from repmlp.io.model_file import build_model, takes_img_size
+    from repmlp.models import build_model, takes_img_size
 
     assert takes_img_size("repmlp_fmnist") and takes_img_size("repmlp:repmlp_cifar")
     assert takes_img_size("vit_tiny_patch16_224")  # timm's config: fixed_input_size
@@ -245,8 +245,8 @@ def test_build_model_passes_img_size_only_to_models_built_for_one_size():
 
 
 def test_build_model_errors_are_user_errors_and_bugs_keep_their_traceback(monkeypatch):
-    import repmlp.io.model_file as models
-    from repmlp.io.model_file import build_model
+    import repmlp.models as models
+    from repmlp.models import build_model
 
     with pytest.raises(UserError, match="cannot build model 'no_such_model'"):
         build_model("no_such_model")

@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 import repmlp
 from repmlp import cli
 from repmlp.engine import loop
-from repmlp.io.model_file import CheckpointError, build_model, save_model
+from repmlp.io.model_file import CheckpointError, save_model
 from repmlp.io.state import save_state
+from repmlp.models import build_model
 from repmlp.tasks.finetune import head_prefixes, init_from_file
 from repmlp.tasks.recipes import PRESETS
 from repmlp_testdata import make_cifar10, make_image_folder, user_error_line

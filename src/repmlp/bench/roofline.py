@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from repmlp.bench.timing import time_calls
 from repmlp.engine.devices import cpu_name
 from repmlp.errors import UserError
-from repmlp.io.model_file import build_model
+from repmlp.models import build_model
 from repmlp.nn.convert import reparameterize_model
 
 __all__ = ["ACCOUNTINGS", "GPUS", "Device", "Roofline", "find_device", "walk", "ceiling", "roofline",

@@ -27,7 +27,8 @@ from repmlp.bench.timing import time_rounds
 from repmlp.deploy.precision import precision_of, to_precision
 from repmlp.deploy.runtimes import RuntimeModel, to_runtime
 from repmlp.errors import UserError, first_line
-from repmlp.io.model_file import ModelMetadata, build_model, check_forward, load_model
+from repmlp.io.model_file import ModelMetadata, load_model
+from repmlp.models import build_model, check_forward
 from repmlp.nn.convert import reparameterize_model
 
 __all__ = ["BenchRow", "benchmark", "render_markdown", "models_to_bench", "in_precision", "timing_caveat",

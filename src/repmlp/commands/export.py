@@ -24,7 +24,8 @@ from repmlp.deploy.export import (
     write_int8_onnx,
 )
 from repmlp.errors import UserError
-from repmlp.io.model_file import check_forward, load_model, read_metadata
+from repmlp.io.model_file import load_model, read_metadata
+from repmlp.models import check_forward
 from repmlp.nn.convert import reparameterize_model
 from repmlp.tasks.limits import MAX_SIDE, ints
 

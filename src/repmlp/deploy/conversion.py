@@ -23,7 +23,8 @@ from repmlp.data import build_data, model_data_config
 from repmlp.deploy.precision import native_support, to_precision
 from repmlp.errors import UserError, first_line
 from repmlp.io import model_file
-from repmlp.io.model_file import CheckpointError, ModelMetadata, check_forward
+from repmlp.io.model_file import CheckpointError, ModelMetadata
+from repmlp.models import check_forward
 from repmlp.nn import convert as nn_convert
 from repmlp.numerics import full_float32
 

@@ -32,16 +32,15 @@ from repmlp._version import __version__
 from repmlp.data import PREPROCESSING_KEYS, eval_preprocessing
 from repmlp.data.inputs import MAX_IMAGE_PIXELS, not_regular
 from repmlp.errors import UserError, first_line
-from repmlp.models import create_model
+from repmlp.models import create_model, takes_img_size
 from repmlp.models.layers import FILE_LOADER
-from repmlp.models.registry import get_pretrained_cfg, resolve_model
+from repmlp.models.registry import resolve_model
 from repmlp.numerics import full_float32
 
 __all__ = ["CheckpointError", "staged", "atomic_write_bytes", "atomic_write_text", "save_model", "load_model",
            "read_model_file", "read_tensors", "read_metadata", "ModelMetadata", "model_metadata", "FIELDS",
            "check_field", "check_model_kwargs", "check_fit", "meta_build", "ModelTooLarge", "check_finite",
-           "PRECISION_LOADERS", "check_weights", "resolve_device", "takes_img_size", "build_model",
-           "check_forward"]  # fmt: skip
+           "PRECISION_LOADERS", "check_weights", "resolve_device"]  # fmt: skip
 
 FORMAT, STATE_FORMAT = "repmlp", "repmlp-state"
 FORMS = ("train", "deploy")  # a model file holds the training-time or the deployed form
@@ -143,18 +142,6 @@ def with_own_preprocessing(model: nn.Module, extra: Mapping[str, Any] | None = N
         own = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items() if k in PREPROCESSING_KEYS}
         extra.update({"eval_preprocessing": own} if own else {})
     return extra
-
-
-def takes_img_size(name: str) -> bool:
-    """Whether model ``name`` is built for one input size: every repmlp model (FC3 and the partitions depend
-    on it), and timm models whose config says ``fixed_input_size`` (vision transformers...)."""
-    try:
-        source, bare = resolve_model(name)
-    except ValueError:
-        return False
-    return source == "repmlp" or (
-        source == "timm" and bool(getattr(get_pretrained_cfg(bare), "fixed_input_size", False))
-    )
 
 
 def save_model(path: str | os.PathLike, model: nn.Module, *, name: str, model_kwargs: dict[str, Any],
@@ -600,39 +587,6 @@ def device_of(model: nn.Module) -> torch.device:
     """The device of ``model``'s first parameter (the CPU for a model without parameters)."""
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-def build_model(name: str, model_args: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
-                in_chans: int | None = None, img_size: int | None = None,
-                check: Callable[[dict[str, Any]], None] | None = None) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
-    """``(create_model(name, **kwargs), kwargs)`` for a run: ``model_args`` with the data's sizes (``img_size``
-    only for a model built for one: :func:`takes_img_size`), seen by ``check`` before the build (the options a
-    model file records). An unknown name or an option the model rejects is a :class:`UserError`; any other
-    exception is a bug and keeps its traceback."""
-    kwargs = dict(model_args or {})
-    kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
-    if img_size is not None and takes_img_size(name):
-        kwargs = {"img_size": img_size, **kwargs}
-    if check is not None:
-        check(kwargs)
-    try:
-        return create_model(name, **kwargs), kwargs
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"cannot build model {name!r}: {first_line(exc)}") from exc
-
-
-def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
-    """Run one zero example through ``model`` (in full float32); a shape it rejects is a :class:`UserError`."""
-    try:
-        with torch.inference_mode(), full_float32():
-            model(torch.zeros(1, *input_size))
-    except (RuntimeError, ValueError) as exc:
-        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
-            raise
-        size = "x".join(str(s) for s in input_size)
-        raise UserError(
-            f"{what} does not take {size} inputs ({first_line(exc)}); pass the right --img-size"
-        ) from None
 
 
 def model_metadata(model: nn.Module, *, name: str, form: str, model_kwargs: Mapping[str, Any] | None = None,

@@ -1,4 +1,5 @@
-"""repmlp's model zoo: the paper's models by name (:func:`create_model`), registered with timm.
+"""repmlp's model zoo: the paper's models by name (:func:`create_model`; :func:`build_model` sized for a run,
+:func:`check_forward` of an input size), registered with timm.
 
 - :mod:`.registry`: which models are repmlp's (timm's registry, and the few outside its classifier contract);
   :mod:`.layers`: what the families share, their build (timm's ``build_model_with_cfg``) among it;
@@ -11,16 +12,19 @@ Model files (``save_model`` / ``load_model``) live in :mod:`repmlp.io`, above th
 """
 
 import numbers
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import timm
+import torch
 import torchvision
 from torch import nn
 
+from repmlp.errors import UserError, first_line
 from repmlp.models import face, pspnet, pure_mlp, repmlpnet, resnet, sequence
 from repmlp.models.layers import ConvBNReLU
-from repmlp.models.registry import OUTSIDE_TIMM, is_model, list_models, resolve_model
+from repmlp.models.registry import OUTSIDE_TIMM, get_pretrained_cfg, is_model, list_models, resolve_model
 from repmlp.models.resnet import (
     Bottleneck,
     NonLocalBlock,
@@ -30,10 +34,11 @@ from repmlp.models.resnet import (
     gc_block,
 )
 from repmlp.nn.convert import reparameterize_model
+from repmlp.numerics import full_float32
 
-__all__ = ["create_model", "list_models", "is_model", "Bottleneck", "ConvBNReLU", "RepMLPBottleneck",
-           "RepMLPLightBlock", "NonLocalBlock", "gc_block", "ResNet", "pure_mlp", "resnet", "face",
-           "pspnet", "repmlpnet", "sequence"]  # fmt: skip
+__all__ = ["create_model", "build_model", "takes_img_size", "check_forward", "list_models", "is_model",
+           "Bottleneck", "ConvBNReLU", "RepMLPBottleneck", "RepMLPLightBlock", "NonLocalBlock", "gc_block",
+           "ResNet", "pure_mlp", "resnet", "face", "pspnet", "repmlpnet", "sequence"]  # fmt: skip
 
 
 def create_model(name: str, *, num_classes: int | None = None, in_chans: int | None = None,
@@ -65,3 +70,48 @@ def create_model(name: str, *, num_classes: int | None = None, in_chans: int | N
     else:
         model = torchvision.models.get_model(bare, weights=None, **kwargs)
     return reparameterize_model(model.eval(), inplace=True) if deploy else model
+
+
+def takes_img_size(name: str) -> bool:
+    """Whether model ``name`` is built for one input size: every repmlp model (FC3 and the partitions depend
+    on it), and timm models whose config says ``fixed_input_size`` (vision transformers...)."""
+    try:
+        source, bare = resolve_model(name)
+    except ValueError:
+        return False
+    return source == "repmlp" or (
+        source == "timm" and bool(getattr(get_pretrained_cfg(bare), "fixed_input_size", False))
+    )
+
+
+def build_model(name: str, model_args: Mapping[str, Any] | None = None, *, num_classes: int | None = None,
+                in_chans: int | None = None, img_size: int | None = None,
+                check: Callable[[dict[str, Any]], None] | None = None) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
+    """``(create_model(name, **kwargs), kwargs)`` for a run: ``model_args`` with the data's sizes (``img_size``
+    only for a model built for one: :func:`takes_img_size`), seen by ``check`` before the build (the options a
+    model file records). An unknown name or an option the model rejects is a :class:`UserError`; any other
+    exception is a bug and keeps its traceback."""
+    kwargs = dict(model_args or {})
+    kwargs.update({k: v for k, v in (("num_classes", num_classes), ("in_chans", in_chans)) if v is not None})
+    if img_size is not None and takes_img_size(name):
+        kwargs = {"img_size": img_size, **kwargs}
+    if check is not None:
+        check(kwargs)
+    try:
+        return create_model(name, **kwargs), kwargs
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"cannot build model {name!r}: {first_line(exc)}") from exc
+
+
+def check_forward(model: nn.Module, input_size: Sequence[int], what: str) -> None:
+    """Run one zero example through ``model`` (in full float32); a shape it rejects is a :class:`UserError`."""
+    try:
+        with torch.inference_mode(), full_float32():
+            model(torch.zeros(1, *input_size))
+    except (RuntimeError, ValueError) as exc:
+        if type(exc).__name__ == "OutOfMemoryError":  # the device's limit, not the input's shape
+            raise
+        size = "x".join(str(s) for s in input_size)
+        raise UserError(
+            f"{what} does not take {size} inputs ({first_line(exc)}); pass the right --img-size"
+        ) from None

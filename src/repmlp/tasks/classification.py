@@ -29,14 +29,8 @@ from repmlp.data import Data, DataConfig, build_data, model_data_config
 from repmlp.data.loader import batch_generator
 from repmlp.deploy.gpu import serving_format
 from repmlp.errors import UserError
-from repmlp.io.model_file import (
-    CheckpointError,
-    build_model,
-    check_fit,
-    check_model_kwargs,
-    load_model,
-    takes_img_size,
-)
+from repmlp.io.model_file import CheckpointError, check_fit, check_model_kwargs, load_model
+from repmlp.models import build_model, takes_img_size
 from repmlp.tasks._common import check_batchnorm_batch, loop_options, per_process_batch, require_task_model
 from repmlp.tasks.classification_config import EvalConfig, TrainConfig, TrainResult
 from repmlp.tasks.classification_report import finish_run, logit_batches

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from repmlp.data.face import FaceFolder, ImageList, face_transform, read_pairs
 from repmlp.engine import DistInfo, progress, resolve_device, run_in_processes
 from repmlp.errors import UserError
-from repmlp.io.model_file import build_model
+from repmlp.models import build_model
 from repmlp.tasks import _common
 from repmlp.tasks.config import EvalOptions, TrainOptions
 from repmlp.tasks.finetune import head_prefixes, init_from_file

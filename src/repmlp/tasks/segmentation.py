@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from repmlp import engine
 from repmlp.data.cityscapes import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, CityscapesSegmentation
 from repmlp.errors import UserError
-from repmlp.io.model_file import build_model, compare_state
+from repmlp.io.model_file import compare_state
+from repmlp.models import build_model
 from repmlp.models.pspnet import PSPNet
 from repmlp.nn.block import RepMLPBlock
 from repmlp.tasks import _common
